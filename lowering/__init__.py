@@ -1,0 +1,28 @@
+"""lowering: the runtime side of ringpass.
+
+Exact attention over a sequence sharded across processes (`ring_attention`), the layouts that say
+which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
+opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
+"""
+
+from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
+from lowering.events import RingEvent, record_ring_events
+from lowering.layout import Layout
+from lowering.op import ring_attention
+from lowering.schedule import BlockTask, plan_block, schedule_table
+from lowering.simulate import SimulatedRing, simulate_ring
+
+__all__ = [
+    "BlockTask",
+    "InvalidInputError",
+    "Layout",
+    "NotSupportedError",
+    "RingEvent",
+    "RingpassError",
+    "SimulatedRing",
+    "plan_block",
+    "record_ring_events",
+    "ring_attention",
+    "schedule_table",
+    "simulate_ring",
+]

@@ -1,0 +1,91 @@
+"""Block attention in plain torch: aten's fused CPU flash attention where it applies, math elsewhere.
+
+The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
+applies when the block is fully visible, or causal with identical, increasing query and key positions
+(then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
+other positional mask, a gradient flowing into the LSE) takes the math path, which materialises the
+block's score matrix and accumulates in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool):
+    if _fused_applies(q, q_pos, kv_pos, is_causal):
+        out, lse = _fused(q, k, v, 0.0, is_causal, scale=scale)
+        return out, lse.to(accumulation_dtype(q.dtype))
+    probs, lse = _probabilities(q, k, q_pos, kv_pos, scale, is_causal)
+    out = probs @ _repeat_heads(v, q.size(1)).to(probs.dtype)
+    return out.to(q.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, dlse=None):
+    if dlse is None and _fused_applies(q, q_pos, kv_pos, is_causal):
+        return _fused_backward(dout, q, k, v, out, lse.to(_fused_lse_dtype(q)), 0.0, is_causal, scale=scale)
+    acc = accumulation_dtype(q.dtype)
+    probs, _ = _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse=lse)
+    dout, out = dout.to(acc), out.to(acc)
+    k_rep, v_rep = _repeat_heads(k, q.size(1)).to(acc), _repeat_heads(v, q.size(1)).to(acc)
+    delta = (dout * out).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    dv = probs.mT @ dout
+    dscores = probs * (dout @ v_rep.mT - delta.unsqueeze(-1))
+    dq = (dscores @ k_rep) * scale
+    dk = (dscores.mT @ q.to(acc)) * scale
+    return dq, _sum_head_groups(dk, k.size(1)), _sum_head_groups(dv, v.size(1))
+
+
+def _fused_applies(q, q_pos, kv_pos, is_causal: bool) -> bool:
+    if q.device.type != "cpu":
+        return False
+    if not is_causal:
+        return True
+    return (
+        q_pos.shape == kv_pos.shape
+        and torch.equal(q_pos, kv_pos)
+        and bool((q_pos[1:] > q_pos[:-1]).all())
+    )
+
+
+def _fused_lse_dtype(q) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse: Optional[torch.Tensor] = None):
+    """Softmax probabilities of the block (rows with no visible key are all zero) and their LSE.
+    With ``lse`` given, probabilities are taken against it (the backward pass's global LSE)."""
+    acc = accumulation_dtype(q.dtype)
+    scores = (q.to(acc) @ _repeat_heads(k, q.size(1)).to(acc).mT) * scale
+    if is_causal:
+        visible = kv_pos.to(q.device).unsqueeze(0) <= q_pos.to(q.device).unsqueeze(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    lse = lse.to(acc)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite_lse.unsqueeze(-1))
+    probs = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
+    return probs, lse
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = heads // x.size(1)
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _sum_head_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, h, n, d = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, n, d).sum(2)

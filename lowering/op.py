@@ -1,0 +1,198 @@
+"""`ring_attention`: the public entry point, and the custom ops a compiled graph calls.
+
+`ring_attention(q, k, v, layout=...)` checks its inputs, then calls ``torch.ops.ringpass.ring_attention``,
+a `torch.library.custom_op` that takes the layout as plain values and the process group by name (every
+rank compiles the same graph; the rank is read at run time). It has a fake implementation, so
+AOTAutograd and Inductor treat it as one opaque call, and an autograd formula whose backward is itself a
+custom op (``ringpass::ring_attention_backward``), so the backward ring appears in compiled backward
+graphs as one call too.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lowering.comm import RingExchange
+from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.layout import Layout
+from lowering.ring import RingSpec, ring_backward, ring_forward
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: Layout,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    group=None,
+    return_lse: bool = False,
+):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    q ``[B, Hq, n, D]`` and k/v ``[B, Hkv, n, D]`` are this rank's shards in ``layout`` order
+    (``layout.shard(x_full, 2, rank)``); Hq must be a multiple of Hkv (GQA/MQA: only the Hkv heads
+    travel). Returns this rank's rows of full-sequence ``softmax(q kᵀ · scale [+ causal mask]) v``, and
+    with ``return_lse=True`` also their log-sum-exp ``[B, Hq, n]`` (fp32; fp64 for fp64 inputs). Padding
+    slots of the layout get out 0 and lse -inf. ``group=None`` is the default process group (or a single
+    process when none is initialised). Differentiable in q, k, v (and through the LSE).
+    """
+    if not isinstance(layout, Layout):
+        raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
+    check_inputs(q, k, v, layout)
+    group_name = _group_name(group, layout)
+    scale = default_scale(q) if scale is None else float(scale)
+    out, lse = torch.ops.ringpass.ring_attention(
+        q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name
+    )
+    return (out, lse) if return_lse else out
+
+
+def default_scale(q: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(q.size(-1))
+
+
+def check_inputs(q, k, v, layout: Layout) -> None:
+    """Raise `InvalidInputError` / `NotSupportedError` unless q, k, v are shards the ring can use."""
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 4:
+            raise InvalidInputError(
+                f"{name} must be 4-D [batch, heads, local_seq, head_dim], got shape {tuple(t.shape)}."
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise InvalidInputError(
+                f"{name} has dtype {t.dtype}; ring attention needs a floating dtype "
+                f"(float16, bfloat16, float32 or float64). Cast it first."
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InvalidInputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.device == k.device == v.device):
+        raise InvalidInputError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}. Move them with .to()."
+        )
+    if k.shape != v.shape:
+        if k.shape[:-1] == v.shape[:-1]:
+            raise NotSupportedError(
+                f"k has head dim {k.size(-1)} but v has {v.size(-1)}; a value head dim different from "
+                "the key head dim is not supported yet. Pad v to the key head dim."
+            )
+        raise InvalidInputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.size(0) != k.size(0) or q.size(3) != k.size(3):
+        raise InvalidInputError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head dim (dim 3)."
+        )
+    if q.size(1) % k.size(1) != 0:
+        raise InvalidInputError(
+            f"q has {q.size(1)} heads, k/v have {k.size(1)}: the query heads must be a multiple of the "
+            "key/value heads (GQA/MQA)."
+        )
+    for name, t in tensors.items():
+        if t.size(2) != layout.local_len:
+            raise InvalidInputError(
+                f"{name} has {t.size(2)} tokens on this rank but {layout} gives every rank "
+                f"{layout.local_len}; pass each rank's shard, made with layout.shard(x_full, 2, rank)."
+            )
+
+
+def _group_name(group, layout: Layout) -> str:
+    """The process group's name, after checking it matches the layout ('' = no group, one process)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        if layout.world_size != 1:
+            raise InvalidInputError(
+                f"The layout spans {layout.world_size} ranks but no process group is initialised; "
+                "call torch.distributed.init_process_group (e.g. under torchrun) first."
+            )
+        return ""
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size != layout.world_size:
+        raise InvalidInputError(
+            f"The layout is for {layout.world_size} ranks but the process group has {size}; "
+            f"build it as Layout(kind, world_size={size}, seq_len=...)."
+        )
+    return group.group_name
+
+
+@lru_cache(maxsize=64)
+def _spec(kind: str, world_size: int, seq_len: int, is_causal: bool, scale: float) -> RingSpec:
+    return RingSpec(Layout(kind, world_size, seq_len), is_causal, scale)
+
+
+def _exchange(group_name: str) -> RingExchange:
+    if not group_name:
+        return RingExchange(None)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return RingExchange(_resolve_process_group(group_name))
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("ringpass::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
+    seq_len: int, is_causal: bool, scale: float, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale)
+    check_inputs(q, k, v, spec.layout)
+    exchange = _exchange(group_name)
+    if exchange.world_size != world_size:
+        raise InvalidInputError(
+            f"The layout is for {world_size} ranks but process group {group_name!r} has {exchange.world_size}."
+        )
+    return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name):
+    check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("ringpass::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
+    is_causal: bool, scale: float, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale)
+    if dlse is not None and not bool(dlse.any()):
+        dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
+    dq, dk, dv = ring_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        None if dlse is None else dlse.contiguous(), spec, _exchange(group_name),
+    )
+    return dq, dk, dv
+
+
+@_ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *ctx.config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.config)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

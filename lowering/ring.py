@@ -1,0 +1,129 @@
+"""The ring schedule: one rank's forward and backward laps, and the exact merge.
+
+At step s rank r holds the KV block of rank (r - s) mod P. Forward: the send of the current block to
+r+1 and the receive from r-1 are posted before the block's tasks run and waited after them (P-1
+exchanges in all); each task's partial (out, lse) is merged into fp32 accumulators (fp64 for fp64
+inputs) with the log-sum-exp identity. Backward: dq accumulates locally; the dk/dv accumulator of a KV
+block travels one hop behind the block itself and arrives home after the lap (P-1 KV exchanges, P dk/dv
+exchanges). `_RankForward` / `_RankBackward` hold one rank's state and are shared with the
+single-process simulation, which only changes how blocks move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lowering.comm import DKV_TAG, KV_TAG, RingExchange
+from lowering.kernels import accumulation_dtype, block_attention, block_attention_backward
+from lowering.layout import Layout
+from lowering.schedule import BlockTask, kv_source, plan_block
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What every rank agrees on for one call."""
+
+    layout: Layout
+    is_causal: bool
+    scale: float
+
+    def tasks(self, q_rank: int, kv_rank: int) -> tuple[BlockTask, ...]:
+        return plan_block(self.layout, q_rank, kv_rank, self.is_causal)
+
+
+def merge_block(out_acc, lse_acc, out_block, lse_block) -> None:
+    """Fold a block's partial result into running accumulators, in place, exactly:
+    lse = log(e^lse_acc + e^lse_block), out = (e^lse_acc out_acc + e^lse_block out_block) / e^lse.
+    Rows that have seen no visible key keep out 0 and lse -inf (never NaN)."""
+    lse_new = torch.logaddexp(lse_acc, lse_block.to(lse_acc.dtype))
+    shift = lse_new.masked_fill(torch.isneginf(lse_new), 0.0)
+    out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
+    out_acc.add_(out_block.to(out_acc.dtype) * torch.exp(lse_block.to(lse_acc.dtype) - shift).unsqueeze(-1))
+    lse_acc.copy_(lse_new)
+
+
+class _RankForward:
+    """One rank's running output and LSE over the KV blocks it has seen so far."""
+
+    def __init__(self, q: torch.Tensor, spec: RingSpec, rank: int):
+        self.q, self.spec, self.rank = q, spec, rank
+        self.q_pos = spec.layout.positions(rank)
+        acc = accumulation_dtype(q.dtype)
+        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+
+    def add_block(self, k: torch.Tensor, v: torch.Tensor, kv_rank: int) -> None:
+        kv_pos = self.spec.layout.positions(kv_rank)
+        for t in self.spec.tasks(self.rank, kv_rank):
+            rows, cols = slice(t.q_start, t.q_stop), slice(t.kv_start, t.kv_stop)
+            out, lse = block_attention(
+                self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
+                scale=self.spec.scale, is_causal=t.causal,
+            )
+            merge_block(self.out[:, :, rows], self.lse[:, :, rows], out, lse)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out.to(self.q.dtype), self.lse
+
+
+class _RankBackward:
+    """One rank's dq, and the dk/dv contribution of its queries to each KV block it sees."""
+
+    def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int):
+        self.dout, self.q, self.out, self.lse, self.dlse = dout, q, out, lse, dlse
+        self.spec, self.rank = spec, rank
+        self.q_pos = spec.layout.positions(rank)
+        self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+
+    def block_grads(self, k, v, kv_rank: int) -> torch.Tensor:
+        """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype."""
+        acc = self.dq.dtype
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        kv_pos = self.spec.layout.positions(kv_rank)
+        for t in self.spec.tasks(self.rank, kv_rank):
+            rows, cols = slice(t.q_start, t.q_stop), slice(t.kv_start, t.kv_stop)
+            dq, dk, dv = block_attention_backward(
+                self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                self.out[:, :, rows], self.lse[:, :, rows], self.q_pos[rows], kv_pos[cols],
+                scale=self.spec.scale, is_causal=t.causal,
+                dlse=None if self.dlse is None else self.dlse[:, :, rows],
+            )
+            self.dq[:, :, rows] += dq.to(acc)
+            dkv[0, :, :, cols] += dk.to(acc)
+            dkv[1, :, :, cols] += dv.to(acc)
+        return dkv
+
+
+def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
+    """This rank's (out, lse) of exact full-sequence attention."""
+    rank, p = exchange.rank, exchange.world_size
+    state = _RankForward(q, spec, rank)
+    kv = torch.stack((k, v))
+    for step in range(p):
+        arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
+        state.add_block(kv[0], kv[1], kv_source(rank, step, p))
+        if arriving is not None:
+            kv = arriving.wait()
+    return state.result()
+
+
+def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingExchange):
+    """This rank's (dq, dk, dv), given the forward's final out and lse."""
+    rank, p = exchange.rank, exchange.world_size
+    state = _RankBackward(dout, q, out, lse, dlse, spec, rank)
+    kv = torch.stack((k, v))
+    dkv_arriving = None
+    for step in range(p):
+        kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
+        dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
+        if dkv_arriving is not None:
+            dkv += dkv_arriving.wait()
+        dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG)
+        if kv_arriving is not None:
+            kv = kv_arriving.wait()
+    dkv = dkv_arriving.wait()
+    # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
+    return state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)

@@ -1,0 +1,72 @@
+"""A P-rank ring run in one process: every rank's schedule, the same block compute and merge.
+
+The simulation moves KV blocks by indexing instead of sending them, and is otherwise the ring itself
+(`lowering.ring`'s per-rank state), so it tests the schedule without processes and measures kernels and
+balance on one device. Inputs and results are full (unsharded) tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lowering.layout import Layout
+from lowering.op import check_inputs, default_scale
+from lowering.ring import RingSpec, _RankBackward, _RankForward
+from lowering.schedule import kv_source
+
+
+@dataclass
+class SimulatedRing:
+    """Full-sequence results of a simulated ring (``dq``/``dk``/``dv`` only when ``dout`` was given)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: Optional[torch.Tensor] = None
+    dk: Optional[torch.Tensor] = None
+    dv: Optional[torch.Tensor] = None
+
+
+def simulate_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: Layout,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    dout: Optional[torch.Tensor] = None,
+) -> SimulatedRing:
+    """Run the ring's forward (and, given ``dout``, backward) lap for every rank of ``layout``.
+
+    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``.
+    """
+    p = layout.world_size
+    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale))
+    qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
+    check_inputs(qs[0], ks[0], vs[0], layout)
+
+    forward = [_RankForward(qs[r], spec, r) for r in range(p)]
+    for step in range(p):
+        for r in range(p):
+            src = kv_source(r, step, p)
+            forward[r].add_block(ks[src], vs[src], src)
+    outs, lses = zip(*(f.result() for f in forward))
+    result = SimulatedRing(layout.unshard(outs, 2), layout.unshard(lses, 2))
+    if dout is None:
+        return result
+
+    douts = [layout.shard(dout, 2, r) for r in range(p)]
+    backward = [_RankBackward(douts[r], qs[r], outs[r], lses[r], None, spec, r) for r in range(p)]
+    dkvs = [None] * p
+    for step in range(p):
+        for r in range(p):
+            src = kv_source(r, step, p)
+            grads = backward[r].block_grads(ks[src], vs[src], src)
+            dkvs[src] = grads if dkvs[src] is None else dkvs[src] + grads
+    result.dq = layout.unshard([b.dq.to(q.dtype) for b in backward], 2)
+    result.dk = layout.unshard([d[0].to(k.dtype) for d in dkvs], 2)
+    result.dv = layout.unshard([d[1].to(v.dtype) for d in dkvs], 2)
+    return result

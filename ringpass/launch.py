@@ -1,0 +1,96 @@
+"""Run a function on P local processes joined by a gloo process group on 127.0.0.1.
+
+    results = spawn_ranks(fn, world_size=2, args=(...,), timeout=120)
+
+Each rank calls ``fn(rank, world_size, *args)`` inside an initialised default process group and its
+return value comes back in ``results[rank]``. Nothing hangs: a rank that raises, dies or outlives
+``timeout`` seconds stops every rank, and `spawn_ranks` raises `RankFailure` with what went wrong
+(the rank's traceback, its exit code, or the timeout). Used by ``ringpass demo`` and the test-suite.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lowering.errors import RingpassError
+
+
+class RankFailure(RingpassError, RuntimeError):
+    """A rank raised, died, or ran past the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, tuple(args), timeout, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) < world_size:
+        while not results.empty():
+            rank, ok, payload = results.get()
+            if not ok:
+                raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
+            outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for rank, proc in enumerate(procs):
+            if rank not in outputs and not proc.is_alive() and results.empty():
+                raise RankFailure(
+                    f"rank {rank} of {world_size} died (exit code {proc.exitcode}) before reporting a result."
+                )
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise RankFailure(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s.")
+        time.sleep(0.02)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _rank_main(fn, rank, world_size, port, args, timeout, results) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        os._exit(1)
+    # Report first, then leave without interpreter teardown: gloo can abort at exit after its work is done.
+    dist.destroy_process_group()
+    os._exit(0)
