@@ -83,6 +83,7 @@ class Layout:
 
     def positions(self, rank: int) -> torch.Tensor:
         """int64 global positions of the rank's local slots, in local order (padding: >= seq_len)."""
+        self._check_rank(rank)
         return self._positions[rank].clone()
 
     def segments(self, rank: int) -> tuple[Segment, ...]:

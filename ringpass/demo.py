@@ -110,7 +110,7 @@ def _gather(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 
 def _time_sdpa(config, dtype, q, k, v, dout):
-    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
     for _ in range(2):  # the first run warms up
         q.grad = k.grad = v.grad = None
         start = time.perf_counter()
@@ -123,7 +123,7 @@ def _time_sdpa(config, dtype, q, k, v, dout):
 
 
 def _reference(config, q, k, v, dout):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=config.causal, enable_gqa=True)
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

@@ -1,0 +1,35 @@
+"""Independent references for the tests: unsharded attention in fp64, written without lowering's code."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_fp64(q, k, v, *, is_causal: bool, scale: float | None = None):
+    """(out, lse) of full-sequence attention in fp64: out from SDPA, lse from the score matrix."""
+    q, k, v = (t.double() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out, lse_fp64(q, k, is_causal=is_causal, scale=scale)
+
+
+def lse_fp64(q, k, *, is_causal: bool, scale: float | None = None, q_pos=None, kv_pos=None):
+    """log-sum-exp of each query row's visible scores (positions default to 0..n-1)."""
+    q, k = q.double(), k.double()
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    q_pos = torch.arange(q.size(2)) if q_pos is None else q_pos
+    kv_pos = torch.arange(k.size(2)) if kv_pos is None else kv_pos
+    rows = []
+    for start in range(0, q.size(2), 512):  # 512 query rows at a time bounds the score matrix's memory
+        scores = q[:, :, start:start + 512] @ k.transpose(-1, -2) * scale
+        if is_causal:
+            scores = scores.masked_fill(kv_pos[None, :] > q_pos[start:start + 512, None], float("-inf"))
+        rows.append(torch.logsumexp(scores, dim=-1))
+    return torch.cat(rows, dim=-1)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in fp64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()

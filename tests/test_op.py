@@ -1,0 +1,66 @@
+"""ring_attention in one process (a ring of one, no process group): the custom op and bad input."""
+
+import pytest
+import torch
+
+from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
+from reference import attention_fp64, rel_err
+
+
+def _qkv(n, heads=4, kv_heads=2, dim=8, dtype=torch.float64):
+    torch.manual_seed(0)
+    return [torch.randn(2, h, n, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads)]
+
+
+def test_ring_of_one_equals_sdpa_with_lse_and_grads():
+    q, k, v = (t.requires_grad_() for t in _qkv(12))
+    out, lse = ring_attention(q, k, v, layout=Layout("zigzag", 1, 12), is_causal=True, return_lse=True)
+    ref_out, ref_lse = attention_fp64(q, k, v, is_causal=True)
+    assert rel_err(out, ref_out) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+    grads = torch.autograd.grad((out * out).sum() + lse.sum(), (q, k, v))
+    expected = torch.autograd.grad((ref_out * ref_out).sum() + ref_lse.sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        assert rel_err(got, want) < 1e-11
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "non-contiguous"])
+def test_opcheck(contiguous):
+    n = 10
+    if contiguous:
+        q, k, v = _qkv(n)
+    else:
+        q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "")
+    torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
+
+
+def test_errors_are_one_family():
+    assert issubclass(InvalidInputError, RingpassError) and issubclass(NotSupportedError, RingpassError)
+
+
+layout = Layout("contiguous", 1, 6)
+q, k, v = _qkv(6)
+BAD_INPUTS = {
+    "3-D q": (dict(q=q[0]), InvalidInputError, r"q must be 4-D"),
+    "integer q": (dict(q=q.long()), InvalidInputError, r"q has dtype torch.int64; .*floating dtype"),
+    "mixed dtypes": (dict(k=k.float()), InvalidInputError, r"share one dtype"),
+    "k on another device": (dict(k=k.to("meta")), InvalidInputError, r"on one device.*\.to\(\)"),
+    "k and v differ": (dict(v=v[:, :1]), InvalidInputError, r"k and v must have the same shape"),
+    "v head dim differs": (dict(v=torch.randn(2, 2, 6, 4, dtype=torch.float64)), NotSupportedError, r"value head dim"),
+    "batch differs": (dict(k=k[:1], v=v[:1]), InvalidInputError, r"agree in batch"),
+    "Hq not a multiple of Hkv": (dict(k=torch.randn(2, 3, 6, 8, dtype=torch.float64), v=torch.randn(2, 3, 6, 8, dtype=torch.float64)),
+                                 InvalidInputError, r"4 heads, k/v have 3.*multiple"),
+    "full sequence passed as a shard": (dict(layout=Layout("contiguous", 1, 5)), InvalidInputError,
+                                        r"q has 6 tokens on this rank but .* gives every rank 5; .*layout.shard"),
+    "layout for 2 ranks without a process group": (dict(layout=Layout("zigzag", 2, 12)), InvalidInputError,
+                                                   r"spans 2 ranks but no process group is initialised"),
+    "not a layout": (dict(layout="zigzag"), InvalidInputError, r"layout must be a lowering.Layout"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_refused_with_what_to_do(name):
+    change, error, message = BAD_INPUTS[name]
+    kwargs = dict(q=q, k=k, v=v, layout=layout) | change
+    with pytest.raises(error, match=message):
+        ring_attention(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
