@@ -228,3 +228,15 @@ def compiled_call(rank: int, world_size: int) -> dict:
         "grads": max(rel_err(t.grad, e) for t, e in zip((q, k, v), expected)),
         "ring_ops": sum(1 for t in ops if t in (ring_op, ring_op.default)),
     }
+
+
+def rings_on_subgroups(rank: int, world_size: int) -> float:
+    """Two independent 2-rank rings ({0, 1} and {2, 3}), each on its own data: the ring on a sub-group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, replica, ring_rank = groups[rank // 2], rank // 2, rank % 2
+    layout = Layout("zigzag", 2, 30)
+    generator = torch.Generator().manual_seed(replica)
+    q, k, v = (torch.randn(1, 4, 30, 8, dtype=torch.float64, generator=generator) for _ in range(3))
+    out = ring_attention(*(layout.shard(t, 2, ring_rank) for t in (q, k, v)), layout=layout, is_causal=True, group=group)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return rel_err(out, layout.shard(expected, 2, ring_rank))

@@ -90,3 +90,8 @@ def test_ring_attention_compiles_fullgraph_on_two_ranks():
     for result in spawn_ranks(ring_workers.compiled_call, 2, timeout=TIMEOUT):
         assert result["ring_ops"] == 1
         assert result["out"] < 1e-12 and result["grads"] < 1e-12
+
+
+def test_two_rings_on_subgroups_of_four_ranks():
+    errors = spawn_ranks(ring_workers.rings_on_subgroups, 4, timeout=TIMEOUT)
+    assert max(errors) < 1e-12
