@@ -1,0 +1,136 @@
+"""The custom ops a rewritten graph uses at its boundaries, all keyed by (layout, process group name).
+
+- ``ringpass::local_positions``: this rank's global positions (padding clamped to the last real one,
+  so position-indexed tables never read past their end). A rewritten ``arange(seq_len)`` becomes this.
+- ``ringpass::shard_sequence``: this rank's slots of a full tensor along ``dim`` (backward: the full
+  gradient, gathered from every rank's slots, so a replicated value keeps a replicated gradient).
+- ``ringpass::gather_sequence``: the full tensor from every rank's slots, padding dropped (backward:
+  this rank's own rows of the gradient; no sum over ranks, since every rank consumes the same output).
+- ``ringpass::all_reduce_sum``: a rank-local partial sum made global (backward: identity, since every
+  rank consumes the same total).
+- `reduce_grad` / `scale_grad`: identity forward; backward all-reduces, or scales, the gradient.
+
+The rank is read at run time, so every rank compiles the same graph.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from lowering.layout import Layout
+
+
+@lru_cache(maxsize=64)
+def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
+    return Layout(kind, world_size, seq_len)
+
+
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _rank(group_name: str) -> int:
+    return dist.get_rank(_group(group_name)) if group_name else 0
+
+
+@torch.library.custom_op("ringpass::local_positions", mutates_args=())
+def local_positions(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
+    positions = _layout(kind, world_size, seq_len).positions(_rank(group_name))
+    return positions.clamp_(max=seq_len - 1).to(device)
+
+
+@local_positions.register_fake
+def _(kind, world_size, seq_len, group_name, device):
+    return torch.empty(_layout(kind, world_size, seq_len).local_len, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
+def shard_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
+    positions = local_positions(kind, world_size, seq_len, group_name, x.device)
+    return x.index_select(dim, positions).contiguous()
+
+
+@shard_sequence.register_fake
+def _(x, dim, kind, world_size, seq_len, group_name):
+    shape = list(x.shape)
+    shape[dim] = _layout(kind, world_size, seq_len).local_len
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("ringpass::gather_sequence", mutates_args=())
+def gather_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
+    layout = _layout(kind, world_size, seq_len)
+    x = x.contiguous()
+    if not group_name:
+        return layout.unshard([x], dim).contiguous()
+    shards = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(shards, x, group=_group(group_name))
+    return layout.unshard(shards, dim).contiguous()
+
+
+@gather_sequence.register_fake
+def _(x, dim, kind, world_size, seq_len, group_name):
+    shape = list(x.shape)
+    shape[dim] = seq_len
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("ringpass::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    total = x.clone()
+    if group_name:
+        dist.all_reduce(total, group=_group(group_name))
+    return total
+
+
+@all_reduce_sum.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _sequence_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _shard_backward(ctx, grad):
+    return (gather_sequence(grad, *ctx.args), *[None] * len(ctx.args))
+
+
+def _gather_backward(ctx, grad):
+    return (shard_sequence(grad, *ctx.args), *[None] * len(ctx.args))
+
+
+shard_sequence.register_autograd(_shard_backward, setup_context=_sequence_setup)
+gather_sequence.register_autograd(_gather_backward, setup_context=_sequence_setup)
+all_reduce_sum.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+class reduce_grad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group (a partial gradient made whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group_name: str):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad, ctx.group_name), None
+
+
+class scale_grad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
