@@ -2,7 +2,8 @@
 
 - ``ringpass::local_positions``: this rank's global positions (padding clamped to the last real one,
   so position-indexed tables never read past their end). A rewritten ``arange(seq_len)`` becomes this.
-- ``ringpass::shard_sequence``: this rank's slots of a full tensor along ``dim`` (backward: the full
+- ``ringpass::local_token_mask``: True at this rank's real slots, False at padding.
+- ``ringpass::shard_sequence``: this rank's slots of a full tensor along ``dim``, zero at padding (backward: the full
   gradient, gathered from every rank's slots, so a replicated value keeps a replicated gradient).
 - ``ringpass::gather_sequence``: the full tensor from every rank's slots, padding dropped (backward:
   this rank's own rows of the gradient; no sum over ranks, since every rank consumes the same output).
@@ -49,10 +50,23 @@ def _(kind, world_size, seq_len, group_name, device):
     return torch.empty(_layout(kind, world_size, seq_len).local_len, dtype=torch.int64, device=device)
 
 
+@torch.library.custom_op("ringpass::local_token_mask", mutates_args=())
+def local_token_mask(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
+    return (_layout(kind, world_size, seq_len).positions(_rank(group_name)) < seq_len).to(device)
+
+
+@local_token_mask.register_fake
+def _(kind, world_size, seq_len, group_name, device):
+    return torch.empty(_layout(kind, world_size, seq_len).local_len, dtype=torch.bool, device=device)
+
+
 @torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
 def shard_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
-    positions = local_positions(kind, world_size, seq_len, group_name, x.device)
-    return x.index_select(dim, positions).contiguous()
+    layout, rank = _layout(kind, world_size, seq_len), _rank(group_name)
+    local = x.index_select(dim, local_positions(kind, world_size, seq_len, group_name, x.device))
+    valid = layout.valid_len(rank)  # real slots lead; padding slots are zero
+    local.narrow(dim, valid, layout.local_len - valid).zero_()
+    return local
 
 
 @shard_sequence.register_fake

@@ -1,11 +1,13 @@
 """ringpass: exact attention over a sequence sharded across processes.
 
-The runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) works today. The
-``torch.compile(model, backend="ring")`` backend is being built (see the README's status section);
-until it lands, shard by hand and call `lowering.ring_attention`.
+    model = torch.compile(model, backend="ring")      # under torchrun
+
+`backend(**options)` returns a configured backend, `last_report()` what the last compile did. The
+runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
 """
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
+from ringpass.backend import RingBackend, backend, last_report
 
 __version__ = "0.1.0"
-__all__ = ["InvalidInputError", "NotSupportedError", "RingpassError", "__version__"]
+__all__ = ["InvalidInputError", "NotSupportedError", "RingBackend", "RingpassError", "__version__", "backend", "last_report"]

@@ -1,0 +1,99 @@
+"""The ``ring`` torch.compile backend.
+
+    model = torch.compile(model, backend="ring")                          # default options
+    model = torch.compile(model, backend="ring", options={"grads": "local"})
+    model = torch.compile(model, backend=ringpass.backend(layout="zigzag"))
+
+Dynamo hands over each captured graph; the passes (`ringpass.passes.PIPELINE`) rewrite it so that every
+attention is ring attention over this rank's tokens, and the result goes to the inner compiler.
+With world size 1, or no process group initialised, the graph is compiled unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from lowering.errors import InvalidInputError
+from ringpass.options import RingOptions
+from ringpass.passes import PIPELINE
+from ringpass.passes.context import PassContext
+from ringpass.report import Report
+
+_reports: list[Report] = []
+
+
+class RingBackend:
+    """A configured ``ring`` backend; ``reports`` holds one `Report` per compiled graph."""
+
+    def __init__(self, **options: Any):
+        self.options = RingOptions.from_dict(options)
+        self.reports: list[Report] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        if kwargs.get("options"):
+            return RingBackend(**{**_as_dict(self.options), **kwargs["options"]})(gm, example_inputs)
+        group = _resolve_group(self.options.group)
+        world_size = dist.get_world_size(group) if group is not None else 1
+        report = Report(world_size=world_size)
+        if world_size > 1:
+            ctx = PassContext(gm, example_inputs, self.options, world_size, group.group_name, report)
+            for run_pass in PIPELINE:
+                run_pass(ctx)
+            report.layout, report.seq_len = ctx.layout_kind, ctx.global_seq_len or None
+            gm.graph.lint()
+            gm.recompile()
+        self.reports.append(report)
+        _reports.append(report)
+        report.log()
+        return _inner_compile(self.options.compiler, gm, example_inputs)
+
+
+def backend(**options: Any) -> RingBackend:
+    """A ``ring`` backend with options (see `RingOptions`), to pass as ``torch.compile(backend=...)``."""
+    return RingBackend(**options)
+
+
+def ring(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    """The backend registered as ``"ring"``; ``options=`` from torch.compile configure it."""
+    return RingBackend(**(kwargs.get("options") or {}))(gm, example_inputs)
+
+
+def last_report() -> Report | None:
+    """The report of the most recent graph compiled by any ring backend in this process."""
+    return _reports[-1] if _reports else None
+
+
+def _as_dict(options: RingOptions) -> dict:
+    return {name: getattr(options, name) for name in options.__dataclass_fields__}
+
+
+def _resolve_group(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise InvalidInputError(f"group: pass one dimension of the DeviceMesh (mesh['cp']), not a {group.ndim}-D mesh.")
+        return group.get_group()
+    return group
+
+
+def _inner_compile(compiler: str, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    if compiler == "eager":
+        return gm.forward
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -1,0 +1,51 @@
+"""The ``ring`` backend's options, checked once, with errors that say what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lowering.errors import InvalidInputError
+
+CHOICES = {
+    "layout": ("auto", "zigzag", "contiguous"),
+    "inputs": ("full", "sharded"),
+    "outputs": ("gathered", "sharded"),
+    "compiler": ("inductor", "aot_eager", "eager"),
+    "grads": ("reduced", "local"),
+}
+
+
+@dataclass(frozen=True)
+class RingOptions:
+    """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group).
+    ``layout``: ``auto`` = zigzag when any attention is causal, else contiguous.
+    ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard).
+    ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
+    ``compiler``: what compiles the rewritten graph. ``grads``: ``reduced`` (every rank ends with the
+    unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens)."""
+
+    group: Any = None
+    layout: str = "auto"
+    inputs: str = "full"
+    outputs: str = "gathered"
+    compiler: str = "inductor"
+    grads: str = "reduced"
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "RingOptions":
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidInputError(
+                f"Unknown ring backend option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}."
+            )
+        result = cls(**options)
+        for name, allowed in CHOICES.items():
+            value = getattr(result, name)
+            if value not in allowed:
+                raise InvalidInputError(
+                    f"Ring backend option {name}={value!r} is not one of {', '.join(map(repr, allowed))}."
+                )
+        return result

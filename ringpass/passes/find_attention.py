@@ -1,0 +1,248 @@
+"""Find every attention in the graph, by what it computes.
+
+Matches:
+- ``F.scaled_dot_product_attention`` in any spelling (positional or keyword arguments, ``scale``,
+  ``is_causal``, ``enable_gqa``, ``attn_mask=None``);
+- hand-written attention: ``softmax(q @ kᵀ · s [+ mask | masked_fill(mask, -inf) | where(mask, ·, -inf)]) @ v``
+  with any matmul spelling (``@``, ``torch.matmul``, ``bmm``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` /
+  ``permute``, the scale as a multiplication or division, and any softmax spelling. Its mask is
+  evaluated once (it is a function of shapes and buffers only) and accepted when it is exactly causal.
+
+Writes ``ctx.attention``: one `AttentionMatch` per attention. Refuses dropout inside attention, query
+and key lengths that differ, and masks that are not causal (arbitrary masks arrive with the mask pass).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from lowering.errors import NotSupportedError
+from ringpass.graph import describe, example_value
+from ringpass.passes.context import PassContext
+
+SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
+MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__")
+TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
+MASK_LIMIT = 16384  # a hand-written mask is evaluated on the host once: N x N booleans
+
+
+@dataclass(frozen=True)
+class AttentionMatch:
+    """One attention: ``output`` is the node whose value is softmax(q kᵀ s + mask) v."""
+
+    output: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    is_causal: bool
+    scale: Optional[float]
+    spelling: str  # "sdpa" or "hand-written"
+    internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
+
+
+def find_attention(ctx: PassContext) -> None:
+    for node in ctx.gm.graph.nodes:
+        if _is(node, SDPA):
+            ctx.attention.append(_match_sdpa(ctx.gm, node))
+        elif _is(node, MATMUL):
+            match = _match_hand_written(ctx.gm, node)
+            if match is not None:
+                ctx.attention.append(match)
+    for match in ctx.attention:
+        q, k = example_value(match.query), example_value(match.key)
+        if q.shape[-2] != k.shape[-2]:
+            raise NotSupportedError(
+                f"Attention {describe(match.output)} has {q.shape[-2]} queries but {k.shape[-2]} keys; ring "
+                "attention shards queries and keys the same way, so they must have one length (a KV cache "
+                "concatenated before attention is not supported: compile with use_cache=False)."
+            )
+
+
+def _is(node: fx.Node, targets) -> bool:
+    if node.op == "call_function":
+        return node.target in targets
+    if node.op == "call_method":
+        return node.target in targets
+    return False
+
+
+def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
+    args = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs
+    if args.get("dropout_p", 0.0):
+        raise NotSupportedError(
+            f"Attention {describe(node)} uses dropout_p={args['dropout_p']}; dropout inside ring attention is "
+            "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config)."
+        )
+    if args.get("attn_mask") is not None:
+        raise NotSupportedError(
+            f"Attention {describe(node)} has an explicit attn_mask; only is_causal=True or no mask are supported "
+            "so far (masks built from positions are on the way)."
+        )
+    scale = args.get("scale")
+    if isinstance(scale, fx.Node):
+        raise NotSupportedError(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.")
+    q, k = example_value(args["query"]), example_value(args["key"])
+    if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False):
+        raise NotSupportedError(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.")
+    return AttentionMatch(node, args["query"], args["key"], args["value"], bool(args.get("is_causal", False)), scale, "sdpa")
+
+
+def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionMatch]:
+    """``out = probs @ v`` with ``probs = softmax(scores, -1)``; None when ``out`` is another matmul."""
+    probs, value = out.args[0], out.args[1]
+    if not isinstance(probs, fx.Node):
+        return None
+    internal = [out]
+    if _is(probs, ("to", "type_as", "float")):  # softmax(..., dtype=float32).to(q.dtype)
+        internal.append(probs)
+        probs = probs.args[0]
+    if _is(probs, ("dropout",)) or (probs.op == "call_function" and probs.target is F.dropout):
+        raise NotSupportedError(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.")
+    if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
+        return None
+    internal.append(probs)
+    scores, mask = _peel_mask(probs.args[0], internal)
+    scores, scale = _peel_scale(scores, internal)
+    if not _is(scores, MATMUL):
+        return None
+    internal.append(scores)
+    query, key_t = scores.args[0], scores.args[1]
+    key = _transposed_last_two(key_t)
+    if key is None:
+        return None
+    internal.append(key_t)
+    is_causal = False
+    if mask is not None:
+        is_causal = _evaluate_causal(gm, mask, out)
+    if any(len(n.users) > 1 and n is not out for n in internal):
+        return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
+    return AttentionMatch(out, query, key, value, is_causal, scale, "hand-written", tuple(internal))
+
+
+def _softmax_dim(node: fx.Node):
+    if len(node.args) > 1:
+        return node.args[1]
+    return node.kwargs.get("dim")
+
+
+def _peel_mask(scores: fx.Node, internal: list):
+    """(scores before masking, the mask as ("bool"|"additive", node)) or (scores, None)."""
+    if _is(scores, ("masked_fill", torch.masked_fill)):
+        fill = scores.args[2]
+        if isinstance(fill, (int, float)) and (fill == float("-inf") or fill <= -1e4):
+            internal.append(scores)
+            return scores.args[0], ("masked_out", scores.args[1])
+    if _is(scores, (torch.where,)) and len(scores.args) == 3 and isinstance(scores.args[2], (int, float)):
+        internal.append(scores)
+        return scores.args[1], ("kept", scores.args[0])
+    if _is(scores, (operator.add, torch.add, "add")) and isinstance(scores.args[1], fx.Node):
+        left, right = scores.args
+        if _is(left, (operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div") + MATMUL):
+            internal.append(scores)
+            return left, ("additive", right)
+    return scores, None
+
+
+def _peel_scale(scores: fx.Node, internal: list):
+    if _is(scores, (operator.mul, torch.mul, "mul")) and isinstance(scores.args[1], (int, float)):
+        internal.append(scores)
+        return scores.args[0], float(scores.args[1])
+    if _is(scores, (operator.truediv, torch.div, "div")) and isinstance(scores.args[1], (int, float)):
+        internal.append(scores)
+        return scores.args[0], 1.0 / float(scores.args[1])
+    return scores, 1.0
+
+
+def _transposed_last_two(node: fx.Node) -> Optional[fx.Node]:
+    if not isinstance(node, fx.Node):
+        return None
+    rank = example_value(node).dim()
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    if _is(node, (torch.transpose, "transpose")):
+        dims = {d % rank for d in node.args[1:3]}
+        return node.args[0] if dims == {rank - 2, rank - 1} else None
+    if _is(node, ("permute",)):
+        perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        expected = list(range(rank - 2)) + [rank - 1, rank - 2]
+        return node.args[0] if [p % rank for p in perm] == expected else None
+    return None
+
+
+def _evaluate_causal(gm: fx.GraphModule, mask, out: fx.Node) -> bool:
+    """Evaluate the mask's subgraph on the host and compare it with the causal pattern."""
+    kind, node = mask
+    n = example_value(out).shape[-2]
+    if n > MASK_LIMIT:
+        raise NotSupportedError(
+            f"The hand-written attention mask at {describe(node)} would be checked on a {n}x{n} grid; above "
+            f"{MASK_LIMIT} tokens use F.scaled_dot_product_attention(is_causal=True) instead."
+        )
+    values = _evaluate(gm, node)
+    if values is None:
+        raise NotSupportedError(
+            f"The attention mask at {describe(node)} depends on the model's inputs; only a causal mask built from "
+            "shapes (tril, arange comparisons, a registered buffer) is supported so far."
+        )
+    grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:] if values.dim() >= 2 else None
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if kind == "masked_out":
+        visible = ~grid.bool()
+    elif kind == "kept":
+        visible = grid.bool()
+    else:
+        visible = grid > -1e4
+    if grid is None or not bool((visible == causal).all()):
+        raise NotSupportedError(
+            f"The attention mask at {describe(node)} is not causal; only causal masks (and none) are supported so far."
+        )
+    return True
+
+
+def _evaluate(gm: fx.GraphModule, node: fx.Node):
+    """The value of ``node`` when it depends on module state and shapes only (else None)."""
+    env: dict[fx.Node, object] = {}
+
+    def value(n: fx.Node):
+        if n in env:
+            return env[n]
+        if n.op == "placeholder":
+            v = example_value(n)
+            if not isinstance(v, torch.nn.Parameter) and not _is_buffer(n):
+                raise LookupError
+            env[n] = _real(gm, n)
+            return env[n]
+        if n.op == "get_attr":
+            env[n] = getattr(gm, n.target)
+            return env[n]
+        args = fx.node.map_arg(n.args, value)
+        kwargs = fx.node.map_arg(n.kwargs, value)
+        if n.op == "call_method":
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        else:
+            env[n] = n.target(*args, **kwargs)
+        return env[n]
+
+    try:
+        with torch.no_grad():
+            return value(node)
+    except LookupError:
+        return None
+
+
+def _is_buffer(node: fx.Node) -> bool:
+    arg = node.meta.get("grapharg")
+    return arg is not None and "_buffers" in arg.source.name
+
+
+def _real(gm: fx.GraphModule, node: fx.Node):
+    """A placeholder's real value: Dynamo keeps the example tensor on its grapharg."""
+    arg = node.meta["grapharg"]
+    return arg.example

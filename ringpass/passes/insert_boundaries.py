@@ -1,0 +1,161 @@
+"""Where sharded and whole values meet: shard inputs, sum partial results, gather outputs.
+
+Matches edges between placements:
+- a whole value (an input, or a value a token-mixing op produced) read by an op on this rank's tokens:
+  writes ``ringpass::shard_sequence`` (once per value) on that edge;
+- a reduction over the sequence of local values: ``sum`` becomes the all-reduced local sum, ``mean`` the
+  all-reduced local sum over the global count, ``cross_entropy(reduction="mean")`` the all-reduced sum of
+  token losses over the all-reduced count of counted tokens (``ignore_index`` honoured); padding slots
+  are masked out of all of them;
+- a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from lowering.errors import NotSupportedError
+from lowering.layout import Layout
+from ringpass.graph import describe, example_value
+from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+
+
+def insert_boundaries(ctx: PassContext) -> None:
+    if not ctx.attention:
+        return
+    graph = ctx.gm.graph
+    padded = Layout(ctx.layout_kind, ctx.world_size, ctx.global_seq_len).padded_len != ctx.global_seq_len
+    shards: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        placement = ctx.placement.get(node)
+        if node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
+            _shard_all_uses(ctx, node)
+        elif placement in (LOCAL, PARTIAL):
+            for arg in node.all_input_nodes:
+                if ctx.placement.get(arg) == FULL:
+                    node.replace_input_with(arg, _shard(ctx, arg, shards))
+        if placement == PARTIAL:
+            _all_reduce(ctx, node, padded)
+    _gather_outputs(ctx)
+
+
+def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
+    axes = ctx.axes[node]
+    if len(axes) != 1 or not axes[0].aligned or axes[0].inner != 1:
+        raise NotSupportedError(f"{describe(node)} would have to be sharded along a merged or shifted sequence axis; please report this model.")
+    return axes[0].dim
+
+
+def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
+    dim = _shard_dim(ctx, node)
+    shard = ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args()))
+    ctx.placement[shard] = LOCAL
+    ctx.axes[shard] = ctx.axes[node]
+    return shard
+
+
+def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
+    users = list(placeholder.users)
+    with ctx.gm.graph.inserting_after(placeholder):
+        shard = _shard_node(ctx, placeholder)
+    for user in users:
+        user.replace_input_with(placeholder, shard)
+
+
+def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:
+    if node not in shards:
+        with ctx.gm.graph.inserting_after(node):
+            shards[node] = _shard_node(ctx, node)
+    return shards[node]
+
+
+def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
+    """A bool tensor that broadcasts against ``like``: False at this rank's padding slots."""
+    graph = ctx.gm.graph
+    value = example_value(like)
+    mask = graph.call_function(torch.ops.ringpass.local_token_mask.default, (*ctx.layout_args(), value.device))
+    outer = value.shape[axis.dim] // (ctx.seq_len * axis.inner)
+    if outer != 1 or axis.inner != 1:  # a merged (outer x sequence x inner) dimension
+        mask = graph.call_method("view", (mask, 1, -1, 1))
+        mask = graph.call_method("expand", (mask, outer, ctx.local_len, axis.inner))
+        mask = graph.call_method("reshape", (mask, -1))
+    shape = [1] * value.dim()
+    shape[axis.dim] = -1
+    return graph.call_method("view", (mask, *shape))
+
+
+def _masked(ctx: PassContext, before: fx.Node, arg: fx.Node, fill) -> fx.Node:
+    """``where(token_mask, arg, fill)``, inserted before ``before``."""
+    with ctx.gm.graph.inserting_before(before):
+        mask = _token_mask(ctx, arg, ctx.axes[arg][0])
+        return ctx.gm.graph.call_function(torch.where, (mask, arg, fill))
+
+
+def _all_reduce(ctx: PassContext, node: fx.Node, padded: bool) -> None:
+    graph = ctx.gm.graph
+    kind = ctx.reductions[node]
+    users = list(node.users)
+    if kind == "cross_entropy":
+        total = _cross_entropy(ctx, node, padded)
+    else:
+        local_input = next(a for a in node.all_input_nodes if ctx.placement.get(a) == LOCAL)
+        if padded:
+            node.replace_input_with(local_input, _masked(ctx, node, local_input, 0.0))
+        with graph.inserting_before(node.next):
+            total = _global_sum(ctx, node, local_input, kind)
+    for user in users:
+        user.replace_input_with(node, total)
+    if not node.users:
+        graph.erase_node(node)
+    ctx.placement[total] = NOSEQ
+    ctx.report.collectives.append(f"all-reduce of the {kind} at {describe(node)}")
+
+
+def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str) -> fx.Node:
+    graph, reduce = ctx.gm.graph, torch.ops.ringpass.all_reduce_sum.default
+    if kind == "sum":
+        return graph.call_function(reduce, (node, ctx.group_name))
+    per_output = example_value(local_input).numel() // example_value(node).numel()  # reduced elements
+    local_sum = graph.call_function(operator.mul, (node, float(per_output * ctx.local_len // ctx.seq_len)))
+    reduced = graph.call_function(reduce, (local_sum, ctx.group_name))
+    return graph.call_function(operator.truediv, (reduced, float(per_output * ctx.global_seq_len // ctx.seq_len)))
+
+
+def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:
+    """sum of token losses / number of counted tokens, both summed over the ranks."""
+    graph, reduce = ctx.gm.graph, torch.ops.ringpass.all_reduce_sum.default
+    args = node.normalized_arguments(ctx.gm, normalize_to_only_use_kwargs=True).kwargs
+    if args.get("weight") is not None or args.get("label_smoothing", 0.0):
+        raise NotSupportedError(f"{describe(node)}: cross_entropy with class weights or label smoothing is not supported yet.")
+    target, ignore = args["target"], args.get("ignore_index", -100)
+    if ctx.placement.get(target) != LOCAL or example_value(target).dtype.is_floating_point:
+        raise NotSupportedError(f"{describe(node)}: the cross-entropy target must be per-token class indices.")
+    if padded:
+        target = _masked(ctx, node, target, ignore)
+    with graph.inserting_before(node):
+        token_sum = graph.call_function(F.cross_entropy, (args["input"], target), {"ignore_index": ignore, "reduction": "sum"})
+        loss = graph.call_function(reduce, (token_sum, ctx.group_name))
+        if args.get("reduction", "mean") == "sum":
+            return loss
+        counted = graph.call_method("sum", (graph.call_function(operator.ne, (target, ignore)),))
+        count = graph.call_function(reduce, (counted, ctx.group_name))
+        return graph.call_function(operator.truediv, (loss, count))
+
+
+def _gather_outputs(ctx: PassContext) -> None:
+    if ctx.options.outputs != "gathered":
+        return
+    output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+    for arg in output.all_input_nodes:
+        if ctx.placement.get(arg) != LOCAL:
+            continue
+        dim = _shard_dim(ctx, arg)
+        with ctx.gm.graph.inserting_before(output):
+            gathered = ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args()))
+        output.replace_input_with(arg, gathered)
+        ctx.placement[gathered] = FULL
+        ctx.report.gathered_outputs.append(f"{arg.name}: dim {dim}")

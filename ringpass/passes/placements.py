@@ -1,0 +1,105 @@
+"""Decide where every value lives: the whole sequence on every rank, or this rank's tokens.
+
+Matches the findings of `find_sequence_axes`. A value with a sequence axis is *local* (this rank's
+tokens, in layout order) unless an op that moves information between tokens needs it whole: then it
+and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token vectors
+such as labels and position ids). Such an op on a value that comes out of attention cannot be
+sharded and is refused. A reduction over the sequence of a local value is *partial* (summed over the
+ranks at the boundary). Values without a sequence axis are replicated (*noseq*).
+
+Writes ``ctx.placement``; raises on a token-mixing op over a sharded activation, and, with
+``inputs="sharded"``, on one that needs the whole sequence.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from lowering.errors import NotSupportedError
+from ringpass.graph import describe
+from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+
+
+def decide_placements(ctx: PassContext) -> None:
+    if not ctx.attention:
+        return
+    for node in _replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
+        ctx.mixing.pop(node, None)
+        ctx.axes.pop(node, None)
+    needs_full = _needs_full(ctx)
+    after_attention = _downstream_of([m.output for m in ctx.attention])
+    for node in ctx.gm.graph.nodes:
+        if node in ctx.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
+            ctx.placement[node] = PARTIAL
+        elif not has_sequence(ctx, node):
+            ctx.placement[node] = NOSEQ
+        elif node in needs_full or node in ctx.mixing:
+            ctx.placement[node] = FULL
+            _check_full(ctx, node, needs_full.get(node, node), after_attention)
+        else:
+            ctx.placement[node] = LOCAL
+        if node.op == "placeholder" and ctx.placement[node] in (FULL, LOCAL):
+            kept = "" if ctx.placement[node] == LOCAL else " (kept whole: a token-mixing op reads it)"
+            ctx.report.sharded_inputs.append(f"{node.target}: dim {ctx.axes[node][0].dim}{kept}")
+
+
+def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
+    """Nodes that only feed the inside of an attention: they disappear with the rewrite."""
+    gone = {n for m in ctx.attention for n in m.internal if n is not m.output}
+    operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)}
+    changed = True
+    while changed:
+        changed = False
+        for node in ctx.gm.graph.nodes:
+            if node not in gone and node not in operands and node.op != "placeholder" and node.users and all(u in gone for u in node.users):
+                gone.add(node)
+                changed = True
+    return gone
+
+
+def has_sequence(ctx: PassContext, node: fx.Node) -> bool:
+    """The node's value (or, for a tuple, one of its items) has a sequence axis."""
+    if ctx.axes.get(node):
+        return True
+    return any(u.target is operator.getitem and ctx.axes.get(u) for u in node.users)
+
+
+def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
+    """Sequence-carrying inputs of token-mixing ops and their sequence-carrying ancestors -> the op."""
+    needed: dict[fx.Node, fx.Node] = {}
+    stack = [(a, op) for op in ctx.mixing for a in op.all_input_nodes if has_sequence(ctx, a)]
+    while stack:
+        node, op = stack.pop()
+        if node in needed:
+            continue
+        needed[node] = op
+        stack += [(a, op) for a in node.all_input_nodes if has_sequence(ctx, a)]
+    return needed
+
+
+def _downstream_of(roots: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack += list(node.users)
+    return seen
+
+
+def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_attention: set[fx.Node]) -> None:
+    why = ctx.mixing.get(mixing_op, "it needs the whole sequence")
+    if node in after_attention:
+        raise NotSupportedError(
+            f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
+            "the tokens of sharded activations; move this op onto per-token inputs before attention, or compile "
+            "this part of the model without the ring backend."
+        )
+    if ctx.options.inputs == "sharded" and node.op == "placeholder":
+        raise NotSupportedError(
+            f"Input {node.target} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs the whole "
+            f"sequence ({why}); pass full inputs (inputs='full') instead."
+        )

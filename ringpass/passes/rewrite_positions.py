@@ -1,0 +1,45 @@
+"""Give every rank the global positions of its own tokens.
+
+Matches sources of the sequence axis that hold positions and run on this rank's tokens: an
+``arange(seq_len)`` (RoPE angles, learned position embeddings, position ids), and a slice ``table[:seq_len]``
+of a position table (a learned position parameter). Writes ``ringpass::local_positions`` in place of the
+arange (cast to its dtype) and ``table.index_select(dim, local_positions)`` in place of the slice, so
+position-dependent values are computed for exactly this rank's tokens, in layout order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringpass.graph import example_value, source_line
+from ringpass.passes.context import LOCAL, PassContext
+
+
+def rewrite_positions(ctx: PassContext) -> None:
+    graph = ctx.gm.graph
+    for node, kind in list(ctx.sources.items()):
+        if ctx.placement.get(node) != LOCAL or kind not in ("positions", "sliced"):
+            continue
+        value = example_value(node)
+        with graph.inserting_before(node):
+            positions = graph.call_function(
+                torch.ops.ringpass.local_positions.default, (*ctx.layout_args(), value.device)
+            )
+            if kind == "positions":
+                new = positions if value.dtype == torch.int64 else graph.call_method("to", (positions, value.dtype))
+            else:
+                new = graph.call_method("index_select", (_unsliced(ctx, node), ctx.axes[node][0].dim, positions))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        ctx.placement[new] = LOCAL
+        ctx.axes[new] = ctx.axes.pop(node)
+        ctx.report.positions.append(f"{'arange' if kind == 'positions' else 'slice of ' + str(node.args[0])} -> this rank's positions ({source_line(node)})")
+
+
+def _unsliced(ctx: PassContext, node):
+    """``table[..., :n, ...]`` -> ``table[..., :, ...]`` (only the sequence slice is replaced)."""
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    rest = tuple(slice(None) if isinstance(i, slice) and i.stop == ctx.seq_len else i for i in index)
+    if all(i == slice(None) for i in rest):
+        return node.args[0]
+    return ctx.gm.graph.call_function(node.target, (node.args[0], rest))

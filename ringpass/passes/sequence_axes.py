@@ -1,0 +1,260 @@
+"""Find the sequence axis of every value, by running the graph at another sequence length.
+
+Matches: the sequence length N is the attentions' query length (all must agree). Sources of the
+sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
+(positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables). Every
+other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
+whose size moved are its sequence axes. Ops that spell sizes literally (``view``, ``reshape``,
+``expand``, ``repeat``) are given the probe's sizes by `resize_size_args`, which the shape rewrite
+reuses for the real local length.
+
+Writes ``ctx.seq_len``, ``ctx.global_seq_len``, ``ctx.layout_kind``, ``ctx.axes`` (node -> `SeqDim`s),
+``ctx.sources``, ``ctx.mixing`` (ops that move information between tokens, with why) and
+``ctx.reductions`` (reductions over the sequence: sum, mean, cross-entropy).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.node import map_aggregate
+
+from lowering.errors import NotSupportedError
+from ringpass.graph import describe, example_value, is_module_state
+from ringpass.passes.context import PassContext, SeqDim
+
+VIEWS = ("view", "reshape", torch.reshape)
+EXPANDS = ("expand", "repeat")
+CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
+            "new_zeros", "new_ones", "new_empty", "new_full")
+SUMS = {torch.sum: "sum", "sum": "sum", torch.mean: "mean", "mean": "mean", F.cross_entropy: "cross_entropy"}
+MIXING_BY_DIM = {  # ops that combine tokens along their `dim` argument (position of `dim` in args)
+    torch.cumsum: 1, "cumsum": 1, torch.cumprod: 1, "cumprod": 1, torch.diff: None, "diff": None,
+    torch.roll: None, "roll": None, torch.flip: None, "flip": None, torch.sort: None, "sort": None,
+    torch.argsort: None, "argsort": None, torch.softmax: 1, "softmax": 1, F.softmax: 1,
+    F.log_softmax: 1, "log_softmax": 1, torch.cat: 1, torch.concat: 1,
+}
+
+
+def find_sequence_axes(ctx: PassContext) -> None:
+    if not ctx.attention:
+        return
+    lengths = {example_value(m.query).shape[-2] for m in ctx.attention}
+    if len(lengths) != 1:
+        raise NotSupportedError(f"The attentions in this graph run over different lengths {sorted(lengths)}; ringpass shards one sequence.")
+    ctx.seq_len = lengths.pop()
+    sharded_inputs = ctx.options.inputs == "sharded"
+    ctx.global_seq_len = ctx.seq_len * ctx.world_size if sharded_inputs else ctx.seq_len
+    if ctx.options.layout == "auto":
+        ctx.layout_kind = "zigzag" if any(m.is_causal for m in ctx.attention) else "contiguous"
+    else:
+        ctx.layout_kind = ctx.options.layout
+    _Probe(ctx).run()
+
+
+class _Probe:
+    def __init__(self, ctx: PassContext):
+        self.ctx = ctx
+        self.n = ctx.seq_len
+        self.probe_len = ctx.seq_len + 1
+        self.values: dict[fx.Node, object] = {}
+        self.inner_by_size: dict[int, int] = {self.n: 1}
+        self.fake_mode = next(
+            example_value(n).fake_mode for n in ctx.gm.graph.nodes
+            if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
+        )
+
+    def run(self) -> None:
+        with self.fake_mode:
+            for node in self.ctx.gm.graph.nodes:
+                if node.op == "output":
+                    continue
+                self.values[node] = self._probe(node)
+                self._record_axes(node)
+
+    # ---- one node -------------------------------------------------------------------------------
+    def _probe(self, node: fx.Node):
+        original = example_value(node)
+        if node.op == "placeholder":
+            return self._probe_placeholder(node, original)
+        if node.op == "get_attr":
+            return original
+        seq_inputs = [a for a in node.all_input_nodes if self.ctx.axes.get(a) or self._tuple_has_seq(a)]
+        if not seq_inputs:
+            source = self._source_kind(node, original)
+            if source is None:
+                return original
+            self.ctx.sources[node] = source
+            return self._resized(original, [d for d, s in enumerate(original.shape) if s == self.n])
+        args, kwargs = self._probe_args(node)
+        try:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+        except Exception as error:  # an op whose sizes do not follow its input's sequence length
+            raise NotSupportedError(
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. "
+                "It probably mixes the sequence with a tensor of fixed length; please report this model."
+            ) from None
+
+    def _probe_placeholder(self, node: fx.Node, original):
+        if not isinstance(original, torch.Tensor) or is_module_state(node):
+            return original
+        dims = [d for d, s in enumerate(original.shape) if s == self.n]
+        if not dims:
+            return original
+        dim = 1 if 1 in dims else dims[0]
+        self.ctx.sources[node] = "input"
+        return self._resized(original, [dim])
+
+    def _source_kind(self, node: fx.Node, original) -> Optional[str]:
+        if not isinstance(original, torch.Tensor) or self.n not in original.shape:
+            return None
+        if node.target is torch.arange and original.dim() == 1 and original.shape[0] == self.n:
+            args = [a for a in node.args if not isinstance(a, torch.device)]
+            if args in ([self.n], [0, self.n], [0, self.n, 1]):
+                return "positions"
+            return None
+        if node.target in CREATORS or (node.op == "call_method" and node.target in CREATORS):
+            return "created"
+        if node.target is operator.getitem and isinstance(node.args[1], (slice, tuple)):
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if any(isinstance(i, slice) and i.stop == self.n and i.start in (None, 0) for i in index):
+                return "sliced"
+        return None
+
+    def _resized(self, original: torch.Tensor, dims: list[int]):
+        shape = list(original.shape)
+        for d in dims:
+            shape[d] = self.probe_len
+        return torch.empty(shape, dtype=original.dtype, device=original.device)
+
+    def _probe_args(self, node: fx.Node):
+        args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
+        kwargs = map_aggregate(node.kwargs, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
+        if is_size_op(node):
+            args = (args[0], *resize_size_args(node, self.ctx.axes[node.args[0]], self.probe_len, self.n)[1:])
+        return args, kwargs
+
+    def _tuple_has_seq(self, node: fx.Node) -> bool:
+        value = self.values.get(node)
+        original = example_value(node)
+        if not isinstance(value, (tuple, list)) or not isinstance(original, (tuple, list)):
+            return False
+        return any(isinstance(v, torch.Tensor) and v.shape != o.shape for v, o in zip(value, original))
+
+    # ---- what the probe says ----------------------------------------------------------------------
+    def _record_axes(self, node: fx.Node) -> None:
+        original, probe = example_value(node), self.values[node]
+        if not isinstance(original, torch.Tensor) or not isinstance(probe, torch.Tensor):
+            return
+        moved = [d for d in range(original.dim()) if original.shape[d] != probe.shape[d]]
+        inputs_have_seq = any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes)
+        if not moved:
+            if inputs_have_seq and node.op in ("call_function", "call_method"):
+                self._record_reduction(node)
+            return
+        if len(moved) > 1 and node.op != "placeholder" and node not in self.ctx.sources:
+            self.ctx.mixing[node] = "it builds a sequence x sequence tensor"
+        axes = []
+        for d in moved:
+            size = original.shape[d]
+            inner = self._inner(node, d, size)
+            aligned = inner is not None and size % (self.n * inner) == 0 and probe.shape[d] == size // self.n * self.probe_len
+            axes.append(SeqDim(d, inner or 1, aligned))
+            if aligned:
+                self.inner_by_size.setdefault(size, inner)
+        self.ctx.axes[node] = tuple(axes)
+        if inputs_have_seq and not all(a.aligned for a in axes):
+            self.ctx.mixing.setdefault(node, "it changes the sequence length (a shift, slice, pad or concatenation)")
+        self._record_mixing_by_dim(node, axes)
+
+    def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:
+        if is_size_op(node):
+            return _view_inner(node, self.ctx.axes[node.args[0]], dim, self.n)
+        if size == self.n:
+            return 1
+        return self.inner_by_size.get(size)
+
+    def _record_reduction(self, node: fx.Node) -> None:
+        kind = SUMS.get(node.target)
+        if kind is None:
+            self.ctx.mixing[node] = "it reduces over the sequence"
+        else:
+            self.ctx.reductions[node] = kind
+
+    def _record_mixing_by_dim(self, node: fx.Node, axes) -> None:
+        if node.target not in MIXING_BY_DIM:
+            return
+        position = MIXING_BY_DIM[node.target]
+        dim = node.kwargs.get("dim", node.args[position] if position is not None and len(node.args) > position else None)
+        rank = example_value(node).dim()
+        seq_dims = {a.dim for a in axes}
+        if dim is None or (isinstance(dim, int) and dim % rank in seq_dims):
+            self.ctx.mixing[node] = f"`{getattr(node.target, '__name__', node.target)}` runs along the sequence"
+
+
+def is_size_op(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in VIEWS + EXPANDS) or node.target is torch.reshape
+
+
+def _sizes(node: fx.Node) -> list:
+    rest = list(node.args[1:])
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        return list(rest[0])
+    return rest
+
+
+def _view_target_dim(in_shape, in_axis: SeqDim, out_shape, n: int) -> tuple[int, int]:
+    """(output dim holding the sequence, its inner factor) of a reshape; refuses a split sequence."""
+    stride = in_axis.inner
+    for s in in_shape[in_axis.dim + 1:]:
+        stride *= s
+    suffix = 1
+    for j in range(len(out_shape) - 1, -1, -1):
+        if suffix <= stride < suffix * out_shape[j]:
+            if stride % suffix == 0 and (suffix * out_shape[j]) % (stride * n) == 0:
+                return j, stride // suffix
+            break
+        suffix *= out_shape[j]
+    raise NotSupportedError(f"A reshape from {tuple(in_shape)} to {tuple(out_shape)} splits the sequence axis.")
+
+
+def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
+    in_shape = example_value(node.args[0]).shape
+    out_shape = example_value(node).shape
+    for axis in in_axes:
+        if node.target in EXPANDS:
+            if axis.dim + out_shape.__len__() - len(in_shape) == dim:
+                return axis.inner
+        else:
+            j, inner = _view_target_dim(in_shape, axis, out_shape, n)
+            if j == dim:
+                return inner
+    return None
+
+
+def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
+    """The node's args with the literal sizes of its sequence dimensions rescaled from n to ``length``."""
+    in_shape = example_value(node.args[0]).shape
+    out_shape = list(example_value(node).shape)
+    sizes = _sizes(node)
+    for axis in in_axes:
+        if not axis.aligned:
+            continue
+        if node.target in EXPANDS:
+            j = axis.dim + len(out_shape) - len(in_shape)
+            if node.target == "repeat" and sizes[j] != 1:
+                raise NotSupportedError(f"{describe(node)} repeats along the sequence axis.")
+            if node.target == "repeat":
+                continue
+        else:
+            j, _ = _view_target_dim(in_shape, axis, out_shape, n)
+        if isinstance(sizes[j], int) and sizes[j] != -1:
+            sizes[j] = out_shape[j] // n * length
+    first = node.args[0]
+    return (first, *sizes) if not (len(node.args) == 2 and isinstance(node.args[1], (list, tuple))) else (first, type(node.args[1])(sizes))

@@ -1,0 +1,149 @@
+"""Tiny models written for the backend tests: the shapes of real ones, random weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Learned positions from arange, LayerNorm, GELU MLP, tied LM head, causal SDPA."""
+
+    def __init__(self, vocab=61, dim=32, heads=4, layers=2, max_len=128):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.wte.weight.T
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.gate, self.up = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, 3 * dim, bias=False)
+        self.down = nn.Linear(3 * dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, n, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(b, n, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """RoPE from arange positions, GQA through enable_gqa, RMSNorm, SwiGLU."""
+
+    def __init__(self, vocab=61, dim=32, heads=4, kv_heads=2, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        head_dim = dim // heads
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+class HandWritten(nn.Module):
+    """Attention written out: softmax(q kᵀ / sqrt(d) masked by an arange comparison) v."""
+
+    def __init__(self, vocab=61, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        idx = torch.arange(n, device=ids.device)
+        scores = scores.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
+
+
+class Encoder(nn.Module):
+    """Bidirectional: no mask, so the contiguous layout; a sum over tokens as a pooled output."""
+
+    def __init__(self, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 64, dropout=0.0, batch_first=True) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x, x.mean(dim=1)
+
+
+class WithLoss(nn.Module):
+    """A language model that computes its loss (HF-style label shift, ignore_index) inside forward."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, ids, labels):
+        logits = self.body(ids)
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+        return loss, logits
