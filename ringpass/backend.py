@@ -43,6 +43,9 @@ class RingBackend:
             ctx = PassContext(gm, example_inputs, self.options, world_size, group.group_name, report)
             for run_pass in PIPELINE:
                 run_pass(ctx)
+                if not ctx.attention:
+                    report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
+                    break
             report.layout, report.seq_len = ctx.layout_kind, ctx.global_seq_len or None
             gm.graph.lint()
             gm.recompile()

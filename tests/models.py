@@ -122,12 +122,27 @@ class HandWritten(nn.Module):
         return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
 
 
+class EncoderBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj, self.norm = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = self.norm(x + self.proj(y.transpose(1, 2).flatten(2)))
+        return x + self.mlp(x)
+
+
 class Encoder(nn.Module):
-    """Bidirectional: no mask, so the contiguous layout; a sum over tokens as a pooled output."""
+    """Bidirectional (no mask, so the contiguous layout); also a mean over tokens as a pooled output."""
 
     def __init__(self, dim=32, heads=4, layers=2):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 64, dropout=0.0, batch_first=True) for _ in range(layers))
+        self.blocks = nn.ModuleList(EncoderBlock(dim, heads) for _ in range(layers))
 
     def forward(self, x):
         for block in self.blocks:

@@ -49,6 +49,11 @@ class AttentionMatch:
 
 def find_attention(ctx: PassContext) -> None:
     for node in ctx.gm.graph.nodes:
+        if _is(node, (F.multi_head_attention_forward,)):
+            raise NotSupportedError(
+                f"{describe(node)} is nn.MultiheadAttention, which the ring backend does not rewrite yet; "
+                "write the attention with F.scaled_dot_product_attention (or by hand) instead."
+            )
         if _is(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
         elif _is(node, MATMUL):

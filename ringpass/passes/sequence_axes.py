@@ -171,6 +171,8 @@ class _Probe:
         self.ctx.axes[node] = tuple(axes)
         if inputs_have_seq and not all(a.aligned for a in axes):
             self.ctx.mixing.setdefault(node, "it changes the sequence length (a shift, slice, pad or concatenation)")
+        if any(not a.aligned for arg in node.all_input_nodes for a in self.ctx.axes.get(arg, ())):
+            self.ctx.mixing.setdefault(node, "it reads a shifted or resized sequence")
         self._record_mixing_by_dim(node, axes)
 
     def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:

@@ -1,0 +1,144 @@
+"""What each rank runs in the backend tests: a tiny model compiled with the ring backend against the
+same model run whole in one process (fp64, the same seed on every rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import models
+import ringpass
+from reference import rel_err
+
+MODELS = {
+    "gpt": lambda: models.GPT(),
+    "llama": lambda: models.Llama(),
+    "hand_written": lambda: models.HandWritten(),
+    "encoder": lambda: models.Encoder(),
+    "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
+}
+
+
+def _inputs(name: str, seq_len: int, batch: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    if name == "encoder":
+        return (torch.randn(batch, seq_len, 32, generator=generator, dtype=torch.float64),)
+    ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
+    if name == "gpt_with_loss":
+        labels = torch.randint(0, 61, (batch, seq_len), generator=generator)
+        labels[:, ::5] = -100  # some ignored tokens
+        return ids, labels
+    return (ids,)
+
+
+def _loss(outputs, weights):
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return sum((o * w).sum() for o, w in zip(outputs, weights))
+
+
+def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, dynamic, group=None,
+            seed: int = 0) -> dict:
+    """Relative errors of outputs and parameter gradients on this rank, and the graph's op counts."""
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    inputs = _inputs(name, seq_len, batch=2, seed=seed)
+    expected = model(*inputs)
+    expected_tuple = expected if isinstance(expected, tuple) else (expected,)
+    weights = [torch.randn(e.shape, dtype=e.dtype, generator=torch.Generator().manual_seed(7)) for e in expected_tuple]
+    _loss(expected, weights).backward()
+    expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+
+    backend = ringpass.backend(**options, **({"group": group} if group is not None else {}))
+    graphs = []
+    inner = options.get("compiler", "aot_eager")
+
+    def capture(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        graphs.append(gm)
+        return compiled
+
+    layout = None
+    compiled_inputs = inputs
+    ring_world = dist.get_world_size(group) if group is not None else world_size
+    ring_rank = dist.get_rank(group) if group is not None else rank
+    if options.get("inputs") == "sharded":
+        from lowering import Layout
+        layout = Layout(options.get("layout", "zigzag"), ring_world, seq_len)
+        compiled_inputs = tuple(layout.shard(t, 1, ring_rank) for t in inputs)
+    outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
+    outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
+    if options.get("outputs") == "sharded":
+        weights_used = [layout_shard(options, ring_world, seq_len, w, ring_rank) if w.dim() >= 2 and w.shape[1] == seq_len else w
+                        for w in weights]
+        expected_cmp = [layout_shard(options, ring_world, seq_len, e, ring_rank) if e.dim() >= 2 and e.shape[1] == seq_len else e
+                        for e in expected_tuple]
+    else:
+        weights_used, expected_cmp = weights, expected_tuple
+    _loss(outputs, weights_used).backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    result = {
+        "outputs": [rel_err(o.detach(), e.detach()) for o, e in zip(outputs_tuple, expected_cmp)],
+        "report": str(backend.reports[-1]) if backend.reports else "",
+        "ops": _op_counts(graphs[-1]) if graphs else {},
+        "inner": inner,
+    }
+    if options.get("grads", "reduced") == "local":  # the sum over the ring of local gradients is the gradient
+        summed = {}
+        for k, g in grads.items():
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+            summed[k] = g
+        result["grads"] = max(rel_err(summed[k], expected_grads[k]) for k in expected_grads)
+    else:
+        result["grads"] = max(rel_err(grads[k], expected_grads[k]) for k in expected_grads)
+    return result
+
+
+def layout_shard(options, world, seq_len, tensor, rank):
+    from lowering import Layout
+    return Layout(options.get("layout", "zigzag"), world, seq_len).shard(tensor, 1, rank)
+
+
+def _op_counts(gm) -> dict:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            counts[str(name)] = counts.get(str(name), 0) + 1
+    return counts
+
+
+def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> dict:
+    """4 ranks = 2 data-parallel replicas x 2-rank rings: each replica its own batch, the ring on its group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return compare(rank, world_size, name, seq_len, {"compiler": "aot_eager"}, None, group=groups[rank // 2], seed=rank // 2)
+
+
+def refusal(rank: int, world_size: int, case: str) -> str:
+    """Compile a model the backend must refuse; returns the error message."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class CumsumAfterAttention(nn.Module):
+        def forward(self, x):
+            q = x.view(1, 2, x.shape[1], 4)
+            y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return y.cumsum(dim=2)
+
+    class DropoutInAttention(nn.Module):
+        def forward(self, x):
+            q = x.view(1, 2, x.shape[1], 4)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+    class DifferentLengths(nn.Module):
+        def forward(self, x):
+            q = x.view(1, 2, x.shape[1], 4)
+            return F.scaled_dot_product_attention(q, q[:, :, :4], q[:, :, :4])
+
+    model = {"cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths}[case]()
+    try:
+        torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
+    except Exception as error:  # Dynamo wraps backend errors
+        return f"{type(error).__name__}: {error}"
+    return "no error"
