@@ -113,7 +113,7 @@ class Layout:
             raise InvalidInputError(
                 f"unshard needs one shard per rank ({self.world_size}), got {len(shards)}."
             )
-        dim = dim % shards[0].dim()
+        dim = _check_dim(dim, shards[0].dim())
         for rank, shard in enumerate(shards):
             if shard.size(dim) != self.local_len:
                 raise InvalidInputError(
@@ -145,7 +145,7 @@ class Layout:
         return torch.cat([x, x.new_zeros(shape)], dim)
 
     def _check_full(self, x: torch.Tensor, dim: int) -> int:
-        dim = dim % x.dim()
+        dim = _check_dim(dim, x.dim())
         if x.size(dim) != self.seq_len:
             raise InvalidInputError(
                 f"shard expects the full sequence ({self.seq_len} tokens) along dim {dim}, "
@@ -156,3 +156,9 @@ class Layout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise InvalidInputError(f"rank {rank} is outside this layout's world of {self.world_size}.")
+
+
+def _check_dim(dim: int, rank: int) -> int:
+    if not -rank <= dim < rank:
+        raise InvalidInputError(f"dim {dim} is out of range for a {rank}-D tensor.")
+    return dim % rank

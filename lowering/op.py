@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
 from lowering.ring import RingSpec, ring_backward, ring_forward
 
@@ -49,6 +50,8 @@ def ring_attention(
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
     check_inputs(q, k, v, layout)
     group_name = _group_name(group, layout)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise InvalidInputError(f"scale must be a Python number or None, got {type(scale).__name__}.")
     scale = default_scale(q) if scale is None else float(scale)
     out, lse = torch.ops.ringpass.ring_attention(
         q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name
@@ -92,6 +95,8 @@ def check_inputs(q, k, v, layout: Layout) -> None:
         raise InvalidInputError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head dim (dim 3)."
         )
+    if min(q.shape) == 0 or min(k.shape) == 0:
+        raise InvalidInputError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must not have an empty dimension.")
     if q.size(1) % k.size(1) != 0:
         raise InvalidInputError(
             f"q has {q.size(1)} heads, k/v have {k.size(1)}: the query heads must be a multiple of the "
@@ -114,7 +119,11 @@ def _group_name(group, layout: Layout) -> str:
                 "call torch.distributed.init_process_group (e.g. under torchrun) first."
             )
         return ""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidInputError("A process group was passed but torch.distributed is not initialised; call init_process_group first.")
     group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise InvalidInputError(f"This rank ({dist.get_rank()}) is not a member of the process group passed as `group`.")
     size = dist.get_world_size(group)
     if size != layout.world_size:
         raise InvalidInputError(
@@ -137,10 +146,6 @@ def _exchange(group_name: str) -> RingExchange:
     return RingExchange(_resolve_process_group(group_name))
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @torch.library.custom_op("ringpass::ring_attention", mutates_args=())
 def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
@@ -159,7 +164,7 @@ def _ring_attention_op(
 @_ring_attention_op.register_fake
 def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name):
     check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("ringpass::ring_attention_backward", mutates_args=())
@@ -195,4 +200,9 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
+def _no_double_backward(ctx, *grads):
+    raise NotSupportedError("Differentiating ring attention twice (double backward) is not supported.")
+
+
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_ring_attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

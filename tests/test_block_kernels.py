@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowering.kernels import block_attention, block_attention_backward
+from lowering.kernels import block_attention, block_attention_backward, torch_attention
 from reference import lse_fp64, rel_err
 
 
@@ -63,11 +63,28 @@ def test_block_forward_and_backward_fp64(case, heads):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-def test_block_forward_low_precision_returns_input_dtype_and_fp32_lse(dtype, tol):
+def test_block_results_stay_in_fp32_for_low_precision_inputs(dtype, tol):
     torch.manual_seed(0)
     pos = torch.arange(32)
     q, k, v = (torch.randn(1, 4, 32, 16) for _ in range(3))
     out, lse = block_attention(q.to(dtype), k.to(dtype), v.to(dtype), pos, pos, scale=0.25, is_causal=True)
-    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.dtype == lse.dtype == torch.float32  # unrounded partial results for the ring's merge
     assert rel_err(out, _math_reference(q, k, v, pos, pos, 0.25, True)[0]) < tol
     assert rel_err(lse, lse_fp64(q, k, is_causal=True, scale=0.25)) < tol
+    grads = block_attention_backward(torch.ones_like(out).to(dtype), q.to(dtype), k.to(dtype), v.to(dtype),
+                                     out.to(dtype), lse, pos, pos, scale=0.25, is_causal=True)
+    assert all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.parametrize("case,fused", [
+    ("full", True), ("aligned-causal (fused)", True), ("zigzag-causal (fused)", True),
+    ("offset-causal (math)", False), ("rows without keys (math)", False),
+])
+def test_fused_cpu_kernel_is_used_where_it_applies(case, fused, monkeypatch):
+    calls = []
+    real = torch_attention._fused
+    monkeypatch.setattr(torch_attention, "_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q_pos, kv_pos, causal = CASES[case]
+    q, k = torch.randn(1, 2, len(q_pos), 8), torch.randn(1, 2, len(kv_pos), 8)
+    block_attention(q, k, k, q_pos, kv_pos, scale=0.3, is_causal=causal)
+    assert len(calls) == int(fused)

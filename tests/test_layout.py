@@ -70,5 +70,7 @@ def test_bad_layouts_and_bad_shards_are_refused_with_a_reason():
         layout.shard(torch.zeros(7), 0, 0)
     with pytest.raises(InvalidInputError, match="one shard per rank \\(2\\)"):
         layout.unshard([torch.zeros(4)], 0)
+    with pytest.raises(InvalidInputError, match="dim 3 is out of range for a 1-D tensor"):
+        layout.shard(torch.zeros(8), 3, 0)
     with pytest.raises(InvalidInputError, match="rank 2 is outside"):
         layout.positions(2)

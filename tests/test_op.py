@@ -55,6 +55,9 @@ BAD_INPUTS = {
     "layout for 2 ranks without a process group": (dict(layout=Layout("zigzag", 2, 12)), InvalidInputError,
                                                    r"spans 2 ranks but no process group is initialised"),
     "not a layout": (dict(layout="zigzag"), InvalidInputError, r"layout must be a lowering.Layout"),
+    "empty head dim": (dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), InvalidInputError, r"must not have an empty dimension"),
+    "scale not a number": (dict(scale="0.5"), InvalidInputError, r"scale must be a Python number"),
+    "group without a process group": (dict(group=object()), InvalidInputError, r"not initialised; call init_process_group"),
 }
 
 
@@ -64,3 +67,11 @@ def test_bad_input_is_refused_with_what_to_do(name):
     kwargs = dict(q=q, k=k, v=v, layout=layout) | change
     with pytest.raises(error, match=message):
         ring_attention(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), **kwargs)
+
+
+def test_double_backward_is_refused_clearly():
+    q, k, v = (t.requires_grad_() for t in _qkv(6))
+    out = ring_attention(q, k, v, layout=Layout("zigzag", 1, 6), is_causal=True)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(NotSupportedError, match="double backward"):
+        dq.sum().backward()

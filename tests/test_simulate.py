@@ -43,12 +43,28 @@ def test_simulation_never_calls_the_kernel_on_a_masked_block():
         assert (kv_pos[None, :] <= q_pos[:, None]).any()
 
 
-def test_simulated_bf16_error_is_within_twice_the_unsharded_bf16_error():
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 512, 64) for _ in range(3))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_simulated_half_precision_error_is_within_twice_the_unsharded_error(dtype, world_size):
+    torch.manual_seed(world_size)
+    q, k, v = (torch.randn(1, 4, 384, 64, dtype=torch.float64, requires_grad=True) for _ in range(3))
     reference, _ = attention_fp64(q, k, v, is_causal=True)
-    low = [t.bfloat16() for t in (q, k, v)]
+    dout = torch.randn_like(reference)
+    expected = torch.autograd.grad(reference, (q, k, v), dout)
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     unsharded = F.scaled_dot_product_attention(*low, is_causal=True)
-    sim = simulate_ring(*low, layout=Layout("zigzag", 4, 512), is_causal=True)
-    assert sim.out.dtype == torch.bfloat16 and sim.lse.dtype == torch.float32
+    unsharded_grads = torch.autograd.grad(unsharded, low, dout.to(dtype))
+    sim = simulate_ring(*(t.detach() for t in low), layout=Layout("zigzag", world_size, 384), is_causal=True,
+                        dout=dout.to(dtype))
+    assert sim.out.dtype == dtype and sim.lse.dtype == torch.float32
     assert rel_err(sim.out, reference) <= 2 * rel_err(unsharded, reference)
+    for got, base, want in zip((sim.dq, sim.dk, sim.dv), unsharded_grads, expected):
+        assert rel_err(got, want) <= 2 * rel_err(base, want)
+
+
+def test_simulated_ring_honours_a_given_scale():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 50, 8, dtype=torch.float64) for _ in range(3))
+    sim = simulate_ring(q, k, v, layout=Layout("zigzag", 3, 50), is_causal=True, scale=0.7)
+    out, lse = attention_fp64(q, k, v, is_causal=True, scale=0.7)
+    assert rel_err(sim.out, out) < 1e-12 and rel_err(sim.lse, lse) < 1e-12

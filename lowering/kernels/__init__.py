@@ -5,10 +5,12 @@
 
 q ``[B, Hq, n, D]``, k/v ``[B, Hkv, m, D]`` (query head h reads KV head ``h // (Hq // Hkv)``), q_pos
 ``[n]`` and kv_pos ``[m]`` int64 global positions. ``is_causal``: key visible iff ``kv_pos <= q_pos``.
-``out`` comes back in the input dtype, ``lse`` ``[B, Hq, n]`` in fp32 (fp64 for fp64 inputs); a row with
-no visible key gives out 0 and lse -inf. The backward takes the *final* (merged) out and lse of the whole
-ring, so the block's gradients are its exact share of the full-sequence gradients; ``dlse`` is the
-gradient flowing into the LSE, if any. dk/dv come back with Hkv heads.
+``out``, ``lse`` ``[B, Hq, n]`` and the gradients come back in the accumulation dtype (fp32; fp64 for
+fp64 inputs), so the ring merges and accumulates partial results without rounding them to half
+precision first; a row with no visible key gives out 0 and lse -inf. The backward takes the *final*
+(merged) out and lse of the whole ring, so the block's gradients are its exact share of the
+full-sequence gradients; ``dlse`` is the gradient flowing into the LSE, if any (it takes the math path,
+which materialises the block's scores). dk/dv come back with Hkv heads.
 
 Today there is one implementation, plain torch (`torch_attention`); the Triton kernels plug in here.
 """

@@ -4,7 +4,8 @@ The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA with
 applies when the block is fully visible, or causal with identical, increasing query and key positions
 (then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
 other positional mask, a gradient flowing into the LSE) takes the math path, which materialises the
-block's score matrix and accumulates in fp32 (fp64 for fp64 inputs).
+block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64 inputs; half-precision
+inputs are widened first) and return their results in it, so the ring merges unrounded partial results.
 """
 
 from __future__ import annotations
@@ -23,28 +24,28 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool):
+    acc = accumulation_dtype(q.dtype)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
     if _fused_applies(q, q_pos, kv_pos, is_causal):
-        out, lse = _fused(q, k, v, 0.0, is_causal, scale=scale)
-        return out, lse.to(accumulation_dtype(q.dtype))
+        return _fused(q, k, v, 0.0, is_causal, scale=scale)
     probs, lse = _probabilities(q, k, q_pos, kv_pos, scale, is_causal)
-    out = probs @ _repeat_heads(v, q.size(1)).to(probs.dtype)
-    return out.to(q.dtype), lse
+    return probs @ _repeat_heads(v, q.size(1)), lse
 
 
 def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, dlse=None):
-    if dlse is None and _fused_applies(q, q_pos, kv_pos, is_causal):
-        return _fused_backward(dout, q, k, v, out, lse.to(_fused_lse_dtype(q)), 0.0, is_causal, scale=scale)
     acc = accumulation_dtype(q.dtype)
+    dout, q, k, v, out, lse = (t.to(acc) for t in (dout, q, k, v, out, lse))
+    if dlse is None and _fused_applies(q, q_pos, kv_pos, is_causal):
+        return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
     probs, _ = _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse=lse)
-    dout, out = dout.to(acc), out.to(acc)
-    k_rep, v_rep = _repeat_heads(k, q.size(1)).to(acc), _repeat_heads(v, q.size(1)).to(acc)
+    k_rep, v_rep = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
     delta = (dout * out).sum(-1)
     if dlse is not None:
         delta = delta - dlse.to(acc)
     dv = probs.mT @ dout
     dscores = probs * (dout @ v_rep.mT - delta.unsqueeze(-1))
     dq = (dscores @ k_rep) * scale
-    dk = (dscores.mT @ q.to(acc)) * scale
+    dk = (dscores.mT @ q) * scale
     return dq, _sum_head_groups(dk, k.size(1)), _sum_head_groups(dv, v.size(1))
 
 
@@ -60,21 +61,15 @@ def _fused_applies(q, q_pos, kv_pos, is_causal: bool) -> bool:
     )
 
 
-def _fused_lse_dtype(q) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse: Optional[torch.Tensor] = None):
     """Softmax probabilities of the block (rows with no visible key are all zero) and their LSE.
     With ``lse`` given, probabilities are taken against it (the backward pass's global LSE)."""
-    acc = accumulation_dtype(q.dtype)
-    scores = (q.to(acc) @ _repeat_heads(k, q.size(1)).to(acc).mT) * scale
+    scores = (q @ _repeat_heads(k, q.size(1)).mT) * scale
     if is_causal:
         visible = kv_pos.to(q.device).unsqueeze(0) <= q_pos.to(q.device).unsqueeze(1)
         scores = scores.masked_fill(~visible, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    lse = lse.to(acc)
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - finite_lse.unsqueeze(-1))
     probs = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
