@@ -37,14 +37,15 @@ def _loss(outputs, weights):
 
 
 def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, dynamic, group=None,
-            seed: int = 0) -> dict:
+            seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
     """Relative errors of outputs and parameter gradients on this rank, and the graph's op counts."""
     torch.manual_seed(0)
-    model = MODELS[name]().double()
-    inputs = _inputs(name, seq_len, batch=2, seed=seed)
+    torch._dynamo.reset()
+    model = MODELS[name]().to(dtype)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in _inputs(name, seq_len, batch=2, seed=seed))
     expected = model(*inputs)
     expected_tuple = expected if isinstance(expected, tuple) else (expected,)
-    weights = [torch.randn(e.shape, dtype=e.dtype, generator=torch.Generator().manual_seed(7)) for e in expected_tuple]
+    weights = [torch.randn(e.shape, generator=torch.Generator().manual_seed(7)).to(e.dtype) for e in expected_tuple]
     _loss(expected, weights).backward()
     expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
@@ -109,6 +110,11 @@ def _op_counts(gm) -> dict:
     return counts
 
 
+def run_cases(rank: int, world_size: int, cases: list) -> dict:
+    """``cases``: (case id, compare's arguments after world_size as a dict)."""
+    return {case_id: compare(rank, world_size, **kwargs) for case_id, kwargs in cases}
+
+
 def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> dict:
     """4 ranks = 2 data-parallel replicas x 2-rank rings: each replica its own batch, the ring on its group."""
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -122,21 +128,27 @@ def refusal(rank: int, world_size: int, case: str) -> str:
 
     class CumsumAfterAttention(nn.Module):
         def forward(self, x):
-            q = x.view(1, 2, x.shape[1], 4)
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
             y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
             return y.cumsum(dim=2)
 
     class DropoutInAttention(nn.Module):
         def forward(self, x):
-            q = x.view(1, 2, x.shape[1], 4)
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
             return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
 
     class DifferentLengths(nn.Module):
         def forward(self, x):
-            q = x.view(1, 2, x.shape[1], 4)
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
             return F.scaled_dot_product_attention(q, q[:, :, :4], q[:, :, :4])
 
-    model = {"cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths}[case]()
+    class TokensMixedByReshape(nn.Module):
+        def forward(self, x):
+            q = x.view(1, 2, x.shape[1], 4)  # heads cut out of the token axis: not per token
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    model = {"cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
+             "reshape": TokensMixedByReshape}[case]()
     try:
         torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
     except Exception as error:  # Dynamo wraps backend errors

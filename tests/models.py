@@ -160,5 +160,5 @@ class WithLoss(nn.Module):
     def forward(self, ids, labels):
         logits = self.body(ids)
         labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return loss, logits

@@ -211,8 +211,9 @@ def _sizes(node: fx.Node) -> list:
     return rest
 
 
-def _view_target_dim(in_shape, in_axis: SeqDim, out_shape, n: int) -> tuple[int, int]:
+def _view_target_dim(node: fx.Node, in_axis: SeqDim, n: int) -> tuple[int, int]:
     """(output dim holding the sequence, its inner factor) of a reshape; refuses a split sequence."""
+    in_shape, out_shape = example_value(node.args[0]).shape, example_value(node).shape
     stride = in_axis.inner
     for s in in_shape[in_axis.dim + 1:]:
         stride *= s
@@ -223,7 +224,10 @@ def _view_target_dim(in_shape, in_axis: SeqDim, out_shape, n: int) -> tuple[int,
                 return j, stride // suffix
             break
         suffix *= out_shape[j]
-    raise NotSupportedError(f"A reshape from {tuple(in_shape)} to {tuple(out_shape)} splits the sequence axis.")
+    raise NotSupportedError(
+        f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
+        "mixes it with other axes; the tokens of a shard would not stay together."
+    )
 
 
 def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
@@ -234,7 +238,7 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
             if axis.dim + out_shape.__len__() - len(in_shape) == dim:
                 return axis.inner
         else:
-            j, inner = _view_target_dim(in_shape, axis, out_shape, n)
+            j, inner = _view_target_dim(node, axis, n)
             if j == dim:
                 return inner
     return None
@@ -255,7 +259,7 @@ def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
             if node.target == "repeat":
                 continue
         else:
-            j, _ = _view_target_dim(in_shape, axis, out_shape, n)
+            j, _ = _view_target_dim(node, axis, n)
         if isinstance(sizes[j], int) and sizes[j] != -1:
             sizes[j] = out_shape[j] // n * length
     first = node.args[0]
