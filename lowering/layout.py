@@ -72,7 +72,7 @@ class Layout:
     @property
     def local_len(self) -> int:
         """Slots per rank (the same on every rank, padding included)."""
-        return self.padded_len // self.world_size
+        return local_length(self.kind, self.world_size, self.seq_len)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         """The global chunk indices rank ``rank`` holds, in local order."""
@@ -156,6 +156,12 @@ class Layout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise InvalidInputError(f"rank {rank} is outside this layout's world of {self.world_size}.")
+
+
+def local_length(kind: str, world_size: int, seq_len):
+    """`Layout.local_len` as plain arithmetic, so that it also works on a symbolic ``seq_len``."""
+    chunks = world_size * (2 if kind == "zigzag" else 1)
+    return (seq_len + chunks - 1) // chunks * (chunks // world_size)
 
 
 def _check_dim(dim: int, rank: int) -> int:

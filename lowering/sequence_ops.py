@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from lowering.layout import Layout
+from lowering.layout import Layout, local_length
 
 
 @lru_cache(maxsize=64)
@@ -47,7 +47,7 @@ def local_positions(kind: str, world_size: int, seq_len: int, group_name: str, d
 
 @local_positions.register_fake
 def _(kind, world_size, seq_len, group_name, device):
-    return torch.empty(_layout(kind, world_size, seq_len).local_len, dtype=torch.int64, device=device)
+    return torch.empty(local_length(kind, world_size, seq_len), dtype=torch.int64, device=device)
 
 
 @torch.library.custom_op("ringpass::local_token_mask", mutates_args=())
@@ -57,7 +57,7 @@ def local_token_mask(kind: str, world_size: int, seq_len: int, group_name: str, 
 
 @local_token_mask.register_fake
 def _(kind, world_size, seq_len, group_name, device):
-    return torch.empty(_layout(kind, world_size, seq_len).local_len, dtype=torch.bool, device=device)
+    return torch.empty(local_length(kind, world_size, seq_len), dtype=torch.bool, device=device)
 
 
 @torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
@@ -72,7 +72,7 @@ def shard_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_le
 @shard_sequence.register_fake
 def _(x, dim, kind, world_size, seq_len, group_name):
     shape = list(x.shape)
-    shape[dim] = _layout(kind, world_size, seq_len).local_len
+    shape[dim] = local_length(kind, world_size, seq_len)
     return x.new_empty(shape)
 
 

@@ -115,6 +115,22 @@ def run_cases(rank: int, world_size: int, cases: list) -> dict:
     return {case_id: compare(rank, world_size, **kwargs) for case_id, kwargs in cases}
 
 
+def several_lengths(rank: int, world_size: int, name: str, lengths: tuple) -> dict:
+    """One dynamic compile, called at several sequence lengths: outputs against the whole model."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = MODELS[name]().double()
+    backend = ringpass.backend(compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    errors, compiles = [], []
+    for seq_len in lengths:
+        inputs = _inputs(name, seq_len, batch=2, seed=seq_len)
+        for got, want in zip(compiled(*inputs), model(*inputs)):
+            errors.append(rel_err(got.detach(), want.detach()))
+        compiles.append(len(backend.reports))
+    return {"errors": errors, "compiles": compiles}
+
+
 def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> dict:
     """4 ranks = 2 data-parallel replicas x 2-rank rings: each replica its own batch, the ring on its group."""
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

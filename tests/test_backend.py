@@ -22,7 +22,7 @@ def _cases(world_size: int) -> list:
     seq_len = 4 * world_size + 3  # padded by the layout: 2P does not divide it
     cases = []
     for name in MODELS:
-        for dynamic in (None,):
+        for dynamic in (None, True):
             for dtype in (torch.float64, torch.float32):
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
@@ -83,6 +83,13 @@ def test_report_names_what_was_rewritten():
     assert "sdpa (causal" in report and "models.py" in report
     assert "arange -> this rank's positions" in report
     assert "gradient all-reduce in backward" in report
+
+
+def test_dynamic_compile_serves_other_lengths_without_recompiling():
+    for result in spawn_ranks(backend_workers.several_lengths, 2, ("gpt_with_loss", (13, 16, 21)), timeout=TIMEOUT):
+        first, *later = result["compiles"]  # backend calls after each length
+        assert first >= 1 and all(n == first for n in later), result["compiles"]
+        assert max(result["errors"]) <= 1e-10
 
 
 def test_two_data_parallel_replicas_of_two_rank_rings():

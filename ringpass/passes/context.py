@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from ringpass.options import RingOptions
@@ -45,12 +47,50 @@ class PassContext:
     # placements
     placement: dict[fx.Node, str] = field(default_factory=dict)
 
-    @property
-    def local_len(self) -> int:
-        from lowering.layout import Layout
+    length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
+    _graph_lengths: dict = field(default_factory=dict)
 
-        return Layout(self.layout_kind, self.world_size, self.global_seq_len).local_len
+    @property
+    def dynamic(self) -> bool:
+        return isinstance(self.seq_len, torch.SymInt)
 
     def layout_args(self) -> tuple[Any, ...]:
         """(kind, world_size, seq_len, group_name): what every sequence op takes."""
-        return (self.layout_kind, self.world_size, self.global_seq_len, self.group_name)
+        return (self.layout_kind, self.world_size, self.graph_length("global"), self.group_name)
+
+    def graph_length(self, which: str):
+        """The ``"global"`` sequence length or this rank's ``"local"`` one, as the rewritten graph
+        should compute it: an int for static shapes, a node of SymInt arithmetic for dynamic ones."""
+        if which not in self._graph_lengths:
+            self._graph_lengths[which] = self._static_length(which) if not self.dynamic else self._symbolic_length(which)
+        return self._graph_lengths[which]
+
+    def _static_length(self, which: str) -> int:
+        from lowering.layout import Layout
+
+        layout = Layout(self.layout_kind, self.world_size, self.global_seq_len)
+        return layout.seq_len if which == "global" else layout.local_len
+
+    def _symbolic_length(self, which: str):
+        graph = self.gm.graph
+        n = self._length_node()
+        chunks = self.world_size * (2 if self.layout_kind == "zigzag" else 1)
+        first_op = next(node for node in graph.nodes if node.op != "placeholder")
+        with graph.inserting_before(first_op):
+            if self.options.inputs == "sharded":
+                return n if which == "local" else graph.call_function(operator.mul, (n, self.world_size))
+            if which == "global":
+                return n
+            rounded_up = graph.call_function(operator.floordiv, (graph.call_function(operator.add, (n, chunks - 1)), chunks))
+            return graph.call_function(operator.mul, (rounded_up, chunks // self.world_size))
+
+    def _length_node(self) -> fx.Node:
+        """A node whose value is the graph's sequence length: a SymInt input, else ``input.size(dim)``."""
+        if self.length_nodes:
+            return next(iter(self.length_nodes))
+        if "size" not in self._graph_lengths:
+            source = next(n for n, kind in self.sources.items() if kind == "input")
+            first_op = next(node for node in self.gm.graph.nodes if node.op != "placeholder")
+            with self.gm.graph.inserting_before(first_op):
+                self._graph_lengths["size"] = self.gm.graph.call_method("size", (source, self.axes[source][0].dim))
+        return self._graph_lengths["size"]

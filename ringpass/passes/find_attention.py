@@ -185,6 +185,7 @@ def _evaluate_causal(gm: fx.GraphModule, mask, out: fx.Node) -> bool:
     """Evaluate the mask's subgraph on the host and compare it with the causal pattern."""
     kind, node = mask
     n = example_value(out).shape[-2]
+    n = n.node.hint if isinstance(n, torch.SymInt) else n
     if n > MASK_LIMIT:
         raise NotSupportedError(
             f"The hand-written attention mask at {describe(node)} would be checked on a {n}x{n} grid; above "
@@ -220,9 +221,12 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
             return env[n]
         if n.op == "placeholder":
             v = example_value(n)
-            if not isinstance(v, torch.nn.Parameter) and not _is_buffer(n):
+            if isinstance(v, torch.SymInt):  # dynamic shapes: check the mask at the example's length
+                env[n] = v.node.hint
+            elif isinstance(v, torch.nn.Parameter) or _is_buffer(n):
+                env[n] = n.meta["grapharg"].example
+            else:
                 raise LookupError
-            env[n] = _real(gm, n)
             return env[n]
         if n.op == "get_attr":
             env[n] = getattr(gm, n.target)
@@ -245,9 +249,3 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
 def _is_buffer(node: fx.Node) -> bool:
     arg = node.meta.get("grapharg")
     return arg is not None and "_buffers" in arg.source.name
-
-
-def _real(gm: fx.GraphModule, node: fx.Node):
-    """A placeholder's real value: Dynamo keeps the example tensor on its grapharg."""
-    arg = node.meta["grapharg"]
-    return arg.example

@@ -22,13 +22,14 @@ from lowering.errors import NotSupportedError
 from lowering.layout import Layout
 from ringpass.graph import describe, example_value
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+from ringpass.passes.sequence_axes import same
 
 
 def insert_boundaries(ctx: PassContext) -> None:
     if not ctx.attention:
         return
     graph = ctx.gm.graph
-    padded = Layout(ctx.layout_kind, ctx.world_size, ctx.global_seq_len).padded_len != ctx.global_seq_len
+    padded = ctx.dynamic or Layout(ctx.layout_kind, ctx.world_size, ctx.global_seq_len).padded_len != ctx.global_seq_len
     shards: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         placement = ctx.placement.get(node)
@@ -59,7 +60,8 @@ def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
 
 
 def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
-    users = list(placeholder.users)
+    length = ctx._graph_lengths.get("size")  # the input's full length stays full
+    users = [u for u in placeholder.users if u is not length]
     with ctx.gm.graph.inserting_after(placeholder):
         shard = _shard_node(ctx, placeholder)
     for user in users:
@@ -78,10 +80,11 @@ def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
     graph = ctx.gm.graph
     value = example_value(like)
     mask = graph.call_function(torch.ops.ringpass.local_token_mask.default, (*ctx.layout_args(), value.device))
-    outer = value.shape[axis.dim] // (ctx.seq_len * axis.inner)
-    if outer != 1 or axis.inner != 1:  # a merged (outer x sequence x inner) dimension
+    if not same(value.shape[axis.dim], ctx.seq_len):  # a merged (outer x sequence x inner) dimension
         mask = graph.call_method("view", (mask, 1, -1, 1))
-        mask = graph.call_method("expand", (mask, outer, ctx.local_len, axis.inner))
+        size = graph.call_method("size", (like, axis.dim))
+        outer = graph.call_function(operator.floordiv, (size, graph.call_function(operator.mul, (ctx.graph_length("local"), axis.inner))))
+        mask = graph.call_method("expand", (mask, outer, -1, axis.inner))
         mask = graph.call_method("reshape", (mask, -1))
     shape = [1] * value.dim()
     shape[axis.dim] = -1
@@ -119,10 +122,12 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
     graph, reduce = ctx.gm.graph, torch.ops.ringpass.all_reduce_sum.default
     if kind == "sum":
         return graph.call_function(reduce, (node, ctx.group_name))
-    per_output = example_value(local_input).numel() // example_value(node).numel()  # reduced elements
-    local_sum = graph.call_function(operator.mul, (node, float(per_output * ctx.local_len // ctx.seq_len)))
-    reduced = graph.call_function(reduce, (local_sum, ctx.group_name))
-    return graph.call_function(operator.truediv, (reduced, float(per_output * ctx.global_seq_len // ctx.seq_len)))
+    # mean: local mean x local count, summed, over the global count (counts measured at run time)
+    local_count = graph.call_function(operator.floordiv, (graph.call_method("numel", (local_input,)), graph.call_method("numel", (node,))))
+    reduced = graph.call_function(reduce, (graph.call_function(operator.mul, (node, local_count)), ctx.group_name))
+    per_token = graph.call_function(operator.floordiv, (local_count, ctx.graph_length("local")))
+    global_count = graph.call_function(operator.mul, (per_token, ctx.graph_length("global")))
+    return graph.call_function(operator.truediv, (reduced, global_count))
 
 
 def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:

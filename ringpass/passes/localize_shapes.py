@@ -4,28 +4,63 @@ Matches ops on this rank's tokens that spell sizes as numbers (``view``, ``resha
 tensors created with a size of the sequence length). With static shapes Dynamo writes the whole
 sequence length into them; writes the local length instead (a merged dimension such as batch x
 sequence is scaled, not replaced). With ``inputs="sharded"`` the graph already holds local sizes and
-nothing changes.
+nothing changes. With dynamic shapes the sizes are SymInt inputs instead: uses of the sequence-length
+input (and arithmetic on it) in local ops get the local length, computed in the graph.
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch.fx as fx
+
 from ringpass.passes.context import LOCAL, PassContext
 from ringpass.passes.sequence_axes import is_size_op, resize_size_args
 
+ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod)
+
 
 def localize_shapes(ctx: PassContext) -> None:
-    if ctx.local_len == ctx.seq_len:
+    local = ctx.graph_length("local")
+    if not ctx.dynamic and local == ctx.seq_len:
         return
-    for node in ctx.gm.graph.nodes:
+    twins: dict[fx.Node, fx.Node] = {}
+    for node in list(ctx.gm.graph.nodes):
         if ctx.placement.get(node) != LOCAL:
             continue
         if is_size_op(node):
-            node.args = resize_size_args(node, ctx.axes[node.args[0]], ctx.local_len, ctx.seq_len)
+            node.args = resize_size_args(node, ctx.axes[node.args[0]], local, ctx.seq_len)
         elif ctx.sources.get(node) == "created":
-            node.args = _created_args(ctx, node)
+            node.args = _created_args(ctx, node, local)
+        if ctx.dynamic and ctx.options.inputs == "full" and not _is_ringpass_op(node):
+            for arg in node.all_input_nodes:
+                twin = _local_twin(ctx, arg, twins)
+                if twin is not arg:
+                    node.replace_input_with(arg, twin)
 
 
-def _created_args(ctx: PassContext, node):
+def _is_ringpass_op(node: fx.Node) -> bool:
+    """Our own ops take the global length on purpose."""
+    return getattr(node.target, "namespace", None) == "ringpass"
+
+
+def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
+    """Dynamic shapes: the local counterpart of a SymInt computed from the sequence length input."""
+    if node in ctx.length_nodes:
+        return ctx.graph_length("local")
+    if node in twins:
+        return twins[node]
+    twin = node
+    if node.op == "call_function" and node.target in ARITHMETIC:
+        args = [_local_twin(ctx, a, twins) if isinstance(a, fx.Node) else a for a in node.args]
+        if any(a is not b for a, b in zip(args, node.args)):
+            with ctx.gm.graph.inserting_after(node):
+                twin = ctx.gm.graph.call_function(node.target, tuple(args))
+    twins[node] = twin
+    return twin
+
+
+def _created_args(ctx: PassContext, node, local):
     """``torch.zeros(B, N, H)`` / ``x.new_zeros((B, N, H))`` with N at a sequence dim -> the local length."""
     seq_dims = {a.dim for a in ctx.axes[node]}
     first = 1 if node.op == "call_method" else 0  # x.new_zeros(...) carries the tensor first
@@ -33,9 +68,9 @@ def _created_args(ctx: PassContext, node):
     if isinstance(args[first], (list, tuple)):  # zeros((B, N, H)), full((B, N), value)
         sizes = list(args[first])
         for d in seq_dims:
-            sizes[d] = ctx.local_len
+            sizes[d] = local
         args[first] = type(args[first])(sizes)
     else:  # zeros(B, N, H)
         for d in seq_dims:
-            args[first + d] = ctx.local_len
+            args[first + d] = local
     return tuple(args)

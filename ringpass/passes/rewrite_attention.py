@@ -37,7 +37,7 @@ def rewrite_attention(ctx: PassContext) -> None:
                 operands = [graph.call_method("unsqueeze", (t, 1)) for t in operands]
             ring = graph.call_function(
                 torch.ops.ringpass.ring_attention.default,
-                (*operands, ctx.layout_kind, ctx.world_size, ctx.global_seq_len, match.is_causal, float(scale), ctx.group_name),
+                (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), match.is_causal, float(scale), ctx.group_name),
             )
             out = graph.call_function(operator.getitem, (ring, 0))
             if q.dim() == 3:

@@ -13,6 +13,7 @@ import torch
 
 from ringpass.graph import example_value, source_line
 from ringpass.passes.context import LOCAL, PassContext
+from ringpass.passes.sequence_axes import same, value_of
 
 
 def rewrite_positions(ctx: PassContext) -> None:
@@ -39,7 +40,7 @@ def rewrite_positions(ctx: PassContext) -> None:
 def _unsliced(ctx: PassContext, node):
     """``table[..., :n, ...]`` -> ``table[..., :, ...]`` (only the sequence slice is replaced)."""
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    rest = tuple(slice(None) if isinstance(i, slice) and i.stop == ctx.seq_len else i for i in index)
+    rest = tuple(slice(None) if isinstance(i, slice) and same(value_of(i.stop), ctx.seq_len) else i for i in index)
     if all(i == slice(None) for i in rest):
         return node.args[0]
     return ctx.gm.graph.call_function(node.target, (node.args[0], rest))

@@ -15,12 +15,15 @@ Writes ``ctx.seq_len``, ``ctx.global_seq_len``, ``ctx.layout_kind``, ``ctx.axes`
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Optional
 
 import torch
+import torch._refs
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
@@ -32,6 +35,16 @@ EXPANDS = ("expand", "repeat")
 CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
             "new_zeros", "new_ones", "new_empty", "new_full")
 SUMS = {torch.sum: "sum", "sum": "sum", torch.mean: "mean", "mean": "mean", F.cross_entropy: "cross_entropy"}
+
+def _pad(x, pad, mode="constant", value=None):
+    """``F.pad`` through its Python reference, which keeps symbolic sizes symbolic (the C++ op on fake
+    tensors makes them concrete)."""
+    if mode != "constant":
+        return F.pad(x, pad, mode, value)
+    return torch._refs.constant_pad_nd(x, pad, 0 if value is None else value)
+
+
+PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
 MIXING_BY_DIM = {  # ops that combine tokens along their `dim` argument (position of `dim` in args)
     torch.cumsum: 1, "cumsum": 1, torch.cumprod: 1, "cumprod": 1, torch.diff: None, "diff": None,
     torch.roll: None, "roll": None, torch.flip: None, "flip": None, torch.sort: None, "sort": None,
@@ -43,10 +56,10 @@ MIXING_BY_DIM = {  # ops that combine tokens along their `dim` argument (positio
 def find_sequence_axes(ctx: PassContext) -> None:
     if not ctx.attention:
         return
-    lengths = {example_value(m.query).shape[-2] for m in ctx.attention}
-    if len(lengths) != 1:
-        raise NotSupportedError(f"The attentions in this graph run over different lengths {sorted(lengths)}; ringpass shards one sequence.")
-    ctx.seq_len = lengths.pop()
+    lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
+    if not all(same(n, lengths[0]) for n in lengths):
+        raise NotSupportedError(f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence.")
+    ctx.seq_len = lengths[0]
     sharded_inputs = ctx.options.inputs == "sharded"
     ctx.global_seq_len = ctx.seq_len * ctx.world_size if sharded_inputs else ctx.seq_len
     if ctx.options.layout == "auto":
@@ -62,14 +75,16 @@ class _Probe:
         self.n = ctx.seq_len
         self.probe_len = ctx.seq_len + 1
         self.values: dict[fx.Node, object] = {}
-        self.inner_by_size: dict[int, int] = {self.n: 1}
+        self.inner_by_size: dict[object, int] = {_key(self.n): 1}
         self.fake_mode = next(
             example_value(n).fake_mode for n in ctx.gm.graph.nodes
             if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
         )
 
     def run(self) -> None:
-        with self.fake_mode:
+        shape_env = self.fake_mode.shape_env
+        # The probe's sizes are hypothetical: what it learns must not become guards of the real graph.
+        with self.fake_mode, (shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()):
             for node in self.ctx.gm.graph.nodes:
                 if node.op == "output":
                     continue
@@ -83,18 +98,18 @@ class _Probe:
             return self._probe_placeholder(node, original)
         if node.op == "get_attr":
             return original
-        seq_inputs = [a for a in node.all_input_nodes if self.ctx.axes.get(a) or self._tuple_has_seq(a)]
-        if not seq_inputs:
+        if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
-            if source is None:
+            if source is not None:
+                self.ctx.sources[node] = source
+                return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
+            if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
-            self.ctx.sources[node] = source
-            return self._resized(original, [d for d, s in enumerate(original.shape) if s == self.n])
         args, kwargs = self._probe_args(node)
         try:
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return node.target(*args, **kwargs)
+            return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
             raise NotSupportedError(
                 f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. "
@@ -102,9 +117,12 @@ class _Probe:
             ) from None
 
     def _probe_placeholder(self, node: fx.Node, original):
+        if isinstance(original, torch.SymInt) and same(original, self.n):
+            self.ctx.length_nodes.add(node)  # dynamic shapes: the sequence length as an input
+            return original + 1
         if not isinstance(original, torch.Tensor) or is_module_state(node):
             return original
-        dims = [d for d, s in enumerate(original.shape) if s == self.n]
+        dims = [d for d, s in enumerate(original.shape) if same(s, self.n)]
         if not dims:
             return original
         dim = 1 if 1 in dims else dims[0]
@@ -112,18 +130,17 @@ class _Probe:
         return self._resized(original, [dim])
 
     def _source_kind(self, node: fx.Node, original) -> Optional[str]:
-        if not isinstance(original, torch.Tensor) or self.n not in original.shape:
+        if not isinstance(original, torch.Tensor) or not any(same(s, self.n) for s in original.shape):
             return None
-        if node.target is torch.arange and original.dim() == 1 and original.shape[0] == self.n:
-            args = [a for a in node.args if not isinstance(a, torch.device)]
-            if args in ([self.n], [0, self.n], [0, self.n, 1]):
-                return "positions"
-            return None
+        if node.target is torch.arange and original.dim() == 1:
+            args = [value_of(a) for a in node.args if not isinstance(a, torch.device)]
+            start, step = (args[0] if len(args) > 1 else 0), (args[2] if len(args) > 2 else 1)
+            return "positions" if same(start, 0) and same(step, 1) else None
         if node.target in CREATORS or (node.op == "call_method" and node.target in CREATORS):
             return "created"
         if node.target is operator.getitem and isinstance(node.args[1], (slice, tuple)):
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            if any(isinstance(i, slice) and i.stop == self.n and i.start in (None, 0) for i in index):
+            if any(isinstance(i, slice) and same(value_of(i.stop), self.n) and i.start in (None, 0) for i in index):
                 return "sliced"
         return None
 
@@ -137,22 +154,30 @@ class _Probe:
         args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         kwargs = map_aggregate(node.kwargs, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         if is_size_op(node):
-            args = (args[0], *resize_size_args(node, self.ctx.axes[node.args[0]], self.probe_len, self.n)[1:])
+            resized = resize_size_args(node, self.ctx.axes[node.args[0]], self.probe_len, self.n)
+            args = map_aggregate(resized, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         return args, kwargs
+
+    def _changed(self, node: fx.Node) -> bool:
+        """The probe changed this node's value: a sequence axis, a tuple holding one, or a length."""
+        value = self.values.get(node)
+        if isinstance(value, torch.SymInt):
+            return not same(value, example_value(node))
+        return bool(self.ctx.axes.get(node)) or self._tuple_has_seq(node)
 
     def _tuple_has_seq(self, node: fx.Node) -> bool:
         value = self.values.get(node)
         original = example_value(node)
         if not isinstance(value, (tuple, list)) or not isinstance(original, (tuple, list)):
             return False
-        return any(isinstance(v, torch.Tensor) and v.shape != o.shape for v, o in zip(value, original))
+        return any(isinstance(v, torch.Tensor) and not _same_shape(v.shape, o.shape) for v, o in zip(value, original))
 
     # ---- what the probe says ----------------------------------------------------------------------
     def _record_axes(self, node: fx.Node) -> None:
         original, probe = example_value(node), self.values[node]
         if not isinstance(original, torch.Tensor) or not isinstance(probe, torch.Tensor):
             return
-        moved = [d for d in range(original.dim()) if original.shape[d] != probe.shape[d]]
+        moved = [d for d in range(original.dim()) if not same(original.shape[d], probe.shape[d])]
         inputs_have_seq = any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes)
         if not moved:
             if inputs_have_seq and node.op in ("call_function", "call_method"):
@@ -164,10 +189,10 @@ class _Probe:
         for d in moved:
             size = original.shape[d]
             inner = self._inner(node, d, size)
-            aligned = inner is not None and size % (self.n * inner) == 0 and probe.shape[d] == size // self.n * self.probe_len
+            aligned = inner is not None and same(size % (self.n * inner), 0) and same(probe.shape[d], size // self.n * self.probe_len)
             axes.append(SeqDim(d, inner or 1, aligned))
             if aligned:
-                self.inner_by_size.setdefault(size, inner)
+                self.inner_by_size.setdefault(_key(size), inner)
         self.ctx.axes[node] = tuple(axes)
         if inputs_have_seq and not all(a.aligned for a in axes):
             self.ctx.mixing.setdefault(node, "it changes the sequence length (a shift, slice, pad or concatenation)")
@@ -178,9 +203,9 @@ class _Probe:
     def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:
         if is_size_op(node):
             return _view_inner(node, self.ctx.axes[node.args[0]], dim, self.n)
-        if size == self.n:
+        if same(size, self.n):
             return 1
-        return self.inner_by_size.get(size)
+        return self.inner_by_size.get(_key(size))
 
     def _record_reduction(self, node: fx.Node) -> None:
         kind = SUMS.get(node.target)
@@ -219,9 +244,9 @@ def _view_target_dim(node: fx.Node, in_axis: SeqDim, n: int) -> tuple[int, int]:
         stride *= s
     suffix = 1
     for j in range(len(out_shape) - 1, -1, -1):
-        if suffix <= stride < suffix * out_shape[j]:
-            if stride % suffix == 0 and (suffix * out_shape[j]) % (stride * n) == 0:
-                return j, stride // suffix
+        if statically_known_true(suffix <= stride) and statically_known_true(stride < suffix * out_shape[j]):
+            if same(stride % suffix, 0) and same((suffix * out_shape[j]) % (stride * n), 0):
+                return j, int(stride // suffix)
             break
         suffix *= out_shape[j]
     raise NotSupportedError(
@@ -260,7 +285,24 @@ def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
                 continue
         else:
             j, _ = _view_target_dim(node, axis, n)
-        if isinstance(sizes[j], int) and sizes[j] != -1:
+        if isinstance(sizes[j], int) and sizes[j] != -1:  # a literal (static shapes); SymInt inputs are handled apart
             sizes[j] = out_shape[j] // n * length
     first = node.args[0]
     return (first, *sizes) if not (len(node.args) == 2 and isinstance(node.args[1], (list, tuple))) else (first, type(node.args[1])(sizes))
+
+
+def same(a, b) -> bool:
+    """``a == b`` for ints and SymInts, without adding guards (unknown counts as different)."""
+    return statically_known_true(a == b)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def _key(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def value_of(arg):
+    return example_value(arg) if isinstance(arg, fx.Node) else arg
