@@ -39,7 +39,9 @@ class RingBackend:
         group = _resolve_group(self.options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
         report = Report(world_size=world_size)
-        if world_size > 1:
+        if world_size == 1:
+            report.warnings.append("one rank (or no process group): the graph runs unchanged")
+        else:
             ctx = PassContext(gm, example_inputs, self.options, world_size, group.group_name, report)
             for run_pass in PIPELINE:
                 run_pass(ctx)

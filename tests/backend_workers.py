@@ -61,8 +61,9 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
 
     layout = None
     compiled_inputs = inputs
-    ring_world = dist.get_world_size(group) if group is not None else world_size
-    ring_rank = dist.get_rank(group) if group is not None else rank
+    ring_group = group.get_group() if hasattr(group, "get_group") else group
+    ring_world = dist.get_world_size(ring_group) if group is not None else world_size
+    ring_rank = dist.get_rank(ring_group) if group is not None else rank
     if options.get("inputs") == "sharded":
         from lowering import Layout
         layout = Layout(options.get("layout", "zigzag"), ring_world, seq_len)
@@ -88,7 +89,7 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
         summed = {}
         for k, g in grads.items():
             g = g.clone()
-            dist.all_reduce(g, group=group)
+            dist.all_reduce(g, group=ring_group)
             summed[k] = g
         result["grads"] = max(rel_err(summed[k], expected_grads[k]) for k in expected_grads)
     else:
@@ -131,10 +132,23 @@ def several_lengths(rank: int, world_size: int, name: str, lengths: tuple) -> di
     return {"errors": errors, "compiles": compiles}
 
 
+def by_registered_name(rank: int, world_size: int) -> dict:
+    """``torch.compile(model, backend="ring", options=...)``, found through the entry point."""
+    torch.manual_seed(0)
+    model = MODELS["gpt"]().double()
+    ids = _inputs("gpt", 10, batch=2, seed=0)[0]
+    compiled = torch.compile(model, backend="ring", options={"compiler": "aot_eager", "layout": "contiguous"})
+    error = rel_err(compiled(ids).detach(), model(ids).detach())
+    return {"error": error, "report": str(ringpass.last_report())}
+
+
 def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> dict:
-    """4 ranks = 2 data-parallel replicas x 2-rank rings: each replica its own batch, the ring on its group."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return compare(rank, world_size, name, seq_len, {"compiler": "aot_eager"}, None, group=groups[rank // 2], seed=rank // 2)
+    """4 ranks = 2 data-parallel replicas x 2-rank rings: each replica its own batch, the ring on the
+    ``cp`` dimension of a DeviceMesh (ranks {0, 1} and {2, 3})."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    return compare(rank, world_size, name, seq_len, {"compiler": "aot_eager"}, None, group=mesh["cp"], seed=rank // 2)
 
 
 def refusal(rank: int, world_size: int, case: str) -> str:

@@ -92,6 +92,31 @@ def test_dynamic_compile_serves_other_lengths_without_recompiling():
         assert max(result["errors"]) <= 1e-10
 
 
+def test_backend_by_its_registered_name_with_options():
+    for result in spawn_ranks(backend_workers.by_registered_name, 2, timeout=TIMEOUT):
+        assert result["error"] <= 1e-10
+        assert "layout contiguous" in result["report"]
+
+
+def test_bad_options_are_refused_with_the_choices():
+    import ringpass
+    from lowering import InvalidInputError
+    with pytest.raises(InvalidInputError, match="layout='diagonal' is not one of 'auto', 'zigzag', 'contiguous'"):
+        ringpass.backend(layout="diagonal")
+    with pytest.raises(InvalidInputError, match="Unknown ring backend option\\(s\\) shards"):
+        ringpass.backend(shards=2)
+
+
+def test_one_process_compiles_unchanged():
+    import ringpass
+    import models
+    model = models.GPT()
+    ids = torch.randint(0, 61, (2, 8))
+    backend = ringpass.backend(compiler="eager")
+    torch.testing.assert_close(torch.compile(model, backend=backend)(ids), model(ids))
+    assert "runs unchanged" in str(backend.reports[-1])
+
+
 def test_two_data_parallel_replicas_of_two_rank_rings():
     for result in spawn_ranks(backend_workers.data_parallel_rings, 4, ("llama", 11), timeout=TIMEOUT):
         assert max(result["outputs"]) <= 1e-10 and result["grads"] <= 1e-10
