@@ -16,6 +16,7 @@ MODELS = {
     "hand_written": lambda: models.HandWritten(),
     "encoder": lambda: models.Encoder(),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
+    **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},
 }
 
 

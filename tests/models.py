@@ -162,3 +162,37 @@ class WithLoss(nn.Module):
         labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return loss, logits
+
+
+class Spellings(nn.Module):
+    """Hand-written causal attention in another spelling, chosen by name (see SPELLINGS)."""
+
+    def __init__(self, spelling: str, vocab=61, dim=16):
+        super().__init__()
+        self.spelling = spelling
+        self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        self.register_buffer("causal", torch.tril(torch.ones(64, 64, dtype=torch.bool)))
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # single head: [B, N, D]
+        s = self.spelling
+        if s == "bmm_mT_tril_buffer_where":
+            scores = torch.bmm(q, k.mT) * q.shape[-1] ** -0.5
+            scores = torch.where(self.causal[:n, :n], scores, float("-inf"))
+            probs = F.softmax(scores, dim=-1)
+        elif s == "matmul_permute_additive_method_softmax":
+            q4, k4, v = q[:, None], k[:, None], v[:, None]
+            bias = torch.full((n, n), float("-inf")).triu(1)
+            scores = q4 @ k4.permute(0, 1, 3, 2) / q.shape[-1] ** 0.5 + bias
+            probs = scores.softmax(-1)
+        else:  # "tril_ones_masked_fill_float32_softmax"
+            mask = torch.tril(torch.ones(n, n, device=ids.device))
+            scores = (q @ k.transpose(1, 2)) * 0.25
+            probs = torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        y = probs @ v
+        return self.out(x + y.reshape(x.shape))
+
+
+SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import backend_workers
+import models
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 400
@@ -28,6 +29,12 @@ def _cases(world_size: int) -> list:
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
                                             dynamic=dynamic, dtype=dtype)))
     cases += [
+        (f"spelling_{name}", dict(name=f"spelling_{name}", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
+        for name in models.SPELLINGS
+    ]
+    cases += [  # a sequence as long as the head dim, and as long as the hidden size
+        ("gpt-seq_len_is_head_dim", dict(name="gpt", seq_len=8, options={"compiler": "aot_eager"}, dynamic=None)),
+        ("gpt-seq_len_is_hidden", dict(name="gpt", seq_len=32, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
         ("gpt-sharded_io", dict(name="gpt", seq_len=4 * world_size,
                                           options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}, dynamic=None)),
@@ -58,7 +65,7 @@ def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
     for case_id, _ in _cases(world_size):
         ops = results(world_size)[0][case_id]["ops"]
-        layers = 1 if case_id.startswith("hand_written") else 2
+        layers = 1 if case_id.startswith(("hand_written", "spelling")) else 2
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 

@@ -1,4 +1,4 @@
-"""The examples run as a user runs them (torchrun), with a timeout."""
+"""The examples run as a user runs them (torchrun on 2 CPU processes), with a timeout."""
 
 import re
 import subprocess
@@ -8,12 +8,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ring_attention_by_hand_under_torchrun():
+def _torchrun(script: str, timeout: float) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "ring_attention_by_hand.py")],
-        capture_output=True, text=True, timeout=180,
+         str(ROOT / "examples" / script)],
+        capture_output=True, text=True, timeout=timeout,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    errors = [float(e) for e in re.findall(r"max \|ring - sdpa\| = (\S+),", result.stdout)]
-    assert len(errors) == 2 and max(errors) < 1e-5, result.stdout
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_ring_attention_by_hand_under_torchrun():
+    output = _torchrun("ring_attention_by_hand.py", timeout=180)
+    errors = [float(e) for e in re.findall(r"max \|ring - sdpa\| = (\S+),", output)]
+    assert len(errors) == 2 and max(errors) < 1e-5, output
+
+
+def test_compile_with_ring_under_torchrun():
+    output = _torchrun("compile_with_ring.py", timeout=300)
+    loss, unsharded, grad_error = re.search(r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output).groups()
+    assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
+    assert float(grad_error) < 1e-4

@@ -32,6 +32,7 @@ from ringpass.passes.context import PassContext, SeqDim
 
 VIEWS = ("view", "reshape", torch.reshape)
 EXPANDS = ("expand", "repeat")
+FLATTENS = ("flatten", torch.flatten)  # reshapes that spell no sizes
 CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
             "new_zeros", "new_ones", "new_empty", "new_full")
 SUMS = {torch.sum: "sum", "sum": "sum", torch.mean: "mean", "mean": "mean", F.cross_entropy: "cross_entropy"}
@@ -201,7 +202,7 @@ class _Probe:
         self._record_mixing_by_dim(node, axes)
 
     def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:
-        if is_size_op(node):
+        if is_size_op(node) or node.target in FLATTENS:
             return _view_inner(node, self.ctx.axes[node.args[0]], dim, self.n)
         if same(size, self.n):
             return 1
