@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 

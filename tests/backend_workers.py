@@ -134,11 +134,13 @@ def several_lengths(rank: int, world_size: int, name: str, lengths: tuple) -> di
 
 
 def by_registered_name(rank: int, world_size: int) -> dict:
-    """``torch.compile(model, backend="ring", options=...)``, found through the entry point."""
+    """``torch.compile(model, backend="ring", options=...)``, found through the entry point, with the
+    process group given by name."""
     torch.manual_seed(0)
     model = MODELS["gpt"]().double()
     ids = _inputs("gpt", 10, batch=2, seed=0)[0]
-    compiled = torch.compile(model, backend="ring", options={"compiler": "aot_eager", "layout": "contiguous"})
+    options = {"compiler": "aot_eager", "layout": "contiguous", "group": dist.group.WORLD.group_name}
+    compiled = torch.compile(model, backend="ring", options=options)
     error = rel_err(compiled(ids).detach(), model(ids).detach())
     return {"error": error, "report": str(ringpass.last_report())}
 

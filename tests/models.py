@@ -165,7 +165,7 @@ class WithLoss(nn.Module):
 
 
 class Spellings(nn.Module):
-    """Hand-written causal attention in another spelling, chosen by name (see SPELLINGS)."""
+    """Single-head causal attention in another spelling, chosen by name (see SPELLINGS)."""
 
     def __init__(self, spelling: str, vocab=61, dim=16):
         super().__init__()
@@ -187,6 +187,10 @@ class Spellings(nn.Module):
             bias = torch.full((n, n), float("-inf")).triu(1)
             scores = q4 @ k4.permute(0, 1, 3, 2) / q.shape[-1] ** 0.5 + bias
             probs = scores.softmax(-1)
+        elif s == "sdpa_all_keywords":
+            y = F.scaled_dot_product_attention(query=q[:, None], key=k[:, None], value=v[:, None], attn_mask=None,
+                                               dropout_p=0.0, is_causal=True, scale=0.3)
+            return self.out(x + y[:, 0])
         else:  # "tril_ones_masked_fill_float32_softmax"
             mask = torch.tril(torch.ones(n, n, device=ids.device))
             scores = (q @ k.transpose(1, 2)) * 0.25
@@ -195,4 +199,5 @@ class Spellings(nn.Module):
         return self.out(x + y.reshape(x.shape))
 
 
-SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax")
+SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax",
+             "sdpa_all_keywords")

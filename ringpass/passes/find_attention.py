@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value
+from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -223,7 +223,7 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
             v = example_value(n)
             if isinstance(v, torch.SymInt):  # dynamic shapes: check the mask at the example's length
                 env[n] = v.node.hint
-            elif isinstance(v, torch.nn.Parameter) or _is_buffer(n):
+            elif is_module_state(n):
                 env[n] = n.meta["grapharg"].example
             else:
                 raise LookupError
@@ -244,8 +244,3 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
             return value(node)
     except LookupError:
         return None
-
-
-def _is_buffer(node: fx.Node) -> bool:
-    arg = node.meta.get("grapharg")
-    return arg is not None and "_buffers" in arg.source.name
