@@ -163,4 +163,12 @@ def _gather_outputs(ctx: PassContext) -> None:
             gathered = ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args()))
         output.replace_input_with(arg, gathered)
         ctx.placement[gathered] = FULL
-        ctx.report.gathered_outputs.append(f"{arg.name}: dim {dim}")
+        value = example_value(arg)
+        ctx.report.gathered_outputs.append(
+            f"{arg.name}: dim {dim}, {_mib(value.numel() * value.element_size())} all-gathered per call "
+            "(outputs='sharded' keeps each rank's tokens instead)"
+        )
+
+
+def _mib(nbytes) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if isinstance(nbytes, int) else f"{nbytes} bytes"

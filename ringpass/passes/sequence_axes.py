@@ -223,7 +223,14 @@ class _Probe:
         rank = example_value(node).dim()
         seq_dims = {a.dim for a in axes}
         if dim is None or (isinstance(dim, int) and dim % rank in seq_dims):
+            if node.target in (torch.cat, torch.concat) and _only_empty_besides_one(node.args[0], dim):
+                return  # cat([empty, x]) along the sequence (an empty KV cache) is x
             self.ctx.mixing[node] = f"`{getattr(node.target, '__name__', node.target)}` runs along the sequence"
+
+
+def _only_empty_besides_one(tensors, dim: int) -> bool:
+    """All but one of ``tensors`` are empty (cat skips them: HF caches start as ``tensor([])``)."""
+    return sum(not same(example_value(t).numel(), 0) for t in tensors) == 1
 
 
 def is_size_op(node: fx.Node) -> bool:
