@@ -54,6 +54,7 @@ def spawn_ranks(
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+        results.close()
 
 
 def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:

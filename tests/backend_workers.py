@@ -13,6 +13,7 @@ from reference import rel_err
 MODELS = {
     "gpt": lambda: models.GPT(),
     "llama": lambda: models.Llama(),
+    "llama_repeat_kv": lambda: models.Llama(repeat_kv=True),
     "hand_written": lambda: models.HandWritten(),
     "encoder": lambda: models.Encoder(),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),

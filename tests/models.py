@@ -58,9 +58,9 @@ def rotate_half(x):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, dim, heads, kv_heads):
+    def __init__(self, dim, heads, kv_heads, repeat_kv=False):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.head_dim, self.repeat_kv = heads, kv_heads, dim // heads, repeat_kv
         self.q = nn.Linear(dim, dim, bias=False)
         self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
@@ -74,19 +74,22 @@ class LlamaBlock(nn.Module):
         q = self.q(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(h).view(b, n, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.repeat_kv:  # Hugging Face's repeat_kv: K/V heads repeated before attention
+            groups = self.heads // self.kv_heads
+            k, v = (t[:, :, None].expand(b, self.kv_heads, groups, n, self.head_dim).reshape(b, self.heads, n, self.head_dim) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.repeat_kv)
         x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
 class Llama(nn.Module):
-    """RoPE from arange positions, GQA through enable_gqa, RMSNorm, SwiGLU."""
+    """RoPE from arange positions, GQA through enable_gqa (or K/V heads repeated first), RMSNorm, SwiGLU."""
 
-    def __init__(self, vocab=61, dim=32, heads=4, kv_heads=2, layers=2):
+    def __init__(self, vocab=61, dim=32, heads=4, kv_heads=2, layers=2, repeat_kv=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, repeat_kv) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         head_dim = dim // heads

@@ -35,6 +35,7 @@ def _cases(world_size: int) -> list:
     cases += [  # a sequence as long as the head dim, and as long as the hidden size
         ("gpt-seq_len_is_head_dim", dict(name="gpt", seq_len=8, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-seq_len_is_hidden", dict(name="gpt", seq_len=32, options={"compiler": "aot_eager"}, dynamic=None)),
+        ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
         ("gpt-sharded_io", dict(name="gpt", seq_len=4 * world_size,
                                           options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}, dynamic=None)),
@@ -82,6 +83,11 @@ def test_expected_collectives_in_the_graph():
     assert encoder["all_reduce_sum.default"] == 1  # the mean over tokens
     sharded = ops["gpt-sharded_io"]["ops"]
     assert "gather_sequence.default" not in sharded and "shard_sequence.default" not in sharded
+
+
+def test_repeated_kv_heads_travel_unrepeated():
+    report = results(2)[0]["llama_repeat_kv"]["report"]
+    assert "4 query / 2 key-value heads" in report and "expand" not in str(results(2)[0]["llama_repeat_kv"]["ops"])
 
 
 def test_report_names_what_was_rewritten():

@@ -96,7 +96,33 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     q, k = example_value(args["query"]), example_value(args["key"])
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False):
         raise NotSupportedError(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.")
-    return AttentionMatch(node, args["query"], args["key"], args["value"], bool(args.get("is_causal", False)), scale, "sdpa")
+    key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
+    return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa")
+
+
+def _unrepeated(node: fx.Node) -> fx.Node:
+    """K/V before a repeat of their heads (``k[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv*g, S, D)``,
+    ``k.repeat_interleave(g, dim=1)``): the ring rotates the Hkv heads and repeats nothing."""
+    if _is(node, ("repeat_interleave", torch.repeat_interleave)):
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        return node.args[0] if dim in (1, -3) and isinstance(node.args[0], fx.Node) else node
+    if not _is(node, ("reshape", "view", torch.reshape)) or not isinstance(node.args[0], fx.Node):
+        return node
+    expanded = node.args[0]
+    if not _is(expanded, ("expand",)) or not isinstance(expanded.args[0], fx.Node):
+        return node
+    unsqueezed = expanded.args[0]
+    if _is(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2:
+        source = unsqueezed.args[0]
+    elif unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem and \
+            unsqueezed.args[1] == (slice(None), slice(None), None):
+        source = unsqueezed.args[0]
+    else:
+        return node
+    kv, out = example_value(source), example_value(node)
+    if kv.dim() != 4 or out.dim() != 4 or tuple(out.shape[2:]) != tuple(kv.shape[2:]) or out.shape[0] != kv.shape[0]:
+        return node
+    return source
 
 
 def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionMatch]:

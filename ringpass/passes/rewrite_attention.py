@@ -47,5 +47,6 @@ def rewrite_attention(ctx: PassContext) -> None:
         ctx.axes[out] = ctx.axes[match.output]
         graph.erase_node(match.output)
         mask = "causal" if match.is_causal else "no mask"
-        ctx.report.attention.append(f"{match.spelling} ({mask}, scale {scale:.4g}) -> ringpass::ring_attention at {source_line(match.output)}")
+        heads = f"{q.shape[1]} query / {example_value(match.key).shape[1]} key-value heads"
+        ctx.report.attention.append(f"{match.spelling} ({mask}, scale {scale:.4g}, {heads}) -> ringpass::ring_attention at {source_line(match.output)}")
     graph.eliminate_dead_code()  # the rest of hand-written attentions
