@@ -124,7 +124,7 @@ gather_sequence.register_autograd(_gather_backward, setup_context=_sequence_setu
 all_reduce_sum.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
-class reduce_grad(torch.autograd.Function):
+class _ReduceGrad(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the group (a partial gradient made whole)."""
 
     @staticmethod
@@ -137,7 +137,7 @@ class reduce_grad(torch.autograd.Function):
         return all_reduce_sum(grad, ctx.group_name), None
 
 
-class scale_grad(torch.autograd.Function):
+class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by ``factor``."""
 
     @staticmethod
@@ -148,3 +148,13 @@ class scale_grad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+def reduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x``, whose gradient is summed over the group in the backward."""
+    return _ReduceGrad.apply(x, group_name)
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x``, whose gradient is multiplied by ``factor`` in the backward."""
+    return _ScaleGrad.apply(x, factor)

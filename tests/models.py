@@ -204,3 +204,16 @@ class Spellings(nn.Module):
 
 SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax",
              "sdpa_all_keywords")
+
+
+class PositionTableAndPooling(nn.Module):
+    """A learned position table sliced to the length, and a mean over tokens fed back into every token."""
+
+    def __init__(self, vocab=61, dim=32, heads=4, max_len=64):
+        super().__init__()
+        self.embed, self.block, self.head = nn.Embedding(vocab, dim), GPTBlock(dim, heads), nn.Linear(dim, vocab)
+        self.pos = nn.Parameter(torch.randn(1, max_len, dim) * 0.1)
+
+    def forward(self, ids):
+        x = self.block(self.embed(ids) + self.pos[:, : ids.shape[1]])
+        return self.head(x - x.mean(1, keepdim=True))

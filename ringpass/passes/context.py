@@ -46,6 +46,8 @@ class PassContext:
     sources: dict[fx.Node, str] = field(default_factory=dict)     # node -> "input" | "positions" | "created" | "sliced"
     # placements
     placement: dict[fx.Node, str] = field(default_factory=dict)
+    # insert_boundaries: all-reduced totals of partial sums (their gradient must be made whole)
+    totals: set = field(default_factory=set)
 
     length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
     _graph_lengths: dict = field(default_factory=dict)
@@ -83,6 +85,10 @@ class PassContext:
                 return n
             rounded_up = graph.call_function(operator.floordiv, (graph.call_function(operator.add, (n, chunks - 1)), chunks))
             return graph.call_function(operator.mul, (rounded_up, chunks // self.world_size))
+
+    def length_of_input(self):
+        """The ``input.size(dim)`` node that measures the full length, if one was made."""
+        return self._graph_lengths.get("size")
 
     def _length_node(self) -> fx.Node:
         """A node whose value is the graph's sequence length: a SymInt input, else ``input.size(dim)``."""

@@ -71,11 +71,8 @@ def find_attention(ctx: PassContext) -> None:
 
 
 def _is(node: fx.Node, targets) -> bool:
-    if node.op == "call_function":
-        return node.target in targets
-    if node.op == "call_method":
-        return node.target in targets
-    return False
+    """``node`` calls one of ``targets`` (functions, or method names as strings)."""
+    return node.op in ("call_function", "call_method") and node.target in targets
 
 
 def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
@@ -134,12 +131,20 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if _is(probs, ("to", "type_as", "float")):  # softmax(..., dtype=float32).to(q.dtype)
         internal.append(probs)
         probs = probs.args[0]
-    if _is(probs, ("dropout",)) or (probs.op == "call_function" and probs.target is F.dropout):
-        raise NotSupportedError(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.")
+    if _is(probs, ("dropout", F.dropout)):
+        training = probs.kwargs.get("training", probs.args[2] if len(probs.args) > 2 else True)
+        if training and probs.kwargs.get("p", probs.args[1] if len(probs.args) > 1 else 0.5):
+            raise NotSupportedError(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.")
+        internal.append(probs)
+        probs = probs.args[0]
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
     internal.append(probs)
-    scores, mask = _peel_mask(probs.args[0], internal)
+    scores = probs.args[0]
+    if _is(scores, ("to", "type_as", "float")):  # softmax(scores.float(), -1)
+        internal.append(scores)
+        scores = scores.args[0]
+    scores, mask = _peel_mask(scores, internal)
     scores, scale = _peel_scale(scores, internal)
     if not _is(scores, MATMUL):
         return None
@@ -171,8 +176,9 @@ def _peel_mask(scores: fx.Node, internal: list):
             internal.append(scores)
             return scores.args[0], ("masked_out", scores.args[1])
     if _is(scores, (torch.where,)) and len(scores.args) == 3 and isinstance(scores.args[2], (int, float)):
-        internal.append(scores)
-        return scores.args[1], ("kept", scores.args[0])
+        if scores.args[2] == float("-inf") or scores.args[2] <= -1e4:
+            internal.append(scores)
+            return scores.args[1], ("kept", scores.args[0])
     if _is(scores, (operator.add, torch.add, "add")) and isinstance(scores.args[1], fx.Node):
         left, right = scores.args
         if _is(left, (operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div") + MATMUL):
@@ -223,15 +229,22 @@ def _evaluate_causal(gm: fx.GraphModule, mask, out: fx.Node) -> bool:
             f"The attention mask at {describe(node)} depends on the model's inputs; only a causal mask built from "
             "shapes (tril, arange comparisons, a registered buffer) is supported so far."
         )
-    grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:] if values.dim() >= 2 else None
+    if values.dim() < 2:
+        raise NotSupportedError(f"The attention mask at {describe(node)} is not a [.., query, key] mask; only causal masks are supported so far.")
+    grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     if kind == "masked_out":
         visible = ~grid.bool()
     elif kind == "kept":
         visible = grid.bool()
-    else:
+    else:  # an additive mask: 0 where visible, -inf (or very negative) elsewhere; any other value is a bias
         visible = grid > -1e4
-    if grid is None or not bool((visible == causal).all()):
+        if not bool((grid[visible.expand_as(grid)] == 0).all()):
+            raise NotSupportedError(
+                f"The additive attention mask at {describe(node)} carries values (a bias such as ALiBi), not just "
+                "0 / -inf; attention biases are not supported yet."
+            )
+    if not bool((visible == causal).all()):
         raise NotSupportedError(
             f"The attention mask at {describe(node)} is not causal; only causal masks (and none) are supported so far."
         )

@@ -46,21 +46,25 @@ def insert_boundaries(ctx: PassContext) -> None:
 
 def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
     axes = ctx.axes[node]
-    if len(axes) != 1 or not axes[0].aligned or axes[0].inner != 1:
-        raise NotSupportedError(f"{describe(node)} would have to be sharded along a merged or shifted sequence axis; please report this model.")
+    if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.seq_len):
+        raise NotSupportedError(
+            f"{describe(node)} would have to be sharded or gathered along a sequence axis merged with others "
+            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'."
+        )
     return axes[0].dim
 
 
 def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
     dim = _shard_dim(ctx, node)
     shard = ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args()))
+    shard.meta["example_value"] = example_value(node)  # the full value's metadata (dtype, rank) for later passes
     ctx.placement[shard] = LOCAL
     ctx.axes[shard] = ctx.axes[node]
     return shard
 
 
 def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
-    length = ctx._graph_lengths.get("size")  # the input's full length stays full
+    length = ctx.length_of_input()  # the input's full length stays full
     users = [u for u in placeholder.users if u is not length]
     with ctx.gm.graph.inserting_after(placeholder):
         shard = _shard_node(ctx, placeholder)
@@ -112,6 +116,8 @@ def _all_reduce(ctx: PassContext, node: fx.Node, padded: bool) -> None:
             total = _global_sum(ctx, node, local_input, kind)
     for user in users:
         user.replace_input_with(node, total)
+    total.meta["example_value"] = example_value(node)
+    ctx.totals.add(total)
     if not node.users:
         graph.erase_node(node)
     ctx.placement[total] = NOSEQ

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from ringpass.passes.context import LOCAL, PassContext
@@ -32,16 +33,13 @@ def localize_shapes(ctx: PassContext) -> None:
             node.args = resize_size_args(node, ctx.axes[node.args[0]], local, ctx.seq_len)
         elif ctx.sources.get(node) == "created":
             node.args = _created_args(ctx, node, local)
-        if ctx.dynamic and ctx.options.inputs == "full" and not _is_ringpass_op(node):
+        else:
+            continue  # other uses of the length (x / n, arange(1, n + 1)) keep the global length
+        if ctx.dynamic and ctx.options.inputs == "full":
             for arg in node.all_input_nodes:
                 twin = _local_twin(ctx, arg, twins)
                 if twin is not arg:
                     node.replace_input_with(arg, twin)
-
-
-def _is_ringpass_op(node: fx.Node) -> bool:
-    """Our own ops take the global length on purpose."""
-    return getattr(node.target, "namespace", None) == "ringpass"
 
 
 def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
@@ -51,7 +49,8 @@ def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
     if node in twins:
         return twins[node]
     twin = node
-    if node.op == "call_function" and node.target in ARITHMETIC:
+    value = node.meta.get("example_value")
+    if node.op == "call_function" and node.target in ARITHMETIC and isinstance(value, torch.SymInt):
         args = [_local_twin(ctx, a, twins) if isinstance(a, fx.Node) else a for a in node.args]
         if any(a is not b for a, b in zip(args, node.args)):
             with ctx.gm.graph.inserting_after(node):

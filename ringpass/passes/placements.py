@@ -18,7 +18,7 @@ import operator
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe
+from ringpass.graph import describe, example_value
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 
 
@@ -63,6 +63,8 @@ def has_sequence(ctx: PassContext, node: fx.Node) -> bool:
     """The node's value (or, for a tuple, one of its items) has a sequence axis."""
     if ctx.axes.get(node):
         return True
+    if not isinstance(example_value(node), (tuple, list)):
+        return False
     return any(u.target is operator.getitem and ctx.axes.get(u) for u in node.users)
 
 

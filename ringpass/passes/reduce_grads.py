@@ -10,6 +10,9 @@ value that needs a gradient and classifies it from its users (in reverse order):
   partial along some uses and whole along others has each partial use wrapped;
 - ``grads="local"`` (each rank keeps its share; an outer DDP/FSDP sums over ranks): whole uses are
   wrapped in `scale_grad(1/P)` instead, so that the sum over ranks is the full gradient.
+
+An all-reduced total (``x.sum(1)`` over the sequence) that feeds per-token ops again is treated like a
+leaf whose partial uses are always reduced: its gradient flows back into every rank's tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def reduce_grads(ctx: PassContext) -> None:
             continue
         uses = {user: _use_kind(ctx, user, kinds) for user in node.users}
         kind = set(uses.values()) - {None}
-        leaf = node.op == "placeholder"
-        wrap_kind = PART if ctx.options.grads == "reduced" else WHOLE
+        # A total's gradient flows back into every rank's tokens: it must be whole in either mode.
+        leaf = node.op == "placeholder" or node in ctx.totals
+        wrap_kind = PART if ctx.options.grads == "reduced" or node in ctx.totals else WHOLE
         if kind == {wrap_kind} and leaf:
             _wrap(ctx, node, list(node.users), wrap_kind)
             wrapped += 1
@@ -69,9 +73,9 @@ def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], kind: str) -> N
     graph = ctx.gm.graph
     with graph.inserting_before(node.next):
         if kind == PART:
-            wrapped = graph.call_function(reduce_grad.apply, (node, ctx.group_name))
+            wrapped = graph.call_function(reduce_grad, (node, ctx.group_name))
         else:
-            wrapped = graph.call_function(scale_grad.apply, (node, 1.0 / ctx.world_size))
+            wrapped = graph.call_function(scale_grad, (node, 1.0 / ctx.world_size))
     ctx.placement[wrapped] = NOSEQ
     for user in users:
         user.replace_input_with(node, wrapped)

@@ -29,13 +29,13 @@ from torch.fx.node import map_aggregate
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext, SeqDim
+from ringpass.passes.token_ops import classify
 
 VIEWS = ("view", "reshape", torch.reshape)
 EXPANDS = ("expand", "repeat")
 FLATTENS = ("flatten", torch.flatten)  # reshapes that spell no sizes
 CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
             "new_zeros", "new_ones", "new_empty", "new_full")
-SUMS = {torch.sum: "sum", "sum": "sum", torch.mean: "mean", "mean": "mean", F.cross_entropy: "cross_entropy"}
 
 def _pad(x, pad, mode="constant", value=None):
     """``F.pad`` through its Python reference, which keeps symbolic sizes symbolic (the C++ op on fake
@@ -46,12 +46,6 @@ def _pad(x, pad, mode="constant", value=None):
 
 
 PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
-MIXING_BY_DIM = {  # ops that combine tokens along their `dim` argument (position of `dim` in args)
-    torch.cumsum: 1, "cumsum": 1, torch.cumprod: 1, "cumprod": 1, torch.diff: None, "diff": None,
-    torch.roll: None, "roll": None, torch.flip: None, "flip": None, torch.sort: None, "sort": None,
-    torch.argsort: None, "argsort": None, torch.softmax: 1, "softmax": 1, F.softmax: 1,
-    F.log_softmax: 1, "log_softmax": 1, torch.cat: 1, torch.concat: 1,
-}
 
 
 def find_sequence_axes(ctx: PassContext) -> None:
@@ -91,6 +85,7 @@ class _Probe:
                     continue
                 self.values[node] = self._probe(node)
                 self._record_axes(node)
+                self._record_role(node)
 
     # ---- one node -------------------------------------------------------------------------------
     def _probe(self, node: fx.Node):
@@ -181,8 +176,6 @@ class _Probe:
         moved = [d for d in range(original.dim()) if not same(original.shape[d], probe.shape[d])]
         inputs_have_seq = any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes)
         if not moved:
-            if inputs_have_seq and node.op in ("call_function", "call_method"):
-                self._record_reduction(node)
             return
         if len(moved) > 1 and node.op != "placeholder" and node not in self.ctx.sources:
             self.ctx.mixing[node] = "it builds a sequence x sequence tensor"
@@ -199,7 +192,6 @@ class _Probe:
             self.ctx.mixing.setdefault(node, "it changes the sequence length (a shift, slice, pad or concatenation)")
         if any(not a.aligned for arg in node.all_input_nodes for a in self.ctx.axes.get(arg, ())):
             self.ctx.mixing.setdefault(node, "it reads a shifted or resized sequence")
-        self._record_mixing_by_dim(node, axes)
 
     def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:
         if is_size_op(node) or node.target in FLATTENS:
@@ -208,29 +200,18 @@ class _Probe:
             return 1
         return self.inner_by_size.get(_key(size))
 
-    def _record_reduction(self, node: fx.Node) -> None:
-        kind = SUMS.get(node.target)
-        if kind is None:
-            self.ctx.mixing[node] = "it reduces over the sequence"
-        else:
-            self.ctx.reductions[node] = kind
-
-    def _record_mixing_by_dim(self, node: fx.Node, axes) -> None:
-        if node.target not in MIXING_BY_DIM:
+    def _record_role(self, node: fx.Node) -> None:
+        """Per-token op, reduction over the sequence, or token mixing (see `token_ops.classify`)."""
+        if node.op not in ("call_function", "call_method"):
             return
-        position = MIXING_BY_DIM[node.target]
-        dim = node.kwargs.get("dim", node.args[position] if position is not None and len(node.args) > position else None)
-        rank = example_value(node).dim()
-        seq_dims = {a.dim for a in axes}
-        if dim is None or (isinstance(dim, int) and dim % rank in seq_dims):
-            if node.target in (torch.cat, torch.concat) and _only_empty_besides_one(node.args[0], dim):
-                return  # cat([empty, x]) along the sequence (an empty KV cache) is x
-            self.ctx.mixing[node] = f"`{getattr(node.target, '__name__', node.target)}` runs along the sequence"
-
-
-def _only_empty_besides_one(tensors, dim: int) -> bool:
-    """All but one of ``tensors`` are empty (cat skips them: HF caches start as ``tensor([])``)."""
-    return sum(not same(example_value(t).numel(), 0) for t in tensors) == 1
+        if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
+            return
+        output_has_seq = bool(self.ctx.axes.get(node)) or self._tuple_has_seq(node)
+        role, why = classify(node, lambda a: {axis.dim for axis in self.ctx.axes.get(a, ())}, output_has_seq)
+        if role == "mixing":
+            self.ctx.mixing.setdefault(node, why)
+        elif role != "token":
+            self.ctx.reductions[node] = role
 
 
 def is_size_op(node: fx.Node) -> bool:
@@ -282,6 +263,8 @@ def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
     in_shape = example_value(node.args[0]).shape
     out_shape = list(example_value(node).shape)
     sizes = _sizes(node)
+    if len(sizes) != len(out_shape):  # view(other.shape): sizes come from another tensor at run time
+        return node.args
     for axis in in_axes:
         if not axis.aligned:
             continue

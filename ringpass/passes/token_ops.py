@@ -1,0 +1,150 @@
+"""Which ops act on each token separately: the rule that keeps sharded activations honest.
+
+An op on a value with a sequence axis may run on a shard only if it acts on every token by itself. That
+is decided from what the op is, never assumed: pointwise aten ops (by their ``pointwise`` tag), ops that
+only rearrange or cast (``view``, ``transpose``, ``to``...), per-token layers (``linear``, ``embedding``,
+``layer_norm`` over trailing feature dims, ``matmul`` over feature dims), and ops with a ``dim``
+argument (``softmax``, ``cat``, ``split``, ``sum``...) when that dim is not the sequence. A ``sum`` or
+``mean`` over the sequence is a partial sum to be all-reduced; ``cross_entropy`` with a reduction is
+a global mean. Everything else that touches the sequence (sorts, convolutions, cumulative ops, max or
+norm over the sequence, tensor indexing, ops not listed) mixes tokens.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+REARRANGE = {
+    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as",
+    "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
+    "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
+    "getattr", "pad", "movedim", "swapaxes",
+}
+PER_TOKEN_LAYERS = {
+    "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
+}  # over feature dims; a contraction over the sequence loses the sequence axis and is caught above
+TRAILING_NORMS = {"layer_norm", "rms_norm"}  # normalise over trailing (feature) dims
+REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "norm", "var", "std", "prod", "logsumexp", "argmax", "argmin",
+    "all", "any", "median", "nansum", "nanmean", "var_mean", "std_mean", "count_nonzero",
+}
+ALONG_DIM = {
+    "softmax", "log_softmax", "cat", "concat", "split", "chunk", "unbind", "repeat_interleave", "sort", "argsort",
+    "topk", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "roll",
+}
+DIM_POSITION = {"split": 2, "chunk": 2, "repeat_interleave": 2, "norm": 2, "topk": 2, "roll": 2}  # else the 2nd
+OPERATOR_NAMES = {
+    "truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "or_": "bitwise_or",
+    "xor": "bitwise_xor", "invert": "bitwise_not", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
+}
+
+
+def op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    name = getattr(node.target, "__name__", str(node.target))
+    return OPERATOR_NAMES.get(name, name) if node.target.__module__ in ("_operator", "operator") else name
+
+
+def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: bool) -> tuple[str, Optional[str]]:
+    """("token", None), a reduction over the sequence ("sum" | "mean" | "cross_entropy", None), or
+    ("mixing", why). ``seq_dims(arg)`` gives the sequence dims of an input node."""
+    name = op_name(node)
+    first = next((a for a in _tensor_args(node) if seq_dims(a)), None)
+    if name == "getitem":
+        return _getitem(node, seq_dims)
+    if name == "cross_entropy":
+        reduction = node.kwargs.get("reduction", "mean")
+        return ("token", None) if reduction == "none" else ("cross_entropy", None)
+    if name in ("max", "min") and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+        return "token", None  # elementwise maximum / minimum of two tensors
+    if name in REDUCTIONS or name in ALONG_DIM:
+        dims = _dims(node, name, first)
+        if dims is not None and not (dims & seq_dims(first)):
+            return "token", None
+        if name in ("sum", "mean"):
+            return name, None
+        if name in ("cat", "concat") and _only_one_nonempty(node.args[0]):
+            return "token", None  # cat([empty, x]) is x (an empty KV cache)
+        return "mixing", f"`{name}` runs along the sequence"
+    if name in TRAILING_NORMS:
+        shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else ())
+        rank = _value(first).dim()
+        trailing = set(range(rank - len(shape), rank)) if isinstance(shape, (tuple, list)) else {rank - 1}
+        return ("mixing", f"`{name}` normalises over the sequence") if trailing & seq_dims(first) else ("token", None)
+    if not output_has_seq and name not in ("size", "dim", "numel", "getattr"):
+        return "mixing", f"`{name}` reduces over the sequence"
+    if name in REARRANGE or name in PER_TOKEN_LAYERS or _pointwise(name):
+        return "token", None
+    return "mixing", f"`{name}` is not known to act on each token separately"
+
+
+def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
+    source, index = node.args
+    if not isinstance(_value(source), torch.Tensor):
+        return "token", None  # an item of a tuple
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in index):
+        return "mixing", "indexing with a tensor picks tokens"
+    rank = _value(source).dim()
+    consumed = [i for i in index if i is not None and i is not Ellipsis]
+    dim, addressed = 0, {}
+    for i in index:
+        if i is Ellipsis:
+            dim += rank - len(consumed)
+        elif i is not None:
+            addressed[dim] = i
+            dim += 1
+    for d in seq_dims(source):
+        if d in addressed and not _whole(addressed[d]):
+            return "mixing", "it picks or slices tokens"
+    return "token", None
+
+
+def _whole(index) -> bool:
+    """``:`` or an equivalent slice (``0:``, ``::1``) that keeps every token."""
+    return isinstance(index, slice) and index.start in (None, 0) and index.stop is None and index.step in (None, 1)
+
+
+def _dims(node: fx.Node, name: str, first: Optional[fx.Node]) -> Optional[set]:
+    position = DIM_POSITION.get(name, 1)
+    dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
+    if name == "norm" and "dim" not in node.kwargs and len(node.args) == 2:
+        dim = None  # x.norm(p)
+    if dim is None or first is None:
+        return None
+    rank = _value(first).dim()
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return {d % rank for d in dims}
+
+
+def _only_one_nonempty(tensors) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return sum(not statically_known_true(_value(t).numel() == 0) for t in tensors) == 1
+
+
+def _tensor_args(node: fx.Node):
+    args = list(node.args)
+    if args and isinstance(args[0], (list, tuple)):
+        args = list(args[0]) + args[1:]
+    return [a for a in args if isinstance(a, fx.Node) and isinstance(_value(a), torch.Tensor)]
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+
+
+@lru_cache(maxsize=None)
+def _pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or not hasattr(packet, "overloads"):
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, overload).tags for overload in packet.overloads())
+
