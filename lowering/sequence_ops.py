@@ -124,37 +124,24 @@ gather_sequence.register_autograd(_gather_backward, setup_context=_sequence_setu
 all_reduce_sum.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
-class _ReduceGrad(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the group (a partial gradient made whole)."""
+class _GradientOnly(torch.autograd.Function):
+    """Identity forward; the backward applies ``transform`` to the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group_name: str):
-        ctx.group_name = group_name
+    def forward(ctx, x, transform):
+        ctx.transform = transform
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_sum(grad, ctx.group_name), None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by ``factor``."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
+        return ctx.transform(grad), None
 
 
 def reduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``x``, whose gradient is summed over the group in the backward."""
-    return _ReduceGrad.apply(x, group_name)
+    """``x``, whose gradient is summed over the group in the backward (a partial gradient made whole)."""
+    return _GradientOnly.apply(x, lambda grad: all_reduce_sum(grad, group_name))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x``, whose gradient is multiplied by ``factor`` in the backward."""
-    return _ScaleGrad.apply(x, factor)
+    return _GradientOnly.apply(x, lambda grad: grad * factor)
