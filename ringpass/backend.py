@@ -33,15 +33,16 @@ class RingBackend:
         self.reports: list[Report] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        if kwargs.get("options"):
-            return RingBackend(**{**_as_dict(self.options), **kwargs["options"]})(gm, example_inputs)
-        group = _resolve_group(self.options.group)
+        options = self.options
+        if kwargs.get("options"):  # torch.compile(..., options={...}) on top of this backend's own
+            options = RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
+        group = _resolve_group(options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
         report = Report(world_size=world_size)
         if world_size == 1:
             report.warnings.append("one rank (or no process group): the graph runs unchanged")
         else:
-            ctx = PassContext(gm, example_inputs, self.options, world_size, group.group_name, report)
+            ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report)
             for run_pass in PIPELINE:
                 run_pass(ctx)
                 if not ctx.attention:
@@ -53,7 +54,7 @@ class RingBackend:
         self.reports.append(report)
         _reports.append(report)
         report.log()
-        return _inner_compile(self.options.compiler, gm, example_inputs)
+        return _inner_compile(options.compiler, gm, example_inputs)
 
 
 def backend(**options: Any) -> RingBackend:

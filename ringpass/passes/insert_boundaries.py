@@ -26,8 +26,6 @@ from ringpass.passes.sequence_axes import same
 
 
 def insert_boundaries(ctx: PassContext) -> None:
-    if not ctx.attention:
-        return
     graph = ctx.gm.graph
     padded = ctx.dynamic or Layout(ctx.layout_kind, ctx.world_size, ctx.global_seq_len).padded_len != ctx.global_seq_len
     shards: dict[fx.Node, fx.Node] = {}

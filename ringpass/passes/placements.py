@@ -23,8 +23,6 @@ from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 
 
 def decide_placements(ctx: PassContext) -> None:
-    if not ctx.attention:
-        return
     for node in _replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
         ctx.mixing.pop(node, None)
         ctx.axes.pop(node, None)

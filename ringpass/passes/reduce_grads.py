@@ -27,8 +27,6 @@ PART, WHOLE = "partial", "whole"
 
 
 def reduce_grads(ctx: PassContext) -> None:
-    if not ctx.attention:
-        return
     graph = ctx.gm.graph
     kinds: dict[fx.Node, set[str]] = {}
     wrapped = 0

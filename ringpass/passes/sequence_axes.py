@@ -49,8 +49,6 @@ PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no spe
 
 
 def find_sequence_axes(ctx: PassContext) -> None:
-    if not ctx.attention:
-        return
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
     if not all(same(n, lengths[0]) for n in lengths):
         raise NotSupportedError(f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence.")
