@@ -29,7 +29,7 @@ from torch.fx.node import map_aggregate
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext, SeqDim
-from ringpass.passes.token_ops import classify
+from ringpass.passes.token_ops import classify, value_of
 
 VIEWS = ("view", "reshape", torch.reshape)
 EXPANDS = ("expand", "repeat")
@@ -130,7 +130,7 @@ class _Probe:
             args = [value_of(a) for a in node.args if not isinstance(a, torch.device)]
             start, step = (args[0] if len(args) > 1 else 0), (args[2] if len(args) > 2 else 1)
             return "positions" if same(start, 0) and same(step, 1) else None
-        if node.target in CREATORS or (node.op == "call_method" and node.target in CREATORS):
+        if node.target in CREATORS:
             return "created"
         if node.target is operator.getitem and isinstance(node.args[1], (slice, tuple)):
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
@@ -291,7 +291,3 @@ def _same_shape(a, b) -> bool:
 
 def _key(size):
     return size.node.expr if isinstance(size, torch.SymInt) else size
-
-
-def value_of(arg):
-    return example_value(arg) if isinstance(arg, fx.Node) else arg

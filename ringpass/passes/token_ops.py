@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from ringpass.graph import example_value
+
 REARRANGE = {
     "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as",
     "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
@@ -73,7 +75,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return "mixing", f"`{name}` runs along the sequence"
     if name in TRAILING_NORMS:
         shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else ())
-        rank = _value(first).dim()
+        rank = value_of(first).dim()
         trailing = set(range(rank - len(shape), rank)) if isinstance(shape, (tuple, list)) else {rank - 1}
         return ("mixing", f"`{name}` normalises over the sequence") if trailing & seq_dims(first) else ("token", None)
     if not output_has_seq and name not in ("size", "dim", "numel", "getattr"):
@@ -85,12 +87,12 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
 
 def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
     source, index = node.args
-    if not isinstance(_value(source), torch.Tensor):
+    if not isinstance(value_of(source), torch.Tensor):
         return "token", None  # an item of a tuple
     index = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in index):
         return "mixing", "indexing with a tensor picks tokens"
-    rank = _value(source).dim()
+    rank = value_of(source).dim()
     consumed = [i for i in index if i is not None and i is not Ellipsis]
     dim, addressed = 0, {}
     for i in index:
@@ -117,7 +119,7 @@ def _dims(node: fx.Node, name: str, first: Optional[fx.Node]) -> Optional[set]:
         dim = None  # x.norm(p)
     if dim is None or first is None:
         return None
-    rank = _value(first).dim()
+    rank = value_of(first).dim()
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     if not all(isinstance(d, int) for d in dims):
         return None
@@ -127,18 +129,14 @@ def _dims(node: fx.Node, name: str, first: Optional[fx.Node]) -> Optional[set]:
 def _only_one_nonempty(tensors) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return sum(not statically_known_true(_value(t).numel() == 0) for t in tensors) == 1
+    return sum(not statically_known_true(value_of(t).numel() == 0) for t in tensors) == 1
 
 
 def _tensor_args(node: fx.Node):
     args = list(node.args)
     if args and isinstance(args[0], (list, tuple)):
         args = list(args[0]) + args[1:]
-    return [a for a in args if isinstance(a, fx.Node) and isinstance(_value(a), torch.Tensor)]
-
-
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+    return [a for a in args if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor)]
 
 
 @lru_cache(maxsize=None)
@@ -148,3 +146,7 @@ def _pointwise(name: str) -> bool:
         return False
     return any(torch.Tag.pointwise in getattr(packet, overload).tags for overload in packet.overloads())
 
+
+
+def value_of(arg):
+    return example_value(arg) if isinstance(arg, fx.Node) else arg
