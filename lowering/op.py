@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
+from lowering.masks import BlockMask, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -36,6 +37,9 @@ def ring_attention(
     scale: Optional[float] = None,
     group=None,
     return_lse: bool = False,
+    window: Optional[int] = None,
+    mask: Optional[Callable] = None,
+    mask_inputs: Sequence[torch.Tensor] = (),
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -45,6 +49,11 @@ def ring_attention(
     with ``return_lse=True`` also their log-sum-exp ``[B, Hq, n]`` (fp32; fp64 for fp64 inputs). Padding
     slots of the layout get out 0 and lse -inf. ``group=None`` is the default process group (or a single
     process when none is initialised). Differentiable in q, k, v (and through the LSE).
+
+    ``window=W`` (with ``is_causal``): a key is visible from queries at most ``W - 1`` positions after it.
+    ``mask(q_pos, kv_pos, *mask_inputs) -> bool`` (True = visible, broadcastable to ``[B, Hq, n, m]``) is
+    evaluated on global positions, one tile of at most `lowering.masks.MASK_TILE` squared pairs at a time;
+    ``mask_inputs`` are the (replicated, small) tensors it reads. Rows with no visible key get out 0.
     """
     if not isinstance(layout, Layout):
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
@@ -53,8 +62,10 @@ def ring_attention(
     if scale is not None and not isinstance(scale, (int, float)):
         raise InvalidInputError(f"scale must be a Python number or None, got {type(scale).__name__}.")
     scale = default_scale(q) if scale is None else float(scale)
+    mask_id = register_mask(mask) if mask is not None else ""
     out, lse = torch.ops.ringpass.ring_attention(
-        q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name
+        q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name,
+        window, mask_id, list(mask_inputs),
     )
     return (out, lse) if return_lse else out
 
@@ -134,8 +145,17 @@ def _group_name(group, layout: Layout) -> str:
 
 
 @lru_cache(maxsize=64)
-def _spec(kind: str, world_size: int, seq_len: int, is_causal: bool, scale: float) -> RingSpec:
-    return RingSpec(Layout(kind, world_size, seq_len), is_causal, scale)
+def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
+    return Layout(kind, world_size, seq_len)
+
+
+def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs) -> RingSpec:
+    if window is not None and not is_causal:
+        raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")
+    mask = None
+    if window is not None or mask_id:
+        mask = BlockMask(is_causal, window, mask_program(mask_id) if mask_id else None, tuple(mask_inputs or ()))
+    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask)
 
 
 def _exchange(group_name: str) -> RingExchange:
@@ -149,9 +169,10 @@ def _exchange(group_name: str) -> RingExchange:
 @torch.library.custom_op("ringpass::ring_attention", mutates_args=())
 def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
-    seq_len: int, is_causal: bool, scale: float, group_name: str,
+    seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
+    mask_inputs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale)
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs)
     check_inputs(q, k, v, spec.layout)
     exchange = _exchange(group_name)
     if exchange.world_size != world_size:
@@ -162,7 +183,7 @@ def _ring_attention_op(
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name):
+def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs):
     if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
         check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
@@ -172,9 +193,10 @@ def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name):
 def _ring_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
-    is_causal: bool, scale: float, group_name: str,
+    is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
+    mask_inputs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale)
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs)
     if dlse is not None and not bool(dlse.any()):
         dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
     dq, dk, dv = ring_backward(
@@ -185,20 +207,21 @@ def _ring_attention_backward_op(
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name):
+def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
+      mask_id, mask_inputs):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.config = inputs
+    q, k, v, *ctx.config, mask_inputs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *mask_inputs)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.config)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, *mask_inputs = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.config, mask_inputs)
+    return (dq, dk, dv, *(None for _ in ctx.config), [None] * len(mask_inputs))
 
 
 def _no_double_backward(ctx, *grads):

@@ -19,19 +19,29 @@ import torch
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
 from lowering.kernels import accumulation_dtype, block_attention, block_attention_backward
 from lowering.layout import Layout
-from lowering.schedule import BlockTask, kv_source, plan_block
+from lowering.masks import BlockMask, Tile, mask_tiles
+from lowering.schedule import kv_source, plan_block
 
 
 @dataclass(frozen=True)
 class RingSpec:
-    """What every rank agrees on for one call."""
+    """What every rank agrees on for one call: ``mask`` adds a sliding window or a mask program to the
+    causal flag (its ``is_causal`` must equal ``is_causal``)."""
 
     layout: Layout
     is_causal: bool
     scale: float
+    mask: Optional[BlockMask] = None
 
-    def tasks(self, q_rank: int, kv_rank: int) -> tuple[BlockTask, ...]:
-        return plan_block(self.layout, q_rank, kv_rank, self.is_causal)
+    def tiles(self, q_rank: int, kv_rank: int, q, q_pos, kv_pos) -> list[Tile]:
+        """The kernel calls of rank ``q_rank`` against the KV block of ``kv_rank``: the planned tasks, cut
+        into evaluated mask tiles when a window or program is set (empty tiles left out)."""
+        block_mask = self.mask or BlockMask(self.is_causal)
+        return [
+            tile
+            for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
+            for tile in mask_tiles(task, q_pos, kv_pos, block_mask, q.size(0), q.size(1))
+        ]
 
 
 def merge_block(out_acc, lse_acc, out_block, lse_block) -> None:
@@ -57,11 +67,11 @@ class _RankForward:
 
     def add_block(self, k: torch.Tensor, v: torch.Tensor, kv_rank: int) -> None:
         kv_pos = self.spec.layout.positions(kv_rank)
-        for t in self.spec.tasks(self.rank, kv_rank):
-            rows, cols = slice(t.q_start, t.q_stop), slice(t.kv_start, t.kv_stop)
+        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
+            rows, cols = t.rows, t.cols
             out, lse = block_attention(
                 self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
-                scale=self.spec.scale, is_causal=t.causal,
+                scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
             )
             merge_block(self.out[:, :, rows], self.lse[:, :, rows], out, lse)
 
@@ -83,12 +93,12 @@ class _RankBackward:
         acc = self.dq.dtype
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         kv_pos = self.spec.layout.positions(kv_rank)
-        for t in self.spec.tasks(self.rank, kv_rank):
-            rows, cols = slice(t.q_start, t.q_stop), slice(t.kv_start, t.kv_stop)
+        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
+            rows, cols = t.rows, t.cols
             dq, dk, dv = block_attention_backward(
                 self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],
                 self.out[:, :, rows], self.lse[:, :, rows], self.q_pos[rows], kv_pos[cols],
-                scale=self.spec.scale, is_causal=t.causal,
+                scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
                 dlse=None if self.dlse is None else self.dlse[:, :, rows],
             )
             self.dq[:, :, rows] += dq.to(acc)

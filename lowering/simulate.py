@@ -8,11 +8,12 @@ balance on one device. Inputs and results are full (unsharded) tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from lowering.layout import Layout
+from lowering.masks import BlockMask
 from lowering.op import check_inputs, default_scale
 from lowering.ring import RingSpec, _RankBackward, _RankForward
 from lowering.schedule import kv_source
@@ -38,13 +39,18 @@ def simulate_ring(
     is_causal: bool = False,
     scale: Optional[float] = None,
     dout: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    mask: Optional[Callable] = None,
+    mask_inputs: Sequence[torch.Tensor] = (),
 ) -> SimulatedRing:
     """Run the ring's forward (and, given ``dout``, backward) lap for every rank of ``layout``.
 
-    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``.
+    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``; ``window``, ``mask`` and
+    ``mask_inputs`` as in `lowering.ring_attention`.
     """
     p = layout.world_size
-    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale))
+    block_mask = BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
+    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask)
     qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
     check_inputs(qs[0], ks[0], vs[0], layout)
 

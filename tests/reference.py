@@ -33,3 +33,15 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in fp64."""
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+
+
+def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention in fp64 under a dense boolean ``visible`` mask (broadcast to [B, Hq, N, N]); rows with no
+    visible key give 0 (the ring's convention) instead of SDPA's NaN. Differentiable."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    groups = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return probs @ v

@@ -30,7 +30,7 @@ def test_opcheck(contiguous):
         q, k, v = _qkv(n)
     else:
         q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "")
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [])
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
 
 

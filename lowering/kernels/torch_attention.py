@@ -3,8 +3,8 @@
 The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
 applies when the block is fully visible, or causal with identical, increasing query and key positions
 (then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
-other positional mask, a gradient flowing into the LSE) takes the math path, which materialises the
-block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64 inputs; half-precision
+other positional mask, a window, a dense mask, a gradient flowing into the LSE) takes the math path,
+which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64 inputs; half-precision
 inputs are widened first) and return their results in it, so the ring merges unrounded partial results.
 """
 
@@ -23,21 +23,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool):
+def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None):
     acc = accumulation_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    if _fused_applies(q, q_pos, kv_pos, is_causal):
+    if window is None and mask is None and _fused_applies(q, q_pos, kv_pos, is_causal):
         return _fused(q, k, v, 0.0, is_causal, scale=scale)
-    probs, lse = _probabilities(q, k, q_pos, kv_pos, scale, is_causal)
+    probs, lse = _probabilities(q, k, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), scale)
     return probs @ _repeat_heads(v, q.size(1)), lse
 
 
-def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, dlse=None):
+def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None, dlse=None):
     acc = accumulation_dtype(q.dtype)
     dout, q, k, v, out, lse = (t.to(acc) for t in (dout, q, k, v, out, lse))
-    if dlse is None and _fused_applies(q, q_pos, kv_pos, is_causal):
+    if dlse is None and window is None and mask is None and _fused_applies(q, q_pos, kv_pos, is_causal):
         return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
-    probs, _ = _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse=lse)
+    probs, _ = _probabilities(q, k, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), scale, lse=lse)
     k_rep, v_rep = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
     delta = (dout * out).sum(-1)
     if dlse is not None:
@@ -61,12 +61,27 @@ def _fused_applies(q, q_pos, kv_pos, is_causal: bool) -> bool:
     )
 
 
-def _probabilities(q, k, q_pos, kv_pos, scale, is_causal, lse: Optional[torch.Tensor] = None):
+def _visible(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[torch.Tensor]:
+    """bool, broadcastable to the scores: which pairs the positions, the window and the mask leave visible
+    (None: all of them)."""
+    q_pos, kv_pos = q_pos.to(device).unsqueeze(1), kv_pos.to(device).unsqueeze(0)
+    visible = None
+    if is_causal:
+        visible = kv_pos <= q_pos
+    if window is not None:
+        inside = q_pos - kv_pos < window
+        visible = inside if visible is None else visible & inside
+    if mask is not None:
+        mask = mask.to(device)
+        visible = mask if visible is None else visible & mask
+    return visible
+
+
+def _probabilities(q, k, visible, scale, lse: Optional[torch.Tensor] = None):
     """Softmax probabilities of the block (rows with no visible key are all zero) and their LSE.
     With ``lse`` given, probabilities are taken against it (the backward pass's global LSE)."""
     scores = (q @ _repeat_heads(k, q.size(1)).mT) * scale
-    if is_causal:
-        visible = kv_pos.to(q.device).unsqueeze(0) <= q_pos.to(q.device).unsqueeze(1)
+    if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)

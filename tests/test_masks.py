@@ -1,0 +1,122 @@
+"""Sliding windows and mask programs in the ring: exact against dense-masked fp64 attention, evaluated
+tile by tile (so mask memory does not grow with the sequence), empty tiles skipped."""
+
+import pytest
+import torch
+
+import lowering.masks
+from lowering import InvalidInputError, Layout, NotSupportedError, record_ring_events, simulate_ring
+from lowering.kernels import block_attention, block_attention_backward
+from reference import masked_attention_fp64, rel_err
+
+
+def packed_documents(q_pos, kv_pos, document):
+    """Packed sequences: a key is visible from queries of its own document at or after it."""
+    return ((document[q_pos][:, None] == document[kv_pos][None, :]) & (kv_pos[None, :] <= q_pos[:, None]))[None, None]
+
+
+def left_padding(q_pos, kv_pos, keep):
+    """A [B, S] padding mask on the keys (HF's attention_mask), with causality."""
+    return keep[:, kv_pos][:, None, None, :] & (kv_pos[None, :] <= q_pos[:, None])[None, None]
+
+
+def _inputs(seq_len, heads=(4, 2), batch=2):
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads[0], seq_len, 8, dtype=torch.float64)
+    k, v = (torch.randn(batch, heads[1], seq_len, 8, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+def _cases(seq_len):
+    pos = torch.arange(seq_len)
+    document = torch.repeat_interleave(torch.arange(4), torch.tensor([5, seq_len - 20, 3, 12]))
+    keep = torch.ones(2, seq_len, dtype=torch.bool)
+    keep[0, :7] = False  # left padding: the first 7 queries of sequence 0 see no key at all
+    causal = pos[None, :] <= pos[:, None]
+    return {
+        "packed": (dict(mask=packed_documents, mask_inputs=[document]),
+                   packed_documents(pos, pos, document)),
+        "left-padded": (dict(mask=left_padding, mask_inputs=[keep]), left_padding(pos, pos, keep)),
+        "window": (dict(window=6), causal & (pos[:, None] - pos[None, :] < 6)),
+        "window+packed": (dict(window=9, mask=packed_documents, mask_inputs=[document]),
+                          packed_documents(pos, pos, document) & (pos[:, None] - pos[None, :] < 9)),
+    }
+
+
+@pytest.mark.parametrize("case", ["packed", "left-padded", "window", "window+packed"])
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_masked_ring_matches_dense_masked_fp64(monkeypatch, case, kind, world_size):
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)  # many tiles per block: full, empty and partial ones
+    seq_len = 45
+    q, k, v = _inputs(seq_len)
+    options, visible = _cases(seq_len)[case]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = masked_attention_fp64(*leaves, visible)
+    dout = torch.randn_like(expected)
+    expected.backward(dout)
+    sim = simulate_ring(q, k, v, layout=Layout(kind, world_size, seq_len), is_causal=True, dout=dout, **options)
+    assert rel_err(sim.out, expected) < 1e-12
+    for got, leaf in zip((sim.dq, sim.dk, sim.dv), leaves):
+        assert rel_err(got, leaf.grad) < 1e-12
+
+
+def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
+    """The largest mask tensor the ring evaluates is one tile, at any sequence length (not S x S, not S/P x S)."""
+    largest = {}
+    for seq_len in (512, 2048):
+        q, k, v = _inputs(seq_len, heads=(2, 1))
+        document = torch.arange(seq_len) // 300
+        with record_ring_events() as events:
+            simulate_ring(q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, mask=packed_documents,
+                          mask_inputs=[document])
+        tiles = [e.fields["numel"] for e in events if e.kind == "mask_tile"]
+        largest[seq_len] = max(tiles)
+    assert largest[512] == largest[2048] == lowering.masks.MASK_TILE ** 2
+
+
+def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 16)
+    seq_len = 64
+    q, k, v = _inputs(seq_len, heads=(2, 2), batch=1)
+    document = torch.arange(seq_len) // 16  # four documents: most of the causal triangle is masked
+    with record_ring_events() as events:
+        simulate_ring(q, k, v, layout=Layout("contiguous", 2, seq_len), is_causal=True, mask=packed_documents,
+                      mask_inputs=[document])
+    calls = [e for e in events if e.kind == "block_forward"]
+    assert len(calls) == 4  # the four documents' diagonal tiles; every other tile is empty and skipped
+    assert all(e.fields["causal"] and not e.fields["masked"] for e in calls)  # each one exactly causal: fused path
+
+
+def test_an_attention_bias_is_refused_not_dropped():
+    q, k, v = _inputs(16)
+
+    def alibi(q_pos, kv_pos):
+        return -(q_pos[:, None] - kv_pos[None, :]).abs().double()[None, None]
+
+    with pytest.raises(NotSupportedError, match="attention bias"):
+        simulate_ring(q, k, v, layout=Layout("contiguous", 2, 16), mask=alibi)
+
+
+def test_a_window_needs_causal():
+    q, k, v = _inputs(16)
+    with pytest.raises(InvalidInputError, match="needs is_causal=True"):
+        simulate_ring(q, k, v, layout=Layout("contiguous", 2, 16), window=4)
+
+
+def test_block_kernel_with_a_mask_and_a_window_on_scattered_positions():
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q_pos, kv_pos = torch.tensor([3, 4, 5, 20, 21, 22]), torch.tensor([0, 1, 2, 3, 4, 17, 18, 19, 20])
+    mask = torch.rand(2, 1, 6, 9) > 0.3
+    visible = mask & (kv_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - kv_pos[None, :] < 4)
+    expected = masked_attention_fp64(q, k, v, visible)
+    out, lse = block_attention(q, k, v, q_pos, kv_pos, is_causal=True, window=4, mask=mask)
+    assert rel_err(out, expected) < 1e-12
+    dout = torch.randn_like(expected)
+    expected.backward(dout)
+    grads = block_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, q_pos, kv_pos,
+                                     is_causal=True, window=4, mask=mask)
+    for got, leaf in zip(grads, (q, k, v)):
+        assert rel_err(got, leaf.grad) < 1e-12
