@@ -19,7 +19,7 @@ CHOICES = {
 @dataclass(frozen=True)
 class RingOptions:
     """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group).
-    ``layout``: ``auto`` = zigzag when any attention is causal, else contiguous.
+    ``layout``: ``auto`` = zigzag when any attention is causal or masked, else contiguous.
     ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard).
     ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
     ``compiler``: what compiles the rewritten graph. ``grads``: ``reduced`` (every rank ends with the

@@ -7,26 +7,76 @@ import torch
 import transformers
 
 import ringpass
+from lowering import record_ring_events
 from reference import rel_err
+
+VOCAB = 61
 
 
 def build(name: str):
     torch.manual_seed(0)
     if name == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa")
         return transformers.LlamaForCausalLM(config)
+    if name == "mistral":  # a sliding window of 5 keys
+        config = transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, sliding_window=5, attn_implementation="sdpa")
+        return transformers.MistralForCausalLM(config)
     config = transformers.GPT2Config(
-        vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation="sdpa",
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation="sdpa",
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph
+    return model
+
+
+def batch(case: str, seq_len: int) -> dict:
+    """The model's keyword arguments for one test case (batch of 2, labels included)."""
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+    if case == "left-padded":
+        mask = torch.ones(2, seq_len, dtype=torch.long)
+        mask[0, :4] = 0  # sequence 0 is 4 tokens shorter, padded on the left
+        kwargs["attention_mask"] = mask
+        kwargs["labels"] = ids.masked_fill(mask == 0, -100)
+    elif case == "packed":  # three documents per row, positions restarting at each
+        cut = [5, seq_len - 9, 4]
+        kwargs["position_ids"] = torch.cat([torch.arange(n) for n in cut]).expand(2, -1).contiguous()
+    elif case != "labels":
+        raise ValueError(case)
+    return kwargs
+
+
+def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int) -> dict:
+    """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case."""
+    results = {}
+    for case in cases:
+        torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
+        model = build(name)
+        kwargs = batch(case, seq_len)
+        expected = model(**kwargs)
+        expected.loss.backward()
+        expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        backend = ringpass.backend(compiler="aot_eager")
+        got = torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
+        got.loss.backward()
+        results[case] = {
+            "loss": rel_err(got.loss, expected.loss),
+            "logits": rel_err(got.logits, expected.logits),
+            "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
+            "report": str(backend.reports[-1]),
+        }
+    return results
 
 
 def generate_prefill(rank: int, world_size: int, name: str, seq_len: int) -> dict:
     """(d) the default use_cache=True in eval: logits and the returned KV cache."""
     model = build(name).eval()
-    ids = torch.randint(0, 61, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
     backend = ringpass.backend(compiler="aot_eager")
     with torch.no_grad():
         expected = model(ids)
@@ -38,12 +88,16 @@ def generate_prefill(rank: int, world_size: int, name: str, seq_len: int) -> dic
     return {"logits": rel_err(got.logits, expected.logits), "cache": cache, "report": str(backend.reports[-1])}
 
 
-def training_graph(rank: int, world_size: int, name: str) -> str:
-    """use_cache=False (how one trains): HF builds an explicit mask; until mask lifting it is refused."""
-    model = build(name)
-    ids = torch.randint(0, 61, (2, 12))
-    try:
-        torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(ids, use_cache=False)
-    except Exception as error:  # Dynamo wraps the backend's error
-        return str(error)
-    return "no error"
+def mask_tiles(rank: int, world_size: int, seq_lens: list) -> dict:
+    """Largest mask tensor the ring evaluates, and largest mask program input, per sequence length
+    (a left-padded Llama batch: the mask is a lifted program)."""
+    largest = {}
+    for seq_len in seq_lens:
+        torch._dynamo.reset()
+        model = build("llama").eval()
+        kwargs = batch("left-padded", seq_len)
+        with torch.no_grad(), record_ring_events() as events:
+            torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(**kwargs)
+        tiles = [e.fields["numel"] for e in events if e.kind == "mask_tile"]
+        largest[seq_len] = max(tiles)
+    return largest

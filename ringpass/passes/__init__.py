@@ -3,6 +3,7 @@
 
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.insert_boundaries import insert_boundaries
+from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.reduce_grads import reduce_grads
@@ -12,6 +13,7 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 
 PIPELINE = (
     find_attention,
+    lift_masks,
     find_sequence_axes,
     decide_placements,
     rewrite_positions,

@@ -36,6 +36,10 @@ class PassContext:
     report: Report = field(default_factory=Report)
     # find_attention
     attention: list = field(default_factory=list)
+    # lift_masks
+    masks: dict = field(default_factory=dict)             # attention output -> MaskPlan
+    lifted: set = field(default_factory=set)              # mask nodes the ring evaluates instead
+    whole_values: set = field(default_factory=set)        # mask program inputs: kept whole on every rank
     # sequence_axes
     seq_len: int = 0            # the sequence length as the graph sees it (local length for inputs="sharded")
     global_seq_len: int = 0     # the sequence length of the whole model input

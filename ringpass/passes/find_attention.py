@@ -2,14 +2,14 @@
 
 Matches:
 - ``F.scaled_dot_product_attention`` in any spelling (positional or keyword arguments, ``scale``,
-  ``is_causal``, ``enable_gqa``, ``attn_mask=None``);
+  ``is_causal``, ``enable_gqa``, ``attn_mask``);
 - hand-written attention: ``softmax(q @ kᵀ · s [+ mask | masked_fill(mask, -inf) | where(mask, ·, -inf)]) @ v``
   with any matmul spelling (``@``, ``torch.matmul``, ``bmm``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` /
-  ``permute``, the scale as a multiplication or division, and any softmax spelling. Its mask is
-  evaluated once (it is a function of shapes and buffers only) and accepted when it is exactly causal.
+  ``permute``, the scale as a multiplication or division, and any softmax spelling.
+K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
-Writes ``ctx.attention``: one `AttentionMatch` per attention. Refuses dropout inside attention, query
-and key lengths that differ, and masks that are not causal (arbitrary masks arrive with the mask pass).
+Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask (if any) left to `lift_masks`.
+Refuses dropout inside attention and query and key lengths that differ.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, is_module_state
+from ringpass.graph import describe, example_value
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
 MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__")
 TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
-MASK_LIMIT = 16384  # a hand-written mask is evaluated on the host once: N x N booleans
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,7 @@ class AttentionMatch:
     scale: Optional[float]
     spelling: str  # "sdpa" or "hand-written"
     internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
+    mask: Optional[tuple[str, fx.Node]] = None  # ("kept" | "masked_out" | "additive", the mask's node)
 
 
 def find_attention(ctx: PassContext) -> None:
@@ -82,11 +82,6 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
             f"Attention {describe(node)} uses dropout_p={args['dropout_p']}; dropout inside ring attention is "
             "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config)."
         )
-    if args.get("attn_mask") is not None:
-        raise NotSupportedError(
-            f"Attention {describe(node)} has an explicit attn_mask; only is_causal=True or no mask are supported "
-            "so far (masks built from positions are on the way)."
-        )
     scale = args.get("scale")
     if isinstance(scale, fx.Node):
         raise NotSupportedError(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.")
@@ -94,7 +89,11 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False):
         raise NotSupportedError(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.")
     key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
-    return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa")
+    mask = args.get("attn_mask")
+    if mask is not None and not isinstance(mask, fx.Node):
+        raise NotSupportedError(f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.")
+    return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa",
+                          mask=None if mask is None else ("kept", mask))
 
 
 def _unrepeated(node: fx.Node) -> fx.Node:
@@ -111,8 +110,7 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     unsqueezed = expanded.args[0]
     if _is(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2:
         source = unsqueezed.args[0]
-    elif unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem and \
-            unsqueezed.args[1] == (slice(None), slice(None), None):
+    elif unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem and _new_axis_at_2(unsqueezed.args[1]):
         source = unsqueezed.args[0]
     else:
         return node
@@ -120,6 +118,13 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     if kv.dim() != 4 or out.dim() != 4 or tuple(out.shape[2:]) != tuple(kv.shape[2:]) or out.shape[0] != kv.shape[0]:
         return node
     return source
+
+
+def _new_axis_at_2(index) -> bool:
+    """``[:, :, None]`` or ``[:, :, None, :, :]``: a new axis after the heads, every other dim whole."""
+    if not isinstance(index, tuple) or len(index) < 3 or index[2] is not None:
+        return False
+    return all(isinstance(i, slice) and i == slice(None) for j, i in enumerate(index) if j != 2)
 
 
 def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionMatch]:
@@ -154,12 +159,9 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if key is None:
         return None
     internal.append(key_t)
-    is_causal = False
-    if mask is not None:
-        is_causal = _evaluate_causal(gm, mask, out)
     if any(len(n.users) > 1 and n is not out for n in internal):
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
-    return AttentionMatch(out, query, key, value, is_causal, scale, "hand-written", tuple(internal))
+    return AttentionMatch(out, query, key, value, False, scale, "hand-written", tuple(internal), mask)
 
 
 def _softmax_dim(node: fx.Node):
@@ -211,75 +213,3 @@ def _transposed_last_two(node: fx.Node) -> Optional[fx.Node]:
         expected = list(range(rank - 2)) + [rank - 1, rank - 2]
         return node.args[0] if [p % rank for p in perm] == expected else None
     return None
-
-
-def _evaluate_causal(gm: fx.GraphModule, mask, out: fx.Node) -> bool:
-    """Evaluate the mask's subgraph on the host and compare it with the causal pattern."""
-    kind, node = mask
-    n = example_value(out).shape[-2]
-    n = n.node.hint if isinstance(n, torch.SymInt) else n
-    if n > MASK_LIMIT:
-        raise NotSupportedError(
-            f"The hand-written attention mask at {describe(node)} would be checked on a {n}x{n} grid; above "
-            f"{MASK_LIMIT} tokens use F.scaled_dot_product_attention(is_causal=True) instead."
-        )
-    values = _evaluate(gm, node)
-    if values is None:
-        raise NotSupportedError(
-            f"The attention mask at {describe(node)} depends on the model's inputs; only a causal mask built from "
-            "shapes (tril, arange comparisons, a registered buffer) is supported so far."
-        )
-    if values.dim() < 2:
-        raise NotSupportedError(f"The attention mask at {describe(node)} is not a [.., query, key] mask; only causal masks are supported so far.")
-    grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    if kind == "masked_out":
-        visible = ~grid.bool()
-    elif kind == "kept":
-        visible = grid.bool()
-    else:  # an additive mask: 0 where visible, -inf (or very negative) elsewhere; any other value is a bias
-        visible = grid > -1e4
-        if not bool((grid[visible.expand_as(grid)] == 0).all()):
-            raise NotSupportedError(
-                f"The additive attention mask at {describe(node)} carries values (a bias such as ALiBi), not just "
-                "0 / -inf; attention biases are not supported yet."
-            )
-    if not bool((visible == causal).all()):
-        raise NotSupportedError(
-            f"The attention mask at {describe(node)} is not causal; only causal masks (and none) are supported so far."
-        )
-    return True
-
-
-def _evaluate(gm: fx.GraphModule, node: fx.Node):
-    """The value of ``node`` when it depends on module state and shapes only (else None)."""
-    env: dict[fx.Node, object] = {}
-
-    def value(n: fx.Node):
-        if n in env:
-            return env[n]
-        if n.op == "placeholder":
-            v = example_value(n)
-            if isinstance(v, torch.SymInt):  # dynamic shapes: check the mask at the example's length
-                env[n] = v.node.hint
-            elif is_module_state(n):
-                env[n] = n.meta["grapharg"].example
-            else:
-                raise LookupError
-            return env[n]
-        if n.op == "get_attr":
-            env[n] = getattr(gm, n.target)
-            return env[n]
-        args = fx.node.map_arg(n.args, value)
-        kwargs = fx.node.map_arg(n.kwargs, value)
-        if n.op == "call_method":
-            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        else:
-            env[n] = n.target(*args, **kwargs)
-        return env[n]
-
-    try:
-        with torch.no_grad():
-            return value(node)
-    except LookupError:
-        return None

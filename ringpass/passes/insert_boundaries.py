@@ -35,7 +35,7 @@ def insert_boundaries(ctx: PassContext) -> None:
             _shard_all_uses(ctx, node)
         elif placement in (LOCAL, PARTIAL):
             for arg in node.all_input_nodes:
-                if ctx.placement.get(arg) == FULL:
+                if ctx.placement.get(arg) == FULL and arg not in ctx.whole_values:
                     node.replace_input_with(arg, _shard(ctx, arg, shards))
         if placement == PARTIAL:
             _all_reduce(ctx, node, padded)

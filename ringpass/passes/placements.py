@@ -45,8 +45,8 @@ def decide_placements(ctx: PassContext) -> None:
 
 def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
     """Nodes that only feed the inside of an attention: they disappear with the rewrite."""
-    gone = {n for m in ctx.attention for n in m.internal if n is not m.output}
-    operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)}
+    gone = {n for m in ctx.attention for n in m.internal if n is not m.output} | ctx.lifted
+    operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)} | ctx.whole_values
     changed = True
     while changed:
         changed = False
@@ -70,6 +70,7 @@ def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
     """Sequence-carrying inputs of token-mixing ops and their sequence-carrying ancestors -> the op."""
     needed: dict[fx.Node, fx.Node] = {}
     stack = [(a, op) for op in ctx.mixing for a in op.all_input_nodes if has_sequence(ctx, a)]
+    stack += [(value, value) for value in ctx.whole_values if has_sequence(ctx, value)]  # read whole by the ring
     while stack:
         node, op = stack.pop()
         if node in needed:

@@ -139,6 +139,11 @@ def _tensor_args(node: fx.Node):
     return [a for a in args if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor)]
 
 
+def is_pointwise(node: fx.Node) -> bool:
+    """An aten op with the ``pointwise`` tag (elementwise, broadcasting)."""
+    return _pointwise(op_name(node))
+
+
 @lru_cache(maxsize=None)
 def _pointwise(name: str) -> bool:
     packet = getattr(torch.ops.aten, name, None)

@@ -1,0 +1,447 @@
+"""Take attention masks out of the graph: what each ring step evaluates instead of an S x S tensor.
+
+Matches the mask of every attention (SDPA's ``attn_mask``, or the mask a hand-written attention applies).
+Walking back from the mask, each value is given *roles*: which of its dims index the mask's query rows
+and which its key columns (through pointwise ops, casts, broadcasting, ``unsqueeze``/``expand``/``None``
+indexing, and indexing with tensors, whose index tensors inherit the roles). Those values form the
+*region*; the values the region reads are its *inputs*: per-token vectors whose role dims are restricted
+to the block's positions (``arange``s, position ids, a padding mask), and whole tables indexed by the
+region (segment ids, position ids indexed as ``pos[b, q_idx]``), all at most ``[B, S]``.
+
+Then, per attention, in this order:
+1. the region is read symbolically (positions as ``a*q + b*k + c``); a mask that is exactly causal,
+   causal with a sliding window, or all-visible becomes the ring's position-based flags (no mask at all);
+2. otherwise the region becomes a mask program (`lowering.masks`), registered by content, evaluated by
+   the ring per tile of (local query positions x arriving key positions);
+3. a mask computed from an ``S x S`` input (``tril(ones(S, S))``, a registered causal buffer) that only
+   depends on shapes is evaluated once (up to ``MASK_LIMIT`` tokens) and accepted when causal;
+   otherwise it is refused, naming the node and source line.
+
+Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (the masks: they and what only
+feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from lowering.errors import NotSupportedError
+from lowering.masks import register_mask
+from ringpass.graph import describe, example_value, is_module_state
+from ringpass.passes.context import PassContext
+from ringpass.passes.token_ops import is_pointwise, op_name
+
+MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
+CASTS = {"to", "bool", "float", "double", "half", "long", "int", "type", "type_as", "contiguous", "clone", "detach"}
+AND = {"bitwise_and", "logical_and"}
+Q, KV = "q", "kv"
+
+
+@dataclass
+class MaskPlan:
+    """How the ring applies one attention's mask: flags, or a program with its whole inputs."""
+
+    is_causal: bool = False
+    window: Optional[int] = None
+    program_id: str = ""
+    inputs: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.program_id:
+            return f"lifted mask program{' + causal' if self.is_causal else ''}{self._window()}, evaluated per tile"
+        return ("causal" if self.is_causal else "no mask") + self._window()
+
+    def _window(self) -> str:
+        return f", sliding window {self.window}" if self.window is not None else ""
+
+
+def lift_masks(ctx: PassContext) -> None:
+    for match in ctx.attention:
+        if match.mask is None:
+            ctx.masks[match.output] = MaskPlan(match.is_causal)
+        else:
+            ctx.masks[match.output] = _plan(ctx, match)
+
+
+def _plan(ctx: PassContext, match) -> MaskPlan:
+    kind, mask = match.mask
+    region = _Region(mask)
+    ctx.lifted.add(mask)
+    if not region.oversized:
+        implied, exact = _Symbolic(ctx, region).read(kind)
+        is_causal, window = _flags(implied)
+        if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
+            return MaskPlan(is_causal, window)
+        program = _program(ctx, region, kind)
+        ctx.whole_values |= set(region.input_nodes)
+        return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes)
+    values = _evaluate(ctx.gm, mask)
+    if values is None:
+        big = region.oversized[0]
+        raise NotSupportedError(
+            f"The attention mask of {describe(match.output)} is built from {describe(big)}, a sequence x sequence "
+            "tensor that depends on the model's inputs; ring attention evaluates masks from per-token vectors "
+            "(positions, segment ids, padding masks) compared pairwise, so no rank holds S x S. Build the mask "
+            "from such vectors (e.g. `pos[:, None] >= pos[None, :]`) instead."
+        )
+    _check_causal(mask, kind, values, example_value(match.output).shape[-2])
+    return MaskPlan(True)
+
+
+def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
+    """(causal, window) that the implied constraints guarantee: the ring's position-based fast paths."""
+    if CAUSAL not in implied:
+        return False, None
+    windows = [1 - c for a, b, c in implied if (a, b) == (1, -1) and c <= 0]  # q - k + c <= 0: q - k < 1 - c
+    return True, min(windows) if windows else None
+
+
+# ---- roles ------------------------------------------------------------------------------------------
+Use = tuple  # (node, roles): a value of the graph read with these dims restricted, as ((dim, Q | KV), ...)
+
+
+class _Region:
+    """The mask's pairwise part. A value can be read per query and per key (``i[:, None] >= i[None, :]``),
+    so the region is made of *uses* (node, roles). ``ops``: use -> {arg node: its use} for the region's
+    ops; ``inputs``: the uses it reads from the rest of the graph; ``oversized``: inputs with both a
+    query and a key dim (an S x S tensor)."""
+
+    def __init__(self, mask: fx.Node):
+        rank, shape = example_value(mask).dim(), example_value(mask).shape
+        self.mask: Use = (mask, tuple((d, r) for d, r in ((rank - 2, Q), (rank - 1, KV)) if rank >= 2 and shape[d] != 1))
+        self.ops: dict[Use, dict[fx.Node, Use]] = {}
+        self.inputs: list[Use] = []
+        pending: dict[fx.Node, set] = {mask: {self.mask[1]}}
+        for node in reversed(list(mask.graph.nodes)):
+            for roles in sorted(pending.pop(node, ())):
+                arg_roles = _arg_roles(node, dict(roles)) if roles else None
+                if arg_roles is None:
+                    self.inputs.append((node, roles))
+                    continue
+                self.ops[(node, roles)] = {arg: (arg, tuple(sorted(dims.items()))) for arg, dims in arg_roles}
+                for arg, use in self.ops[(node, roles)].items():
+                    pending.setdefault(arg, set()).add(use[1])
+        self.oversized = [node for node, roles in self.inputs if {Q, KV} <= {r for _, r in roles}]
+
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        return list(dict.fromkeys(node for node, _ in self.inputs))
+
+
+def _arg_roles(node: fx.Node, roles: dict[int, str]):
+    """[(tensor arg, its roles)] when the op lets restriction to positions pass to its args, else None."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = op_name(node)
+    out = example_value(node)
+    if name == "getitem":
+        return _getitem_roles(node, roles)
+    if name == "unsqueeze":
+        dim = node.args[1] % out.dim()
+        return [(node.args[0], {d - (d > dim): r for d, r in roles.items() if d != dim})]
+    if name in CASTS or name == "expand" or is_pointwise(node):
+        args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
+        return [(a, _aligned(example_value(a), out, roles)) for a in args]
+    return None
+
+
+def _aligned(arg_value, out_value, roles) -> dict[int, str]:
+    """Roles of a broadcast operand: right-aligned dims of equal size (a size-1 dim broadcasts: no role)."""
+    shift = out_value.dim() - arg_value.dim()
+    return {d - shift: r for d, r in roles.items() if d >= shift and arg_value.shape[d - shift] == out_value.shape[d]}
+
+
+def _getitem_roles(node: fx.Node, roles):
+    source, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    source_value, out = example_value(source), example_value(node)
+    if all(isinstance(i, fx.Node) for i in index):  # advanced indexing: out = broadcast(indices) + rest
+        values = [example_value(i) for i in index]
+        k = max(v.dim() for v in values)
+        broadcast = _Shape(out.shape[:k])
+        result = [(i, _aligned(v, broadcast, {d: r for d, r in roles.items() if d < k})) for i, v in zip(index, values)]
+        rest = {d - k + len(index): r for d, r in roles.items() if d >= k}
+        return result + [(source, rest)]
+    if all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index):
+        kept, d_out, d_in = {}, 0, 0
+        expanded = []
+        for i in index:
+            if i is Ellipsis:
+                expanded += [slice(None)] * (source_value.dim() - sum(1 for j in index if j is not None and j is not Ellipsis))
+            else:
+                expanded.append(i)
+        for i in expanded:
+            if i is None:
+                d_out += 1
+            else:
+                kept[d_out] = d_in
+                d_out += 1
+                d_in += 1
+        for extra in range(d_in, source_value.dim()):  # trailing dims not named by the index
+            kept[d_out] = extra
+            d_out += 1
+        return [(source, {kept[d]: r for d, r in roles.items() if d in kept})]
+    return None
+
+
+class _Shape:
+    """A stand-in with ``dim()`` and ``shape`` for the broadcast shape of advanced indices."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def dim(self):
+        return len(self.shape)
+
+
+# ---- 1. reading the region symbolically ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Linear:
+    """An integer tensor equal to ``q * a + k * b + c`` at every (query position q, key position k)."""
+
+    a: int
+    b: int
+    c: int
+
+    def shifted(self, c: int) -> "_Linear":
+        return _Linear(self.a, self.b, self.c + c)
+
+
+TRUE = frozenset()  # a conjunction of constraints (a, b, c) meaning q * a + k * b + c <= 0
+CAUSAL = (-1, 1, 0)  # k - q <= 0
+COMPARE = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # x OP y as sign*(x - y) + strict <= 0
+
+
+class _Symbolic:
+    """Evaluates the region over symbols; anything it cannot read makes the whole reading None."""
+
+    def __init__(self, ctx: PassContext, region: _Region):
+        self.ctx, self.region = ctx, region
+        self.values: dict[fx.Node, object] = {}
+
+    def read(self, kind: str) -> tuple[frozenset, bool]:
+        """(the constraints the mask implies, whether they are all of it). A mask ANDs terms; the terms
+        read symbolically are implied even when others (a padding mask, segment ids) are not."""
+        if kind != "kept":
+            return TRUE, False
+        implied, exact, stack = set(), True, [self.region.mask]
+        while stack:
+            use = stack.pop()
+            try:
+                implied |= _as_constraints(self._value(use))
+            except LookupError:
+                node, args = use[0], self.region.ops.get(use, {})
+                if args and op_name(node) in AND:
+                    stack += list(args.values())
+                elif args and op_name(node) in CASTS | {"expand", "unsqueeze"}:
+                    stack.append(args[node.args[0]])
+                else:
+                    exact = False
+        return frozenset(implied), exact
+
+    def _value(self, use: Use):
+        if use not in self.values:
+            self.values[use] = self._op(use) if use in self.region.ops else self._input(use)
+        return self.values[use]
+
+    def _input(self, use: Use):
+        """A region input, evaluated on the host when it depends on shapes only."""
+        node, roles = use[0], dict(use[1])
+        value = _evaluate(self.ctx.gm, node)
+        if not isinstance(value, torch.Tensor):
+            raise LookupError
+        if not roles:
+            return value  # a table (or a scalar): indexed or broadcast by the region
+        if len(roles) != 1:
+            raise LookupError
+        (dim, role), = roles.items()
+        if not _constant_over_others(value, dim):
+            raise LookupError
+        offset = _offset_from_arange(value, dim)
+        if offset is None:
+            raise LookupError
+        return _Linear(1, 0, offset) if role == Q else _Linear(0, 1, offset)
+
+    def _op(self, use: Use):
+        node, uses = use[0], self.region.ops[use]
+        name = op_name(node)
+        args = list(fx.node.map_arg(node.args, lambda arg: self._value(uses[arg]) if arg in uses else _not_read(arg)))
+        if name in CASTS or name in ("expand", "unsqueeze"):
+            return args[0]
+        if name == "getitem":
+            return self._getitem(*args)
+        if name in ("add", "sub") and len(args) == 2:
+            x, y = args
+            if isinstance(x, _Linear) and isinstance(y, int):
+                return x.shifted(y if name == "add" else -y)
+            if isinstance(y, _Linear) and isinstance(x, int) and name == "add":
+                return y.shifted(x)
+        if name in COMPARE and all(isinstance(a, _Linear) for a in args):
+            sign, strict = COMPARE[name]
+            x, y = args
+            a, b, c = sign * (x.a - y.a), sign * (x.b - y.b), sign * (x.c - y.c) + strict
+            return _constant_truth(c <= 0) if (a, b) == (0, 0) else frozenset({(a, b, c)})
+        if name == "eq" and all(isinstance(a, _Linear) for a in args) and args[0] == args[1]:
+            return TRUE
+        if name in AND and len(args) == 2:
+            left, right = (_as_constraints(a) for a in args)
+            return left | right
+        raise LookupError
+
+    def _getitem(self, source, index):
+        """``table[..., linear]``: a table that is ``arange + c`` along that dim reads as linear + c."""
+        index = index if isinstance(index, tuple) else (index,)
+        if all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index):
+            return source  # only new axes: a symbol is broadcast-agnostic
+        if not isinstance(source, torch.Tensor):
+            raise LookupError
+        linear = [(d, i) for d, i in enumerate(index) if isinstance(i, _Linear)]
+        if len(linear) != 1 or not all(isinstance(i, torch.Tensor) for d, i in enumerate(index) if d != linear[0][0]):
+            raise LookupError
+        dim, position = linear[0]
+        if (position.a, position.b) not in ((1, 0), (0, 1)) or not _constant_over_others(source, dim):
+            raise LookupError
+        if bool((source == source.flatten()[0]).all()):
+            return _Linear(0, 0, int(source.flatten()[0]))
+        offset = _offset_from_arange(source, dim)
+        if offset is None:
+            raise LookupError
+        return position.shifted(offset)
+
+
+def _not_read(arg):
+    raise LookupError
+
+
+def _as_constraints(value):
+    if isinstance(value, frozenset):
+        return value
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() > 0 and bool(value.all()):
+        return TRUE
+    raise LookupError
+
+
+def _constant_truth(holds: bool):
+    if holds:
+        return TRUE
+    raise LookupError  # never visible: not a flag (the general path evaluates it)
+
+
+def _constant_over_others(value: torch.Tensor, dim: int) -> bool:
+    """The tensor varies along ``dim`` at most: every line along ``dim`` is the first one."""
+    if value.dim() == 0:
+        return True
+    lines = value.movedim(dim, -1)
+    return bool((lines == lines.reshape(-1, value.size(dim))[0]).all())
+
+
+def _offset_from_arange(value: torch.Tensor, dim: int) -> Optional[int]:
+    """c when ``value`` equals ``arange(size) + c`` along ``dim`` (integers), else None."""
+    if value.is_floating_point() or value.dtype == torch.bool:
+        return None
+    line = value.reshape(-1) if value.dim() == 1 else value.movedim(dim, -1).reshape(-1, value.size(dim))[0]
+    offsets = line - torch.arange(line.numel(), dtype=line.dtype, device=line.device)
+    return int(offsets[0]) if bool((offsets == offsets[0]).all()) else None
+
+
+# ---- 2. the mask program ------------------------------------------------------------------------------
+def _program(ctx: PassContext, region: _Region, kind: str) -> fx.GraphModule:
+    """``program(q_pos, kv_pos, *inputs)``: the region, with its per-token inputs restricted to the
+    positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts)."""
+    graph = fx.Graph()
+    positions = {Q: graph.placeholder("q_pos"), KV: graph.placeholder("kv_pos")}
+    whole = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(region.input_nodes)}
+    env: dict[Use, fx.Node] = {}
+    for node, roles in region.inputs:
+        value = whole[node]
+        for dim, role in roles:
+            value = graph.call_method("index_select", (value, dim, positions[role]))
+        env[(node, roles)] = value
+    order = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
+    for use in sorted(region.ops, key=lambda u: order[u[0]]):
+        node, uses = use[0], region.ops[use]
+        if op_name(node) == "expand":  # broadcasting later restores the shape; keep the rank
+            missing = len(example_value(node).shape) - example_value(node.args[0]).dim()
+            source = env[uses[node.args[0]]]
+            env[use] = graph.call_function(operator.getitem, (source, (None,) * missing)) if missing else source
+        else:
+            env[use] = graph.node_copy(node, lambda arg: env[uses[arg]] if arg in uses else _unpassable(arg))
+    result = env[region.mask]
+    if kind == "masked_out":
+        result = graph.call_function(operator.invert, (result,))
+    graph.output(result)
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskProgram")
+
+
+# ---- 3. masks from S x S inputs ------------------------------------------------------------------------
+def _unpassable(arg: fx.Node):
+    raise NotSupportedError(
+        f"The attention mask uses {describe(arg)}, a size or value the ring cannot pass to its mask program; "
+        "please report this model."
+    )
+
+
+def _check_causal(mask: fx.Node, kind: str, values: torch.Tensor, n) -> None:
+    n = n.node.hint if isinstance(n, torch.SymInt) else n
+    if n > MASK_LIMIT:
+        raise NotSupportedError(
+            f"The attention mask at {describe(mask)} is built from a {n}x{n} tensor; above {MASK_LIMIT} tokens build "
+            "it from positions (`pos[:, None] >= pos[None, :]`) or use is_causal=True."
+        )
+    if values.dim() < 2:
+        raise NotSupportedError(f"The attention mask at {describe(mask)} is not a [.., query, key] mask.")
+    grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if kind == "masked_out":
+        visible = ~grid.bool()
+    elif grid.dtype == torch.bool:
+        visible = grid
+    else:  # additive: 0 where visible, -inf (or very negative) elsewhere; any other value is a bias
+        visible = grid > -1e4
+        if not bool((grid[visible.expand_as(grid)] == 0).all()):
+            raise NotSupportedError(
+                f"The additive attention mask at {describe(mask)} carries values (a bias such as ALiBi), not just "
+                "0 / -inf; attention biases are not supported yet."
+            )
+    if not bool((visible == causal).all()):
+        raise NotSupportedError(
+            f"The attention mask at {describe(mask)} comes from a sequence x sequence tensor and is not causal; "
+            "build it from positions (e.g. `pos[:, None] >= pos[None, :]`) so the ring can evaluate it per block."
+        )
+
+
+def _evaluate(gm: fx.GraphModule, node: fx.Node):
+    """The value of ``node`` when it depends on module state and shapes only (else None). With dynamic
+    shapes, sizes take the example's values."""
+    env: dict[fx.Node, object] = {}
+
+    def value(n: fx.Node):
+        if n in env:
+            return env[n]
+        if n.op == "placeholder":
+            v = example_value(n)
+            if isinstance(v, torch.SymInt):
+                env[n] = v.node.hint
+            elif is_module_state(n):
+                env[n] = n.meta["grapharg"].example
+            else:
+                raise LookupError
+            return env[n]
+        if n.op == "get_attr":
+            env[n] = getattr(gm, n.target)
+            return env[n]
+        args = fx.node.map_arg(n.args, value)
+        kwargs = fx.node.map_arg(n.kwargs, value)
+        env[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        return env[n]
+
+    try:
+        with torch.no_grad():
+            return value(node)
+    except LookupError:
+        return None
