@@ -13,6 +13,7 @@ CHOICES = {
     "outputs": ("gathered", "sharded"),
     "compiler": ("inductor", "aot_eager", "eager"),
     "grads": ("reduced", "local"),
+    "masks": ("lift", "materialize"),
 }
 
 
@@ -23,7 +24,10 @@ class RingOptions:
     ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard).
     ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
     ``compiler``: what compiles the rewritten graph. ``grads``: ``reduced`` (every rank ends with the
-    unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens)."""
+    unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens).
+    ``masks``: ``lift`` (masks are evaluated per tile from per-token vectors; a mask that needs a
+    sequence x sequence tensor is refused) or ``materialize`` (such a tensor is allowed: every rank
+    holds it whole, S x S memory, and the ring reads its tiles)."""
 
     group: Any = None
     layout: str = "auto"
@@ -31,6 +35,7 @@ class RingOptions:
     outputs: str = "gathered"
     compiler: str = "inductor"
     grads: str = "reduced"
+    masks: str = "lift"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "RingOptions":

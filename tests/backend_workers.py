@@ -17,6 +17,9 @@ MODELS = {
     "position_table_pooling": lambda: models.PositionTableAndPooling(),
     "hand_written": lambda: models.HandWritten(),
     "encoder": lambda: models.Encoder(),
+    "encoder_padded": lambda: models.Encoder(),
+    "encoder_mask_input": lambda: models.Encoder(),
+    "hand_written_packed": lambda: models.HandWritten(),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
     **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},
 }
@@ -24,9 +27,18 @@ MODELS = {
 
 def _inputs(name: str, seq_len: int, batch: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
-    if name == "encoder":
-        return (torch.randn(batch, seq_len, 32, generator=generator, dtype=torch.float64),)
+    if name.startswith("encoder"):
+        x = torch.randn(batch, seq_len, 32, generator=generator, dtype=torch.float64)
+        keep = torch.rand(batch, seq_len, generator=generator) > 0.3
+        keep[:, 0] = True  # every query sees a key
+        if name == "encoder_padded":
+            return x, keep
+        if name == "encoder_mask_input":  # a sequence x sequence mask made by the caller
+            return x, None, keep[:, None, :, None] | keep[:, None, None, :]
+        return (x,)
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
+    if name == "hand_written_packed":  # documents of random lengths packed into each row
+        return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)
     if name == "gpt_with_loss":
         labels = torch.randint(0, 61, (batch, seq_len), generator=generator)
         labels[:, ::5] = -100  # some ignored tokens
@@ -45,7 +57,7 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = MODELS[name]().to(dtype)
-    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in _inputs(name, seq_len, batch=2, seed=seed))
+    inputs = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in _inputs(name, seq_len, batch=2, seed=seed))
     expected = model(*inputs)
     expected_tuple = expected if isinstance(expected, tuple) else (expected,)
     weights = [torch.randn(e.shape, generator=torch.Generator().manual_seed(7)).to(e.dtype) for e in expected_tuple]
@@ -189,6 +201,12 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             q = x.view(1, 2, x.shape[1], 4)  # heads cut out of the token axis: not per token
             return F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
+    class SimilarityMask(nn.Module):
+        def forward(self, x):
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+            mask = (x @ x.transpose(1, 2) > 0)[:, None]  # sequence x sequence, from the data
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
     class AfterAttention(nn.Module):
         def __init__(self, op):
             super().__init__()
@@ -206,7 +224,7 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     }
     model = AfterAttention(after[case]) if case in after else {
         "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
-        "reshape": TokensMixedByReshape}[case]()
+        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask}[case]()
     try:
         torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
     except Exception as error:  # Dynamo wraps backend errors

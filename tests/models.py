@@ -107,20 +107,24 @@ class Llama(nn.Module):
 
 
 class HandWritten(nn.Module):
-    """Attention written out: softmax(q kᵀ / sqrt(d) masked by an arange comparison) v."""
+    """Attention written out: softmax(q kᵀ / sqrt(d) masked by an arange comparison) v. Given document
+    ids ``doc [B, N]`` (packed sequences), keys of other documents are masked out too."""
 
     def __init__(self, vocab=61, dim=32, heads=2):
         super().__init__()
         self.heads = heads
         self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
 
-    def forward(self, ids):
+    def forward(self, ids, doc=None):
         b, n = ids.shape
         x = self.embed(ids)
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         idx = torch.arange(n, device=ids.device)
-        scores = scores.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+        blocked = idx[None, :] > idx[:, None]
+        if doc is not None:
+            blocked = blocked | (doc[:, :, None] != doc[:, None, :])[:, None]
+        scores = scores.masked_fill(blocked, float("-inf"))
         y = torch.softmax(scores, dim=-1) @ v
         return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
 
@@ -132,24 +136,27 @@ class EncoderBlock(nn.Module):
         self.qkv, self.proj, self.norm = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         x = self.norm(x + self.proj(y.transpose(1, 2).flatten(2)))
         return x + self.mlp(x)
 
 
 class Encoder(nn.Module):
-    """Bidirectional (no mask, so the contiguous layout); also a mean over tokens as a pooled output."""
+    """Bidirectional (no mask, so the contiguous layout); also a mean over tokens as a pooled output.
+    Given ``keep [B, N]`` (a padding mask), padded keys are masked out; given ``mask [B, 1, N, N]``, that."""
 
     def __init__(self, dim=32, heads=4, layers=2):
         super().__init__()
         self.blocks = nn.ModuleList(EncoderBlock(dim, heads) for _ in range(layers))
 
-    def forward(self, x):
+    def forward(self, x, keep=None, mask=None):
+        if keep is not None:
+            mask = keep[:, None, None, :]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return x, x.mean(dim=1)
 
 

@@ -42,6 +42,12 @@ def _cases(world_size: int) -> list:
         ("gpt-sharded_io", dict(name="gpt", seq_len=4 * world_size,
                                           options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}, dynamic=None)),
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
+        ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
+                                                options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
+    ]
+    cases += [  # masks read from inputs: lifted programs evaluated per tile
+        (f"{name}-{'dynamic' if dynamic else 'static'}", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic))
+        for name in ("encoder_padded", "hand_written_packed") for dynamic in (None, True)
     ]
     return cases
 
@@ -145,6 +151,7 @@ def test_two_data_parallel_replicas_of_two_rank_rings():
     ("sort", r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence"),
     ("max", r"`max`.*`max` runs along the sequence"),
     ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
+    ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
 ])
 def test_refusals_name_the_op_and_the_source_line(case, message):
     for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):

@@ -13,9 +13,10 @@ Then, per attention, in this order:
    causal with a sliding window, or all-visible becomes the ring's position-based flags (no mask at all);
 2. otherwise the region becomes a mask program (`lowering.masks`), registered by content, evaluated by
    the ring per tile of (local query positions x arriving key positions);
-3. a mask computed from an ``S x S`` input (``tril(ones(S, S))``, a registered causal buffer) that only
-   depends on shapes is evaluated once (up to ``MASK_LIMIT`` tokens) and accepted when causal;
-   otherwise it is refused, naming the node and source line.
+3. a mask that needs an ``S x S`` tensor (``tril(ones(S, S))``, a registered causal buffer, a mask input)
+   is evaluated once when it depends on shapes only (up to ``MASK_LIMIT`` tokens) and accepted when
+   causal; otherwise it is refused, naming the node and source line, unless ``masks="materialize"``
+   lets every rank hold the tensor whole (then it is a program input like the others).
 
 Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (the masks: they and what only
 feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank).
@@ -72,25 +73,26 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     kind, mask = match.mask
     region = _Region(mask)
     ctx.lifted.add(mask)
-    if not region.oversized:
-        implied, exact = _Symbolic(ctx, region).read(kind)
-        is_causal, window = _flags(implied)
-        if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
-            return MaskPlan(is_causal, window)
-        program = _program(ctx, region, kind)
-        ctx.whole_values |= set(region.input_nodes)
-        return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes)
-    values = _evaluate(ctx.gm, mask)
-    if values is None:
+    if region.oversized:
+        if _shape_only_causal(ctx, mask, kind, example_value(match.output).shape[-2]):
+            return MaskPlan(True)
         big = region.oversized[0]
-        raise NotSupportedError(
-            f"The attention mask of {describe(match.output)} is built from {describe(big)}, a sequence x sequence "
-            "tensor that depends on the model's inputs; ring attention evaluates masks from per-token vectors "
-            "(positions, segment ids, padding masks) compared pairwise, so no rank holds S x S. Build the mask "
-            "from such vectors (e.g. `pos[:, None] >= pos[None, :]`) instead."
-        )
-    _check_causal(mask, kind, values, example_value(match.output).shape[-2])
-    return MaskPlan(True)
+        if ctx.options.masks != "materialize":
+            raise NotSupportedError(
+                f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
+                "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
+                "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
+                "`pos[:, None] >= pos[None, :]`), or allow holding it whole on every rank with "
+                "options={'masks': 'materialize'}."
+            )
+        ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
+    implied, exact = _Symbolic(ctx, region).read(kind)
+    is_causal, window = _flags(implied)
+    if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
+        return MaskPlan(is_causal, window)
+    program = _program(ctx, region, kind)
+    ctx.whole_values |= set(region.input_nodes)
+    return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes)
 
 
 def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
@@ -386,17 +388,13 @@ def _unpassable(arg: fx.Node):
     )
 
 
-def _check_causal(mask: fx.Node, kind: str, values: torch.Tensor, n) -> None:
+def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
+    """A mask from an S x S tensor that depends on shapes only, evaluated once: is it exactly causal?"""
     n = n.node.hint if isinstance(n, torch.SymInt) else n
-    if n > MASK_LIMIT:
-        raise NotSupportedError(
-            f"The attention mask at {describe(mask)} is built from a {n}x{n} tensor; above {MASK_LIMIT} tokens build "
-            "it from positions (`pos[:, None] >= pos[None, :]`) or use is_causal=True."
-        )
-    if values.dim() < 2:
-        raise NotSupportedError(f"The attention mask at {describe(mask)} is not a [.., query, key] mask.")
+    values = _evaluate(ctx.gm, mask) if n <= MASK_LIMIT else None
+    if values is None or values.dim() < 2:
+        return False
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
     if kind == "masked_out":
         visible = ~grid.bool()
     elif grid.dtype == torch.bool:
@@ -408,11 +406,7 @@ def _check_causal(mask: fx.Node, kind: str, values: torch.Tensor, n) -> None:
                 f"The additive attention mask at {describe(mask)} carries values (a bias such as ALiBi), not just "
                 "0 / -inf; attention biases are not supported yet."
             )
-    if not bool((visible == causal).all()):
-        raise NotSupportedError(
-            f"The attention mask at {describe(mask)} comes from a sequence x sequence tensor and is not causal; "
-            "build it from positions (e.g. `pos[:, None] >= pos[None, :]`) so the ring can evaluate it per block."
-        )
+    return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
 
 
 def _evaluate(gm: fx.GraphModule, node: fx.Node):

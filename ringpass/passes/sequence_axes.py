@@ -121,9 +121,10 @@ class _Probe:
         dims = [d for d, s in enumerate(original.shape) if same(s, self.n)]
         if not dims:
             return original
-        dim = 1 if 1 in dims else dims[0]
         self.ctx.sources[node] = "input"
-        return self._resized(original, [dim])
+        if original.dim() >= 3 and {original.dim() - 2, original.dim() - 1} <= set(dims):
+            return self._resized(original, [original.dim() - 2, original.dim() - 1])  # a [.., S, S] mask
+        return self._resized(original, [1 if 1 in dims else dims[0]])
 
     def _source_kind(self, node: fx.Node, original) -> Optional[str]:
         if not isinstance(original, torch.Tensor) or not any(same(s, self.n) for s in original.shape):
