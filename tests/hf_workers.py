@@ -50,8 +50,10 @@ def batch(case: str, seq_len: int) -> dict:
     return kwargs
 
 
-def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int) -> dict:
-    """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case."""
+def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int, dynamic=None) -> dict:
+    """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case.
+    With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``."""
+    torch._dynamo.config.specialize_float = True  # dynamic=True would trace HF's dropout_p as a value
     results = {}
     for case in cases:
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
@@ -62,7 +64,8 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
         backend = ringpass.backend(compiler="aot_eager")
-        got = torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
+        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+        got = compiled(**kwargs)
         got.loss.backward()
         results[case] = {
             "loss": rel_err(got.loss, expected.loss),
@@ -70,6 +73,9 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
             "report": str(backend.reports[-1]),
         }
+        if dynamic:
+            longer = batch(case, seq_len + 6)
+            results[case]["longer"] = rel_err(compiled(**longer).logits, model(**longer).logits)
     return results
 
 

@@ -33,6 +33,15 @@ def test_training_matches_the_unsharded_model(name, world_size):
         _check(results, expected_mask)
 
 
+def test_one_dynamic_compile_serves_two_lengths():
+    cases = ["labels", "packed"]
+    expected_mask = {"labels": "(causal,", "packed": "lifted mask program, evaluated"}
+    for results in spawn_ranks(hf_workers.training_step, 2, ("llama", cases, SEQ, True), timeout=600):
+        _check(results, expected_mask)
+        for case, r in results.items():
+            assert r["longer"] <= 1e-4, (case, r)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]

@@ -77,6 +77,12 @@ def _is(node: fx.Node, targets) -> bool:
 
 def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     args = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs
+    if isinstance(args.get("dropout_p"), fx.Node):
+        raise NotSupportedError(
+            f"Attention {describe(node)} takes dropout_p from a traced value ({args['dropout_p'].name}): with "
+            "dynamic=True Dynamo traces Python floats as inputs. Set torch._dynamo.config.specialize_float = True "
+            "so the dropout probability is a constant (it must be 0 for ring attention)."
+        )
     if args.get("dropout_p", 0.0):
         raise NotSupportedError(
             f"Attention {describe(node)} uses dropout_p={args['dropout_p']}; dropout inside ring attention is "

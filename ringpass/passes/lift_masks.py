@@ -35,6 +35,7 @@ from lowering.errors import NotSupportedError
 from lowering.masks import register_mask
 from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext
+from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
 
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
@@ -86,13 +87,24 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 "options={'masks': 'materialize'}."
             )
         ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
-    implied, exact = _Symbolic(ctx, region).read(kind)
+    implied, exact = _read(ctx, region, kind, example_value(match.output).shape[-2])
     is_causal, window = _flags(implied)
     if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
         return MaskPlan(is_causal, window)
     program = _program(ctx, region, kind)
     ctx.whole_values |= set(region.input_nodes)
     return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes)
+
+
+def _read(ctx: PassContext, region: "_Region", kind: str, n) -> tuple[frozenset, bool]:
+    """The symbolic reading at the graph's length; with dynamic shapes also at another length, and only
+    what both readings agree on counts (a table that is ``arange`` at one length only is not trusted)."""
+    if not isinstance(n, torch.SymInt):
+        return _Symbolic(ctx, region, None).read(kind)
+    (implied, exact), (other, other_exact) = (
+        _Symbolic(ctx, region, (n, length)).read(kind) for length in (n.node.hint, 2 * n.node.hint + 3)
+    )
+    return implied & other, exact and other_exact and implied == other
 
 
 def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
@@ -115,7 +127,7 @@ class _Region:
 
     def __init__(self, mask: fx.Node):
         rank, shape = example_value(mask).dim(), example_value(mask).shape
-        self.mask: Use = (mask, tuple((d, r) for d, r in ((rank - 2, Q), (rank - 1, KV)) if rank >= 2 and shape[d] != 1))
+        self.mask: Use = (mask, tuple((d, r) for d, r in ((rank - 2, Q), (rank - 1, KV)) if rank >= 2 and not same(shape[d], 1)))
         self.ops: dict[Use, dict[fx.Node, Use]] = {}
         self.inputs: list[Use] = []
         pending: dict[fx.Node, set] = {mask: {self.mask[1]}}
@@ -155,7 +167,7 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
 def _aligned(arg_value, out_value, roles) -> dict[int, str]:
     """Roles of a broadcast operand: right-aligned dims of equal size (a size-1 dim broadcasts: no role)."""
     shift = out_value.dim() - arg_value.dim()
-    return {d - shift: r for d, r in roles.items() if d >= shift and arg_value.shape[d - shift] == out_value.shape[d]}
+    return {d - shift: r for d, r in roles.items() if d >= shift and same(arg_value.shape[d - shift], out_value.shape[d])}
 
 
 def _getitem_roles(node: fx.Node, roles):
@@ -164,6 +176,8 @@ def _getitem_roles(node: fx.Node, roles):
     source_value, out = example_value(source), example_value(node)
     if all(isinstance(i, fx.Node) for i in index):  # advanced indexing: out = broadcast(indices) + rest
         values = [example_value(i) for i in index]
+        if not all(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool for v in values):
+            return None  # boolean (or non-tensor) indices select a data-dependent set
         k = max(v.dim() for v in values)
         broadcast = _Shape(out.shape[:k])
         result = [(i, _aligned(v, broadcast, {d: r for d, r in roles.items() if d < k})) for i, v in zip(index, values)]
@@ -222,8 +236,8 @@ COMPARE = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # x OP y a
 class _Symbolic:
     """Evaluates the region over symbols; anything it cannot read makes the whole reading None."""
 
-    def __init__(self, ctx: PassContext, region: _Region):
-        self.ctx, self.region = ctx, region
+    def __init__(self, ctx: PassContext, region: _Region, resize: Optional[tuple]):
+        self.ctx, self.region, self.resize = ctx, region, resize
         self.values: dict[fx.Node, object] = {}
 
     def read(self, kind: str) -> tuple[frozenset, bool]:
@@ -254,7 +268,7 @@ class _Symbolic:
     def _input(self, use: Use):
         """A region input, evaluated on the host when it depends on shapes only."""
         node, roles = use[0], dict(use[1])
-        value = _evaluate(self.ctx.gm, node)
+        value = _evaluate(self.ctx.gm, node, self.resize)
         if not isinstance(value, torch.Tensor):
             raise LookupError
         if not roles:
@@ -409,9 +423,10 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
     return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
 
 
-def _evaluate(gm: fx.GraphModule, node: fx.Node):
+def _evaluate(gm: fx.GraphModule, node: fx.Node, resize: Optional[tuple] = None):
     """The value of ``node`` when it depends on module state and shapes only (else None). With dynamic
-    shapes, sizes take the example's values."""
+    shapes, sizes take the example's values; ``resize=(n, length)`` gives size inputs equal to the
+    symbolic sequence length ``n`` the value ``length`` instead."""
     env: dict[fx.Node, object] = {}
 
     def value(n: fx.Node):
@@ -420,7 +435,7 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
         if n.op == "placeholder":
             v = example_value(n)
             if isinstance(v, torch.SymInt):
-                env[n] = v.node.hint
+                env[n] = resize[1] if resize is not None and same(v, resize[0]) else v.node.hint
             elif is_module_state(n):
                 env[n] = n.meta["grapharg"].example
             else:
@@ -437,5 +452,5 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
     try:
         with torch.no_grad():
             return value(node)
-    except LookupError:
+    except (LookupError, RuntimeError, IndexError, ValueError):  # an input, or sizes that do not fit (resize)
         return None
