@@ -1,9 +1,9 @@
-"""The ring schedule: one rank's forward and backward laps, and the exact merge.
+"""The ring schedule: one rank's forward and backward laps.
 
 At step s rank r holds the KV block of rank (r - s) mod P. Forward: the send of the current block to
 r+1 and the receive from r-1 are posted before the block's tasks run and waited after them (P-1
-exchanges in all); each task's partial (out, lse) is merged into fp32 accumulators (fp64 for fp64
-inputs) with the log-sum-exp identity. Backward: dq accumulates locally; the dk/dv accumulator of a KV
+exchanges in all); the kernel merges each tile's partial (out, lse) into fp32 accumulators (fp64
+for fp64 inputs) with the log-sum-exp identity. Backward: dq accumulates locally; the dk/dv accumulator of a KV
 block travels one hop behind the block itself and arrives home after the lap (P-1 KV exchanges, P dk/dv
 exchanges). `_RankForward` / `_RankBackward` hold one rank's state and are shared with the
 single-process simulation, which only changes how blocks move.
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
-from lowering.kernels import accumulation_dtype, block_attention, block_attention_backward
+from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_
 from lowering.layout import Layout
 from lowering.masks import BlockMask, Tile, mask_tiles
 from lowering.schedule import kv_source, plan_block
@@ -44,17 +44,6 @@ class RingSpec:
         ]
 
 
-def merge_block(out_acc, lse_acc, out_block, lse_block) -> None:
-    """Fold a block's partial result into running accumulators, in place, exactly:
-    lse = log(e^lse_acc + e^lse_block), out = (e^lse_acc out_acc + e^lse_block out_block) / e^lse.
-    Rows that have seen no visible key keep out 0 and lse -inf (never NaN)."""
-    lse_new = torch.logaddexp(lse_acc, lse_block.to(lse_acc.dtype))
-    shift = lse_new.masked_fill(torch.isneginf(lse_new), 0.0)
-    out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
-    out_acc.add_(out_block.to(out_acc.dtype) * torch.exp(lse_block.to(lse_acc.dtype) - shift).unsqueeze(-1))
-    lse_acc.copy_(lse_new)
-
-
 class _RankForward:
     """One rank's running output and LSE over the KV blocks it has seen so far."""
 
@@ -69,11 +58,10 @@ class _RankForward:
         kv_pos = self.spec.layout.positions(kv_rank)
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
             rows, cols = t.rows, t.cols
-            out, lse = block_attention(
+            block_attention_merge_(
                 self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
-                scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
+                self.out[:, :, rows], self.lse[:, :, rows], scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
             )
-            merge_block(self.out[:, :, rows], self.lse[:, :, rows], out, lse)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out.to(self.q.dtype), self.lse

@@ -1,49 +1,101 @@
-"""The block-compute contract: what the ring calls once per planned task.
+"""The block-compute contract: what the ring calls once per planned tile.
 
     out, lse = block_attention(q, k, v, q_pos, kv_pos, scale=s, is_causal=c, window=w, mask=m)
-    dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale=s, is_causal=c, window=w, mask=m)
+    block_attention_merge_(q, k, v, q_pos, kv_pos, out_acc, lse_acc, scale=s, ...)      # in place
+    dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale=s, ...)
 
-q ``[B, Hq, n, D]``, k/v ``[B, Hkv, m, D]`` (query head h reads KV head ``h // (Hq // Hkv)``), q_pos
-``[n]`` and kv_pos ``[m]`` int64 global positions. ``is_causal``: key visible iff ``kv_pos <= q_pos``;
-``window=W`` additionally needs ``q_pos - kv_pos < W``; ``mask``: bool ``[B or 1, Hq or 1, n, m]``
-(True = visible), combined with the others. ``scale`` defaults to ``1/sqrt(D)``.
-``out``, ``lse`` ``[B, Hq, n]`` and the gradients come back in the accumulation dtype (fp32; fp64 for
-fp64 inputs), so the ring merges and accumulates partial results without rounding them to half
-precision first; a row with no visible key gives out 0 and lse -inf. The backward takes the *final*
-(merged) out and lse of the whole ring, so the block's gradients are its exact share of the
-full-sequence gradients; ``dlse`` is the gradient flowing into the LSE, if any (it takes the math path,
-which materialises the block's scores). dk/dv come back with Hkv heads.
+q ``[B, Hq, n, D]``, k/v ``[B, Hkv, m, D]`` (query head h reads KV head ``h // (Hq // Hkv)``; K/V are
+never repeated in memory), q_pos ``[n]`` and kv_pos ``[m]`` int64 global positions. ``is_causal``: key
+visible iff ``kv_pos <= q_pos``; ``window=W`` additionally needs ``q_pos - kv_pos < W``; ``mask``: bool
+``[B or 1, Hq or 1, n, m]`` (True = visible), combined with the others; ``seq_bound``: keys at positions
+``>= seq_bound`` are padding and never visible (an argument, not a sentinel). ``scale`` defaults to
+``1/sqrt(D)``. A row with no visible key gives out 0 and lse -inf.
 
-Today there is one implementation, plain torch (`torch_attention`); the Triton kernels plug in here.
+Results come back in the accumulation dtype (fp32; fp64 for fp64 inputs), out as well as lse and the
+gradients: the ring merges and accumulates partial results without rounding them to half precision
+(rounding each block's out to bf16 before the merge measurably breaks the "within 2x of unsharded
+bf16" bound); cast the final merged out to the input dtype once. ``block_attention_merge_`` folds the
+block into running (out, lse) accumulators in place (inside the Triton kernel, so the ring needs no
+merge pass). The backward takes the *final* (merged) out and lse, so the block's gradients are its
+exact share of the full-sequence gradients; ``dlse`` is the gradient flowing into the LSE, if any.
+
+``backend``: ``"auto"`` = Triton on CUDA (fp16/bf16/fp32), torch otherwise; ``"triton"`` forces Triton
+(on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` forces `torch_attention`.
 """
 
 from __future__ import annotations
 
+import torch
+
 from lowering import events
+from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.kernels import torch_attention
-from lowering.kernels.torch_attention import accumulation_dtype
+from lowering.kernels.torch_attention import accumulation_dtype, merge
 
-__all__ = ["block_attention", "block_attention_backward", "accumulation_dtype"]
+__all__ = ["block_attention", "block_attention_backward", "block_attention_merge_", "accumulation_dtype", "merge"]
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def block_attention(q, k, v, q_pos, kv_pos, *, scale=None, is_causal: bool = False, window=None, mask=None):
+def block_attention(q, k, v, q_pos, kv_pos, *, scale=None, is_causal: bool = False, window=None, mask=None,
+                    seq_bound=None, backend: str = "auto"):
+    impl = _implementation(q, backend)
+    _record("block_forward", q_pos, kv_pos, is_causal, mask)
+    return impl.forward(q, k, v, q_pos, kv_pos, **_options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound))
+
+
+def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_causal: bool = False, window=None,
+                           mask=None, seq_bound=None, backend: str = "auto") -> None:
+    """Fold this block's attention into running accumulators ``out [B, Hq, n, D]`` and ``lse [B, Hq, n]``
+    (accumulation dtype), in place, by the log-sum-exp identity."""
+    impl = _implementation(q, backend)
+    _record("block_forward", q_pos, kv_pos, is_causal, mask)
+    options = _options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound)
+    if impl is not torch_attention and out.dtype == torch.float32:
+        impl.forward(q, k, v, q_pos, kv_pos, **options, out=out, lse=lse)
+    else:
+        merge(out, lse, *impl.forward(q, k, v, q_pos, kv_pos, **options))
+
+
+def block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=None, is_causal: bool = False,
+                             window=None, mask=None, seq_bound=None, dlse=None, backend: str = "auto"):
+    impl = _implementation(q, backend)
+    _record("block_backward", q_pos, kv_pos, is_causal, mask)
+    return impl.backward(dout, q, k, v, out, lse, q_pos, kv_pos, dlse=dlse,
+                         **_options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound))
+
+
+def _implementation(q, backend: str):
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend={backend!r}: choose one of {', '.join(map(repr, BACKENDS))}.")
+    if backend == "torch" or (backend == "auto" and not (q.is_cuda and q.dtype in TRITON_DTYPES)):
+        return torch_attention
+    if q.dtype not in TRITON_DTYPES:
+        raise InvalidInputError(f"The Triton kernels take float16, bfloat16 or float32, not {q.dtype}; use backend='torch'.")
+    try:
+        from lowering.kernels import triton_attention
+    except ImportError as error:
+        raise NotSupportedError(f"backend='triton' needs Triton ({error}); install it or use backend='torch'.") from None
+    if not q.is_cuda and not triton_attention.INTERPRETED:
+        raise InvalidInputError(
+            "backend='triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "lowering.kernels.triton_attention is first imported."
+        )
+    return triton_attention
+
+
+def _options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound) -> dict:
+    if window is not None and window < 1:
+        raise InvalidInputError(f"window={window}: a sliding window holds at least one key.")
+    if impl is torch_attention and seq_bound is not None:  # the torch path takes padding as part of the mask
+        keys = (kv_pos < seq_bound).to(q.device)[None, None, None, :]
+        mask, seq_bound = (keys if mask is None else mask.to(q.device) & keys), None
+    options = dict(scale=q.size(-1) ** -0.5 if scale is None else float(scale), is_causal=bool(is_causal),
+                   window=window, mask=mask)
+    return options if impl is torch_attention else {**options, "seq_bound": seq_bound}
+
+
+def _record(kind, q_pos, kv_pos, is_causal, mask) -> None:
     if events.recording():
-        events.emit("block_forward", q_pos=q_pos, kv_pos=kv_pos, causal=is_causal, masked=mask is not None)
-    return torch_attention.forward(
-        q, k, v, q_pos, kv_pos, scale=_scale(q, scale), is_causal=is_causal, window=window, mask=mask
-    )
-
-
-def block_attention_backward(
-    dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=None, is_causal: bool = False, window=None, mask=None, dlse=None
-):
-    if events.recording():
-        events.emit("block_backward", q_pos=q_pos, kv_pos=kv_pos, causal=is_causal, masked=mask is not None)
-    return torch_attention.backward(
-        dout, q, k, v, out, lse, q_pos, kv_pos, scale=_scale(q, scale), is_causal=is_causal, window=window,
-        mask=mask, dlse=dlse,
-    )
-
-
-def _scale(q, scale):
-    return q.size(-1) ** -0.5 if scale is None else float(scale)
+        events.emit(kind, q_pos=q_pos, kv_pos=kv_pos, causal=is_causal, masked=mask is not None)

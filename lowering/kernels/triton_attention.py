@@ -1,0 +1,307 @@
+"""Block attention in Triton: the ring's per-step work on CUDA (and on CPU under ``TRITON_INTERPRET=1``).
+
+One program computes a tile of ``BLOCK_M`` query rows of one (batch, head) against the whole key block,
+``BLOCK_N`` keys at a time, with the online softmax (FlashAttention-2). Visibility comes from positions:
+``kv_pos <= q_pos`` when causal, ``q_pos - kv_pos < window`` with a window, ``kv_pos < seq_bound``
+(padding), and an optional dense bool mask. From the positions' ranges each key tile is classified
+before anything is loaded: *invisible* tiles are skipped (no loads, no math), *fully visible* ones
+skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h`` reads KV head ``h // group``;
+K/V are never repeated in memory.
+
+Forward results are fp32 (out, and the LSE in natural-log units); with ``out``/``lse`` accumulators
+given, the kernel merges its result into them in place (log-sum-exp identity), so the ring needs no
+separate merge pass. Backward: one kernel for dq (per query tile), one for dk/dv (per key tile, summing
+the query heads of its group in registers, no atomics); both recompute probabilities from the saved LSE
+and take ``delta = rowsum(dO * O) - dLSE`` from the caller.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NO_BOUND = 2**62  # seq_bound when no key is padding
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _tile_ranges(pos_ptr, start, length, BLOCK: tl.constexpr):
+    """Offsets, validity, positions and the (lowest, highest) valid position of one tile."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < length
+    pos = tl.load(pos_ptr + offs, mask=valid, other=0)
+    lowest = tl.min(tl.where(valid, pos, NO_BOUND), 0)
+    highest = tl.max(tl.where(valid, pos, -1), 0)
+    return offs, valid, pos, lowest, highest
+
+
+@triton.jit
+def _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Nothing in the tile is visible: all keys padding, all after the queries, or all out of the window."""
+    skip = kv_lo >= seq_bound
+    if IS_CAUSAL:
+        skip = skip | (kv_lo > q_hi)
+    if HAS_WINDOW:
+        skip = skip | (q_lo - kv_hi >= window)
+    return skip
+
+
+@triton.jit
+def _fully_visible(q_lo, q_hi, kv_lo, kv_hi, all_valid, seq_bound, window, IS_CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    full = all_valid & (kv_hi < seq_bound)
+    if IS_CAUSAL:
+        full = full & (kv_hi <= q_lo)
+    if HAS_WINDOW:
+        full = full & (q_hi - kv_lo < window)
+    if HAS_MASK:
+        full = full & (q_lo < 0)  # positions are never negative: a dense mask always needs applying
+    return full
+
+
+@triton.jit
+def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
+            smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    visible = row_ok[:, None] & col_ok[None, :] & (kv_pos[None, :] < seq_bound)
+    if IS_CAUSAL:
+        visible = visible & (kv_pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
+    if HAS_MASK:
+        tile = tl.load(MASK + b * smb + h * smh + rows[:, None] * smn + cols[None, :] * smm,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0)
+        visible = visible & (tile != 0)
+    return tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, QPOS, KVPOS, MASK, OUT, LSE,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smn, smm, sob, soh, son, sod, slb, slh, sln,
+    H, n, m, scale, window, seq_bound,
+    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    kv_h = h // GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D
+    rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, pid_m * BLOCK_M, n, BLOCK_M)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    for start in range(0, m, BLOCK_N):
+        cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
+        if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N <= m, seq_bound, window,
+                                  IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+                scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
+                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - shift[:, None])
+            alpha = tl.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    out_ptrs = OUT + b * sob + h * soh + rows[:, None] * son + dims[None, :] * sod
+    lse_ptrs = LSE + b * slb + h * slh + rows * sln
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    if MERGE:  # fold into the running accumulators: lse = log(e^lse_acc + e^lse), out weighted alike
+        lse_acc = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        out_acc = tl.load(out_ptrs, mask=io_mask, other=0.0)
+        top = tl.maximum(lse_acc, lse)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w_acc, w_blk = tl.exp(lse_acc - top_safe), tl.exp(lse - top_safe)
+        total = w_acc + w_blk
+        safe_total = tl.where(total > 0, total, 1.0)
+        out = (out_acc * w_acc[:, None] + out * w_blk[:, None]) / safe_total[:, None]
+        lse = tl.where(total > 0, top_safe + tl.log(safe_total), float("-inf"))
+    tl.store(out_ptrs, out, mask=io_mask)
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, DQ,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
+    smb, smh, smn, smm, slb, slh, sln,
+    H, n, m, scale, window, seq_bound,
+    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    kv_h = h // GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D
+    rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, pid_m * BLOCK_M, n, BLOCK_M)
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start in range(0, m, BLOCK_N):
+        cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
+        if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N <= m, seq_bound, window,
+                                  IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+                scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
+                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+            p = tl.exp2(scores - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale, mask=io_mask)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, DK, DV,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
+    smb, smh, smn, smm, slb, slh, sln,
+    HKV, n, m, scale, window, seq_bound,
+    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kv_h = pid_bh // HKV, pid_bh % HKV
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D
+    cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, pid_n * BLOCK_N, m, BLOCK_N)
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for g in range(GROUP):  # the query heads that read this KV head
+        h = kv_h * GROUP + g
+        for start in range(0, n, BLOCK_M):
+            rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, start, n, BLOCK_M)
+            if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+                io_mask = row_ok[:, None] & dim_ok[None, :]
+                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
+                do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
+                if UPCAST:
+                    q, do = q.to(tl.float32), do.to(tl.float32)
+                lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
+                delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, (start + BLOCK_M <= n) & (pid_n * BLOCK_N + BLOCK_N <= m),
+                                      seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+                    scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
+                                     MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+                p = tl.exp2(scores - lse2[:, None])
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    tl.store(DK + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, dk * scale, mask=kv_mask)
+    tl.store(DV + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, dv, mask=kv_mask)
+
+
+# ---- launchers ------------------------------------------------------------------------------------------
+def _config(q: torch.Tensor) -> dict:
+    d = q.size(-1)
+    block_d = max(16, triton.next_power_of_2(d))
+    block = 16 if INTERPRETED else (64 if block_d > 64 else 128)
+    return dict(
+        D=d, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
+        UPCAST=INTERPRETED,  # the interpreter's dot mishandles bf16: it computes in fp32 instead
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
+    """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its strides."""
+    if mask is None:
+        return None, (0, 0, 0, 0)
+    mask = mask.to(torch.bool).expand(shape)
+    return mask.view(torch.uint8), mask.stride()
+
+
+def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
+            seq_bound: Optional[int] = None, out=None, lse=None):
+    """(out, lse) fp32; with ``out``/``lse`` fp32 accumulators given, merges into them and returns them."""
+    b, hq, n, d = q.shape
+    m = k.size(2)
+    merge = out is not None
+    if not merge:
+        out = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
+    mask_bytes, mask_strides = _mask_args(mask, (b, hq, n, m))
+    config = _config(q)
+    grid = (triton.cdiv(n, config["BLOCK_M"]), b * hq)
+    _forward_kernel[grid](
+        q, k, v, q_pos, kv_pos, mask_bytes, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse.stride(),
+        hq, n, m, float(scale), int(window or 0), int(NO_BOUND if seq_bound is None else seq_bound),
+        GROUP=hq // k.size(1), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
+        MERGE=merge, **config,
+    )
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
+             seq_bound: Optional[int] = None, dlse=None):
+    """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row."""
+    b, hq, n, d = q.shape
+    hkv, m = k.size(1), k.size(2)
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # the gradients are written with these strides
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse, delta = lse.float().contiguous(), delta.contiguous()
+    dq = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
+    dk = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
+    dv = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
+    mask_bytes, mask_strides = _mask_args(mask, (b, hq, n, m))
+    config = _config(q)
+    flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None)
+    scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND if seq_bound is None else seq_bound))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *lse.stride())
+    _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]), b * hq)](
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, dq, *strides, hq, *scalars, **flags, **config)
+    _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]), b * hkv)](
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, dk, dv, *strides, hkv, *scalars, **flags, **config)
+    return dq, dk, dv

@@ -1,0 +1,62 @@
+"""The Triton block kernels in Triton's CPU interpreter (small sizes): forward, backward and the merging
+variant against fp64 math attention and against the torch implementation (cases and tolerances in
+`kernel_cases`). The interpreter computes half-precision dots in fp32; the GPU check runs the same
+cases compiled (examples/gpu_check.py).
+"""
+
+import os
+
+import pytest
+import torch
+
+_previous = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, and again when they run
+triton_attention = pytest.importorskip("lowering.kernels.triton_attention")
+if _previous is None:  # other tests' processes keep their own setting; each test here sets it again
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _previous
+
+from kernel_cases import CASES, DTYPES, check_case, inputs  # noqa: E402
+from lowering.kernels import block_attention, block_attention_backward, block_attention_merge_  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_backward_match_fp64_and_the_torch_kernels(case, dtype):
+    check_case(case, dtype)
+
+
+def test_merging_variant_folds_blocks_into_accumulators():
+    q, k, v = inputs(20, 40, (4, 2), 16, torch.float32)
+    q_pos, kv_pos = torch.arange(20, 40), torch.arange(40)
+    out, lse = torch.zeros(2, 4, 20, 16), torch.full((2, 4, 20), float("-inf"))
+    for part in (slice(24, 40), slice(0, 24)):  # the later keys first: some rows see nothing at first
+        block_attention_merge_(q, k[:, :, part], v[:, :, part], q_pos, kv_pos[part], out, lse,
+                               is_causal=True, backend="triton")
+    whole_out, whole_lse = block_attention(q, k, v, q_pos, kv_pos, is_causal=True, backend="torch")
+    assert rel_err(out, whole_out) <= 1e-5 and rel_err(lse, whole_lse) <= 1e-5
+
+
+def test_invisible_tiles_are_never_loaded():
+    """Keys in tiles that the positions make invisible hold NaN: any load or math on them would show."""
+    n, tile = 16, 16  # the interpreter's tile size
+    q, k, v = inputs(n, 3 * tile, (2, 2), 16, torch.float32)
+    q_pos = torch.arange(100, 116)
+    kv_pos = torch.cat([torch.arange(0, tile), torch.arange(96, 96 + tile), torch.arange(200, 200 + tile)])
+    k[:, :, :tile], v[:, :, :tile] = float("nan"), float("nan")          # out of the window
+    k[:, :, 2 * tile:], v[:, :, 2 * tile:] = float("nan"), float("nan")  # after every query
+    options = dict(is_causal=True, window=50)
+    out, lse = block_attention(q, k, v, q_pos, kv_pos, backend="triton", **options)
+    visible = slice(tile, 2 * tile)
+    expected, expected_lse = block_attention(q, k[:, :, visible], v[:, :, visible], q_pos, kv_pos[visible],
+                                             backend="torch", **options)
+    assert rel_err(out, expected) <= 1e-5 and rel_err(lse, expected_lse) <= 1e-5
+    dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, q_pos, kv_pos, backend="triton", **options)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, visible]).all()
