@@ -49,13 +49,13 @@ class _RankForward:
 
     def __init__(self, q: torch.Tensor, spec: RingSpec, rank: int):
         self.q, self.spec, self.rank = q, spec, rank
-        self.q_pos = spec.layout.positions(rank)
+        self.q_pos = spec.layout.positions(rank).to(q.device)
         acc = accumulation_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
 
     def add_block(self, k: torch.Tensor, v: torch.Tensor, kv_rank: int) -> None:
-        kv_pos = self.spec.layout.positions(kv_rank)
+        kv_pos = self.spec.layout.positions(kv_rank).to(k.device)
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
             rows, cols = t.rows, t.cols
             block_attention_merge_(
@@ -73,14 +73,14 @@ class _RankBackward:
     def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int):
         self.dout, self.q, self.out, self.lse, self.dlse = dout, q, out, lse, dlse
         self.spec, self.rank = spec, rank
-        self.q_pos = spec.layout.positions(rank)
+        self.q_pos = spec.layout.positions(rank).to(q.device)
         self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
 
     def block_grads(self, k, v, kv_rank: int) -> torch.Tensor:
         """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype."""
         acc = self.dq.dtype
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        kv_pos = self.spec.layout.positions(kv_rank)
+        kv_pos = self.spec.layout.positions(kv_rank).to(k.device)
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
             rows, cols = t.rows, t.cols
             dq, dk, dv = block_attention_backward(

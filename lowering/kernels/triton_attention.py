@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-NO_BOUND = 2**62  # seq_bound when no key is padding
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' softmax runs in base 2
+NO_BOUND = tl.constexpr(2**62)  # seq_bound when no key is padding (kernels read only constexpr globals)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,27 +42,29 @@ def _tile_ranges(pos_ptr, start, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Nothing in the tile is visible: all keys padding, all after the queries, or all out of the window."""
-    skip = kv_lo >= seq_bound
+def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """False when nothing in the tile can be visible (all keys padding, after every query, or out of the
+    window): the tile is skipped without loading it."""
+    see = kv_lo < seq_bound
     if IS_CAUSAL:
-        skip = skip | (kv_lo > q_hi)
+        see = see & (kv_lo <= q_hi)
     if HAS_WINDOW:
-        skip = skip | (q_lo - kv_hi >= window)
-    return skip
+        see = see & (q_lo - kv_hi < window)
+    return see
 
 
 @triton.jit
-def _fully_visible(q_lo, q_hi, kv_lo, kv_hi, all_valid, seq_bound, window, IS_CAUSAL: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
-    full = all_valid & (kv_hi < seq_bound)
+def _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """False when every pair of the tile is visible: the scores need no mask arithmetic."""
+    partial = some_invalid | (kv_hi >= seq_bound)
     if IS_CAUSAL:
-        full = full & (kv_hi <= q_lo)
+        partial = partial | (kv_hi > q_lo)
     if HAS_WINDOW:
-        full = full & (q_hi - kv_lo < window)
+        partial = partial | (q_hi - kv_lo >= window)
     if HAS_MASK:
-        full = full & (q_lo < 0)  # positions are never negative: a dense mask always needs applying
-    return full
+        partial = partial | (q_lo >= 0)  # positions are never negative: a dense mask always applies
+    return partial
 
 
 @triton.jit
@@ -103,18 +105,18 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    qk_scale = scale * LOG2E  # softmax in base 2
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
             kv_mask = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N <= m, seq_bound, window,
-                                  IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+            if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N > m, seq_bound, window,
+                           IS_CAUSAL, HAS_WINDOW, HAS_MASK):
                 scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
                                  MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -126,7 +128,7 @@ def _forward_kernel(
             m_i = m_new
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     out_ptrs = OUT + b * sob + h * soh + rows[:, None] * son + dims[None, :] * sod
     lse_ptrs = LSE + b * slb + h * slh + rows * sln
     io_mask = row_ok[:, None] & dim_ok[None, :]
@@ -167,20 +169,20 @@ def _dq_kernel(
         q, do = q.to(tl.float32), do.to(tl.float32)
     lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
     delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: p = 0
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
             kv_mask = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N <= m, seq_bound, window,
-                                  IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+            if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N > m, seq_bound, window,
+                           IS_CAUSAL, HAS_WINDOW, HAS_MASK):
                 scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
                                  MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
             p = tl.exp2(scores - lse2[:, None])
@@ -212,12 +214,12 @@ def _dkdv_kernel(
         k, v = k.to(tl.float32), v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     for g in range(GROUP):  # the query heads that read this KV head
         h = kv_h * GROUP + g
         for start in range(0, n, BLOCK_M):
             rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, start, n, BLOCK_M)
-            if not _skipped(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+            if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
                 io_mask = row_ok[:, None] & dim_ok[None, :]
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
                 do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
@@ -225,10 +227,10 @@ def _dkdv_kernel(
                     q, do = q.to(tl.float32), do.to(tl.float32)
                 lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
                 delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                if not _fully_visible(q_lo, q_hi, kv_lo, kv_hi, (start + BLOCK_M <= n) & (pid_n * BLOCK_N + BLOCK_N <= m),
-                                      seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+                if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m),
+                               seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
                     scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
                                      MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
                 p = tl.exp2(scores - lse2[:, None])
@@ -252,6 +254,10 @@ def _config(q: torch.Tensor) -> dict:
     )
 
 
+def _positions(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return pos.to(device=like.device, dtype=torch.int64).contiguous()
+
+
 def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
     """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its strides."""
     if mask is None:
@@ -265,6 +271,7 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     """(out, lse) fp32; with ``out``/``lse`` fp32 accumulators given, merges into them and returns them."""
     b, hq, n, d = q.shape
     m = k.size(2)
+    q_pos, kv_pos = _positions(q_pos, q), _positions(kv_pos, q)
     merge = out is not None
     if not merge:
         out = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
@@ -275,7 +282,7 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     _forward_kernel[grid](
         q, k, v, q_pos, kv_pos, mask_bytes, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse.stride(),
-        hq, n, m, float(scale), int(window or 0), int(NO_BOUND if seq_bound is None else seq_bound),
+        hq, n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound),
         GROUP=hq // k.size(1), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
         MERGE=merge, **config,
     )
@@ -288,6 +295,7 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     b, hq, n, d = q.shape
     hkv, m = k.size(1), k.size(2)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # the gradients are written with these strides
+    q_pos, kv_pos = _positions(q_pos, q), _positions(kv_pos, q)
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
         delta = delta - dlse.float()
@@ -298,7 +306,7 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     mask_bytes, mask_strides = _mask_args(mask, (b, hq, n, m))
     config = _config(q)
     flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None)
-    scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND if seq_bound is None else seq_bound))
+    scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound))
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *lse.stride())
     _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]), b * hq)](
         q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, dq, *strides, hq, *scalars, **flags, **config)
