@@ -27,6 +27,10 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.schedule import BlockTask
 
 MASK_TILE = 256  # query rows and key columns per evaluated mask tile: bounds mask memory independently of S
+# An additive mask value at or below this hides its key: exp(score - 1e4) underflows to exactly 0 next to
+# any visible key, in every float dtype (-inf, -1e9 and finfo.min all qualify). A row whose keys are all
+# hidden gives 0 here, where eager attention with a finite fill would average the hidden keys instead.
+MASKED_AT_OR_BELOW = -1e4
 
 _programs: dict[str, Callable] = {}
 
@@ -143,15 +147,17 @@ def _is_aligned_causal(visible, q_pos, kv_pos) -> bool:
 
 
 def _as_visibility(values: torch.Tensor) -> torch.Tensor:
-    """A program's result as booleans: bool as is; an additive float mask must hold only 0 and -inf."""
+    """A program's result as booleans: bool as is; an additive float mask must hold only 0 (visible) and
+    values at or below `MASKED_AT_OR_BELOW` (hidden: -inf, -1e9, finfo.min)."""
     if values.dtype == torch.bool:
         return values
     if not values.is_floating_point():
         raise NotSupportedError(f"A mask program returned {values.dtype}; masks must be bool or additive float (0 / -inf).")
-    visible = values != float("-inf")
+    visible = values > MASKED_AT_OR_BELOW
     if bool((values[visible] != 0).any()):
         raise NotSupportedError(
-            "The additive attention mask carries values other than 0 and -inf (an attention bias such as ALiBi); "
-            "attention biases are not supported by ring attention yet."
+            "The additive attention mask carries values other than 0 and large negative ones (an attention bias such "
+            "as ALiBi, or a 0/1 float mask added to the scores); attention biases are not supported by ring "
+            "attention yet."
         )
     return visible

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import models
 import ringpass
@@ -207,6 +208,12 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             mask = (x @ x.transpose(1, 2) > 0)[:, None]  # sequence x sequence, from the data
             return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
 
+    class FloatMask(nn.Module):
+        def forward(self, x):
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+            i = torch.arange(x.shape[1])
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] <= i[:, None]).to(x.dtype))
+
     class AfterAttention(nn.Module):
         def __init__(self, op):
             super().__init__()
@@ -224,9 +231,52 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     }
     model = AfterAttention(after[case]) if case in after else {
         "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
-        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask}[case]()
+        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask}[case]()
     try:
         torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
     except Exception as error:  # Dynamo wraps backend errors
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+class MaskedAttention(torch.nn.Module):
+    """One SDPA whose mask comes from ``mask_fn(self, S)`` (the cases of `mask_readings`)."""
+
+    def __init__(self, mask_fn):
+        super().__init__()
+        self.mask_fn = mask_fn
+        self.proj = torch.nn.Linear(8, 24)
+        self.register_buffer("modulo", torch.arange(128) % 40)  # equals arange below 40 only
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_fn(self, s)).transpose(1, 2).flatten(2)
+
+
+def _positions(s):
+    i = torch.arange(s)
+    return i[:, None], i[None, :]
+
+
+MASK_READINGS = {  # masks a symbolic reading could get wrong: each must match eager at every length
+    "modulo_table": lambda m, s: m.modulo[:s][None, :] <= m.modulo[:s][:, None],
+    "negative_index": lambda m, s: torch.arange(s)[_positions(s)[1] - 1] <= torch.arange(s)[_positions(s)[0] - 1],
+    "add_with_alpha": lambda m, s: torch.add(_positions(s)[1], 1, alpha=3) <= torch.add(_positions(s)[0], 1),
+    "large_negative_additive": lambda m, s: ((_positions(s)[1] <= _positions(s)[0]).double() - 1) * 1e300,
+}
+
+
+def mask_readings(rank: int, world_size: int, lengths: list) -> dict:
+    """Relative error per case and length; the first call compiles static, the next ones dynamic."""
+    errors = {}
+    for name, mask_fn in MASK_READINGS.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MaskedAttention(mask_fn).double()
+        compiled = torch.compile(model, backend=ringpass.backend(compiler="aot_eager"), fullgraph=True)
+        errors[name] = []
+        for s in lengths:
+            x = torch.randn(2, s, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+            errors[name].append(rel_err(compiled(x), model(x)))
+    return errors

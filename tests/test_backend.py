@@ -143,6 +143,14 @@ def test_two_data_parallel_replicas_of_two_rank_rings():
         assert max(result["outputs"]) <= 1e-10 and result["grads"] <= 1e-10
 
 
+def test_masks_that_only_look_causal_match_eager_at_every_length():
+    """Tables equal to arange only below some length, negative indices, alpha=, -1e300 fills: a
+    static compile at 10 tokens, then a dynamic one at 12 that must hold at 80 (automatic dynamic shapes)."""
+    for errors in spawn_ranks(backend_workers.mask_readings, 2, ([10, 12, 80],), timeout=TIMEOUT):
+        for name, per_length in errors.items():
+            assert max(per_length) <= 1e-10, (name, per_length)
+
+
 @pytest.mark.parametrize("case,message", [
     ("cumsum", r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation"),
     ("dropout", r"dropout_p=0.1.*dropout inside ring attention is not supported"),
@@ -152,6 +160,7 @@ def test_two_data_parallel_replicas_of_two_rank_rings():
     ("max", r"`max`.*`max` runs along the sequence"),
     ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
     ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
+    ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
 ])
 def test_refusals_name_the_op_and_the_source_line(case, message):
     for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):

@@ -35,7 +35,9 @@ def test_training_matches_the_unsharded_model(name, world_size):
 
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
-    expected_mask = {"labels": "(causal,", "packed": "lifted mask program, evaluated"}
+    # with dynamic shapes only tables computed from the length alone are read symbolically: HF's segment ids
+    # (a cumsum) are evaluated per tile, the causal term still sets the flag
+    expected_mask = {"labels": "lifted mask program + causal", "packed": "lifted mask program, evaluated"}
     for results in spawn_ranks(hf_workers.training_step, 2, ("llama", cases, SEQ, True), timeout=600):
         _check(results, expected_mask)
         for case, r in results.items():

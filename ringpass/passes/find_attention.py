@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lowering.errors import NotSupportedError
+from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import describe, example_value
 from ringpass.passes.context import PassContext
 
@@ -45,6 +46,7 @@ class AttentionMatch:
     spelling: str  # "sdpa" or "hand-written"
     internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
     mask: Optional[tuple[str, fx.Node]] = None  # ("kept" | "masked_out" | "additive", the mask's node)
+    fill: Optional[float] = None  # the value masked scores get (masked_fill / where), when it is one number
 
 
 def find_attention(ctx: PassContext) -> None:
@@ -98,8 +100,9 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     mask = args.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
         raise NotSupportedError(f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.")
+    kind = "kept" if mask is None or example_value(mask).dtype == torch.bool else "additive"  # SDPA adds float masks
     return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa",
-                          mask=None if mask is None else ("kept", mask))
+                          mask=None if mask is None else (kind, mask))
 
 
 def _unrepeated(node: fx.Node) -> fx.Node:
@@ -155,7 +158,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if _is(scores, ("to", "type_as", "float")):  # softmax(scores.float(), -1)
         internal.append(scores)
         scores = scores.args[0]
-    scores, mask = _peel_mask(scores, internal)
+    scores, mask, fill = _peel_mask(scores, internal)
     scores, scale = _peel_scale(scores, internal)
     if not _is(scores, MATMUL):
         return None
@@ -167,7 +170,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     internal.append(key_t)
     if any(len(n.users) > 1 and n is not out for n in internal):
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
-    return AttentionMatch(out, query, key, value, False, scale, "hand-written", tuple(internal), mask)
+    return AttentionMatch(out, query, key, value, False, scale, "hand-written", tuple(internal), mask, fill)
 
 
 def _softmax_dim(node: fx.Node):
@@ -177,22 +180,23 @@ def _softmax_dim(node: fx.Node):
 
 
 def _peel_mask(scores: fx.Node, internal: list):
-    """(scores before masking, the mask as ("bool"|"additive", node)) or (scores, None)."""
+    """(scores before masking, the mask as ("masked_out"|"kept"|"additive", node), the fill value of a
+    masked_fill / where) or (scores, None, None)."""
     if _is(scores, ("masked_fill", torch.masked_fill)):
         fill = scores.args[2]
-        if isinstance(fill, (int, float)) and (fill == float("-inf") or fill <= -1e4):
+        if isinstance(fill, (int, float)) and fill <= MASKED_AT_OR_BELOW:
             internal.append(scores)
-            return scores.args[0], ("masked_out", scores.args[1])
+            return scores.args[0], ("masked_out", scores.args[1]), float(fill)
     if _is(scores, (torch.where,)) and len(scores.args) == 3 and isinstance(scores.args[2], (int, float)):
-        if scores.args[2] == float("-inf") or scores.args[2] <= -1e4:
+        if scores.args[2] <= MASKED_AT_OR_BELOW:
             internal.append(scores)
-            return scores.args[1], ("kept", scores.args[0])
+            return scores.args[1], ("kept", scores.args[0]), float(scores.args[2])
     if _is(scores, (operator.add, torch.add, "add")) and isinstance(scores.args[1], fx.Node):
         left, right = scores.args
         if _is(left, (operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div") + MATMUL):
             internal.append(scores)
-            return left, ("additive", right)
-    return scores, None
+            return left, ("additive", right), None
+    return scores, None, None
 
 
 def _peel_scale(scores: fx.Node, internal: list):

@@ -64,7 +64,8 @@ def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
 def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
     length = ctx.length_of_input()  # the input's full length stays full
     users = [u for u in placeholder.users if u is not length]
-    with ctx.gm.graph.inserting_after(placeholder):
+    first_op = next(n for n in ctx.gm.graph.nodes if n.op != "placeholder")  # after every input (sizes too)
+    with ctx.gm.graph.inserting_before(first_op):
         shard = _shard_node(ctx, placeholder)
     for user in users:
         user.replace_input_with(placeholder, shard)

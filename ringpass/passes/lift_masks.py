@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
-from lowering.masks import register_mask
+from lowering.masks import MASKED_AT_OR_BELOW, register_mask
 from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
@@ -72,10 +72,18 @@ def lift_masks(ctx: PassContext) -> None:
 
 def _plan(ctx: PassContext, match) -> MaskPlan:
     kind, mask = match.mask
+    _check_additive(match, kind, mask)
     region = _Region(mask)
     ctx.lifted.add(mask)
+    if match.fill is not None and match.fill != float("-inf"):
+        ctx.report.warnings.append(
+            f"{describe(mask)} hides keys with the finite value {match.fill:g}: a query whose keys are all hidden gets "
+            "0 here, where eager attention averages every key (only padded queries are affected)"
+        )
+    n = example_value(match.output).shape[-2]
     if region.oversized:
-        if _shape_only_causal(ctx, mask, kind, example_value(match.output).shape[-2]):
+        dynamic = isinstance(n, torch.SymInt)  # one check at one length would not hold for the others
+        if not dynamic and _shape_only_causal(ctx, mask, kind, n):
             return MaskPlan(True)
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
@@ -83,11 +91,12 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
                 "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
-                "`pos[:, None] >= pos[None, :]`), or allow holding it whole on every rank with "
+                "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a causal buffer is then "
+                "checked at each length)" if dynamic else "") + ", or allow holding it whole on every rank with "
                 "options={'masks': 'materialize'}."
             )
         ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
-    implied, exact = _read(ctx, region, kind, example_value(match.output).shape[-2])
+    implied, exact = _read(ctx, region, kind, n)
     is_causal, window = _flags(implied)
     if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
         return MaskPlan(is_causal, window)
@@ -105,6 +114,25 @@ def _read(ctx: PassContext, region: "_Region", kind: str, n) -> tuple[frozenset,
         _Symbolic(ctx, region, (n, length)).read(kind) for length in (n.node.hint, 2 * n.node.hint + 3)
     )
     return implied & other, exact and other_exact and implied == other
+
+
+def _check_additive(match, kind: str, mask: fx.Node) -> None:
+    """SDPA adds a float mask to the scores: a bool mask cast to float (0 / 1) masks nothing there."""
+    node = mask
+    while kind == "additive" and _keeps_values(node):
+        node = node.args[0]
+        if example_value(node).dtype == torch.bool:
+            raise NotSupportedError(
+                f"The attention mask of {describe(match.output)} is a boolean mask cast to a float ({describe(mask)}): "
+                "SDPA adds float masks to the scores, so its 0 / 1 values mask nothing (a bias the ring does not "
+                "support). Pass the boolean mask itself (True = attend)."
+            )
+
+
+def _keeps_values(node: fx.Node) -> bool:
+    """A cast, or a reshaping that only adds or broadcasts axes."""
+    return node.op in ("call_function", "call_method") and (
+        op_name(node) in CASTS | {"expand", "unsqueeze"} or _only_new_axes(node))
 
 
 def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
@@ -156,7 +184,7 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
     if name == "getitem":
         return _getitem_roles(node, roles)
     if name == "unsqueeze":
-        dim = node.args[1] % out.dim()
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None) % out.dim()
         return [(node.args[0], {d - (d > dim): r for d, r in roles.items() if d != dim})]
     if name in CASTS or name == "expand" or is_pointwise(node):
         args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
@@ -183,7 +211,7 @@ def _getitem_roles(node: fx.Node, roles):
         result = [(i, _aligned(v, broadcast, {d: r for d, r in roles.items() if d < k})) for i, v in zip(index, values)]
         rest = {d - k + len(index): r for d, r in roles.items() if d >= k}
         return result + [(source, rest)]
-    if all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index):
+    if _new_axes_only(index):
         kept, d_out, d_in = {}, 0, 0
         expanded = []
         for i in index:
@@ -254,7 +282,7 @@ class _Symbolic:
                 node, args = use[0], self.region.ops.get(use, {})
                 if args and op_name(node) in AND:
                     stack += list(args.values())
-                elif args and op_name(node) in CASTS | {"expand", "unsqueeze"}:
+                elif args and _keeps_values(node):
                     stack.append(args[node.args[0]])
                 else:
                     exact = False
@@ -268,6 +296,8 @@ class _Symbolic:
     def _input(self, use: Use):
         """A region input, evaluated on the host when it depends on shapes only."""
         node, roles = use[0], dict(use[1])
+        if self.resize is not None and not _shape_formula(node):
+            raise LookupError  # dynamic shapes: only values computed from the length alone hold at every length
         value = _evaluate(self.ctx.gm, node, self.resize)
         if not isinstance(value, torch.Tensor):
             raise LookupError
@@ -288,7 +318,11 @@ class _Symbolic:
         name = op_name(node)
         args = list(fx.node.map_arg(node.args, lambda arg: self._value(uses[arg]) if arg in uses else _not_read(arg)))
         if name in CASTS or name in ("expand", "unsqueeze"):
+            if isinstance(args[0], _Linear) and _casts_to_bool(node):
+                raise LookupError  # a position cast to bool is "nonzero", not the position
             return args[0]
+        if node.kwargs:  # alpha=, out=, rounding modes: not read
+            raise LookupError
         if name == "getitem":
             return self._getitem(*args)
         if name in ("add", "sub") and len(args) == 2:
@@ -311,17 +345,17 @@ class _Symbolic:
 
     def _getitem(self, source, index):
         """``table[..., linear]``: a table that is ``arange + c`` along that dim reads as linear + c."""
+        if _new_axes_only(index):
+            return source  # a symbol is broadcast-agnostic
         index = index if isinstance(index, tuple) else (index,)
-        if all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index):
-            return source  # only new axes: a symbol is broadcast-agnostic
         if not isinstance(source, torch.Tensor):
             raise LookupError
         linear = [(d, i) for d, i in enumerate(index) if isinstance(i, _Linear)]
         if len(linear) != 1 or not all(isinstance(i, torch.Tensor) for d, i in enumerate(index) if d != linear[0][0]):
             raise LookupError
         dim, position = linear[0]
-        if (position.a, position.b) not in ((1, 0), (0, 1)) or not _constant_over_others(source, dim):
-            raise LookupError
+        if (position.a, position.b) not in ((1, 0), (0, 1)) or position.c < 0 or not _constant_over_others(source, dim):
+            raise LookupError  # (a negative index would wrap around to the table's end)
         if bool((source == source.flatten()[0]).all()):
             return _Linear(0, 0, int(source.flatten()[0]))
         offset = _offset_from_arange(source, dim)
@@ -330,8 +364,47 @@ class _Symbolic:
         return position.shifted(offset)
 
 
+SHAPE_FORMULA = {"arange", "add", "sub", "unsqueeze", "expand", "getitem", "size"} | CASTS
+
+
+def _shape_formula(node: fx.Node) -> bool:
+    """The value is the sequence length run through aranges, offsets and broadcasting only (no module
+    state, no data, no op whose result could change its form with the length, like ``%`` or ``cumsum``):
+    a reading of it at one length is its reading at every length."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            if not isinstance(example_value(current), torch.SymInt):
+                return False
+        elif current.op not in ("call_function", "call_method") or op_name(current) not in SHAPE_FORMULA:
+            return False
+        elif op_name(current) == "getitem" and isinstance(example_value(current.args[0]), torch.Tensor) \
+                and not _new_axes_only(current.args[1]):
+            return False
+        stack += current.all_input_nodes
+    return True
+
+
+def _casts_to_bool(node: fx.Node) -> bool:
+    return op_name(node) == "bool" or torch.bool in (*node.args, *node.kwargs.values())
+
+
 def _not_read(arg):
     raise LookupError
+
+
+def _new_axes_only(index) -> bool:
+    """An index that only adds axes or keeps dims whole (``x[:, None]``, ``x[None, ..., :]``)."""
+    index = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index)
+
+
+def _only_new_axes(node: fx.Node) -> bool:
+    return op_name(node) == "getitem" and _new_axes_only(node.args[1])
 
 
 def _as_constraints(value):
@@ -414,7 +487,7 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
     elif grid.dtype == torch.bool:
         visible = grid
     else:  # additive: 0 where visible, -inf (or very negative) elsewhere; any other value is a bias
-        visible = grid > -1e4
+        visible = grid > MASKED_AT_OR_BELOW
         if not bool((grid[visible.expand_as(grid)] == 0).all()):
             raise NotSupportedError(
                 f"The additive attention mask at {describe(mask)} carries values (a bias such as ALiBi), not just "

@@ -122,8 +122,8 @@ class _Probe:
         if not dims:
             return original
         self.ctx.sources[node] = "input"
-        if original.dim() >= 3 and {original.dim() - 2, original.dim() - 1} <= set(dims):
-            return self._resized(original, [original.dim() - 2, original.dim() - 1])  # a [.., S, S] mask
+        if 1 not in dims and original.dim() == 4 and {2, 3} <= set(dims):
+            return self._resized(original, [2, 3])  # a [B, 1 or H, S, S] mask
         return self._resized(original, [1 if 1 in dims else dims[0]])
 
     def _source_kind(self, node: fx.Node, original) -> Optional[str]:
