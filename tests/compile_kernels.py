@@ -13,7 +13,7 @@ from lowering.kernels import triton_attention as kernels
 
 def main(dtype: str) -> None:
     pointers = {name: f"*{dtype}" for name in ("Q", "K", "V", "DO")}
-    pointers.update(QPOS="*i64", KVPOS="*i64", MASK="*u8", OUT="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32",
+    pointers.update(QPOS="*i64", KVPOS="*i64", MASK="*u8", TILES="*u8", OUT="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32",
                     DK="*fp32", DV="*fp32")
     constexprs = dict(D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, UPCAST=False, GROUP=2, IS_CAUSAL=True,
                       HAS_WINDOW=True, HAS_MASK=True, MERGE=True, PRECISION="ieee" if dtype == "fp32" else "tf32")

@@ -60,3 +60,20 @@ def test_invisible_tiles_are_never_loaded():
     assert rel_err(out, expected) <= 1e-5 and rel_err(lse, expected_lse) <= 1e-5
     dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, q_pos, kv_pos, backend="triton", **options)
     assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, visible]).all()
+
+
+def test_tiles_the_dense_mask_hides_are_never_loaded():
+    """The dense mask hides the second key tile entirely (NaN there) and part of the third."""
+    n, tile = 16, 16
+    q, k, v = inputs(n, 3 * tile, (2, 1), 16, torch.float32)
+    mask = torch.ones(2, 1, n, 3 * tile, dtype=torch.bool)
+    mask[..., tile:2 * tile] = False
+    mask[..., 2 * tile:2 * tile + 5] = False
+    k[:, :, tile:2 * tile], v[:, :, tile:2 * tile] = float("nan"), float("nan")
+    pos = torch.arange(3 * tile)
+    out, lse = block_attention(q, k, v, pos[:n], pos, mask=mask, backend="triton")
+    kept = torch.cat([torch.arange(tile), torch.arange(2 * tile, 3 * tile)])
+    expected, _ = block_attention(q, k[:, :, kept], v[:, :, kept], pos[:n], pos[kept], mask=mask[..., kept], backend="torch")
+    assert rel_err(out, expected) <= 1e-5
+    dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, pos[:n], pos, mask=mask, backend="triton")
+    assert torch.isfinite(dq).all()

@@ -3,9 +3,9 @@
 One program computes a tile of ``BLOCK_M`` query rows of one (batch, head) against the whole key block,
 ``BLOCK_N`` keys at a time, with the online softmax (FlashAttention-2). Visibility comes from positions:
 ``kv_pos <= q_pos`` when causal, ``q_pos - kv_pos < window`` with a window, ``kv_pos < seq_bound``
-(padding), and an optional dense bool mask. From the positions' ranges each key tile is classified
-before anything is loaded: *invisible* tiles are skipped (no loads, no math), *fully visible* ones
-skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h`` reads KV head ``h // group``;
+(padding), and an optional dense bool mask. From the positions' ranges (and a per-tile summary of the
+dense mask) each key tile is classified before anything is loaded: *invisible* tiles are skipped (no
+loads, no math), *fully visible* ones skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h`` reads KV head ``h // group``;
 K/V are never repeated in memory.
 
 Forward results are fp32 (out, and the LSE in natural-log units); with ``out``/``lse`` accumulators
@@ -42,14 +42,17 @@ def _tile_ranges(pos_ptr, start, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """False when nothing in the tile can be visible (all keys padding, after every query, or out of the
-    window): the tile is skipped without loading it."""
+def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, tile_m, tile_n, stb, sth, stm, stn,
+                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """False when nothing in the tile can be visible (all keys padding, after every query, out of the
+    window, or hidden by the dense mask's per-tile summary): the tile is skipped without loading it."""
     see = kv_lo < seq_bound
     if IS_CAUSAL:
         see = see & (kv_lo <= q_hi)
     if HAS_WINDOW:
         see = see & (q_lo - kv_hi < window)
+    if HAS_MASK:
+        see = see & (tl.load(TILES + b * stb + h * sth + tile_m * stm + tile_n * stn) != 0)
     return see
 
 
@@ -84,9 +87,9 @@ def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, QPOS, KVPOS, MASK, OUT, LSE,
+    Q, K, V, QPOS, KVPOS, MASK, TILES, OUT, LSE,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smn, smm, sob, soh, son, sod, slb, slh, sln,
+    smb, smh, smn, smm, stb, sth, stm, stn, sob, soh, son, sod, slb, slh, sln,
     H, n, m, scale, window, seq_bound,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -108,7 +111,8 @@ def _forward_kernel(
     qk_scale = scale * LOG2E  # softmax in base 2
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
+                           stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
             kv_mask = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
@@ -148,9 +152,9 @@ def _forward_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, DQ,
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, slb, slh, sln,
+    smb, smh, smn, smm, stb, sth, stm, stn, slb, slh, sln,
     H, n, m, scale, window, seq_bound,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -174,7 +178,8 @@ def _dq_kernel(
     qk_scale = scale * LOG2E
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
+                           stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
             kv_mask = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
@@ -194,9 +199,9 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, DK, DV,
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, DK, DV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, slb, slh, sln,
+    smb, smh, smn, smm, stb, sth, stm, stn, slb, slh, sln,
     HKV, n, m, scale, window, seq_bound,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -219,7 +224,8 @@ def _dkdv_kernel(
         h = kv_h * GROUP + g
         for start in range(0, n, BLOCK_M):
             rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, start, n, BLOCK_M)
-            if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
+            if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h,
+                               start // BLOCK_M, pid_n, stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
                 io_mask = row_ok[:, None] & dim_ok[None, :]
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
                 do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
@@ -258,12 +264,20 @@ def _positions(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return pos.to(device=like.device, dtype=torch.int64).contiguous()
 
 
-def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
-    """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its strides."""
+def _mask_args(mask: Optional[torch.Tensor], shape, block_m: int, block_n: int) -> tuple:
+    """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its per-tile
+    summary (does any pair of the BLOCK_M x BLOCK_N tile see?), each with its strides."""
     if mask is None:
-        return None, (0, 0, 0, 0)
-    mask = mask.to(torch.bool).expand(shape)
-    return mask.view(torch.uint8), mask.stride()
+        return None, (0, 0, 0, 0), None, (0, 0, 0, 0)
+    b, h, n, m = shape
+    mask = mask.to(torch.bool)
+    mask = mask[(None,) * (4 - mask.dim())]
+    mask = mask.expand(mask.size(0), mask.size(1), n, m)  # full along queries and keys, broadcast elsewhere
+    padded = torch.nn.functional.pad(mask, (0, -m % block_n, 0, -n % block_m))
+    tiles = padded.unflatten(3, (-1, block_n)).unflatten(2, (-1, block_m)).any(5).any(3).to(torch.uint8)
+    tiles = tiles.expand(b, h, *tiles.shape[2:])
+    mask = mask.expand(shape)
+    return mask.view(torch.uint8), mask.stride(), tiles, tiles.stride()
 
 
 def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
@@ -276,12 +290,12 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     if not merge:
         out = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
-    mask_bytes, mask_strides = _mask_args(mask, (b, hq, n, m))
     config = _config(q)
+    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"])
     grid = (triton.cdiv(n, config["BLOCK_M"]), b * hq)
     _forward_kernel[grid](
-        q, k, v, q_pos, kv_pos, mask_bytes, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse.stride(),
+        q, k, v, q_pos, kv_pos, mask_bytes, tiles, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *tile_strides, *out.stride(), *lse.stride(),
         hq, n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound),
         GROUP=hq // k.size(1), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
         MERGE=merge, **config,
@@ -303,13 +317,13 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     dq = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
     dv = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
-    mask_bytes, mask_strides = _mask_args(mask, (b, hq, n, m))
     config = _config(q)
+    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"])
     flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None)
     scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *lse.stride())
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *lse.stride())
     _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]), b * hq)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, dq, *strides, hq, *scalars, **flags, **config)
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dq, *strides, hq, *scalars, **flags, **config)
     _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]), b * hkv)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, dk, dv, *strides, hkv, *scalars, **flags, **config)
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dk, dv, *strides, hkv, *scalars, **flags, **config)
     return dq, dk, dv
