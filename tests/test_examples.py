@@ -29,3 +29,11 @@ def test_compile_with_ring_under_torchrun():
     loss, unsharded, grad_error = re.search(r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output).groups()
     assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
     assert float(grad_error) < 1e-4
+
+
+def test_hf_llama_with_padding_under_torchrun():
+    output = _torchrun("hf_llama_with_padding.py", timeout=300)
+    loss, unsharded, grad_error = re.search(r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output).groups()
+    assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
+    assert float(grad_error) < 1e-4
+    assert "lifted mask program + causal" in output
