@@ -37,8 +37,10 @@ _programs: dict[str, Callable] = {}
 
 def register_mask(program: Callable, source: Optional[str] = None) -> str:
     """Make ``program`` callable from the ring op; returns its id. ``source`` (e.g. a GraphModule's code)
-    names it by content, so every rank and every recompile gives the same program the same id."""
-    key = source if source is not None else f"{program.__module__}.{getattr(program, '__qualname__', repr(program))}"
+    names it by content, so every rank and every recompile gives the same program the same id; without
+    it the function object itself is the key (two lambdas never share an id; the registry keeps it alive)."""
+    name = f"{getattr(program, '__module__', '')}.{getattr(program, '__qualname__', type(program).__name__)}"
+    key = source if source is not None else f"{name}@{id(program)}"
     mask_id = "mask-" + hashlib.sha1(key.encode()).hexdigest()[:16]
     _programs[mask_id] = program
     return mask_id

@@ -120,3 +120,9 @@ def test_block_kernel_with_a_mask_and_a_window_on_scattered_positions():
                                      is_causal=True, window=4, mask=mask)
     for got, leaf in zip(grads, (q, k, v)):
         assert rel_err(got, leaf.grad) < 1e-12
+
+
+def test_two_mask_functions_never_share_an_id():
+    first, second = (lambda q, k: (k[None, :] <= q[:, None])[None, None]), (lambda q, k: (k[None, :] >= q[:, None])[None, None])
+    assert lowering.masks.register_mask(first) != lowering.masks.register_mask(second)
+    assert lowering.masks.mask_program(lowering.masks.register_mask(second)) is second
