@@ -86,6 +86,28 @@ def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, 
 
 
 @triton.jit
+def _load_tile(PTR, b, h, offs, ok, dims, dim_ok, sb, sh, sn, sd, UPCAST: tl.constexpr):
+    """Rows ``offs`` of one (batch, head) as a [rows, BLOCK_D] tile; rows and dims past the end read 0."""
+    tile = tl.load(PTR + b * sb + h * sh + offs[:, None] * sn + dims[None, :] * sd,
+                   mask=ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi, some_invalid,
+            seq_bound, window, MASK, smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """q kᵀ of a tile in base-2 units; hidden pairs -inf, and no mask arithmetic when all are visible."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+        scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
+                         smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+    return scores
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, QPOS, KVPOS, MASK, TILES, OUT, LSE,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -101,10 +123,7 @@ def _forward_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, pid_m * BLOCK_M, n, BLOCK_M)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_tile(Q, b, h, rows, row_ok, dims, dim_ok, sqb, sqh, sqn, sqd, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -113,16 +132,11 @@ def _forward_kernel(
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
-            v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k, v = k.to(tl.float32), v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N > m, seq_bound, window,
-                           IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-                scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
-                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+            k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
+            v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
+            scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                             start + BLOCK_N > m, seq_bound, window, MASK, smb, smh, smn, smm,
+                             IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - shift[:, None])
@@ -151,6 +165,14 @@ def _forward_kernel(
 
 
 @triton.jit
+def _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln):
+    """The saved LSE (in base-2 units; +inf for rows with no visible key, so their p is 0) and delta."""
+    lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
+
+
+@triton.jit
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
@@ -166,35 +188,25 @@ def _dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, pid_m * BLOCK_M, n, BLOCK_M)
-    io_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
-    delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: p = 0
+    q = _load_tile(Q, b, h, rows, row_ok, dims, dim_ok, sqb, sqh, sqn, sqd, UPCAST)
+    do = _load_tile(DO, b, h, rows, row_ok, dims, dim_ok, sdb, sdh, sdn, sdd, UPCAST)
+    lse2, delta = _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
-            v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k, v = k.to(tl.float32), v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, start + BLOCK_N > m, seq_bound, window,
-                           IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-                scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
-                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+            k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
+            v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
+            scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                             start + BLOCK_N > m, seq_bound, window, MASK, smb, smh, smn, smm,
+                             IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
             p = tl.exp2(scores - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale, mask=io_mask)
+    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale,
+             mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -212,11 +224,8 @@ def _dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, pid_n * BLOCK_N, m, BLOCK_N)
-    kv_mask = col_ok[:, None] & dim_ok[None, :]
-    k = tl.load(K + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
+    v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
@@ -226,24 +235,17 @@ def _dkdv_kernel(
             rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, start, n, BLOCK_M)
             if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h,
                                start // BLOCK_M, pid_n, stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-                io_mask = row_ok[:, None] & dim_ok[None, :]
-                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, mask=io_mask, other=0.0)
-                do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :] * sdd, mask=io_mask, other=0.0)
-                if UPCAST:
-                    q, do = q.to(tl.float32), do.to(tl.float32)
-                lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=row_ok, other=float("-inf"))
-                delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=row_ok, other=0.0)
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m),
-                               seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-                    scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window,
-                                     MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+                q = _load_tile(Q, b, h, rows, row_ok, dims, dim_ok, sqb, sqh, sqn, sqd, UPCAST)
+                do = _load_tile(DO, b, h, rows, row_ok, dims, dim_ok, sdb, sdh, sdn, sdd, UPCAST)
+                lse2, delta = _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln)
+                scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
+                                 kv_hi, (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m), seq_bound, window,
+                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
                 p = tl.exp2(scores - lse2[:, None])
                 dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-                ds = p * (dp - delta[:, None])
+                ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
     tl.store(DK + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, dk * scale, mask=kv_mask)
     tl.store(DV + b * svb + kv_h * svh + cols[:, None] * svn + dims[None, :] * svd, dv, mask=kv_mask)
 
