@@ -77,3 +77,46 @@ def test_tiles_the_dense_mask_hides_are_never_loaded():
     assert rel_err(out, expected) <= 1e-5
     dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, pos[:n], pos, mask=mask, backend="triton")
     assert torch.isfinite(dq).all()
+
+
+def test_negative_positions_with_a_dense_mask():
+    q, k, v = inputs(16, 16, (2, 2), 16, torch.float32)
+    mask = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(4)) > 0.5
+    pos = torch.arange(-16, 0)
+    out, lse = block_attention(q, k, v, pos, pos, mask=mask, backend="triton")
+    expected, expected_lse = block_attention(q, k, v, pos, pos, mask=mask, backend="torch")
+    finite = torch.isfinite(expected_lse)
+    assert rel_err(out, expected) <= 1e-5 and rel_err(lse[finite], expected_lse[finite]) <= 1e-5
+
+
+def test_an_fp32_output_gradient_with_half_inputs():
+    """The forward returns fp32 out, so callers may hand back an fp32 gradient with bf16 q/k/v."""
+    q, k, v = inputs(16, 16, (2, 1), 16, torch.bfloat16)
+    pos = torch.arange(16)
+    out, lse = block_attention(q, k, v, pos, pos, is_causal=True, backend="triton")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = block_attention_backward(dout, q, k, v, out, lse, pos, pos, is_causal=True, backend="triton")
+    want = block_attention_backward(dout, q, k, v, out, lse, pos, pos, is_causal=True, backend="torch")
+    assert all(rel_err(g, w) <= 3e-2 for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(window=2.5), "whole number of keys"),
+    (dict(seq_bound=4.5), "must be an int"),
+    (dict(mask=torch.zeros(16, 16)), "block masks are bool"),
+])
+def test_inputs_the_kernels_cannot_honour_are_refused(bad, message):
+    from lowering import InvalidInputError
+
+    q, k, v = inputs(16, 16, (2, 2), 16, torch.float32)
+    pos = torch.arange(16)
+    with pytest.raises(InvalidInputError, match=message):
+        block_attention(q, k, v, pos, pos, is_causal=True, backend="triton", **bad)
+
+
+def test_query_heads_must_be_a_multiple_of_key_heads():
+    from lowering import InvalidInputError
+
+    q, k, v = inputs(16, 16, (6, 4), 16, torch.float32)
+    with pytest.raises(InvalidInputError, match="multiple of key heads"):
+        block_attention(q, k, v, torch.arange(16), torch.arange(16), backend="triton")

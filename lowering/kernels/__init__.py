@@ -42,7 +42,7 @@ def block_attention(q, k, v, q_pos, kv_pos, *, scale=None, is_causal: bool = Fal
                     seq_bound=None, backend: str = "auto"):
     impl = _implementation(q, backend)
     _record("block_forward", q_pos, kv_pos, is_causal, mask)
-    return impl.forward(q, k, v, q_pos, kv_pos, **_options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound))
+    return impl.forward(q, k, v, q_pos, kv_pos, **_options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound))
 
 
 def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_causal: bool = False, window=None,
@@ -51,7 +51,7 @@ def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_c
     (accumulation dtype), in place, by the log-sum-exp identity."""
     impl = _implementation(q, backend)
     _record("block_forward", q_pos, kv_pos, is_causal, mask)
-    options = _options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound)
+    options = _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound)
     if impl is not torch_attention and out.dtype == torch.float32:
         impl.forward(q, k, v, q_pos, kv_pos, **options, out=out, lse=lse)
     else:
@@ -63,7 +63,7 @@ def block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=No
     impl = _implementation(q, backend)
     _record("block_backward", q_pos, kv_pos, is_causal, mask)
     return impl.backward(dout, q, k, v, out, lse, q_pos, kv_pos, dlse=dlse,
-                         **_options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound))
+                         **_options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound))
 
 
 def _implementation(q, backend: str):
@@ -85,9 +85,15 @@ def _implementation(q, backend: str):
     return triton_attention
 
 
-def _options(impl, q, kv_pos, scale, is_causal, window, mask, seq_bound) -> dict:
-    if window is not None and window < 1:
-        raise InvalidInputError(f"window={window}: a sliding window holds at least one key.")
+def _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound) -> dict:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise InvalidInputError(f"window={window!r}: a sliding window is a whole number of keys, at least 1.")
+    if seq_bound is not None and not isinstance(seq_bound, int):
+        raise InvalidInputError(f"seq_bound={seq_bound!r}: the sequence length bound must be an int.")
+    if mask is not None and mask.dtype != torch.bool:
+        raise InvalidInputError(f"mask has dtype {mask.dtype}; block masks are bool (True = visible).")
+    if q.size(1) % k.size(1):
+        raise InvalidInputError(f"q has {q.size(1)} heads and k/v {k.size(1)}: query heads must be a multiple of key heads.")
     if impl is torch_attention and seq_bound is not None:  # the torch path takes padding as part of the mask
         keys = (kv_pos < seq_bound).to(q.device)[None, None, None, :]
         mask, seq_bound = (keys if mask is None else mask.to(q.device) & keys), None

@@ -33,7 +33,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _tile_ranges(pos_ptr, start, length, BLOCK: tl.constexpr):
     """Offsets, validity, positions and the (lowest, highest) valid position of one tile."""
-    offs = start + tl.arange(0, BLOCK)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)  # 64-bit offsets: tensors may exceed 2^31 elements
     valid = offs < length
     pos = tl.load(pos_ptr + offs, mask=valid, other=0)
     lowest = tl.min(tl.where(valid, pos, NO_BOUND), 0)
@@ -58,15 +58,13 @@ def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, ti
 
 @triton.jit
 def _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
-    """False when every pair of the tile is visible: the scores need no mask arithmetic."""
+                HAS_WINDOW: tl.constexpr):
+    """False when the positions leave every pair of the tile visible: no mask arithmetic needed."""
     partial = some_invalid | (kv_hi >= seq_bound)
     if IS_CAUSAL:
         partial = partial | (kv_hi > q_lo)
     if HAS_WINDOW:
         partial = partial | (q_hi - kv_lo >= window)
-    if HAS_MASK:
-        partial = partial | (q_lo >= 0)  # positions are never negative: a dense mask always applies
     return partial
 
 
@@ -86,6 +84,15 @@ def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, 
 
 
 @triton.jit
+def _program(length, heads, BLOCK: tl.constexpr):
+    """(tile, batch, head) of this program: a 1-D grid, tiles of one head adjacent (they share K/V in
+    cache), indices 64-bit so that offsets never wrap."""
+    pid = tl.program_id(0).to(tl.int64)
+    tiles = tl.cdiv(length, BLOCK)
+    return pid % tiles, pid // tiles // heads, pid // tiles % heads
+
+
+@triton.jit
 def _load_tile(PTR, b, h, offs, ok, dims, dim_ok, sb, sh, sn, sd, UPCAST: tl.constexpr):
     """Rows ``offs`` of one (batch, head) as a [rows, BLOCK_D] tile; rows and dims past the end read 0."""
     tile = tl.load(PTR + b * sb + h * sh + offs[:, None] * sn + dims[None, :] * sd,
@@ -101,7 +108,10 @@ def _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
             HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
     """q kᵀ of a tile in base-2 units; hidden pairs -inf, and no mask arithmetic when all are visible."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+    if HAS_MASK:  # a dense mask always applies (its per-tile summary already skipped hidden tiles)
+        scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
+                         smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+    elif _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
         scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
                          smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
     return scores
@@ -117,8 +127,7 @@ def _forward_kernel(
     HAS_MASK: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
+    pid_m, b, h = _program(n, H, BLOCK_M)
     kv_h = h // GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
@@ -182,8 +191,7 @@ def _dq_kernel(
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
+    pid_m, b, h = _program(n, H, BLOCK_M)
     kv_h = h // GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
@@ -219,8 +227,7 @@ def _dkdv_kernel(
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kv_h = pid_bh // HKV, pid_bh % HKV
+    pid_n, b, kv_h = _program(m, HKV, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, pid_n * BLOCK_N, m, BLOCK_N)
@@ -266,13 +273,13 @@ def _positions(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return pos.to(device=like.device, dtype=torch.int64).contiguous()
 
 
-def _mask_args(mask: Optional[torch.Tensor], shape, block_m: int, block_n: int) -> tuple:
+def _mask_args(mask: Optional[torch.Tensor], shape, block_m: int, block_n: int, device) -> tuple:
     """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its per-tile
     summary (does any pair of the BLOCK_M x BLOCK_N tile see?), each with its strides."""
     if mask is None:
         return None, (0, 0, 0, 0), None, (0, 0, 0, 0)
     b, h, n, m = shape
-    mask = mask.to(torch.bool)
+    mask = mask.to(device=device, dtype=torch.bool)
     mask = mask[(None,) * (4 - mask.dim())]
     mask = mask.expand(mask.size(0), mask.size(1), n, m)  # full along queries and keys, broadcast elsewhere
     padded = torch.nn.functional.pad(mask, (0, -m % block_n, 0, -n % block_m))
@@ -293,8 +300,9 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
         out = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
     config = _config(q)
-    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"])
-    grid = (triton.cdiv(n, config["BLOCK_M"]), b * hq)
+    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
+        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
+    grid = (triton.cdiv(n, config["BLOCK_M"]) * b * hq,)
     _forward_kernel[grid](
         q, k, v, q_pos, kv_pos, mask_bytes, tiles, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *tile_strides, *out.stride(), *lse.stride(),
@@ -310,6 +318,7 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row."""
     b, hq, n, d = q.shape
     hkv, m = k.size(1), k.size(2)
+    dout = dout.to(q.dtype)  # the kernels' dots take one dtype (the forward's fp32 out may bring an fp32 dout)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # the gradients are written with these strides
     q_pos, kv_pos = _positions(q_pos, q), _positions(kv_pos, q)
     delta = (dout.float() * out.float()).sum(-1)
@@ -320,12 +329,13 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     dk = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
     dv = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
     config = _config(q)
-    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"])
+    mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
+        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
     flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None)
     scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound))
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *lse.stride())
-    _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]), b * hq)](
+    _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]) * b * hq,)](
         q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dq, *strides, hq, *scalars, **flags, **config)
-    _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]), b * hkv)](
+    _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]) * b * hkv,)](
         q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dk, dv, *strides, hkv, *scalars, **flags, **config)
     return dq, dk, dv
