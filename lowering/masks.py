@@ -85,7 +85,7 @@ class BlockMask:
             visible &= q - kv < self.window
         visible = visible[None, None]
         if self.program is not None:
-            visible = visible & _as_visibility(self.program(q_pos, kv_pos, *self.inputs))
+            visible = visible & as_visibility(self.program(q_pos, kv_pos, *self.inputs))
         if visible.dim() != 4 or visible.size(0) not in (1, batch) or visible.size(1) not in (1, heads):
             raise InvalidInputError(
                 f"The mask program returned shape {tuple(visible.shape)}; it must broadcast to "
@@ -124,7 +124,7 @@ def mask_tiles(task: BlockTask, q_pos, kv_pos, block_mask: BlockMask, batch: int
                 continue
             if bool(visible.all()):
                 yield Tile(rows, cols, causal=False)
-            elif _is_aligned_causal(visible, q_pos[rows], kv_pos[cols]):
+            elif _is_causal_on_aligned(visible, q_pos[rows], kv_pos[cols]):
                 yield Tile(rows, cols, causal=True)
             else:
                 yield Tile(rows, cols, causal=False, mask=visible)
@@ -140,15 +140,20 @@ def _outside_window(q_pos, kv_pos, block_mask: BlockMask) -> bool:
     return block_mask.window is not None and lowest_q - highest_kv >= block_mask.window
 
 
-def _is_aligned_causal(visible, q_pos, kv_pos) -> bool:
-    """The tile's mask is the ordinary causal one on identical, increasing positions (the fused path)."""
-    if not torch.equal(q_pos, kv_pos) or not bool((q_pos[1:] > q_pos[:-1]).all()):
+def aligned(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> bool:
+    """Identical, increasing query and key positions: the positional causal mask is the top-left one."""
+    return q_pos.shape == kv_pos.shape and torch.equal(q_pos, kv_pos) and bool((q_pos[1:] > q_pos[:-1]).all())
+
+
+def _is_causal_on_aligned(visible, q_pos, kv_pos) -> bool:
+    """The tile's mask is the ordinary causal one on aligned positions (the fused path)."""
+    if not aligned(q_pos, kv_pos):
         return False
     causal = torch.ones(len(q_pos), len(q_pos), dtype=torch.bool, device=visible.device).tril()
     return bool((visible == causal).all())
 
 
-def _as_visibility(values: torch.Tensor) -> torch.Tensor:
+def as_visibility(values: torch.Tensor) -> torch.Tensor:
     """A program's result as booleans: bool as is; an additive float mask must hold only 0 (visible) and
     values at or below `MASKED_AT_OR_BELOW` (hidden: -inf, -1e9, finfo.min)."""
     if values.dtype == torch.bool:

@@ -45,3 +45,11 @@ def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = 
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return probs @ v
+
+
+def masked_lse_fp64(q, k, visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """log-sum-exp of each query row's visible scores in fp64 (-inf for a row with no visible key)."""
+    q, k = q.double(), k.double()
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)

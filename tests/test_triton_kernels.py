@@ -17,9 +17,9 @@ if _previous is None:  # other tests' processes keep their own setting; each tes
 else:
     os.environ["TRITON_INTERPRET"] = _previous
 
-from kernel_cases import CASES, DTYPES, check_case, inputs  # noqa: E402
+from kernel_cases import CASES, DTYPES, check_case, inputs, visible  # noqa: E402
 from lowering.kernels import block_attention, block_attention_backward, block_attention_merge_  # noqa: E402
-from reference import rel_err  # noqa: E402
+from reference import masked_attention_fp64, masked_lse_fp64, rel_err  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +40,9 @@ def test_merging_variant_folds_blocks_into_accumulators():
     for part in (slice(24, 40), slice(0, 24)):  # the later keys first: some rows see nothing at first
         block_attention_merge_(q, k[:, :, part], v[:, :, part], q_pos, kv_pos[part], out, lse,
                                is_causal=True, backend="triton")
-    whole_out, whole_lse = block_attention(q, k, v, q_pos, kv_pos, is_causal=True, backend="torch")
-    assert rel_err(out, whole_out) <= 1e-5 and rel_err(lse, whole_lse) <= 1e-5
+    causal = visible(q_pos, kv_pos, is_causal=True)
+    assert rel_err(out, masked_attention_fp64(q, k, v, causal)) <= 1e-5
+    assert rel_err(lse, masked_lse_fp64(q, k, causal)) <= 1e-5
 
 
 def test_invisible_tiles_are_never_loaded():
@@ -54,12 +55,13 @@ def test_invisible_tiles_are_never_loaded():
     k[:, :, 2 * tile:], v[:, :, 2 * tile:] = float("nan"), float("nan")  # after every query
     options = dict(is_causal=True, window=50)
     out, lse = block_attention(q, k, v, q_pos, kv_pos, backend="triton", **options)
-    visible = slice(tile, 2 * tile)
-    expected, expected_lse = block_attention(q, k[:, :, visible], v[:, :, visible], q_pos, kv_pos[visible],
-                                             backend="torch", **options)
-    assert rel_err(out, expected) <= 1e-5 and rel_err(lse, expected_lse) <= 1e-5
+    kept = slice(tile, 2 * tile)
+    seen = visible(q_pos, kv_pos[kept], **options)
+    k_kept, v_kept = k[:, :, kept], v[:, :, kept]
+    assert rel_err(out, masked_attention_fp64(q, k_kept, v_kept, seen)) <= 1e-5
+    assert rel_err(lse, masked_lse_fp64(q, k_kept, seen)) <= 1e-5
     dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, q_pos, kv_pos, backend="triton", **options)
-    assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, visible]).all()
+    assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, kept]).all()
 
 
 def test_tiles_the_dense_mask_hides_are_never_loaded():
@@ -73,8 +75,7 @@ def test_tiles_the_dense_mask_hides_are_never_loaded():
     pos = torch.arange(3 * tile)
     out, lse = block_attention(q, k, v, pos[:n], pos, mask=mask, backend="triton")
     kept = torch.cat([torch.arange(tile), torch.arange(2 * tile, 3 * tile)])
-    expected, _ = block_attention(q, k[:, :, kept], v[:, :, kept], pos[:n], pos[kept], mask=mask[..., kept], backend="torch")
-    assert rel_err(out, expected) <= 1e-5
+    assert rel_err(out, masked_attention_fp64(q, k[:, :, kept], v[:, :, kept], mask[..., kept])) <= 1e-5
     dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, pos[:n], pos, mask=mask, backend="triton")
     assert torch.isfinite(dq).all()
 
@@ -84,7 +85,7 @@ def test_negative_positions_with_a_dense_mask():
     mask = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(4)) > 0.5
     pos = torch.arange(-16, 0)
     out, lse = block_attention(q, k, v, pos, pos, mask=mask, backend="triton")
-    expected, expected_lse = block_attention(q, k, v, pos, pos, mask=mask, backend="torch")
+    expected, expected_lse = masked_attention_fp64(q, k, v, mask), masked_lse_fp64(q, k, mask)
     finite = torch.isfinite(expected_lse)
     assert rel_err(out, expected) <= 1e-5 and rel_err(lse[finite], expected_lse[finite]) <= 1e-5
 
@@ -96,8 +97,9 @@ def test_an_fp32_output_gradient_with_half_inputs():
     out, lse = block_attention(q, k, v, pos, pos, is_causal=True, backend="triton")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     got = block_attention_backward(dout, q, k, v, out, lse, pos, pos, is_causal=True, backend="triton")
-    want = block_attention_backward(dout, q, k, v, out, lse, pos, pos, is_causal=True, backend="torch")
-    assert all(rel_err(g, w) <= 3e-2 for g, w in zip(got, want))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    masked_attention_fp64(*leaves, visible(pos, pos, is_causal=True)).backward(dout.double())
+    assert all(rel_err(g, leaf.grad) <= 3e-2 for g, leaf in zip(got, leaves))
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from lowering.masks import aligned
+
 _fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -63,13 +65,7 @@ def merge(out_acc, lse_acc, out_block, lse_block) -> None:
 def _fused_applies(q, q_pos, kv_pos, is_causal: bool) -> bool:
     if q.device.type != "cpu":
         return False
-    if not is_causal:
-        return True
-    return (
-        q_pos.shape == kv_pos.shape
-        and torch.equal(q_pos, kv_pos)
-        and bool((q_pos[1:] > q_pos[:-1]).all())
-    )
+    return not is_causal or aligned(q_pos, kv_pos)
 
 
 def _visible(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[torch.Tensor]:

@@ -27,7 +27,6 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' softmax runs in base 2
 NO_BOUND = tl.constexpr(2**62)  # seq_bound when no key is padding (kernels read only constexpr globals)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -118,6 +117,20 @@ def _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
 
 
 @triton.jit
+def _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
+              kv_hi, some_invalid, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
+              smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """A key tile as a query tile's kernels see it: (k, v, the masked scores in base-2 units)."""
+    k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
+    v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
+    scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                     some_invalid, seq_bound, window, MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
+                     PRECISION)
+    return k, v, scores
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, QPOS, KVPOS, MASK, TILES, OUT, LSE,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -141,11 +154,10 @@ def _forward_kernel(
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
-            v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
-            scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                             start + BLOCK_N > m, seq_bound, window, MASK, smb, smh, smn, smm,
-                             IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
+            k, v, scores = _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
+                                     kv_pos, kv_lo, kv_hi, start + BLOCK_N > m, dims, dim_ok, seq_bound, window,
+                                     skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smn, smm,
+                                     IS_CAUSAL, HAS_WINDOW, HAS_MASK, UPCAST, PRECISION)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - shift[:, None])
@@ -205,11 +217,10 @@ def _dq_kernel(
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
-            v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
-            scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                             start + BLOCK_N > m, seq_bound, window, MASK, smb, smh, smn, smm,
-                             IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
+            k, v, scores = _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
+                                     kv_pos, kv_lo, kv_hi, start + BLOCK_N > m, dims, dim_ok, seq_bound, window,
+                                     skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smn, smm,
+                                     IS_CAUSAL, HAS_WINDOW, HAS_MASK, UPCAST, PRECISION)
             p = tl.exp2(scores - lse2[:, None])
             ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
-from lowering.masks import MASKED_AT_OR_BELOW, register_mask
+from lowering.masks import as_visibility, register_mask
 from ringpass.graph import describe, example_value, is_module_state
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
@@ -482,17 +482,10 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
     if values is None or values.dim() < 2:
         return False
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
-    if kind == "masked_out":
-        visible = ~grid.bool()
-    elif grid.dtype == torch.bool:
-        visible = grid
-    else:  # additive: 0 where visible, -inf (or very negative) elsewhere; any other value is a bias
-        visible = grid > MASKED_AT_OR_BELOW
-        if not bool((grid[visible.expand_as(grid)] == 0).all()):
-            raise NotSupportedError(
-                f"The additive attention mask at {describe(mask)} carries values (a bias such as ALiBi), not just "
-                "0 / -inf; attention biases are not supported yet."
-            )
+    try:
+        visible = ~grid.bool() if kind == "masked_out" else as_visibility(grid)
+    except NotSupportedError as error:
+        raise NotSupportedError(f"The attention mask at {describe(mask)}: {error}") from None
     return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
 
 
