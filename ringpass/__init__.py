@@ -2,12 +2,15 @@
 
     model = torch.compile(model, backend="ring")      # under torchrun
 
-`backend(**options)` returns a configured backend, `last_report()` what the last compile did. The
+`backend(**options)` returns a configured backend, `last_report()` what the last compile did,
+`inspect(model, inputs, world_size=P)` what the pass will do to a model, offline. The
 runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
 """
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from ringpass.backend import RingBackend, backend, last_report
+from ringpass.inspection import Inspection, inspect
 
 __version__ = "0.1.0"
-__all__ = ["InvalidInputError", "NotSupportedError", "RingBackend", "RingpassError", "__version__", "backend", "last_report"]
+__all__ = ["Inspection", "InvalidInputError", "NotSupportedError", "RingBackend", "RingpassError", "__version__", "backend",
+           "inspect", "last_report"]

@@ -6,7 +6,9 @@
 
 Dynamo hands over each captured graph; the passes (`ringpass.passes.PIPELINE`) rewrite it so that every
 attention is ring attention over this rank's tokens, and the result goes to the inner compiler.
-With world size 1, or no process group initialised, the graph is compiled unchanged.
+With world size 1, or no process group initialised, the graph is compiled unchanged. Rank 0 prints one
+line per compiled graph (what was rewritten or refused; ``options={"report": "off"}`` silences it) and
+the full report goes to the ``ringpass`` logger at INFO.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.fx as fx
 
 from lowering.errors import InvalidInputError
 from ringpass.options import RingOptions
-from ringpass.passes import PIPELINE
+from ringpass.passes import run_pipeline
 from ringpass.passes.context import PassContext
 from ringpass.report import Report
 
@@ -38,22 +40,19 @@ class RingBackend:
             options = RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
         group = _resolve_group(options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
-        report = Report(world_size=world_size)
-        if world_size == 1:
-            report.warnings.append("one rank (or no process group): the graph runs unchanged")
-        else:
-            ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report)
-            for run_pass in PIPELINE:
-                run_pass(ctx)
-                if not ctx.attention:
-                    report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
-                    break
-            report.layout, report.seq_len = ctx.layout_kind, ctx.global_seq_len or None
-            gm.graph.lint()
-            gm.recompile()
+        report = Report(world_size=world_size, graph_index=len(self.reports))
         self.reports.append(report)
         _reports.append(report)
-        report.log()
+        try:
+            if world_size == 1:
+                report.unchanged = "one rank (or no process group)"
+                report.warnings.append("one rank (or no process group): the graph runs unchanged")
+            else:
+                run_pipeline(PassContext(gm, example_inputs, options, world_size, group.group_name, report))
+                gm.graph.lint()
+                gm.recompile()
+        finally:
+            report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
         return _inner_compile(options.compiler, gm, example_inputs)
 
 

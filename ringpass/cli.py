@@ -1,17 +1,49 @@
-"""The ``ringpass`` command line. ``ringpass demo`` for now; ``inspect``, ``plan``, ``bench`` later."""
+"""The ``ringpass`` command line: ``demo`` (the ring on CPU processes) and ``inspect`` (what the pass does
+to a model, offline). Exit status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention
+found, 1 a bad command line or a target that could not be loaded."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
+from lowering.errors import InvalidInputError, RingpassError
 from ringpass import demo
+from ringpass.options import CHOICES
+
+INSPECT_OPTIONS = ("layout", "inputs", "outputs", "grads", "masks")  # the backend options that change the rewrite
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # exit 1 on usage errors: 2 means "refused" for inspect
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ringpass", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    d = commands.add_parser("demo", help="ring attention on CPU processes against unsharded SDPA")
+    parser = _Parser(prog="ringpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _demo_arguments(commands.add_parser("demo", help="ring attention on CPU processes against unsharded SDPA"))
+    _inspect_arguments(commands.add_parser(
+        "inspect", help="what the ring pass will do to a model, offline (no GPU, no process group)",
+        description="Capture TARGET's model as the ring backend would and show, for --world-size ranks, every "
+                    "attention found, what is sharded, gathered and all-reduced, the ring's schedule, bytes, FLOPs "
+                    "and per-rank memory, and any refusal with its source line and chain of ops."))
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    try:
+        return _inspect(args)
+    except RingpassError as error:
+        if error.__cause__ is not None:  # the model's own failure: where it happened
+            traceback.print_exception(error.__cause__, file=sys.stderr)
+        print(f"ringpass inspect: {error}", file=sys.stderr)
+        return 1
+
+
+def _demo_arguments(d) -> None:
     defaults = demo.DemoConfig()
     d.add_argument("--world-size", type=int, default=defaults.world_size, help="processes in the ring")
     d.add_argument("--seq-len", type=int, default=defaults.seq_len)
@@ -23,8 +55,9 @@ def main(argv=None) -> int:
     d.add_argument("--bidirectional", action="store_true", help="no causal mask")
     d.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default=defaults.layout)
     d.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
-    args = parser.parse_args(argv)
 
+
+def _demo(args) -> int:
     config = demo.DemoConfig(
         world_size=args.world_size, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         seq_len=args.seq_len, head_dim=args.head_dim, dtype=args.dtype, causal=not args.bidirectional,
@@ -32,6 +65,52 @@ def main(argv=None) -> int:
     )
     print(demo.format_report(demo.run_demo(config, timeout=args.timeout)))
     return 0
+
+
+def _inspect_arguments(i) -> None:
+    i.add_argument("target", nargs="?", help="path/to/file.py:factory or package.module:factory, a callable "
+                                            "returning (model, example_inputs)")
+    i.add_argument("--hf-config", metavar="CONFIG", help="a local Hugging Face config.json (or its folder) instead "
+                                                         "of TARGET: built on the meta device, token ids as input")
+    i.add_argument("--labels", action="store_true", help="with --hf-config: a training step (labels, train mode)")
+    i.add_argument("--world-size", type=int, required=True, help="ranks in the ring (any number, on any machine)")
+    i.add_argument("--seq-len", type=int, help="sequence length (passed to the factory; --hf-config: default "
+                                               "max_position_embeddings)")
+    i.add_argument("--batch", type=int, help="batch size (passed to the factory; --hf-config: default 1)")
+    for name, choices in CHOICES.items():
+        if name in INSPECT_OPTIONS:
+            i.add_argument(f"--{name}", choices=choices, help="backend option (see docs/backend.md)")
+    i.add_argument("--json", metavar="FILE", help="write the findings as JSON (docs/inspect.md)")
+    i.add_argument("--graphml", metavar="FILE", help="write the rewritten graph as GraphML (networkx)")
+    i.add_argument("--picture", metavar="FILE", action="append", default=[],
+                   help="draw the condensed graph and the ring schedule (.png or .svg; needs ringpass[viz])")
+    i.add_argument("--code", action="store_true", help="print the rewritten FX code")
+
+
+def _inspect(args) -> int:
+    from ringpass.inspection import inspect
+    from ringpass.targets import call_factory, hf_config_model, load_factory
+
+    if (args.target is None) == (args.hf_config is None):
+        raise InvalidInputError("give either TARGET or --hf-config CONFIG")
+    if args.hf_config:
+        model, inputs = hf_config_model(args.hf_config, args.seq_len, args.batch or 1, args.labels)
+    else:
+        if args.labels:
+            raise InvalidInputError("--labels goes with --hf-config (a factory returns its own inputs)")
+        model, inputs = call_factory(load_factory(args.target), args.seq_len, args.batch)
+    options = {name: getattr(args, name) for name in INSPECT_OPTIONS if getattr(args, name) is not None}
+    inspection = inspect(model, inputs, world_size=args.world_size, **options)
+    print(inspection)
+    if args.code:
+        print(inspection.code())
+    if args.json:
+        inspection.write_json(args.json)
+    if args.graphml:
+        inspection.write_graphml(args.graphml)
+    for picture in args.picture:
+        inspection.write_picture(picture)
+    return inspection.exit_code
 
 
 if __name__ == "__main__":

@@ -1,31 +1,133 @@
-"""Small helpers over Dynamo's FX graphs: where a node came from, its example value, what kind of input."""
+"""Small helpers over Dynamo's FX graphs: where a node came from, its example value, what kind of input,
+and the names a user knows it by (argument names, module paths, source lines; never Dynamo's)."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 import torch.fx as fx
 
+from lowering.errors import NotSupportedError
+
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+
 
 def source_line(node: fx.Node) -> str:
-    """The user's source line that produced ``node`` ("file:line: code"), or the node's name."""
+    """The user's source line that produced ``node`` ("file:line: code"): the innermost frame outside
+    torch itself (``F.pad`` is reported where the model calls it), or the node's name."""
     trace = node.meta.get("stack_trace") or ""
     frames = [line.strip() for line in trace.strip().splitlines()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            where = frames[i].replace("File ", "").replace('"', "")
-            code = frames[i + 1] if i + 1 < len(frames) and not frames[i + 1].startswith("File ") else ""
-            return f"{where}: {code}".strip()
-    return f"node {node.name}"
+    files = [i for i, f in enumerate(frames) if f.startswith("File ")]
+    if not files:
+        return f"node {node.name}"
+    i = ([i for i in files if TORCH_DIR not in frames[i]] or files)[-1]
+    where = frames[i].replace("File ", "").replace('"', "")
+    code = frames[i + 1] if i + 1 < len(frames) and not frames[i + 1].startswith("File ") else ""
+    return f"{where}: {code}".strip()
+
+
+def short_source(node: fx.Node) -> str:
+    """``file.py:88`` (the base name and line of `source_line`), or "" when the node has no trace."""
+    match = re.match(r"(?P<file>.*?), line (?P<line>\d+)", source_line(node))
+    return f"{match['file'].rsplit('/', 1)[-1]}:{match['line']}" if match else ""
+
+
+def op_label(node: fx.Node) -> str:
+    """The op a node calls, as a user would write it (``cumsum``, ``view``, ``scaled_dot_product_attention``)."""
+    if node.op in ("placeholder", "output"):
+        return node.op
+    if node.op == "get_attr":
+        return str(node.target)
+    if isinstance(node.target, torch._ops.OpOverload):  # torch.ops.ringpass.ring_attention.default
+        return node.target.__name__.split(".")[0]
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return target.split(".")[-1]
 
 
 def describe(node: fx.Node) -> str:
-    """The op and the source line, for error messages."""
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"`{target}` ({node.name}) at {source_line(node)}"
+    """The op, its module and the source line, for error messages."""
+    if node.op == "placeholder":
+        return f"input `{user_name(node)}`"
+    where = module_path(node)
+    return f"`{op_label(node)}`{' in ' + where if where else ''} at {source_line(node)}"
+
+
+def user_name(node: fx.Node) -> str:
+    """A placeholder's argument name (``input_ids``) or module state path (``model.layers.0.q_proj.weight``);
+    for other nodes the op with its module and short source (`cumsum` in model.embed at model.py:88)."""
+    if node.op != "placeholder":
+        where, line = module_path(node), short_source(node)
+        return f"`{op_label(node)}`" + (f" in {where}" if where else "") + (f" at {line}" if line else "")
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is not None and re.match(r"L\['\w+'\]", source.name):  # L['self']._modules['embed']._parameters['weight']
+        root = re.match(r"L\['(\w+)'\]", source.name)
+        path = re.sub(r"\._(modules|parameters|buffers)\['([^']*)'\]", r".\2", source.name[root.end():])
+        path = re.sub(r"\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+        dropped = root.group(1) in ("self", "kwargs") or is_module_state(node)  # the model, or the ** dict
+        return path.lstrip(".") if dropped and path else root.group(1) + path
+    name = re.sub(r"^[lL]_", "", str(node.target)).rstrip("_")
+    state = re.search(r"_(modules|parameters|buffers)_", name)
+    if state is not None and is_module_state(node):  # <forward's first argument>_modules_layers_modules_0_...
+        return re.sub(r"_(modules|parameters|buffers)_", ".", name[state.start():]).lstrip(".")
+    return re.sub(r"^(kwargs|args|self)_", "", name)
+
+
+def inputs_read(node: fx.Node) -> list[str]:
+    """The names of the user inputs ``node`` is computed from (``attention_mask``); when it reads none
+    (a position ``arange``), the node itself in the user's words."""
+    seen, stack, names = set(), [node], []
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and isinstance(example_value(current), torch.Tensor) and not is_module_state(current):
+            names.append(user_name(current))
+        stack += current.all_input_nodes
+    return sorted(names) or [user_name(node)]
+
+
+def module_path(node: fx.Node) -> str:
+    """The user's module that computed ``node`` (``model.layers.3.self_attn``), or "" at the top level."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['\w+'\]\.?", "", path)  # the forward's first argument (self)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def copy_origin(new: fx.Node, origin: fx.Node) -> fx.Node:
+    """Give an inserted node the source line and module of the node it stands for."""
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in origin.meta:
+            new.meta[key] = origin.meta[key]
+    return new
+
+
+def refusal(message: str, node: fx.Node) -> NotSupportedError:
+    """A `NotSupportedError` about ``node``: the pipeline adds the chain of ops from the attention to it."""
+    error = NotSupportedError(message)
+    error.node = node
+    return error
 
 
 def example_value(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def plain(size) -> int:
+    """A size as a Python int (a symbolic size: its value in the example being compiled)."""
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
+def nbytes(value) -> int:
+    """Bytes of a tensor (sizes as in the example being compiled)."""
+    return plain(value.numel()) * value.element_size()
 
 
 def is_module_state(node: fx.Node) -> bool:

@@ -14,6 +14,7 @@ CHOICES = {
     "compiler": ("inductor", "aot_eager", "eager"),
     "grads": ("reduced", "local"),
     "masks": ("lift", "materialize"),
+    "report": ("summary", "off"),
 }
 
 
@@ -27,7 +28,9 @@ class RingOptions:
     unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens).
     ``masks``: ``lift`` (masks are evaluated per tile from per-token vectors; a mask that needs a
     sequence x sequence tensor is refused) or ``materialize`` (such a tensor is allowed: every rank
-    holds it whole, S x S memory, and the ring reads its tiles)."""
+    holds it whole, S x S memory, and the ring reads its tiles).
+    ``report``: ``summary`` (rank 0 prints one line per compiled graph to stderr) or ``off``; the full
+    report is logged at INFO on the ``ringpass`` logger either way."""
 
     group: Any = None
     layout: str = "auto"
@@ -36,6 +39,7 @@ class RingOptions:
     compiler: str = "inductor"
     grads: str = "reduced"
     masks: str = "lift"
+    report: str = "summary"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "RingOptions":

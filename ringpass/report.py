@@ -1,39 +1,314 @@
-"""What one compile found and did, pass by pass: reachable from Python and logged at INFO."""
+"""What one compile found and did, pass by pass, as data (`Report`) and as text for people.
+
+The passes append records; `ringpass.inspect` and the backend read the same report. ``str(report)`` is the
+full report (logged at INFO by the backend), `Report.summary` the one line the backend prints per graph,
+`Report.as_dict` the data behind ``ringpass inspect --json`` (keys documented in docs/inspect.md).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost
+from lowering.layout import Layout
 
 logger = logging.getLogger("ringpass")
+summary_logger = logging.getLogger("ringpass.summary")
+
+
+@dataclass
+class AttentionRecord:
+    """One attention and what became of it."""
+
+    module: str            # the user's module path ("model.layers.0.self_attn"), "" at the top level
+    source: str            # file, line and code of the attention call
+    spelling: str          # "sdpa" | "hand-written"
+    mask: str              # "none" | "causal" | "causal, window W" | "program" | "program + causal" ...
+    is_causal: bool
+    window: Optional[int]
+    mask_inputs: list[str]  # per-token values a lifted mask program reads (kept whole on every rank)
+    batch: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    itemsize: int
+    scale: float
+
+    def shape(self) -> AttentionShape:
+        return AttentionShape(self.batch, self.query_heads, self.kv_heads, self.head_dim, self.itemsize,
+                              self.is_causal, self.window)
+
+
+@dataclass
+class ValueRecord:
+    """A graph input, an output, or a value computed whole: where it lives after the rewrite."""
+
+    name: str              # argument name, module state path, or "output 0"
+    shape: list
+    dtype: str
+    placement: str         # "sharded" | "whole" | "replicated" | "gathered" | "partial"
+    dim: Optional[int] = None   # the sequence dimension, when it has one
+    why: str = ""          # for values kept whole: the op that needs them; for outputs: where they come from
+    nbytes: int = 0
+
+
+@dataclass
+class CollectiveRecord:
+    """Communication the rewrite inserted, with its size per call."""
+
+    kind: str              # "all-gather" | "all-reduce" | "ring"
+    phase: str             # "forward" | "backward"
+    what: str
+    source: str
+    nbytes: int
+
+
+@dataclass
+class Refusal:
+    """Why the pass refused the graph: the message, the blocking op, and the chain of ops to it."""
+
+    message: str
+    op: str = ""           # the blocking op ("cumsum")
+    source: str = ""       # its file and line ("model.py:88")
+    chain: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Report:
-    """Filled in by the passes; ``str(report)`` is the human summary."""
+    """Filled in by the passes (see the record types); ``str(report)`` is the human summary."""
 
     world_size: int = 1
+    graph_index: int = 0
     layout: str = ""
-    seq_len: int | None = None
-    attention: list[str] = field(default_factory=list)
+    seq_len: Optional[int] = None
+    attention: list[AttentionRecord] = field(default_factory=list)
     positions: list[str] = field(default_factory=list)
-    sharded_inputs: list[str] = field(default_factory=list)
-    gathered_outputs: list[str] = field(default_factory=list)
-    collectives: list[str] = field(default_factory=list)
+    inputs: list[ValueRecord] = field(default_factory=list)
+    outputs: list[ValueRecord] = field(default_factory=list)
+    computed_whole: list[str] = field(default_factory=list)
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    gradients: str = ""    # "reduced" | "local"
+    activation_bytes: dict = field(default_factory=dict)  # {"per_rank": .., "unsharded": .., "whole": ..}
     warnings: list[str] = field(default_factory=list)
+    refusal: Optional[Refusal] = None
+    unchanged: str = ""    # why the graph runs unchanged (one rank, no attention)
+
+    # ---- derived -------------------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """"rewritten", "refused", "no attention" or "unchanged" (one rank)."""
+        if self.refusal is not None:
+            return "refused"
+        if self.attention:
+            return "rewritten"
+        return "no attention" if self.world_size > 1 else "unchanged"
+
+    @property
+    def layout_object(self) -> Optional[Layout]:
+        if not self.layout or not isinstance(self.seq_len, int):
+            return None
+        return Layout(self.layout, self.world_size, self.seq_len)
+
+    def ring_costs(self) -> list[tuple[list[int], RingCost]]:
+        """(indices of the attentions, their cost) for each distinct attention shape."""
+        layout = self.layout_object
+        groups: dict[AttentionShape, list[int]] = {}
+        for i, a in enumerate(self.attention):
+            groups.setdefault(a.shape(), []).append(i)
+        return [] if layout is None else [(idx, ring_cost(layout, shape)) for shape, idx in groups.items()]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the forward all-gathers (gathered outputs) per call."""
+        return sum(c.nbytes for c in self.collectives if c.kind == "all-gather" and c.phase == "forward")
+
+    # ---- text ----------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """One line: what happened to this graph."""
+        head = f"ringpass: graph {self.graph_index}:"
+        if self.status == "refused":
+            blocking = f" at {self.refusal.op} ({self.refusal.source})" if self.refusal.op else ""
+            return f"{head} REFUSED{blocking}: the ring backend raises NotSupportedError (reason below)"
+        if self.status != "rewritten":
+            return f"{head} {self.unchanged or 'no attention found'}: the graph runs unchanged (replicated) on every rank"
+        return (f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {self.world_size} ranks, "
+                f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call")
 
     def __str__(self) -> str:
-        head = f"ringpass: {len(self.attention)} attention(s) over {self.world_size} rank(s), layout {self.layout or '-'}, sequence {self.seq_len}"
-        sections = [
-            ("attention", self.attention), ("positions", self.positions), ("inputs sharded", self.sharded_inputs),
-            ("outputs gathered", self.gathered_outputs), ("collectives", self.collectives), ("warnings", self.warnings),
-        ]
-        lines = [head]
-        for title, items in sections:
-            if items:
-                lines.append(f"  {title}:")
-                lines += [f"    - {item}" for item in items]
+        lines = [self.summary()]
+        if self.refusal is not None:
+            lines += _section("refused", [self.refusal.message] + (
+                ["chain of ops between the attention and the blocking op: " + " -> ".join(self.refusal.chain)]
+                if len(self.refusal.chain) > 1 else []))
+        lines += _section("attention", [_attention_text(a) for a in self.attention])
+        lines += _section("positions", self.positions)
+        for title, placement in (("inputs sharded (each rank gets its tokens)", "sharded"),
+                                 ("inputs kept whole on every rank", "whole"),
+                                 ("inputs replicated (no sequence axis)", "replicated")):
+            lines += _section(title, [_value_text(v) for v in self.inputs if v.placement == placement])
+        lines += _section("values computed whole on every rank", self.computed_whole)
+        for title, placement in (("outputs gathered", "gathered"), ("outputs left sharded", "sharded"),
+                                 ("outputs replicated", "replicated")):
+            lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])
+        lines += _section("collectives inserted (per call)", _collectives_text(self.collectives))
+        if self.gradients == "local":
+            lines += _section("gradients", ["local: each rank keeps its share (an outer DDP / FSDP sums them); "
+                                            "replicated gradients are scaled by 1/P"])
+        if self.activation_bytes:
+            a = self.activation_bytes
+            lines += _section("sequence-sharded activations", [
+                f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
+                f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"])
+        for indices, cost in self.ring_costs():
+            lines += _section(f"ring, per call of each of attention(s) {_ranges(indices)}", ring_text(cost))
+        lines += _section("warnings", self.warnings)
         return "\n".join(lines)
 
-    def log(self) -> None:
+    def log(self, rank: int = 0, print_summary: bool = True) -> None:
+        """The full report at INFO on the ``ringpass`` logger; the summary line on rank 0 (stderr)."""
         logger.info("%s", self)
+        if print_summary and rank == 0:
+            if not summary_logger.handlers:
+                summary_logger.addHandler(_StderrHandler())
+                summary_logger.setLevel(logging.INFO)
+                summary_logger.propagate = False
+            summary_logger.info("%s", self.summary())
+
+    # ---- data ----------------------------------------------------------------------------------------
+    def as_dict(self) -> dict:
+        layout = self.layout_object
+        data = {
+            "index": self.graph_index,
+            "status": self.status,
+            "world_size": self.world_size,
+            "layout": self.layout or None,
+            "seq_len": self.seq_len,
+            "local_len": layout.local_len if layout else None,
+            "tokens_per_rank": [layout.valid_len(r) for r in range(self.world_size)] if layout else None,
+            "attentions": [asdict(a) for a in self.attention],
+            "positions": self.positions,
+            "inputs": [asdict(v) for v in self.inputs],
+            "outputs": [asdict(v) for v in self.outputs],
+            "computed_whole": self.computed_whole,
+            "collectives": [asdict(c) for c in self.collectives],
+            "gradients": self.gradients or None,
+            "activations": self.activation_bytes or None,
+            "ring": [ring_dict(indices, cost) for indices, cost in self.ring_costs()],
+            "refusal": asdict(self.refusal) if self.refusal else None,
+            "warnings": self.warnings,
+        }
+        return data
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (so redirections and pytest see it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def ring_dict(indices: list[int], cost: RingCost) -> dict:
+    contiguous = ring_cost(Layout("contiguous", cost.layout.world_size, cost.layout.seq_len), cost.shape)
+    return {
+        "attentions": indices,
+        "kv_bytes_per_hop": cost.kv_bytes_per_hop,
+        "dkv_bytes_per_hop": cost.dkv_bytes_per_hop,
+        "exchanges": cost.exchanges,
+        "schedule": cost.schedule,
+        "contiguous_schedule": contiguous.schedule,
+        "pairs": cost.pairs,
+        "flops_forward": cost.flops_forward,
+        "backward_flops_ratio": BACKWARD_FLOPS_RATIO,
+        "memory_per_rank": cost.memory(),
+        "memory_unsharded": cost.memory(unsharded=True),
+    }
+
+
+def ring_text(cost: RingCost) -> list[str]:
+    p, s = cost.layout.world_size, cost.shape
+    flops = cost.flops_forward
+    busiest = [max(row[step] for row in flops) for step in range(p)]
+    per_rank = [sum(row) for row in flops]
+    mine, whole = cost.memory(), cost.memory(unsharded=True)
+    lines = [
+        f"one KV block on the wire: {_size(cost.kv_bytes_per_hop)} (2 x B {s.batch} x {s.kv_heads} KV heads x "
+        f"{cost.layout.local_len} slots x D {s.head_dim} x {s.itemsize} bytes); {p - 1} hops forward, "
+        f"{p - 1} KV + {cost.exchanges['backward_dkv']} dK/dV hops ({_size(cost.dkv_bytes_per_hop)} each) backward",
+        f"forward FLOPs per rank: {_flops(min(per_rank))} .. {_flops(max(per_rank))} (balance {min(per_rank) / max(max(per_rank), 1):.2f}); "
+        f"busiest rank per step: {', '.join(_flops(f) for f in busiest)}",
+        f"attention state per rank: {_size(mine['forward'])} forward / {_size(mine['backward'])} backward, "
+        f"vs {_size(whole['forward'])} / {_size(whole['backward'])} unsharded (P=1)",
+        f"schedule ({cost.layout.kind}; rank x step; D diagonal, F full, P partial, . skipped):",
+    ]
+    if p <= SCHEDULE_ROWS_SHOWN:
+        lines += [f"  rank {r}: {' '.join(_LETTER[w] for w in row)}" for r, row in enumerate(cost.schedule)]
+    else:
+        words = [w for row in cost.schedule for w in row]
+        lines.append("  " + ", ".join(f"{words.count(w)} {w}" for w in _LETTER) + f" blocks over {p} ranks x {p} steps")
+    if cost.layout.kind != "contiguous" and s.is_causal:
+        other = ring_cost(Layout("contiguous", p, cost.layout.seq_len), s)
+        skipped = sum(row.count("skipped") for row in other.schedule)
+        worst = max(sum(row) for row in other.flops_forward)
+        lines.append(f"contiguous would skip {skipped} blocks and leave the busiest rank {_flops(worst)} "
+                     f"(vs {_flops(max(per_rank))} here)")
+    return lines
+
+
+SCHEDULE_ROWS_SHOWN = 32  # larger rings are summarised (the JSON has every block)
+_LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
+
+
+def _attention_text(a: AttentionRecord) -> str:
+    mask = a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else "")
+    where = a.module or "top level"
+    return (f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
+            f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}")
+
+
+def _value_text(v: ValueRecord) -> str:
+    dim = f", sequence dim {v.dim}" if v.dim is not None else ""
+    size = f", {_size(v.nbytes)} per call" if v.placement == "gathered" else ""
+    why = f" ({v.why})" if v.why else ""
+    return f"{v.name} {list(v.shape)} {v.dtype}{dim}{size}{why}"
+
+
+def _collectives_text(collectives: list[CollectiveRecord]) -> list[str]:
+    """One line per collective; the backward all-reduces of gradients summed into one line."""
+    gradients = [c for c in collectives if c.phase == "backward" and c.kind == "all-reduce"]
+    lines = [f"{c.phase}: {c.kind} of {c.what}, {_size(c.nbytes)}" + (f" at {c.source}" if c.source else "")
+             for c in collectives if c not in gradients]
+    if gradients:
+        names = [c.what.replace("the gradient of ", "") for c in gradients]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        lines.append(f"backward: all-reduce of the gradients of {len(gradients)} value(s) ({shown}), "
+                     f"{_size(sum(c.nbytes for c in gradients))} in all")
+    return lines
+
+
+def _section(title: str, items: list[str]) -> list[str]:
+    """A heading and its items; an item starting with spaces continues the one before it."""
+    return [f"  {title}:"] + [f"     {item}" if item.startswith(" ") else f"    - {item}" for item in items] if items else []
+
+
+def _ranges(indices: list[int]) -> str:
+    return f"{indices[0]}" if len(indices) == 1 else (
+        f"{indices[0]}-{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else ", ".join(map(str, indices)))
+
+
+def _size(nbytes) -> str:
+    if not isinstance(nbytes, int):
+        return f"{nbytes} bytes"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _flops(n: int) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} FLOP"

@@ -33,3 +33,31 @@ def test_triton_kernels_compile_for_an_h100_class_gpu(dtype, tmp_path):
     script = os.path.join(os.path.dirname(__file__), "compile_kernels.py")
     done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.heavy
+def test_inspect_a_llama_3_8b_shaped_config_at_128k_tokens_on_8_ranks(tmp_path):
+    """The issue's target: hidden 4096, 32 heads, 8 KV heads, 2 layers, N=131072, P=8, on the meta
+    device, through the command line in a fresh process: under 60 s and 3 GiB peak memory (its own
+    peak resident set, read at its end)."""
+    import json
+    import re
+    import time
+
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                             dtype="bfloat16").save_pretrained(tmp_path)
+    command = ("import resource, sys; from ringpass.cli import main; code = main(sys.argv[1:]); "
+               "print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", command, "inspect", "--hf-config", str(tmp_path), "--world-size", "8",
+                           "--labels", "--json", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    peak_gib = int(re.search(r"peak KiB (\d+)", done.stdout).group(1)) / 2**20
+    graph = json.loads((tmp_path / "plan.json").read_text())["graphs"][0]
+    assert graph["seq_len"] == 131072 and len(graph["attentions"]) == 2
+    assert graph["ring"][0]["kv_bytes_per_hop"] == 2 * 1 * 8 * (131072 // 8) * 128 * 2
+    assert seconds < 60 and peak_gib < 3, (seconds, peak_gib)

@@ -1,6 +1,14 @@
 """The ring backend's passes, in the order they run. Each is one file and one function
-``(PassContext) -> None`` whose docstring says what it matches and what it writes."""
+``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs
+them for every front end (the backend, `ringpass.inspect`)."""
 
+import torch
+
+from lowering.errors import NotSupportedError
+from lowering.layout import Layout
+from ringpass.graph import example_value, nbytes, op_label, plain, short_source
+from ringpass.graph_view import op_chain
+from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.lift_masks import lift_masks
@@ -10,6 +18,7 @@ from ringpass.passes.reduce_grads import reduce_grads
 from ringpass.passes.rewrite_attention import rewrite_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
+from ringpass.report import Refusal
 
 PIPELINE = (
     find_attention,
@@ -22,3 +31,46 @@ PIPELINE = (
     insert_boundaries,
     reduce_grads,
 )
+
+
+def run_pipeline(ctx: PassContext) -> None:
+    """Every pass on ``ctx.gm``, in order; the graph stays unchanged when it has no attention. A refusal
+    is recorded in the report, with the chain of ops from the attention to the blocking op, and raised
+    with that chain added to its message."""
+    report = ctx.report
+    try:
+        for run_pass in PIPELINE:
+            run_pass(ctx)
+            if not ctx.attention:
+                report.unchanged = "no attention found"
+                report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
+                return
+    except NotSupportedError as error:
+        node = getattr(error, "node", None)
+        chain = op_chain(ctx.gm, [m.output for m in ctx.attention], node) if node is not None else []
+        report.refusal = Refusal(str(error), op_label(node) if node is not None else "",
+                                 short_source(node) if node is not None else "", chain)
+        if len(chain) > 1:
+            error.args = (f"{error}\nChain of ops between the attention and the blocking op: {' -> '.join(chain)}",)
+        raise
+    report.layout, report.seq_len = ctx.layout_kind, plain(ctx.global_seq_len)
+    report.activation_bytes = _activation_bytes(ctx)
+
+
+def _activation_bytes(ctx: PassContext) -> dict:
+    """Bytes of the values the graph computes on this rank's tokens (per rank, and the same values at full
+    length), and of the values computed whole on every rank; each value counted once, views (which own
+    no memory) not at all."""
+    graph_length, global_length = plain(ctx.seq_len), plain(ctx.global_seq_len)
+    local_length = Layout(ctx.layout_kind, ctx.world_size, global_length).local_len
+    per_rank = unsharded = whole = 0
+    for node, placement in ctx.placement.items():
+        value = example_value(node)
+        if node.op == "placeholder" or not isinstance(value, torch.Tensor) or value._is_view():
+            continue
+        if placement == LOCAL:
+            per_rank += nbytes(value) * local_length // graph_length
+            unsharded += nbytes(value) * global_length // graph_length
+        elif placement == FULL:
+            whole += nbytes(value)
+    return {"per_rank": per_rank, "unsharded": unsharded, "whole": whole}

@@ -34,6 +34,7 @@ class PassContext:
     world_size: int
     group_name: str
     report: Report = field(default_factory=Report)
+    host_values: dict = field(default_factory=dict)  # id(meta tensor of module state) -> its real value (inspect)
     # find_attention
     attention: list = field(default_factory=list)
     # lift_masks

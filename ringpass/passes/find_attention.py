@@ -22,9 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lowering.errors import NotSupportedError
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import describe, example_value
+from ringpass.graph import describe, example_value, refusal
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -52,9 +51,9 @@ class AttentionMatch:
 def find_attention(ctx: PassContext) -> None:
     for node in ctx.gm.graph.nodes:
         if _is(node, (F.multi_head_attention_forward,)):
-            raise NotSupportedError(
+            raise refusal(
                 f"{describe(node)} is nn.MultiheadAttention, which the ring backend does not rewrite yet; "
-                "write the attention with F.scaled_dot_product_attention (or by hand) instead."
+                "write the attention with F.scaled_dot_product_attention (or by hand) instead.", node
             )
         if _is(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
@@ -65,10 +64,10 @@ def find_attention(ctx: PassContext) -> None:
     for match in ctx.attention:
         q, k = example_value(match.query), example_value(match.key)
         if q.shape[-2] != k.shape[-2]:
-            raise NotSupportedError(
+            raise refusal(
                 f"Attention {describe(match.output)} has {q.shape[-2]} queries but {k.shape[-2]} keys; ring "
                 "attention shards queries and keys the same way, so they must have one length (a KV cache "
-                "concatenated before attention is not supported: compile with use_cache=False)."
+                "concatenated before attention is not supported: compile with use_cache=False).", match.output
             )
 
 
@@ -80,26 +79,26 @@ def _is(node: fx.Node, targets) -> bool:
 def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     args = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs
     if isinstance(args.get("dropout_p"), fx.Node):
-        raise NotSupportedError(
-            f"Attention {describe(node)} takes dropout_p from a traced value ({args['dropout_p'].name}): with "
+        raise refusal(
+            f"Attention {describe(node)} takes dropout_p from a traced value: with "
             "dynamic=True Dynamo traces Python floats as inputs. Set torch._dynamo.config.specialize_float = True "
-            "so the dropout probability is a constant (it must be 0 for ring attention)."
+            "so the dropout probability is a constant (it must be 0 for ring attention).", node
         )
     if args.get("dropout_p", 0.0):
-        raise NotSupportedError(
+        raise refusal(
             f"Attention {describe(node)} uses dropout_p={args['dropout_p']}; dropout inside ring attention is "
-            "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config)."
+            "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config).", node
         )
     scale = args.get("scale")
     if isinstance(scale, fx.Node):
-        raise NotSupportedError(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.")
+        raise refusal(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.", node)
     q, k = example_value(args["query"]), example_value(args["key"])
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False):
-        raise NotSupportedError(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.")
+        raise refusal(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.", node)
     key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
     mask = args.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
-        raise NotSupportedError(f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.")
+        raise refusal(f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.", node)
     kind = "kept" if mask is None or example_value(mask).dtype == torch.bool else "additive"  # SDPA adds float masks
     return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa",
                           mask=None if mask is None else (kind, mask))
@@ -148,7 +147,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if _is(probs, ("dropout", F.dropout)):
         training = probs.kwargs.get("training", probs.args[2] if len(probs.args) > 2 else True)
         if training and probs.kwargs.get("p", probs.args[1] if len(probs.args) > 1 else 0.5):
-            raise NotSupportedError(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.")
+            raise refusal(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.", probs)
         internal.append(probs)
         probs = probs.args[0]
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):

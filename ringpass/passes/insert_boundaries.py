@@ -8,6 +8,7 @@ Matches edges between placements:
   token losses over the all-reduced count of counted tokens (``ignore_index`` honoured); padding slots
   are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
+Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
-from lowering.errors import NotSupportedError
 from lowering.layout import Layout
-from ringpass.graph import describe, example_value
+from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
 from ringpass.passes.sequence_axes import same
+from ringpass.report import CollectiveRecord, ValueRecord
 
 
 def insert_boundaries(ctx: PassContext) -> None:
@@ -45,19 +47,20 @@ def insert_boundaries(ctx: PassContext) -> None:
 def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
     axes = ctx.axes[node]
     if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.seq_len):
-        raise NotSupportedError(
+        raise refusal(
             f"{describe(node)} would have to be sharded or gathered along a sequence axis merged with others "
-            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'."
+            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'.", node
         )
     return axes[0].dim
 
 
 def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
     dim = _shard_dim(ctx, node)
-    shard = ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args()))
+    shard = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args())), node)
     shard.meta["example_value"] = example_value(node)  # the full value's metadata (dtype, rank) for later passes
     ctx.placement[shard] = LOCAL
     ctx.axes[shard] = ctx.axes[node]
+    _record_shard(ctx, node)
     return shard
 
 
@@ -76,6 +79,14 @@ def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:
         with ctx.gm.graph.inserting_after(node):
             shards[node] = _shard_node(ctx, node)
     return shards[node]
+
+
+def _record_shard(ctx: PassContext, node: fx.Node) -> None:
+    """Sharding is free forward; a value that needs a gradient gathers it in the backward."""
+    value = example_value(node)
+    if getattr(value, "requires_grad", False):
+        ctx.report.collectives.append(CollectiveRecord(
+            "all-gather", "backward", f"the gradient of {user_name(node)} (sharded here)", short_source(node), nbytes(value)))
 
 
 def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
@@ -116,20 +127,27 @@ def _all_reduce(ctx: PassContext, node: fx.Node, padded: bool) -> None:
     for user in users:
         user.replace_input_with(node, total)
     total.meta["example_value"] = example_value(node)
+    copy_origin(total, node)
     ctx.totals.add(total)
     if not node.users:
         graph.erase_node(node)
     ctx.placement[total] = NOSEQ
-    ctx.report.collectives.append(f"all-reduce of the {kind} at {describe(node)}")
+
+
+def _reduce(ctx: PassContext, tensor: fx.Node, origin: fx.Node, what: str, size: int) -> fx.Node:
+    """``all_reduce_sum(tensor)`` standing for ``origin``, recorded in the report (``size`` bytes per call)."""
+    reduced = ctx.gm.graph.call_function(torch.ops.ringpass.all_reduce_sum.default, (tensor, ctx.group_name))
+    ctx.report.collectives.append(CollectiveRecord("all-reduce", "forward", what, short_source(origin), size))
+    return copy_origin(reduced, origin)
 
 
 def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str) -> fx.Node:
-    graph, reduce = ctx.gm.graph, torch.ops.ringpass.all_reduce_sum.default
+    graph, size = ctx.gm.graph, nbytes(example_value(node))
     if kind == "sum":
-        return graph.call_function(reduce, (node, ctx.group_name))
+        return _reduce(ctx, node, node, "the sum over the sequence", size)
     # mean: local mean x local count, summed, over the global count (counts measured at run time)
     local_count = graph.call_function(operator.floordiv, (graph.call_method("numel", (local_input,)), graph.call_method("numel", (node,))))
-    reduced = graph.call_function(reduce, (graph.call_function(operator.mul, (node, local_count)), ctx.group_name))
+    reduced = _reduce(ctx, graph.call_function(operator.mul, (node, local_count)), node, "the mean over the sequence (as a sum)", size)
     per_token = graph.call_function(operator.floordiv, (local_count, ctx.graph_length("local")))
     global_count = graph.call_function(operator.mul, (per_token, ctx.graph_length("global")))
     return graph.call_function(operator.truediv, (reduced, global_count))
@@ -137,43 +155,49 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
 
 def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:
     """sum of token losses / number of counted tokens, both summed over the ranks."""
-    graph, reduce = ctx.gm.graph, torch.ops.ringpass.all_reduce_sum.default
+    graph = ctx.gm.graph
     args = node.normalized_arguments(ctx.gm, normalize_to_only_use_kwargs=True).kwargs
     if args.get("weight") is not None or args.get("label_smoothing", 0.0):
-        raise NotSupportedError(f"{describe(node)}: cross_entropy with class weights or label smoothing is not supported yet.")
+        raise refusal(f"{describe(node)}: cross_entropy with class weights or label smoothing is not supported yet.", node)
     target, ignore = args["target"], args.get("ignore_index", -100)
     if ctx.placement.get(target) != LOCAL or example_value(target).dtype.is_floating_point:
-        raise NotSupportedError(f"{describe(node)}: the cross-entropy target must be per-token class indices.")
+        raise refusal(f"{describe(node)}: the cross-entropy target must be per-token class indices.", node)
     if padded:
         target = _masked(ctx, node, target, ignore)
     with graph.inserting_before(node):
         token_sum = graph.call_function(F.cross_entropy, (args["input"], target), {"ignore_index": ignore, "reduction": "sum"})
-        loss = graph.call_function(reduce, (token_sum, ctx.group_name))
+        loss = _reduce(ctx, token_sum, node, "the cross-entropy loss sum", nbytes(example_value(node)))
         if args.get("reduction", "mean") == "sum":
             return loss
         counted = graph.call_method("sum", (graph.call_function(operator.ne, (target, ignore)),))
-        count = graph.call_function(reduce, (counted, ctx.group_name))
+        count = _reduce(ctx, counted, node, "the cross-entropy count of counted tokens", 8)  # an int64 count
         return graph.call_function(operator.truediv, (loss, count))
 
 
 def _gather_outputs(ctx: PassContext) -> None:
-    if ctx.options.outputs != "gathered":
-        return
+    """Gathers this rank's tokens of local outputs (``outputs="gathered"``); records every output, numbered
+    by its position among the graph's outputs."""
     output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
-    for arg in output.all_input_nodes:
-        if ctx.placement.get(arg) != LOCAL:
+    gathered: dict[fx.Node, fx.Node] = {}
+    for index, arg in enumerate(pytree.tree_leaves(output.args[0])):
+        value, placement = (example_value(arg), ctx.placement.get(arg)) if isinstance(arg, fx.Node) else (None, None)
+        if not isinstance(value, torch.Tensor):
             continue
-        dim = _shard_dim(ctx, arg)
-        with ctx.gm.graph.inserting_before(output):
-            gathered = ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args()))
-        output.replace_input_with(arg, gathered)
-        ctx.placement[gathered] = FULL
-        value = example_value(arg)
-        ctx.report.gathered_outputs.append(
-            f"{arg.name}: dim {dim}, {_mib(value.numel() * value.element_size())} all-gathered per call "
-            "(outputs='sharded' keeps each rank's tokens instead)"
-        )
-
-
-def _mib(nbytes) -> str:
-    return f"{nbytes / 2**20:.2f} MiB" if isinstance(nbytes, int) else f"{nbytes} bytes"
+        kind = {LOCAL: "sharded", FULL: "whole"}.get(placement, "replicated")
+        dim = _shard_dim(ctx, arg) if placement == LOCAL else None
+        shape, size = [plain(s) for s in value.shape], nbytes(value)
+        if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
+            shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
+        if placement == LOCAL and ctx.options.outputs == "gathered":
+            kind = "gathered"
+            if arg not in gathered:
+                with ctx.gm.graph.inserting_before(output):
+                    gathered[arg] = copy_origin(ctx.gm.graph.call_function(
+                        torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args())), arg)
+                output.replace_input_with(arg, gathered[arg])
+                ctx.placement[gathered[arg]] = FULL
+                ctx.report.collectives.append(CollectiveRecord(
+                    "all-gather", "forward", f"output {index} (outputs='sharded' keeps each rank's tokens instead)",
+                    short_source(arg), size))
+        ctx.report.outputs.append(ValueRecord(f"output {index}", shape, str(value.dtype).replace("torch.", ""), kind,
+                                              dim, f"from {user_name(arg)}", size))

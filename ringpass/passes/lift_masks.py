@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from lowering.masks import as_visibility, register_mask
-from ringpass.graph import describe, example_value, is_module_state
+from ringpass.graph import describe, example_value, is_module_state, refusal, user_name
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
@@ -87,13 +87,13 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
             return MaskPlan(True)
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
-            raise NotSupportedError(
+            raise refusal(
                 f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
                 "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
                 "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a causal buffer is then "
                 "checked at each length)" if dynamic else "") + ", or allow holding it whole on every rank with "
-                "options={'masks': 'materialize'}."
+                "options={'masks': 'materialize'}." + _unreadable_state(ctx, mask), big
             )
         ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
     implied, exact = _read(ctx, region, kind, n)
@@ -122,10 +122,10 @@ def _check_additive(match, kind: str, mask: fx.Node) -> None:
     while kind == "additive" and _keeps_values(node):
         node = node.args[0]
         if example_value(node).dtype == torch.bool:
-            raise NotSupportedError(
+            raise refusal(
                 f"The attention mask of {describe(match.output)} is a boolean mask cast to a float ({describe(mask)}): "
                 "SDPA adds float masks to the scores, so its 0 / 1 values mask nothing (a bias the ring does not "
-                "support). Pass the boolean mask itself (True = attend)."
+                "support). Pass the boolean mask itself (True = attend).", mask
             )
 
 
@@ -298,7 +298,7 @@ class _Symbolic:
         node, roles = use[0], dict(use[1])
         if self.resize is not None and not _shape_formula(node):
             raise LookupError  # dynamic shapes: only values computed from the length alone hold at every length
-        value = _evaluate(self.ctx.gm, node, self.resize)
+        value = _evaluate(self.ctx, node, self.resize)
         if not isinstance(value, torch.Tensor):
             raise LookupError
         if not roles:
@@ -469,31 +469,53 @@ def _program(ctx: PassContext, region: _Region, kind: str) -> fx.GraphModule:
 
 # ---- 3. masks from S x S inputs ------------------------------------------------------------------------
 def _unpassable(arg: fx.Node):
-    raise NotSupportedError(
+    raise refusal(
         f"The attention mask uses {describe(arg)}, a size or value the ring cannot pass to its mask program; "
-        "please report this model."
+        "please report this model.", arg
     )
 
 
 def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
     """A mask from an S x S tensor that depends on shapes only, evaluated once: is it exactly causal?"""
     n = n.node.hint if isinstance(n, torch.SymInt) else n
-    values = _evaluate(ctx.gm, mask) if n <= MASK_LIMIT else None
+    values = _evaluate(ctx, mask) if n <= MASK_LIMIT else None
     if values is None or values.dim() < 2:
         return False
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
     try:
         visible = ~grid.bool() if kind == "masked_out" else as_visibility(grid)
     except NotSupportedError as error:
-        raise NotSupportedError(f"The attention mask at {describe(mask)}: {error}") from None
+        raise refusal(f"The attention mask at {describe(mask)}: {error}", mask) from None
     return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
 
 
-def _evaluate(gm: fx.GraphModule, node: fx.Node, resize: Optional[tuple] = None):
-    """The value of ``node`` when it depends on module state and shapes only (else None). With dynamic
-    shapes, sizes take the example's values; ``resize=(n, length)`` gives size inputs equal to the
-    symbolic sequence length ``n`` the value ``length`` instead."""
+def _unreadable_state(ctx: PassContext, mask: fx.Node) -> str:
+    """A note naming the module state the mask reads whose values are not known (a model on the meta
+    device): a causal buffer there cannot be checked."""
+    seen, stack, names = set(), [mask], []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and is_module_state(node) and "grapharg" in node.meta:
+            state = node.meta["grapharg"].example
+            if ctx.host_values.get(id(state), state).device.type == "meta":
+                names.append(user_name(node))
+        stack += node.all_input_nodes
+    return (f" (The mask reads {', '.join(sorted(names))}, on the meta device: its values are unknown, so a causal "
+            "buffer cannot be recognised. Build the model, or at least that buffer, on the CPU.)") if names else ""
+
+
+def _evaluate(ctx: PassContext, node: fx.Node, resize: Optional[tuple] = None):
+    """The value of ``node`` when it depends on module state and shapes only (else None), computed on the
+    host (CPU), whatever device the graph runs on. With dynamic shapes, sizes take the example's values;
+    ``resize=(n, length)`` gives size inputs equal to the symbolic sequence length ``n`` the value
+    ``length`` instead. Module state captured as meta tensors is read from ``ctx.host_values``."""
     env: dict[fx.Node, object] = {}
+
+    def on_host(arg):
+        return torch.device("cpu") if isinstance(arg, torch.device) else arg
 
     def value(n: fx.Node):
         if n in env:
@@ -503,15 +525,19 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node, resize: Optional[tuple] = None)
             if isinstance(v, torch.SymInt):
                 env[n] = resize[1] if resize is not None and same(v, resize[0]) else v.node.hint
             elif is_module_state(n):
-                env[n] = n.meta["grapharg"].example
+                state = n.meta["grapharg"].example
+                state = ctx.host_values.get(id(state), state)
+                if state.device.type == "meta":
+                    raise LookupError  # a model built on the meta device: no values to read
+                env[n] = state.cpu()
             else:
                 raise LookupError
             return env[n]
         if n.op == "get_attr":
-            env[n] = getattr(gm, n.target)
+            env[n] = getattr(ctx.gm, n.target)
             return env[n]
-        args = fx.node.map_arg(n.args, value)
-        kwargs = fx.node.map_arg(n.kwargs, value)
+        args = fx.node.map_aggregate(fx.node.map_arg(n.args, value), on_host)
+        kwargs = fx.node.map_aggregate(fx.node.map_arg(n.kwargs, value), on_host)
         env[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
         return env[n]
 

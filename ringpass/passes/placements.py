@@ -7,7 +7,8 @@ such as labels and position ids). Such an op on a value that comes out of attent
 sharded and is refused. A reduction over the sequence of a local value is *partial* (summed over the
 ranks at the boundary). Values without a sequence axis are replicated (*noseq*).
 
-Writes ``ctx.placement``; raises on a token-mixing op over a sharded activation, and, with
+Writes ``ctx.placement`` and the report's inputs (sharded, kept whole and why, replicated) and values
+computed whole; raises on a token-mixing op over a sharded activation, and, with
 ``inputs="sharded"``, on one that needs the whole sequence.
 """
 
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
-from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value
+from ringpass.graph import describe, example_value, is_module_state, nbytes, plain, refusal, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.report import ValueRecord
 
 
 def decide_placements(ctx: PassContext) -> None:
@@ -38,9 +40,25 @@ def decide_placements(ctx: PassContext) -> None:
             _check_full(ctx, node, needs_full.get(node, node), after_attention)
         else:
             ctx.placement[node] = LOCAL
-        if node.op == "placeholder" and ctx.placement[node] in (FULL, LOCAL):
-            kept = "" if ctx.placement[node] == LOCAL else " (kept whole: a token-mixing op reads it)"
-            ctx.report.sharded_inputs.append(f"{node.target}: dim {ctx.axes[node][0].dim}{kept}")
+    _record(ctx, needs_full)
+
+
+def _record(ctx: PassContext, needs_full: dict) -> None:
+    """The report's inputs (sharded, kept whole and why, replicated) and the values computed whole."""
+    whole_ops: dict[str, None] = {}
+    for node in ctx.gm.graph.nodes:
+        placement, value = ctx.placement.get(node), example_value(node)
+        if node.op == "placeholder" and not is_module_state(node) and isinstance(value, torch.Tensor):
+            kind = {LOCAL: "sharded", FULL: "whole"}.get(placement, "replicated")
+            needed_by = needs_full.get(node, node)
+            why = "" if kind != "whole" else (
+                "read by the ring's mask program" if needed_by in ctx.whole_values else f"read by {describe(needed_by)}")
+            dim = ctx.axes[node][0].dim if kind != "replicated" else None
+            ctx.report.inputs.append(ValueRecord(user_name(node), [plain(s) for s in value.shape],
+                                                 str(value.dtype).replace("torch.", ""), kind, dim, why, nbytes(value)))
+        elif placement == FULL and node.op != "placeholder":
+            whole_ops[user_name(node)] = None
+    ctx.report.computed_whole = list(whole_ops)
 
 
 def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
@@ -94,13 +112,13 @@ def _downstream_of(roots: list[fx.Node]) -> set[fx.Node]:
 def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_attention: set[fx.Node]) -> None:
     why = ctx.mixing.get(mixing_op, "it needs the whole sequence")
     if node in after_attention:
-        raise NotSupportedError(
+        raise refusal(
             f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
             "the tokens of sharded activations; move this op onto per-token inputs before attention, or compile "
-            "this part of the model without the ring backend."
+            "this part of the model without the ring backend.", mixing_op
         )
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
-        raise NotSupportedError(
-            f"Input {node.target} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs the whole "
-            f"sequence ({why}); pass full inputs (inputs='full') instead."
+        raise refusal(
+            f"Input {user_name(node)} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs the whole "
+            f"sequence ({why}); pass full inputs (inputs='full') instead.", mixing_op
         )

@@ -11,7 +11,7 @@ value that needs a gradient and classifies it from its users (in reverse order):
 - ``grads="local"`` (each rank keeps its share; an outer DDP/FSDP sums over ranks): whole uses are
   wrapped in `scale_grad(1/P)` instead, so that the sum over ranks is the full gradient.
 
-An all-reduced total (``x.sum(1)`` over the sequence) that feeds per-token ops again is treated like a
+Each all-reduce is recorded in the report with its size. An all-reduced total (``x.sum(1)`` over the sequence) that feeds per-token ops again is treated like a
 leaf whose partial uses are always reduced: its gradient flows back into every rank's tokens.
 """
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
-from ringpass.graph import example_value
+from ringpass.graph import copy_origin, example_value, nbytes, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.report import CollectiveRecord
 
 PART, WHOLE = "partial", "whole"
 
@@ -29,7 +30,6 @@ PART, WHOLE = "partial", "whole"
 def reduce_grads(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     kinds: dict[fx.Node, set[str]] = {}
-    wrapped = 0
     for node in reversed(list(graph.nodes)):
         value = example_value(node)
         if ctx.placement.get(node, NOSEQ) != NOSEQ or not getattr(value, "requires_grad", False):
@@ -41,17 +41,13 @@ def reduce_grads(ctx: PassContext) -> None:
         wrap_kind = PART if ctx.options.grads == "reduced" or node in ctx.totals else WHOLE
         if kind == {wrap_kind} and leaf:
             _wrap(ctx, node, list(node.users), wrap_kind)
-            wrapped += 1
             kinds[node] = {WHOLE if wrap_kind == PART else PART}
         elif len(kind) == 2:
             _wrap(ctx, node, [u for u, k in uses.items() if k == wrap_kind], wrap_kind)
-            wrapped += 1
             kinds[node] = {WHOLE if wrap_kind == PART else PART}
         else:
             kinds[node] = kind
-    if wrapped:
-        what = "all-reduce in backward" if ctx.options.grads == "reduced" else "1/P scaling of replicated gradients"
-        ctx.report.collectives.append(f"gradient {what} for {wrapped} value(s)")
+    ctx.report.gradients = ctx.options.grads
 
 
 def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
@@ -72,8 +68,11 @@ def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], kind: str) -> N
     with graph.inserting_before(node.next):
         if kind == PART:
             wrapped = graph.call_function(reduce_grad, (node, ctx.group_name))
+            ctx.report.collectives.append(CollectiveRecord(
+                "all-reduce", "backward", f"the gradient of {user_name(node)}", "", nbytes(example_value(node))))
         else:
             wrapped = graph.call_function(scale_grad, (node, 1.0 / ctx.world_size))
+    copy_origin(wrapped, node)
     ctx.placement[wrapped] = NOSEQ
     for user in users:
         user.replace_input_with(node, wrapped)

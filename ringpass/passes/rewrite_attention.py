@@ -15,8 +15,8 @@ import operator
 
 import torch
 
-from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, source_line
+from ringpass.graph import copy_origin, describe, example_value, inputs_read, module_path, plain, refusal, source_line
+from ringpass.report import AttentionRecord
 from ringpass.passes.context import LOCAL, PassContext
 
 
@@ -24,12 +24,12 @@ def rewrite_attention(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for match in ctx.attention:
         q = example_value(match.query)
-        for operand in (match.query, match.key, match.value):
+        for role, operand in zip(("query", "key", "value"), (match.query, match.key, match.value)):
             axes = ctx.axes.get(operand, ())
             if ctx.placement.get(operand) != LOCAL or [a.dim % q.dim() for a in axes] != [q.dim() - 2]:
-                raise NotSupportedError(
-                    f"Attention {describe(match.output)}: its {operand.name} does not carry the sequence on the "
-                    "second-to-last axis; ringpass expects q, k, v as [batch, heads, sequence, head_dim]."
+                raise refusal(
+                    f"Attention {describe(match.output)}: its {role} does not carry the sequence on the "
+                    "second-to-last axis; ringpass expects q, k, v as [batch, heads, sequence, head_dim].", match.output
                 )
         scale = match.scale if match.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         plan = ctx.masks[match.output]
@@ -42,14 +42,26 @@ def rewrite_attention(ctx: PassContext) -> None:
                 (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
                  ctx.group_name, plan.window, plan.program_id, list(plan.inputs)),
             )
-            out = graph.call_function(operator.getitem, (ring, 0))
+            copy_origin(ring, match.output)
+            out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
             if q.dim() == 3:
                 out = graph.call_method("squeeze", (out, 1))
+        out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
         match.output.replace_all_uses_with(out)
-        ctx.placement[out] = LOCAL
+        ctx.placement[ring] = ctx.placement[out] = LOCAL
         ctx.axes[out] = ctx.axes[match.output]
         graph.erase_node(match.output)
-        mask = plan.describe()
-        heads = f"{q.shape[1]} query / {example_value(match.key).shape[1]} key-value heads"
-        ctx.report.attention.append(f"{match.spelling} ({mask}, scale {scale:.4g}, {heads}) -> ringpass::ring_attention at {source_line(match.output)}")
+        ctx.report.attention.append(_record(match, plan, scale))
     graph.eliminate_dead_code()  # the rest of hand-written attentions
+
+
+def _record(match, plan, scale: float) -> AttentionRecord:
+    q, k = example_value(match.query), example_value(match.key)
+    heads = (plain(q.shape[1]), plain(k.shape[1])) if q.dim() == 4 else (1, 1)
+    return AttentionRecord(
+        module=module_path(match.output), source=source_line(match.output), spelling=match.spelling,
+        mask=plan.describe(), is_causal=plan.is_causal, window=plan.window,
+        mask_inputs=list(dict.fromkeys(name for n in plan.inputs for name in inputs_read(n))), batch=plain(q.shape[0]), query_heads=heads[0],
+        kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
+        itemsize=q.element_size(), scale=float(scale),
+    )

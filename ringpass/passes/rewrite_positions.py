@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ringpass.graph import example_value, source_line
+from ringpass.graph import example_value, source_line, user_name
 from ringpass.passes.context import LOCAL, PassContext
 from ringpass.passes.sequence_axes import same, value_of
 
@@ -30,11 +30,12 @@ def rewrite_positions(ctx: PassContext) -> None:
                 new = positions if value.dtype == torch.int64 else graph.call_method("to", (positions, value.dtype))
             else:
                 new = graph.call_method("index_select", (_unsliced(ctx, node), ctx.axes[node][0].dim, positions))
+        what = "arange" if kind == "positions" else f"slice of {user_name(node.args[0])}"
+        ctx.report.positions.append(f"{what} -> this rank's positions ({source_line(node)})")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         ctx.placement[new] = LOCAL
         ctx.axes[new] = ctx.axes.pop(node)
-        ctx.report.positions.append(f"{'arange' if kind == 'positions' else 'slice of ' + str(node.args[0])} -> this rank's positions ({source_line(node)})")
 
 
 def _unsliced(ctx: PassContext, node):

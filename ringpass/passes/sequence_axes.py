@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, is_module_state
+from ringpass.graph import describe, example_value, is_module_state, refusal
 from ringpass.passes.context import PassContext, SeqDim
 from ringpass.passes.token_ops import classify, value_of
 
@@ -107,9 +107,9 @@ class _Probe:
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
-            raise NotSupportedError(
+            raise refusal(
                 f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. "
-                "It probably mixes the sequence with a tensor of fixed length; please report this model."
+                "It probably mixes the sequence with a tensor of fixed length; please report this model.", node
             ) from None
 
     def _probe_placeholder(self, node: fx.Node, original):
@@ -239,9 +239,9 @@ def _view_target_dim(node: fx.Node, in_axis: SeqDim, n: int) -> tuple[int, int]:
                 return j, int(stride // suffix)
             break
         suffix *= out_shape[j]
-    raise NotSupportedError(
+    raise refusal(
         f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
-        "mixes it with other axes; the tokens of a shard would not stay together."
+        "mixes it with other axes; the tokens of a shard would not stay together.", node
     )
 
 
@@ -272,7 +272,7 @@ def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
         if node.target in EXPANDS:
             j = axis.dim + len(out_shape) - len(in_shape)
             if node.target == "repeat" and sizes[j] != 1:
-                raise NotSupportedError(f"{describe(node)} repeats along the sequence axis.")
+                raise refusal(f"{describe(node)} repeats along the sequence axis.", node)
             if node.target == "repeat":
                 continue
         else:

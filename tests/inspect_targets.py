@@ -1,0 +1,92 @@
+"""Factories for `ringpass inspect` tests: each returns (model, example_inputs), as a user's would. The
+file is written as users write theirs (postponed annotations, a dataclass), since inspect loads it by path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+
+
+@dataclass
+class Shape:
+    seq_len: int
+    batch: int
+
+
+def llama(seq_len: int = 64, batch: int = 2):
+    """The test Llama (RoPE from arange, GQA 4 query / 2 KV heads, head dim 8), fp32, on the CPU."""
+    torch.manual_seed(0)
+    shape = Shape(seq_len, batch)
+    return models.Llama(), (torch.randint(0, 61, (shape.batch, shape.seq_len)),)
+
+
+def llama_with_loss(seq_len: int = 64, batch: int = 2):
+    """The same model with a cross-entropy loss inside forward, inputs by keyword (ids and labels)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 61, (batch, seq_len))
+    return models.WithLoss(models.Llama()), {"ids": ids, "labels": ids.roll(-1, 1)}
+
+
+class CumsumAfterAttention(nn.Module):
+    """A running sum over the tokens of the attention's output: the ring backend must refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(x.shape)
+        return self.proj(y).cumsum(dim=1)  # the blocking op
+
+
+def refused(seq_len: int = 16):
+    return CumsumAfterAttention(), (torch.randn(1, seq_len, 8),)
+
+
+def no_attention():
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU()), (torch.randn(1, 16, 8),)
+
+
+def not_a_pair():
+    return nn.Linear(8, 8)
+
+
+class GraphBreak(nn.Module):
+    """Two GPT blocks with a graph break between them: Dynamo captures two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(61, 32)
+        self.first, self.second = models.GPTBlock(32, 4), models.GPTBlock(32, 4)
+
+    def forward(self, ids):
+        x = self.first(self.embed(ids))
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def graph_break(seq_len: int = 32):
+    return GraphBreak(), (torch.randint(0, 61, (1, seq_len)),)
+
+
+class AttentionOut(nn.Module):
+    """Returns the attention's output itself, and keeps a plain (unregistered) tensor attribute."""
+
+    def __init__(me):  # the first argument need not be called self
+        super().__init__()
+        me.proj = nn.Linear(8, 24)
+        me.gain = torch.ones(8)  # not a buffer: a plain attribute
+
+    def forward(me, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in me.proj(x * me.gain).split(8, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_out(seq_len: int = 16):
+    return AttentionOut(), (torch.randn(2, seq_len, 8),)

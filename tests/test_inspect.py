@@ -1,0 +1,359 @@
+"""`ringpass.inspect` and `ringpass inspect`: what the ring pass will do to a model, offline.
+
+Numbers are checked against formulas and brute force written here (KV bytes per hop
+2·B·Hkv·(N/P)·D·itemsize, tokens per rank, visible pairs counted from every (query, key) position pair),
+and the schedule against `lowering.schedule`. No process group may be created.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import inspect_targets
+import ringpass
+from lowering import Layout
+from lowering.schedule import schedule_table
+from ringpass.cli import main
+
+TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "inspect.md"
+
+
+@pytest.fixture(autouse=True)
+def no_process_group(monkeypatch):
+    """Inspection must never create a process group (or need one)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("inspect created a process group")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    yield
+    assert not dist.is_initialized()
+
+
+def _cli(tmp_path, *args) -> tuple[int, dict]:
+    out = tmp_path / "inspect.json"
+    code = main(["inspect", *args, "--json", str(out)])
+    return code, json.loads(out.read_text()) if out.exists() else {}
+
+
+def _visible_pairs_brute_force(layout: Layout, q_rank: int, kv_rank: int, window=None) -> int:
+    q = layout.positions(q_rank)[:layout.valid_len(q_rank)]
+    k = layout.positions(kv_rank)[:layout.valid_len(kv_rank)]
+    visible = k[None, :] <= q[:, None]
+    if window is not None:
+        visible &= q[:, None] - k[None, :] < window
+    return int(visible.sum())
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_factory_through_the_cli(tmp_path, capsys, layout):
+    world, n, batch = 4, 64, 2
+    code, data = _cli(tmp_path, f"{TARGETS}:llama", "--world-size", str(world), "--seq-len", str(n),
+                      "--batch", str(batch), "--layout", layout)
+    assert code == 0 and data["status"] == "rewritten" and data["schema_version"] == 1
+    (graph,) = data["graphs"]
+    assert len(graph["attentions"]) == 2 and graph["status"] == "rewritten"
+    assert [a["module"] for a in graph["attentions"]] == ["blocks.0", "blocks.1"]
+    first = graph["attentions"][0]
+    assert (first["query_heads"], first["kv_heads"], first["head_dim"], first["mask"]) == (4, 2, 8, "causal")
+    assert graph["layout"] == layout and graph["seq_len"] == n
+    assert graph["tokens_per_rank"] == [n // world] * world
+    (ring,) = graph["ring"]
+    assert ring["attentions"] == [0, 1]
+    assert ring["kv_bytes_per_hop"] == 2 * batch * 2 * (n // world) * 8 * 4
+    assert ring["exchanges"] == {"forward_kv": world - 1, "backward_kv": world - 1, "backward_dkv": world}
+    assert ring["schedule"] == schedule_table(Layout(layout, world, n), True)
+    assert ring["contiguous_schedule"] == schedule_table(Layout("contiguous", world, n), True)
+    pairs = [[_visible_pairs_brute_force(Layout(layout, world, n), r, (r - s) % world) for s in range(world)]
+             for r in range(world)]
+    assert ring["pairs"] == pairs and sum(map(sum, pairs)) == n * (n + 1) // 2
+    assert ring["flops_forward"] == [[4 * batch * 4 * 8 * p for p in row] for row in pairs]
+    if layout == "zigzag":  # balanced: every rank scores the same number of pairs
+        assert len({sum(row) for row in pairs}) == 1
+    inputs = {v["name"]: v for v in graph["inputs"]}
+    assert inputs["ids"]["placement"] == "sharded" and inputs["ids"]["dim"] == 1
+    (output,) = graph["outputs"]
+    assert output["placement"] == "gathered" and output["nbytes"] == batch * n * 61 * 4
+    assert graph["activations"]["per_rank"] * world == graph["activations"]["unsharded"]
+    text = capsys.readouterr().out
+    assert "blocks.0: sdpa (causal" in text and "ids [2, 64] int64" in text
+    assert "L_" not in text and "l_ids" not in text  # the user's names, never Dynamo's
+
+
+def test_json_keys_are_the_documented_ones(tmp_path):
+    _, data = _cli(tmp_path, f"{TARGETS}:llama_with_loss", "--world-size", "2")
+    documented = DOCS.read_text()
+    graph = data["graphs"][0]
+    keys = set(data) | set(graph) | set(graph["attentions"][0]) | set(graph["inputs"][0]) | set(graph["ring"][0]) \
+        | set(graph["collectives"][0])
+    missing = sorted(k for k in keys if f"`{k}`" not in documented)
+    assert not missing, f"keys not documented in docs/inspect.md: {missing}"
+
+
+def test_placements_and_collectives_of_a_model_with_its_loss(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:llama_with_loss", "--world-size", "2", "--seq-len", "30")
+    graph = data["graphs"][0]
+    inputs = {v["name"]: v for v in graph["inputs"]}
+    assert inputs["ids"]["placement"] == "sharded"
+    assert inputs["labels"]["placement"] == "whole" and "pad" in inputs["labels"]["why"]  # the label shift
+    placements = sorted(o["placement"] for o in graph["outputs"])
+    assert placements == ["gathered", "replicated"]  # logits gathered, the loss a replicated scalar
+    kinds = [(c["phase"], c["kind"]) for c in graph["collectives"]]
+    assert ("forward", "all-reduce") in kinds and ("forward", "all-gather") in kinds
+    gradients = [c for c in graph["collectives"] if c["phase"] == "backward"]
+    model, _ = inspect_targets.llama_with_loss()
+    params = {name: p.numel() * 4 for name, p in model.named_parameters()}
+    assert {c["what"].replace("the gradient of ", ""): c["nbytes"] for c in gradients} == params
+
+
+def test_graphml_loads_back_with_placements(tmp_path):
+    path = tmp_path / "graph.graphml"
+    assert main(["inspect", f"{TARGETS}:llama", "--world-size", "2", "--graphml", str(path)]) == 0
+    graph = nx.read_graphml(path)
+    rings = [d for _, d in graph.nodes(data=True) if d["ring"]]
+    assert len(rings) == 2 and all(d["placement"] == "sharded" and d["module"].startswith("blocks.") for d in rings)
+    linears = [d for _, d in graph.nodes(data=True) if d["target"] == "linear"]
+    assert linears and all(d["placement"] == "sharded" and d["sequence_dim"] == 1 for d in linears)
+    assert {d["collective"] for _, d in graph.nodes(data=True)} >= {"shard", "all-gather", "all-reduce (backward)"}
+    ids = [d for _, d in graph.nodes(data=True) if d["op"] == "placeholder" and d["name"] == "ids"]
+    assert ids and ids[0]["shape"] == "[2, 64]"
+
+
+def test_pictures_are_valid_png_and_svg(tmp_path):
+    png, svg = tmp_path / "plan.png", tmp_path / "plan.svg"
+    assert main(["inspect", f"{TARGETS}:llama", "--world-size", "4", "--picture", str(png), "--picture", str(svg)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ElementTree.parse(svg).getroot().tag.endswith("svg")
+
+
+def test_picture_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    inspection = ringpass.inspect(*inspect_targets.llama(), world_size=2)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ringpass.RingpassError, match=r"ringpass\[viz\]"):
+        inspection.write_picture(str(tmp_path / "plan.png"))
+
+
+def test_refused_model_exits_2_with_the_op_its_line_and_the_chain(tmp_path, capsys):
+    code, data = _cli(tmp_path, f"{TARGETS}:refused", "--world-size", "2")
+    assert code == 2 and data["status"] == "refused"
+    refusal = data["graphs"][0]["refusal"]
+    lines = Path(TARGETS).read_text().splitlines()
+    attention, blocking = (next(i + 1 for i, line in enumerate(lines) if code in line)
+                           for code in ("y = F.scaled_dot_product_attention(q, q, q", "cumsum(dim=1)"))
+    assert refusal["op"] == "cumsum" and refusal["source"] == f"inspect_targets.py:{blocking}"
+    chain = refusal["chain"]
+    assert chain[0].startswith("`scaled_dot_product_attention`") and f"inspect_targets.py:{attention}" in chain[0]
+    assert chain[1:-1] == ["transpose", "reshape", "linear"] and chain[-1].startswith("`cumsum`")
+    text = capsys.readouterr().out
+    assert "REFUSED" in text and "cannot run on a sequence-sharded activation" in text
+    assert "-> transpose -> reshape -> linear -> `cumsum`" in text
+
+
+def test_no_attention_is_stated_loudly(tmp_path, capsys):
+    code, data = _cli(tmp_path, "inspect_targets:no_attention", "--world-size", "2")  # module:factory
+    assert code == 3 and data["status"] == "no attention"
+    assert "NO ATTENTION FOUND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-len", "8"], "takes no `seq_len`"),
+    ([], "must return \\(model, example_inputs\\)"),
+])
+def test_bad_targets_exit_1_with_a_reason(capsys, args, message):
+    target = "no_attention" if args else "not_a_pair"
+    assert main(["inspect", f"{TARGETS}:{target}", "--world-size", "2", *args]) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_model_weights_stay_untouched_and_nothing_runs_at_full_size():
+    model, (ids,) = inspect_targets.llama(seq_len=48)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].device.type))
+    inspection = ringpass.inspect(model, (ids,), world_size=3)
+    assert inspection.status == "rewritten" and seen and set(seen) == {"meta"}
+    assert all(torch.equal(before[k], v) and v.device.type == "cpu" for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_causal_buffer_is_read_from_the_real_buffer():
+    """A registered tril buffer is meta inside inspect; its real values decide that the mask is causal."""
+    import models
+
+    inspection = ringpass.inspect(models.Spellings("bmm_mT_tril_buffer_where"), torch.zeros(2, 12, dtype=torch.long),
+                                  world_size=2)
+    assert inspection.status == "rewritten" and inspection.reports[0].attention[0].mask == "causal"
+
+
+def _hf_config(tmp_path, **overrides) -> str:
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=1000, max_position_embeddings=8192, **overrides)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
+    """The console script, as a user runs it: a local config, no weights, a long sequence."""
+    config = _hf_config(tmp_path)
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("ringpass")), "inspect", "--hf-config", config, "--world-size", "8",
+         "--labels", "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    graph = json.loads(out.read_text())["graphs"][0]
+    n, world = 8192, 8  # the config's max_position_embeddings
+    assert graph["seq_len"] == n and graph["tokens_per_rank"] == [n // world] * world
+    assert [a["module"] for a in graph["attentions"]] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert graph["ring"][0]["kv_bytes_per_hop"] == 2 * 1 * 2 * (n // world) * 32 * 4
+    names = {v["name"]: v["placement"] for v in graph["inputs"]}
+    assert names == {"input_ids": "sharded", "labels": "whole"}
+    assert "model.layers.0.self_attn: sdpa (causal" in result.stdout
+
+
+def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(_hf_config(tmp_path)))
+    ids = torch.zeros(2, 96, dtype=torch.long)
+    inspection = ringpass.inspect(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False},
+                                  world_size=4)
+    attention = inspection.reports[0].attention[0]
+    assert attention.mask.startswith("lifted mask program + causal") and "attention_mask" in attention.mask_inputs
+    assert {v.name: v.placement for v in inspection.reports[0].inputs}["attention_mask"] == "whole"
+
+
+def test_sliding_window_schedule_skips_blocks_outside_the_window(tmp_path):
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=100, sliding_window=100)
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(config)
+    n, world = 1024, 4
+    inspection = ringpass.inspect(model, {"input_ids": torch.zeros(1, n, dtype=torch.long), "use_cache": False},
+                                  world_size=world)
+    ring = inspection.as_dict()["graphs"][0]["ring"][0]
+    layout = Layout("zigzag", world, n)
+    pairs = [[_visible_pairs_brute_force(layout, r, (r - s) % world, window=100) for s in range(world)] for r in range(world)]
+    assert ring["pairs"] == pairs
+    assert all((word == "skipped") == (count == 0) for row, counts in zip(ring["schedule"], pairs) for word, count in zip(row, counts))
+    assert sum(row.count("skipped") for row in ring["schedule"]) > sum(row.count("skipped") for row in schedule_table(layout, True))
+
+
+def test_meta_device_large_config_stays_fast_and_small():
+    """A Llama-3-8B-shaped layer pair at 16k tokens on 8 ranks (the 128k target is in test_heavy)."""
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 16384, dtype=torch.long)
+    inspection = ringpass.inspect(model, {"input_ids": ids, "labels": ids.clone(), "use_cache": False}, world_size=8)
+    ring = inspection.as_dict()["graphs"][0]["ring"][0]
+    n, q, kv = 2048, 32 * 2048 * 128, 8 * 2048 * 128  # slots per rank, query and KV elements per rank
+    assert ring["kv_bytes_per_hop"] == 2 * kv * 2
+    # docs/inspect.md: q, out, k, v, the stacked and the arriving KV block (bf16); fp32 out and LSE accumulators
+    assert ring["memory_per_rank"]["forward"] == (2 * q + 6 * kv) * 2 + (q + 32 * n) * 4
+    assert ring["memory_unsharded"]["forward"] == (2 * q + 2 * kv) * 8 * 2 + 32 * 8 * n * 4
+
+
+def test_backend_summary_line_and_silencing(capsys):
+    model, (ids,) = inspect_targets.llama(seq_len=16)
+    torch._dynamo.reset()
+    torch.compile(model, backend=ringpass.backend(compiler="eager"))(ids)
+    assert "ringpass: graph 0: one rank (or no process group)" in capsys.readouterr().err
+    torch._dynamo.reset()
+    torch.compile(model, backend=ringpass.backend(compiler="eager", report="off"))(ids)
+    assert "ringpass" not in capsys.readouterr().err
+    report = ringpass.inspect(model, (ids,), world_size=2).reports[0]
+    report.log(rank=1)
+    assert capsys.readouterr().err == ""
+    report.log(rank=0)
+    assert capsys.readouterr().err.strip() == report.summary()
+    assert report.summary().startswith("ringpass: graph 0: 2 attention(s) rewritten")
+
+
+def test_graph_breaks_are_reported_graph_by_graph(tmp_path, capsys):
+    code, data = _cli(tmp_path, f"{TARGETS}:graph_break", "--world-size", "2", "--code")
+    assert code == 0 and [g["status"] for g in data["graphs"]] == ["rewritten", "rewritten"]
+    assert [[a["module"] for a in g["attentions"]] for g in data["graphs"]] == [["first"], ["second"]]
+    text = capsys.readouterr().out
+    assert "Dynamo captured 2 graphs" in text and "# graph 1 (rewritten)" in text
+    assert text.count("torch.ops.ringpass.ring_attention.default") == 2  # --code: the rewritten FX code
+
+
+def test_a_large_ring_is_summarised_and_counted_exactly(capsys):
+    n, world = 512, 64
+    inspection = ringpass.inspect(*inspect_targets.llama(seq_len=n, batch=1), world_size=world)
+    ring = inspection.as_dict()["graphs"][0]["ring"][0]
+    assert sum(map(sum, ring["pairs"])) == n * (n + 1) // 2
+    assert ring["schedule"] == schedule_table(Layout("zigzag", world, n), True)
+    assert f"blocks over {world} ranks x {world} steps" in str(inspection)
+
+
+def test_attention_output_returned_directly_is_gathered(capsys):
+    """Regression: the ring's output had no example value, so a returned attention stayed a shard."""
+    assert main(["inspect", f"{TARGETS}:attention_out", "--world-size", "2", "--code"]) == 0
+    text = capsys.readouterr().out
+    assert "output 0 [2, 2, 16, 4] float32, sequence dim 2, 1.00 KiB per call" in text
+    assert "torch.ops.ringpass.gather_sequence.default" in text
+    report = text.split("# graph 0")[0]  # before the FX code
+    assert "me.gain [8] float32" in report  # a plain tensor attribute, named as the model's code names it
+    assert "proj.weight" in report and "L_me" not in report and "me_modules" not in report
+
+
+def test_inputs_sharded_report_the_global_sizes():
+    model, (x,) = inspect_targets.attention_out(seq_len=12)  # one rank's shard of 48 tokens on 4 ranks
+    report = ringpass.inspect(model, (x,), world_size=4, inputs="sharded").reports[0]
+    (output,) = report.outputs
+    assert report.seq_len == 48 and output.shape == [2, 2, 48, 4] and output.nbytes == 2 * 2 * 48 * 4 * 4
+
+
+def test_a_compiled_module_is_inspected_through_to_the_model():
+    model, inputs = inspect_targets.llama(seq_len=16)
+    assert ringpass.inspect(torch.compile(model), inputs, world_size=2).status == "rewritten"
+
+
+def test_one_tensor_passed_twice_stays_one_input():
+    model, inputs = inspect_targets.llama_with_loss(seq_len=16)
+    inputs["labels"] = inputs["ids"]  # labels=input_ids, as HF users pass them
+    report = ringpass.inspect(model, inputs, world_size=2).reports[0]
+    assert [v.name for v in report.inputs] == ["ids"] and report.inputs[0].placement == "whole"
+
+
+def test_window_blocks_are_named_from_their_visible_pairs():
+    from lowering.costmodel import AttentionShape, ring_cost
+
+    layout, world = Layout("contiguous", 4, 64), 4
+    cost = ring_cost(layout, AttentionShape(1, 1, 1, 8, 4, is_causal=True, window=20))
+    for r in range(world):
+        for s in range(world):
+            kv = (r - s) % world
+            pairs = _visible_pairs_brute_force(layout, r, kv, window=20)
+            word = cost.schedule[r][s]
+            assert cost.pairs[r][s] == pairs
+            assert word == ("skipped" if pairs == 0 else "diagonal" if kv == r else "full" if pairs == 16 * 16 else "partial")
+    assert cost.schedule[3][3] == "skipped" and cost.pairs[3][2] == 6 and cost.schedule[3][2] == "partial"  # not "full"
+
+
+def test_a_meta_buffer_mask_says_why_it_cannot_be_read():
+    import models
+
+    with torch.device("meta"):
+        model = models.Spellings("bmm_mT_tril_buffer_where")
+    inspection = ringpass.inspect(model, torch.zeros(2, 12, dtype=torch.long), world_size=2)
+    assert inspection.status == "refused"
+    assert "The mask reads causal, on the meta device" in inspection.reports[0].refusal.message
+
+
+def test_picture_of_a_model_with_no_graph(tmp_path):
+    inspection = ringpass.inspect(torch.nn.Identity(), torch.zeros(1, 4), world_size=2)
+    assert inspection.status == "no attention" and not inspection.graphs
+    inspection.write_picture(str(tmp_path / "none.png"))
+    assert (tmp_path / "none.png").read_bytes()[:4] == b"\x89PNG"
