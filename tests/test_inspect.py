@@ -93,8 +93,11 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     _, data = _cli(tmp_path, f"{TARGETS}:llama_with_loss", "--world-size", "2")
     documented = DOCS.read_text()
     graph = data["graphs"][0]
-    keys = set(data) | set(graph) | set(graph["attentions"][0]) | set(graph["inputs"][0]) | set(graph["ring"][0]) \
-        | set(graph["collectives"][0])
+    _, refused = _cli(tmp_path, f"{TARGETS}:refused", "--world-size", "2")
+    ring = graph["ring"][0]
+    keys = set(data) | set(graph) | set(graph["attentions"][0]) | set(graph["inputs"][0]) | set(ring) \
+        | set(graph["collectives"][0]) | set(graph["activations"]) | set(ring["exchanges"]) | set(ring["memory_per_rank"]) \
+        | set(refused["graphs"][0]["refusal"])
     missing = sorted(k for k in keys if f"`{k}`" not in documented)
     assert not missing, f"keys not documented in docs/inspect.md: {missing}"
 
