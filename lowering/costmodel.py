@@ -95,10 +95,6 @@ class RingCost:
         per_pair = 4 * self.shape.batch * self.shape.query_heads * self.shape.head_dim
         return [[per_pair * n for n in row] for row in self.pairs]
 
-    @property
-    def tokens_per_rank(self) -> list[int]:
-        return [self.layout.valid_len(r) for r in range(self.layout.world_size)]
-
     def memory(self, unsharded: bool = False) -> dict[str, int]:
         """Bytes of attention state one rank holds, ``forward`` and ``backward`` (see the module's notes);
         ``unsharded=True``: the same attention run whole on one device (P = 1)."""

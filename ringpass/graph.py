@@ -75,18 +75,23 @@ def user_name(node: fx.Node) -> str:
     return re.sub(r"^(kwargs|args|self)_", "", name)
 
 
+def placeholders_of(node: fx.Node) -> list[fx.Node]:
+    """The graph inputs (user inputs and module state) ``node`` is computed from."""
+    seen, stack, found = set(), [node], []
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            found += [current] if current.op == "placeholder" else []
+            stack += current.all_input_nodes
+    return found
+
+
 def inputs_read(node: fx.Node) -> list[str]:
     """The names of the user inputs ``node`` is computed from (``attention_mask``); when it reads none
     (a position ``arange``), the node itself in the user's words."""
-    seen, stack, names = set(), [node], []
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and isinstance(example_value(current), torch.Tensor) and not is_module_state(current):
-            names.append(user_name(current))
-        stack += current.all_input_nodes
+    names = [user_name(p) for p in placeholders_of(node)
+             if isinstance(example_value(p), torch.Tensor) and not is_module_state(p)]
     return sorted(names) or [user_name(node)]
 
 

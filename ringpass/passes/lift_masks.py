@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from lowering.masks import as_visibility, register_mask
-from ringpass.graph import describe, example_value, is_module_state, refusal, user_name
+from ringpass.graph import describe, example_value, is_module_state, placeholders_of, refusal, user_name
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
@@ -492,17 +492,8 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
 def _unreadable_state(ctx: PassContext, mask: fx.Node) -> str:
     """A note naming the module state the mask reads whose values are not known (a model on the meta
     device): a causal buffer there cannot be checked."""
-    seen, stack, names = set(), [mask], []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and is_module_state(node) and "grapharg" in node.meta:
-            state = node.meta["grapharg"].example
-            if ctx.host_values.get(id(state), state).device.type == "meta":
-                names.append(user_name(node))
-        stack += node.all_input_nodes
+    names = [user_name(p) for p in placeholders_of(mask) if is_module_state(p) and "grapharg" in p.meta
+             and ctx.host_values.get(id(p.meta["grapharg"].example), p.meta["grapharg"].example).device.type == "meta"]
     return (f" (The mask reads {', '.join(sorted(names))}, on the meta device: its values are unknown, so a causal "
             "buffer cannot be recognised. Build the model, or at least that buffer, on the CPU.)") if names else ""
 
