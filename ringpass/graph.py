@@ -88,11 +88,10 @@ def placeholders_of(node: fx.Node) -> list[fx.Node]:
 
 
 def inputs_read(node: fx.Node) -> list[str]:
-    """The names of the user inputs ``node`` is computed from (``attention_mask``); when it reads none
-    (a position ``arange``), the node itself in the user's words."""
-    names = [user_name(p) for p in placeholders_of(node)
-             if isinstance(example_value(p), torch.Tensor) and not is_module_state(p)]
-    return sorted(names) or [user_name(node)]
+    """The names of the user inputs ``node`` is computed from (``attention_mask``); none for values
+    computed from the sequence length alone (positions)."""
+    return sorted(user_name(p) for p in placeholders_of(node)
+                  if isinstance(example_value(p), torch.Tensor) and not is_module_state(p))
 
 
 def module_path(node: fx.Node) -> str:

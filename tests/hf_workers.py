@@ -14,19 +14,22 @@ VOCAB = 61
 
 
 def build(name: str):
+    """A tiny model by name; ``<family>-eager`` is the family with Hugging Face's written-out attention."""
     torch.manual_seed(0)
+    name, _, implementation = name.partition("-")
+    implementation = implementation or "sdpa"
     if name == "llama":
         config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa")
+            num_key_value_heads=2, max_position_embeddings=4096, attn_implementation=implementation)
         return transformers.LlamaForCausalLM(config)
     if name == "mistral":  # a sliding window of 5 keys
         config = transformers.MistralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, sliding_window=5, attn_implementation="sdpa")
+            num_key_value_heads=2, max_position_embeddings=4096, sliding_window=5, attn_implementation=implementation)
         return transformers.MistralForCausalLM(config)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation="sdpa",
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation=implementation,
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph
@@ -65,13 +68,15 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         model.zero_grad()
         backend = ringpass.backend(compiler="aot_eager")
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
-        got = compiled(**kwargs)
-        got.loss.backward()
+        with record_ring_events() as events:
+            got = compiled(**kwargs)
+            got.loss.backward()
         results[case] = {
             "loss": rel_err(got.loss, expected.loss),
             "logits": rel_err(got.logits, expected.logits),
             "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
             "report": str(backend.reports[-1]),
+            "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         }
         if dynamic:
             longer = batch(case, seq_len + 6)

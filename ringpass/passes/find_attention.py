@@ -5,7 +5,8 @@ Matches:
   ``is_causal``, ``enable_gqa``, ``attn_mask``);
 - hand-written attention: ``softmax(q @ kᵀ · s [+ mask | masked_fill(mask, -inf) | where(mask, ·, -inf)]) @ v``
   with any matmul spelling (``@``, ``torch.matmul``, ``bmm``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` /
-  ``permute``, the scale as a multiplication or division, and any softmax spelling.
+  ``permute``, the scale as a multiplication or division, any softmax spelling, and casts and inert
+  dropouts (``p=0`` or eval) anywhere around the softmax (Hugging Face's eager attention).
 K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask (if any) left to `lift_masks`.
@@ -30,6 +31,8 @@ SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attentio
 SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
 MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__")
 TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
+CASTS = ("to", "type_as", "type", "float", "double", "half", "bfloat16", "contiguous")  # keep the values
+DROPOUTS = ("dropout", F.dropout)
 
 
 @dataclass(frozen=True)
@@ -141,22 +144,11 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if not isinstance(probs, fx.Node):
         return None
     internal = [out]
-    if _is(probs, ("to", "type_as", "float")):  # softmax(..., dtype=float32).to(q.dtype)
-        internal.append(probs)
-        probs = probs.args[0]
-    if _is(probs, ("dropout", F.dropout)):
-        training = probs.kwargs.get("training", probs.args[2] if len(probs.args) > 2 else True)
-        if training and probs.kwargs.get("p", probs.args[1] if len(probs.args) > 1 else 0.5):
-            raise refusal(f"Attention probabilities go through dropout at {describe(probs)}; dropout inside ring attention is not supported.", probs)
-        internal.append(probs)
-        probs = probs.args[0]
+    probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0)
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
     internal.append(probs)
-    scores = probs.args[0]
-    if _is(scores, ("to", "type_as", "float")):  # softmax(scores.float(), -1)
-        internal.append(scores)
-        scores = scores.args[0]
+    scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
     scores, mask, fill = _peel_mask(scores, internal)
     scores, scale = _peel_scale(scores, internal)
     if not _is(scores, MATMUL):
@@ -169,7 +161,22 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     internal.append(key_t)
     if any(len(n.users) > 1 and n is not out for n in internal):
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
-    return AttentionMatch(out, query, key, value, False, scale, "hand-written", tuple(internal), mask, fill)
+    return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale, "hand-written",
+                          tuple(internal), mask, fill)
+
+
+def _peel_value_keeping(node, internal: list):
+    """The value under any casts and inert dropouts (``p=0``, or not training) around it, which join
+    ``internal``; a dropout that acts is refused."""
+    while isinstance(node, fx.Node) and (_is(node, CASTS) or _is(node, DROPOUTS)) and isinstance(node.args[0], fx.Node):
+        if _is(node, DROPOUTS):
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            if training and node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5):
+                raise refusal(f"Attention probabilities go through dropout at {describe(node)}; dropout inside ring "
+                              "attention is not supported. Set the attention dropout to 0.", node)
+        internal.append(node)
+        node = node.args[0]
+    return node
 
 
 def _softmax_dim(node: fx.Node):

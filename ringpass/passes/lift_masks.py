@@ -75,10 +75,13 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     _check_additive(match, kind, mask)
     region = _Region(mask)
     ctx.lifted.add(mask)
-    if match.fill is not None and match.fill != float("-inf"):
+    finite = f"the finite value {match.fill:g}" if match.fill is not None and match.fill != float("-inf") else (
+        "an additive mask (finite if it holds finfo.min)" if kind == "additive" else "")
+    if finite:
         ctx.report.warnings.append(
-            f"{describe(mask)} hides keys with the finite value {match.fill:g}: a query whose keys are all hidden gets "
-            "0 here, where eager attention averages every key (only padded queries are affected)"
+            f"{describe(mask)} hides keys with {finite}: a query whose keys are all hidden (left padding) gets 0 "
+            "here, where eager attention averages every key; with shifted labels the last padded position's "
+            "prediction enters the loss, so such a batch differs from eager there (not built yet: eager's average)"
         )
     n = example_value(match.output).shape[-2]
     if region.oversized:

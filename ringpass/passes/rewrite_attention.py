@@ -55,13 +55,19 @@ def rewrite_attention(ctx: PassContext) -> None:
     graph.eliminate_dead_code()  # the rest of hand-written attentions
 
 
+def _mask_inputs(plan) -> list[str]:
+    """The user inputs a mask program reads, and "positions" when it also reads values of the length alone."""
+    read = [inputs_read(node) for node in plan.inputs]
+    return sorted({name for names in read for name in names}) + (["positions"] if any(not names for names in read) else [])
+
+
 def _record(match, plan, scale: float) -> AttentionRecord:
     q, k = example_value(match.query), example_value(match.key)
     heads = (plain(q.shape[1]), plain(k.shape[1])) if q.dim() == 4 else (1, 1)
     return AttentionRecord(
         module=module_path(match.output), source=source_line(match.output), spelling=match.spelling,
         mask=plan.describe(), is_causal=plan.is_causal, window=plan.window,
-        mask_inputs=list(dict.fromkeys(name for n in plan.inputs for name in inputs_read(n))), batch=plain(q.shape[0]), query_heads=heads[0],
+        mask_inputs=_mask_inputs(plan), batch=plain(q.shape[0]), query_heads=heads[0],
         kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
         itemsize=q.element_size(), scale=float(scale),
     )
