@@ -23,6 +23,12 @@ def build(name: str):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, attn_implementation=implementation)
         return transformers.LlamaForCausalLM(config)
+    if name in ("falcon", "falcon_mqa"):  # the new decoder architecture (GQA), or the old one with one KV head
+        config = transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+            new_decoder_architecture=name == "falcon", multi_query=name == "falcon_mqa", alibi=False,
+            attention_dropout=0.0, hidden_dropout=0.0, attn_implementation=implementation)
+        return transformers.FalconForCausalLM(config)
     if name == "mistral":  # a sliding window of 5 keys
         config = transformers.MistralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -55,6 +55,16 @@ def test_eager_attention_with_padding_warns_where_it_differs():
     assert any("eager attention averages every key" in w for w in inspection.reports[0].warnings)
 
 
+@pytest.mark.parametrize("name,heads", [("falcon", "4 query / 4 key-value heads"), ("falcon_mqa", "4 query / 1 key-value heads")])
+def test_falcon_trains_through_the_ring(name, heads):
+    """Falcon's new decoder (``broadcast_to(key, query.shape)``: its K/V heads are repeated before SDPA and
+    travel repeated, not peeled yet) and the old multi-query one (SDPA with one KV head broadcast against
+    four query heads, no enable_gqa: only that head travels; K/V picked with ``[..., [-2], :]``)."""
+    cases = ["labels", "left-padded"]
+    for results in spawn_ranks(hf_workers.training_step, 2, (name, cases, SEQ), timeout=600):
+        _check(results, {"labels": f"sdpa (causal, scale 0.3536, {heads}", "left-padded": "lifted mask program + causal"}, 2)
+
+
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
     # with dynamic shapes only tables computed from the length alone are read symbolically: HF's segment ids

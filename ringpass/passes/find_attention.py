@@ -96,7 +96,7 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     if isinstance(scale, fx.Node):
         raise refusal(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.", node)
     q, k = example_value(args["query"]), example_value(args["key"])
-    if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False):
+    if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False) and k.shape[1] != 1:  # one KV head broadcasts
         raise refusal(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.", node)
     key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
     mask = args.get("attn_mask")

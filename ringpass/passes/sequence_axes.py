@@ -32,7 +32,7 @@ from ringpass.passes.context import PassContext, SeqDim
 from ringpass.passes.token_ops import classify, value_of
 
 VIEWS = ("view", "reshape", torch.reshape)
-EXPANDS = ("expand", "repeat")
+EXPANDS = ("expand", "repeat", torch.broadcast_to)
 FLATTENS = ("flatten", torch.flatten)  # reshapes that spell no sizes
 CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
             "new_zeros", "new_ones", "new_empty", "new_full")
@@ -216,7 +216,8 @@ class _Probe:
 
 
 def is_size_op(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target in VIEWS + EXPANDS) or node.target is torch.reshape
+    """An op that spells its output sizes: ``view`` / ``reshape`` / ``expand`` / ``repeat`` / ``broadcast_to``."""
+    return (node.op == "call_method" and node.target in VIEWS + EXPANDS) or node.target in (torch.reshape, torch.broadcast_to)
 
 
 def _sizes(node: fx.Node) -> list:

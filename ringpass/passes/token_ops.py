@@ -3,7 +3,8 @@
 An op on a value with a sequence axis may run on a shard only if it acts on every token by itself. That
 is decided from what the op is, never assumed: pointwise aten ops (by their ``pointwise`` tag), ops that
 only rearrange or cast (``view``, ``transpose``, ``to``...), per-token layers (``linear``, ``embedding``,
-``layer_norm`` over trailing feature dims, ``matmul`` over feature dims), and ops with a ``dim``
+``layer_norm`` over trailing feature dims, ``matmul`` over feature dims, a table indexed by per-token
+ids, indexing along other dims than the sequence), and ops with a ``dim``
 argument (``softmax``, ``cat``, ``split``, ``sum``...) when that dim is not the sequence. A ``sum`` or
 ``mean`` over the sequence is a partial sum to be all-reduced; ``cross_entropy`` with a reduction is
 a global mean. Everything else that touches the sequence (sorts, convolutions, cumulative ops, max or
@@ -24,7 +25,7 @@ REARRANGE = {
     "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as",
     "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
     "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
-    "getattr", "pad", "movedim", "swapaxes",
+    "getattr", "pad", "movedim", "swapaxes", "broadcast_to",
 }
 PER_TOKEN_LAYERS = {
     "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
@@ -90,8 +91,10 @@ def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
     if not isinstance(value_of(source), torch.Tensor):
         return "token", None  # an item of a tuple
     index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in index):
-        return "mixing", "indexing with a tensor picks tokens"
+    if any(isinstance(i, fx.Node) and seq_dims(i) for i in index):
+        if not seq_dims(source):
+            return "token", None  # a table (a parameter) looked up with per-token ids: an embedding
+        return "mixing", "indexing with a tensor picks tokens"  # which tokens depends on per-token data
     rank = value_of(source).dim()
     consumed = [i for i in index if i is not None and i is not Ellipsis]
     dim, addressed = 0, {}
@@ -103,8 +106,9 @@ def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
             dim += 1
     for d in seq_dims(source):
         if d in addressed and not _whole(addressed[d]):
-            return "mixing", "it picks or slices tokens"
-    return "token", None
+            picks = isinstance(addressed[d], (fx.Node, torch.Tensor, list))
+            return "mixing", "indexing with a tensor picks tokens" if picks else "it picks or slices tokens"
+    return "token", None  # a list or tensor index along another dim (heads, features) stays per token
 
 
 def _whole(index) -> bool:
