@@ -7,6 +7,8 @@
   gradient, gathered from every rank's slots, so a replicated value keeps a replicated gradient).
 - ``ringpass::gather_sequence``: the full tensor from every rank's slots, padding dropped (backward:
   this rank's own rows of the gradient; no sum over ranks, since every rank consumes the same output).
+- ``ringpass::take_positions``: the rows at a few global positions where this rank holds them, zero
+  elsewhere; all-reduced, every rank has those tokens (a pooler's first token) for their bytes alone.
 - ``ringpass::all_reduce_sum``: a rank-local partial sum made global (backward: identity, since every
   rank consumes the same total).
 - `reduce_grad` / `scale_grad`: identity forward; backward all-reduces, or scales, the gradient.
@@ -105,6 +107,66 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @all_reduce_sum.register_fake
 def _(x, group_name):
     return torch.empty_like(x)
+
+
+def _owned_slots(positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str) -> list[tuple[int, int]]:
+    """(index into ``positions``, this rank's local slot) for each position this rank holds."""
+    layout = _layout(kind, world_size, seq_len)
+    rank = _rank(group_name)
+    slot_of = {int(p): slot for slot, p in enumerate(layout.positions(rank)[: layout.valid_len(rank)])}
+    return [(i, slot_of[p % seq_len]) for i, p in enumerate(positions) if p % seq_len in slot_of]
+
+
+@torch.library.custom_op("ringpass::take_positions", mutates_args=())
+def take_positions(x: torch.Tensor, dim: int, positions: list[int], kind: str, world_size: int, seq_len: int,
+                   group_name: str) -> torch.Tensor:
+    """The rows of ``x`` (this rank's slots along ``dim``) at the given global positions (negative ones
+    count from the end), zero where this rank does not hold them: summed over the ranks, every rank has
+    those tokens' rows."""
+    shape = list(x.shape)
+    shape[dim] = len(positions)
+    out = x.new_zeros(shape)
+    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name):
+        out.select(dim, i).copy_(x.select(dim, slot))
+    return out
+
+
+@take_positions.register_fake
+def _(x, dim, positions, kind, world_size, seq_len, group_name):
+    shape = list(x.shape)
+    shape[dim] = len(positions)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("ringpass::put_positions", mutates_args=())
+def put_positions(rows: torch.Tensor, length: int, dim: int, positions: list[int], kind: str, world_size: int,
+                  seq_len: int, group_name: str) -> torch.Tensor:
+    """The inverse of `take_positions`: ``length`` local slots along ``dim``, zero except the slots of the
+    positions this rank holds, which get their rows (the backward of a pick)."""
+    shape = list(rows.shape)
+    shape[dim] = length
+    out = rows.new_zeros(shape)
+    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name):
+        out.select(dim, slot).add_(rows.select(dim, i))
+    return out
+
+
+@put_positions.register_fake
+def _(rows, length, dim, positions, kind, world_size, seq_len, group_name):
+    shape = list(rows.shape)
+    shape[dim] = length
+    return rows.new_empty(shape)
+
+
+def _take_setup(ctx, inputs, output):
+    ctx.length, ctx.args = inputs[0].shape[inputs[1]], inputs[1:]
+
+
+def _take_backward(ctx, grad):
+    return (put_positions(grad, ctx.length, *ctx.args), *[None] * len(ctx.args))
+
+
+take_positions.register_autograd(_take_backward, setup_context=_take_setup)
 
 
 def _sequence_setup(ctx, inputs, output):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import models
 import ringpass
-from reference import rel_err
+from reference import grad_error, rel_err
 
 MODELS = {
     "gpt": lambda: models.GPT(),
@@ -22,6 +22,7 @@ MODELS = {
     "encoder_mask_input": lambda: models.Encoder(),
     "hand_written_packed": lambda: models.HandWritten(),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
+    "llama_last_tokens": lambda: models.LastTokens(models.Llama()),
     **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},
 }
 
@@ -113,11 +114,6 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
     return result
 
 
-def grad_error(grads: dict, expected: dict) -> float:
-    """The largest relative error over parameters; a gradient that is zero in exact arithmetic (a bias
-    that a later mean subtracts again) is measured against 1e-6 of the largest gradient instead."""
-    floor = 1e-6 * max(g.abs().max().item() for g in expected.values())
-    return max(((grads[k] - g).abs().max() / max(g.abs().max().item(), floor)).item() for k, g in expected.items())
 
 
 def layout_shard(options, world, seq_len, tensor, rank):

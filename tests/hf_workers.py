@@ -8,7 +8,7 @@ import transformers
 
 import ringpass
 from lowering import record_ring_events
-from reference import rel_err
+from reference import grad_error, rel_err
 
 VOCAB = 61
 
@@ -59,14 +59,18 @@ def batch(case: str, seq_len: int) -> dict:
     return kwargs
 
 
-def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int, dynamic=None) -> dict:
+def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int, dynamic=None,
+                  checkpointed: str = "") -> dict:
     """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case.
-    With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``."""
+    With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``;
+    ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing."""
     torch._dynamo.config.specialize_float = True  # dynamic=True would trace HF's dropout_p as a value
     results = {}
     for case in cases:
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
         model = build(name)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointed == "reentrant"})
         kwargs = batch(case, seq_len)
         expected = model(**kwargs)
         expected.loss.backward()
@@ -118,3 +122,29 @@ def mask_tiles(rank: int, world_size: int, seq_lens: list) -> dict:
         tiles = [e.fields["numel"] for e in events if e.kind == "mask_tile"]
         largest[seq_len] = max(tiles)
     return largest
+
+
+def classification_step(rank: int, world_size: int, seq_len: int) -> dict:
+    """BERT for sequence classification: the pooler reads the first token (a pick of one position)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa", num_labels=3)
+    model = transformers.BertForSequenceClassification(config).train()
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    expected = model(**kwargs)
+    expected.loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    backend = ringpass.backend(compiler="aot_eager")
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
+        got.loss.backward()
+    return {
+        "loss": rel_err(got.loss, expected.loss),
+        "logits": rel_err(got.logits, expected.logits),
+        "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
+        "report": str(backend.reports[-1]),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+    }

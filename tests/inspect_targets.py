@@ -90,3 +90,20 @@ class AttentionOut(nn.Module):
 
 def attention_out(seq_len: int = 16):
     return AttentionOut(), (torch.randn(2, seq_len, 8),)
+
+
+class SoftCappedScores(nn.Module):
+    """Written-out attention whose scores are soft-capped (Gemma 2): tanh(scores / c) * c."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
+        scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0
+        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(x.shape)
+
+
+def soft_capped_scores(seq_len: int = 16):
+    return SoftCappedScores(), (torch.randn(1, seq_len, 8),)

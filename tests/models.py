@@ -224,3 +224,14 @@ class PositionTableAndPooling(nn.Module):
     def forward(self, ids):
         x = self.block(self.embed(ids) + self.pos[:, : ids.shape[1]])
         return self.head(x - x.mean(1, keepdim=True))
+
+
+class LastTokens(nn.Module):
+    """A language model that returns only its last three positions' logits (generate's logits_to_keep)."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, ids):
+        return self.body(ids)[:, -3:]

@@ -53,3 +53,11 @@ def masked_lse_fp64(q, k, visible: torch.Tensor, scale: float | None = None) -> 
     scale = q.size(-1) ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
     return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def grad_error(grads: dict, expected: dict) -> float:
+    """The largest relative error over parameters; a gradient that is zero in exact arithmetic (a bias
+    that a later mean subtracts again, a key bias under softmax) is measured against 1e-6 of the largest
+    gradient instead."""
+    floor = 1e-6 * max(g.abs().max().item() for g in expected.values())
+    return max(((grads[k] - g).abs().max() / max(g.abs().max().item(), floor)).item() for k, g in expected.items())

@@ -38,6 +38,7 @@ def _cases(world_size: int) -> list:
         ("position_table_pooling", dict(name="position_table_pooling", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-eager", dict(name="gpt", seq_len=seq_len, options={"compiler": "eager"}, dynamic=None)),
         ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
+        ("llama_last_tokens", dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
         ("gpt-sharded_io", dict(name="gpt", seq_len=4 * world_size,
                                           options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}, dynamic=None)),
@@ -96,6 +97,12 @@ def test_expected_collectives_in_the_graph():
 def test_repeated_kv_heads_travel_unrepeated():
     report = results(2)[0]["llama_repeat_kv"]["report"]
     assert "4 query / 2 key-value heads" in report and "expand" not in str(results(2)[0]["llama_repeat_kv"]["ops"])
+
+
+def test_last_tokens_are_picked_not_gathered():
+    report = results(2)[0]["llama_last_tokens"]["report"]
+    n = 4 * 2 + 3
+    assert f"position(s) {list(range(n - 3, n))} picked by every rank" in report and "all-gather of output" not in report
 
 
 def test_report_names_what_was_rewritten():

@@ -65,6 +65,17 @@ def test_falcon_trains_through_the_ring(name, heads):
         _check(results, {"labels": f"sdpa (causal, scale 0.3536, {heads}", "left-padded": "lifted mask program + causal"}, 2)
 
 
+@pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
+    """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are
+    opened (their activations kept, 1/P per rank) and the layers' attention rewritten."""
+    cases = ["labels", "left-padded"]
+    expected = {"labels": "sdpa (causal", "left-padded": "lifted mask program + causal"}
+    for results in spawn_ranks(hf_workers.training_step, 2, ("llama", cases, SEQ, None, checkpointed), timeout=600):
+        _check(results, expected, 2)
+        assert all("activation-checkpoint region(s) opened" in r["report"] for r in results.values())
+
+
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
     # with dynamic shapes only tables computed from the length alone are read symbolically: HF's segment ids
@@ -100,3 +111,14 @@ def test_mask_memory_does_not_grow_with_the_sequence():
     tile = lowering.masks.MASK_TILE
     for largest in spawn_ranks(hf_workers.mask_tiles, 2, (lengths,), timeout=600):
         assert largest[600] == largest[1500] == 2 * tile * tile, largest
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_classification_picks_the_first_token(world_size):
+    """BERT's pooler reads hidden_states[:, 0] of a sharded activation: the rank holding position 0 sends
+    that row to every rank (an all-reduce of B x hidden), nothing is gathered."""
+    for r in spawn_ranks(hf_workers.classification_step, world_size, (SEQ,), timeout=300):
+        assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, r
+        assert "2 attention(s) rewritten" in r["report"] and "position(s) [0] picked by every rank" in r["report"]
+        assert "all-gather" not in r["report"].split("collectives inserted")[1].split("sequence-sharded")[0]
+        assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]

@@ -360,3 +360,11 @@ def test_picture_of_a_model_with_no_graph(tmp_path):
     assert inspection.status == "no attention" and not inspection.graphs
     inspection.write_picture(str(tmp_path / "none.png"))
     assert (tmp_path / "none.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_attention_it_cannot_read_is_refused_not_run_unsharded(tmp_path):
+    """Soft-capped scores (Gemma 2) used to pass as "no attention" and run unsharded on every rank."""
+    code, data = _cli(tmp_path, f"{TARGETS}:soft_capped_scores", "--world-size", "2")
+    assert code == 2
+    refusal = data["graphs"][0]["refusal"]
+    assert refusal["op"] == "softmax" and "does not recognise" in refusal["message"]

@@ -10,6 +10,7 @@ from ringpass.graph import example_value, nbytes, op_label, plain, short_source
 from ringpass.graph_view import op_chain
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.find_attention import find_attention
+from ringpass.passes.inline_checkpoints import inline_checkpoints
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.localize_shapes import localize_shapes
@@ -21,6 +22,7 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.report import Refusal
 
 PIPELINE = (
+    inline_checkpoints,
     find_attention,
     lift_masks,
     find_sequence_axes,
@@ -41,7 +43,7 @@ def run_pipeline(ctx: PassContext) -> None:
     try:
         for run_pass in PIPELINE:
             run_pass(ctx)
-            if not ctx.attention:
+            if run_pass is find_attention and not ctx.attention:
                 report.unchanged = "no attention found"
                 report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
                 return

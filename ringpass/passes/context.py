@@ -47,7 +47,7 @@ class PassContext:
     layout_kind: str = ""
     axes: dict[fx.Node, tuple[SeqDim, ...]] = field(default_factory=dict)
     mixing: dict[fx.Node, str] = field(default_factory=dict)      # node -> why it mixes tokens
-    reductions: dict[fx.Node, str] = field(default_factory=dict)  # node -> "sum" | "mean" | "cross_entropy"
+    reductions: dict[fx.Node, str] = field(default_factory=dict)  # node -> "sum" | "mean" | "cross_entropy" | "pick"
     sources: dict[fx.Node, str] = field(default_factory=dict)     # node -> "input" | "positions" | "created" | "sliced"
     # placements
     placement: dict[fx.Node, str] = field(default_factory=dict)

@@ -10,7 +10,8 @@ Matches:
 K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask (if any) left to `lift_masks`.
-Refuses dropout inside attention and query and key lengths that differ.
+Refuses dropout inside attention, query and key lengths that differ, and a graph whose only attention
+is one it does not recognise (softmax of square scores times values: a bias or soft-cap on the scores).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import describe, example_value, refusal
@@ -64,6 +66,8 @@ def find_attention(ctx: PassContext) -> None:
             match = _match_hand_written(ctx.gm, node)
             if match is not None:
                 ctx.attention.append(match)
+    if not ctx.attention:
+        _refuse_unrecognised_attention(ctx.gm)
     for match in ctx.attention:
         q, k = example_value(match.query), example_value(match.key)
         if q.shape[-2] != k.shape[-2]:
@@ -72,6 +76,27 @@ def find_attention(ctx: PassContext) -> None:
                 "attention shards queries and keys the same way, so they must have one length (a KV cache "
                 "concatenated before attention is not supported: compile with use_cache=False).", match.output
             )
+
+
+def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
+    """A softmax over the last dim of square (query x key) scores whose probabilities multiply values is an
+    attention this pass did not recognise (a bias or a soft-cap on the scores): refused, rather than the
+    model running unsharded on every rank."""
+    for node in gm.graph.nodes:
+        value = example_value(node) if _is(node, SOFTMAX) else None
+        if value is None or value.dim() < 3 or _softmax_dim(node) not in (-1, value.dim() - 1):
+            continue
+        if not statically_known_true(value.shape[-1] == value.shape[-2]) or value.shape[-1] == 1:
+            continue
+        users = list(node.users)
+        while users and (_is(users[0], CASTS) or _is(users[0], DROPOUTS) or _is(users[0], ("view", "reshape"))):
+            users = list(users[0].users)
+        if any(_is(u, MATMUL) and u.args[0] is not None for u in users):
+            raise refusal(
+                f"{describe(node)} is a softmax over query x key scores that multiply values: an attention the ring "
+                "backend does not recognise, so nothing would be sharded. Attention with a score bias (ALiBi) or "
+                "soft-capping (tanh) is not supported yet; for Hugging Face models try attn_implementation='sdpa'.",
+                node)
 
 
 def _is(node: fx.Node, targets) -> bool:

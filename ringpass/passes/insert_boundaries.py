@@ -4,7 +4,8 @@ Matches edges between placements:
 - a whole value (an input, or a value a token-mixing op produced) read by an op on this rank's tokens:
   writes ``ringpass::shard_sequence`` (once per value) on that edge;
 - a reduction over the sequence of local values: ``sum`` becomes the all-reduced local sum, ``mean`` the
-  all-reduced local sum over the global count, ``cross_entropy(reduction="mean")`` the all-reduced sum of
+  all-reduced local sum over the global count, a pick of a few tokens (``x[:, 0]``) the all-reduced rows
+  of the ranks that hold them (`lowering.sequence_ops.take_positions`), ``cross_entropy(reduction="mean")`` the all-reduced sum of
   token losses over the all-reduced count of counted tokens (``ignore_index`` honoured); padding slots
   are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
@@ -24,6 +25,7 @@ from lowering.layout import Layout
 from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
 from ringpass.passes.sequence_axes import same
+from ringpass.passes.token_ops import pick_index
 from ringpass.report import CollectiveRecord, ValueRecord
 
 
@@ -118,6 +120,8 @@ def _all_reduce(ctx: PassContext, node: fx.Node, padded: bool) -> None:
     users = list(node.users)
     if kind == "cross_entropy":
         total = _cross_entropy(ctx, node, padded)
+    elif kind == "pick":
+        total = _pick(ctx, node)
     else:
         local_input = next(a for a in node.all_input_nodes if ctx.placement.get(a) == LOCAL)
         if padded:
@@ -151,6 +155,25 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
     per_token = graph.call_function(operator.floordiv, (local_count, ctx.graph_length("local")))
     global_count = graph.call_function(operator.mul, (per_token, ctx.graph_length("global")))
     return graph.call_function(operator.truediv, (reduced, global_count))
+
+
+def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
+    """``x[:, 0]`` / ``x[:, -4:]`` on this rank's tokens: the rows at those global positions where this rank
+    holds them (zero elsewhere), summed over the ranks: every rank has them, for their bytes alone."""
+    dim, index = pick_index(node, lambda a: {axis.dim for axis in ctx.axes.get(a, ())})
+    if isinstance(index, int):
+        positions = [index]
+    elif ctx.dynamic:
+        raise refusal(f"{describe(node)} picks a slice of tokens; with dynamic shapes only single positions "
+                      "(x[:, 0], x[:, -1]) are supported. Compile with dynamic=False.", node)
+    else:
+        positions = list(range(*index.indices(plain(ctx.global_seq_len))))
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        rows = graph.call_function(torch.ops.ringpass.take_positions.default, (node.args[0], dim, positions, *ctx.layout_args()))
+        if isinstance(index, int):
+            rows = graph.call_method("squeeze", (rows, dim))
+        return _reduce(ctx, rows, node, f"the token(s) at position(s) {positions} picked by every rank", nbytes(example_value(node)))
 
 
 def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:

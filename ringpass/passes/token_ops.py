@@ -59,7 +59,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     name = op_name(node)
     first = next((a for a in _tensor_args(node) if seq_dims(a)), None)
     if name == "getitem":
-        return _getitem(node, seq_dims)
+        return _getitem(node, seq_dims, output_has_seq)
     if name == "cross_entropy":
         reduction = node.kwargs.get("reduction", "mean")
         return ("token", None) if reduction == "none" else ("cross_entropy", None)
@@ -86,7 +86,9 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     return "mixing", f"`{name}` is not known to act on each token separately"
 
 
-def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
+def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, Optional[str]]:
+    """Per token; a "pick" of a few tokens at fixed positions (``x[:, 0]``, ``x[:, -4:]``: the owning ranks'
+    rows reach every rank, see `pick_index`); or token mixing."""
     source, index = node.args
     if not isinstance(value_of(source), torch.Tensor):
         return "token", None  # an item of a tuple
@@ -106,9 +108,38 @@ def _getitem(node: fx.Node, seq_dims) -> tuple[str, Optional[str]]:
             dim += 1
     for d in seq_dims(source):
         if d in addressed and not _whole(addressed[d]):
+            if not output_has_seq and pick_index(node, seq_dims) is not None:
+                return "pick", None
             picks = isinstance(addressed[d], (fx.Node, torch.Tensor, list))
             return "mixing", "indexing with a tensor picks tokens" if picks else "it picks or slices tokens"
     return "token", None  # a list or tensor index along another dim (heads, features) stays per token
+
+
+def pick_index(node: fx.Node, seq_dims) -> Optional[tuple[int, object]]:
+    """(sequence dim, its int or slice index) when ``node`` indexes one sequence dim of its source with a
+    constant and keeps every other dim whole, else None."""
+    source, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is None for i in index):
+        return None
+    entries = [(d, i) for d, i in zip(_positions(index, value_of(source).dim()), index) if i is not Ellipsis]
+    picked = [(d, i) for d, i in entries if not _whole(i)]
+    if len(picked) != 1 or picked[0][0] not in seq_dims(source) or not isinstance(picked[0][1], (int, slice)):
+        return None
+    d, i = picked[0]
+    if isinstance(i, slice) and not all(isinstance(b, (int, type(None))) for b in (i.start, i.stop, i.step)):
+        return None
+    return d, i
+
+
+def _positions(index: tuple, rank: int) -> list[int]:
+    """The source dim each index entry addresses (an Ellipsis stands for the dims it covers)."""
+    explicit = sum(1 for i in index if i is not Ellipsis)
+    dims, d = [], 0
+    for i in index:
+        dims.append(d)
+        d += rank - explicit if i is Ellipsis else 1
+    return dims
 
 
 def _whole(index) -> bool:
