@@ -204,6 +204,13 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             mask = (x @ x.transpose(1, 2) > 0)[:, None]  # sequence x sequence, from the data
             return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
 
+    class FlexAttention(nn.Module):
+        def forward(self, x):
+            from torch.nn.attention.flex_attention import flex_attention
+
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+            return flex_attention(q, q, q)
+
     class FloatMask(nn.Module):
         def forward(self, x):
             q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
@@ -227,7 +234,7 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     }
     model = AfterAttention(after[case]) if case in after else {
         "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
-        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask}[case]()
+        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask, "flex": FlexAttention}[case]()
     try:
         torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
     except Exception as error:  # Dynamo wraps backend errors

@@ -107,3 +107,4 @@ class SoftCappedScores(nn.Module):
 
 def soft_capped_scores(seq_len: int = 16):
     return SoftCappedScores(), (torch.randn(1, seq_len, 8),)
+

@@ -368,3 +368,4 @@ def test_an_attention_it_cannot_read_is_refused_not_run_unsharded(tmp_path):
     assert code == 2
     refusal = data["graphs"][0]["refusal"]
     assert refusal["op"] == "softmax" and "does not recognise" in refusal["message"]
+

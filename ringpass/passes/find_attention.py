@@ -60,6 +60,10 @@ def find_attention(ctx: PassContext) -> None:
                 f"{describe(node)} is nn.MultiheadAttention, which the ring backend does not rewrite yet; "
                 "write the attention with F.scaled_dot_product_attention (or by hand) instead.", node
             )
+        if node.op == "call_function" and node.target is torch.ops.higher_order.flex_attention:
+            raise refusal(
+                f"{describe(node)} is flex_attention, which the ring backend does not rewrite yet (it would run "
+                "unsharded); use F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa').", node)
         if _is(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
         elif _is(node, MATMUL):
