@@ -144,7 +144,7 @@ def table(results: dict, world_size: int) -> str:
     for family, r in results.items():
         spelling = FAMILIES[family][2]
         if r["status"] in ("refused", "error"):
-            why = r["why"].replace("|", "/")
+            why = re.sub(r"\S*/site-packages/", "", r["why"]).replace("|", "/")  # paths from the package root
             lines.append(f"| {family} | {spelling} | {r['status']} | | | {why[:300]} |")
         else:
             notes = "; ".join(r["attention"][:1]) + (f"; {r['graphs']} graphs" if r["graphs"] > 1 else "")
