@@ -108,3 +108,26 @@ class SoftCappedScores(nn.Module):
 def soft_capped_scores(seq_len: int = 16):
     return SoftCappedScores(), (torch.randn(1, seq_len, 8),)
 
+
+
+class DropoutAround(nn.Module):
+    """Dropout (p=0.1, training) on written-out attention probabilities, or only on an MLP's input."""
+
+    def __init__(self, in_attention: bool):
+        super().__init__()
+        self.in_attention = in_attention
+        self.proj, self.mlp = nn.Linear(8, 24), nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
+        probs = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1).to(x.dtype)
+        y = ((F.dropout(probs, 0.1, training=True) if self.in_attention else probs) @ v).transpose(1, 2).reshape(x.shape)
+        return F.dropout(y, 0.1, training=True) @ self.mlp
+
+
+def dropout_in_attention(seq_len: int = 16):
+    return DropoutAround(True), (torch.randn(1, seq_len, 8),)
+
+
+def dropout_in_mlp(seq_len: int = 16):
+    return DropoutAround(False), (torch.randn(1, seq_len, 8),)

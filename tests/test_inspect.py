@@ -369,3 +369,10 @@ def test_an_attention_it_cannot_read_is_refused_not_run_unsharded(tmp_path):
     refusal = data["graphs"][0]["refusal"]
     assert refusal["op"] == "softmax" and "does not recognise" in refusal["message"]
 
+
+
+def test_dropout_is_refused_on_attention_probabilities_only(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:dropout_in_attention", "--world-size", "2")
+    assert code == 2 and "dropout inside ring attention is not supported" in data["graphs"][0]["refusal"]["message"]
+    code, data = _cli(tmp_path, f"{TARGETS}:dropout_in_mlp", "--world-size", "2")  # dropout(y) @ W is no attention
+    assert code == 0 and data["graphs"][0]["attentions"][0]["spelling"] == "hand-written"

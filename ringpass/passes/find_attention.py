@@ -92,10 +92,10 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
             continue
         if not statically_known_true(value.shape[-1] == value.shape[-2]) or value.shape[-1] == 1:
             continue
-        users = list(node.users)
-        while users and (_is(users[0], CASTS) or _is(users[0], DROPOUTS) or _is(users[0], ("view", "reshape"))):
-            users = list(users[0].users)
-        if any(_is(u, MATMUL) and u.args[0] is not None for u in users):
+        probs = node  # follow the probabilities through casts, dropout and views to the matmul with values
+        while len(probs.users) == 1 and _is(next(iter(probs.users)), CASTS + DROPOUTS + ("view", "reshape")):
+            probs = next(iter(probs.users))
+        if any(_is(u, MATMUL) and u.args[0] is probs for u in probs.users):
             raise refusal(
                 f"{describe(node)} is a softmax over query x key scores that multiply values: an attention the ring "
                 "backend does not recognise, so nothing would be sharded. Attention with a score bias (ALiBi) or "
@@ -176,6 +176,10 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0)
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
+    active = next((n for n in internal if _is(n, DROPOUTS) and _drops(n)), None)
+    if active is not None:
+        raise refusal(f"Attention probabilities go through dropout at {describe(active)}; dropout inside ring "
+                      "attention is not supported. Set the attention dropout to 0.", active)
     internal.append(probs)
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
     scores, mask, fill = _peel_mask(scores, internal)
@@ -195,17 +199,18 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
 
 
 def _peel_value_keeping(node, internal: list):
-    """The value under any casts and inert dropouts (``p=0``, or not training) around it, which join
-    ``internal``; a dropout that acts is refused."""
-    while isinstance(node, fx.Node) and (_is(node, CASTS) or _is(node, DROPOUTS)) and isinstance(node.args[0], fx.Node):
-        if _is(node, DROPOUTS):
-            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-            if training and node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5):
-                raise refusal(f"Attention probabilities go through dropout at {describe(node)}; dropout inside ring "
-                              "attention is not supported. Set the attention dropout to 0.", node)
+    """The value under any casts and dropouts around it, which join ``internal`` (a dropout that acts is
+    refused by the caller once the value is known to be attention probabilities)."""
+    while isinstance(node, fx.Node) and _is(node, CASTS + DROPOUTS) and isinstance(node.args[0], fx.Node):
         internal.append(node)
         node = node.args[0]
     return node
+
+
+def _drops(dropout: fx.Node) -> bool:
+    """A dropout that changes values: ``p > 0`` while training."""
+    training = dropout.kwargs.get("training", dropout.args[2] if len(dropout.args) > 2 else True)
+    return bool(training and dropout.kwargs.get("p", dropout.args[1] if len(dropout.args) > 1 else 0.5))
 
 
 def _softmax_dim(node: fx.Node):
