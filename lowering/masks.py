@@ -107,10 +107,11 @@ class Tile:
     mask: Optional[torch.Tensor] = None
 
 
-def mask_tiles(task: BlockTask, q_pos, kv_pos, block_mask: BlockMask, batch: int, heads: int) -> Iterator[Tile]:
+def mask_tiles(task: BlockTask, q_pos, kv_pos, block_mask: BlockMask, batch: int, heads: int,
+               split: bool = False) -> Iterator[Tile]:
     """The kernel calls of one planned task, empty tiles left out. Without a window or a program the
-    task itself is the only tile."""
-    if block_mask.positional_only:
+    task itself is the only tile, unless ``split`` asks for tiles anyway (a bias program evaluated per tile)."""
+    if block_mask.positional_only and not split:
         yield Tile(slice(task.q_start, task.q_stop), slice(task.kv_start, task.kv_stop), task.causal)
         return
     for r in range(task.q_start, task.q_stop, MASK_TILE):

@@ -23,6 +23,7 @@ from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
 from lowering.masks import BlockMask, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
+from lowering.scores import ScoreMod, check_score_options
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -40,6 +41,10 @@ def ring_attention(
     window: Optional[int] = None,
     mask: Optional[Callable] = None,
     mask_inputs: Sequence[torch.Tensor] = (),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Sequence[float]] = None,
+    bias: Optional[Callable] = None,
+    bias_inputs: Sequence[torch.Tensor] = (),
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -54,6 +59,11 @@ def ring_attention(
     ``mask(q_pos, kv_pos, *mask_inputs) -> bool`` (True = visible, broadcastable to ``[B, Hq, n, m]``) is
     evaluated on global positions, one tile of at most `lowering.masks.MASK_TILE` squared pairs at a time;
     ``mask_inputs`` are the (replicated, small) tensors it reads. Rows with no visible key get out 0.
+
+    Score modifiers (`lowering.scores`), applied to ``scale · q kᵀ`` before masking: ``softcap=c`` gives
+    ``c·tanh(s/c)``; ``alibi_slopes`` (one float per query head) adds ``slope·(kv_pos − q_pos)``, computed in
+    the kernels; ``bias(q_pos, kv_pos, *bias_inputs) -> float`` (broadcastable to ``[B, Hq, n, m]``) is added
+    after the soft-cap, evaluated per tile like ``mask``.
     """
     if not isinstance(layout, Layout):
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
@@ -63,9 +73,14 @@ def ring_attention(
         raise InvalidInputError(f"scale must be a Python number or None, got {type(scale).__name__}.")
     scale = default_scale(q) if scale is None else float(scale)
     mask_id = register_mask(mask) if mask is not None else ""
+    check_score_options(softcap, alibi_slopes)
+    slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
+    if slopes is not None and len(slopes) != q.size(1):
+        raise InvalidInputError(f"alibi_slopes has {len(slopes)} slopes; q has {q.size(1)} heads: give one per query head.")
     out, lse = torch.ops.ringpass.ring_attention(
         q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name,
-        window, mask_id, list(mask_inputs),
+        window, mask_id, list(mask_inputs), None if softcap is None else float(softcap), slopes,
+        register_mask(bias) if bias is not None else "", list(bias_inputs),
     )
     return (out, lse) if return_lse else out
 
@@ -149,13 +164,16 @@ def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
     return Layout(kind, world_size, seq_len)
 
 
-def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs) -> RingSpec:
+def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap, alibi_slopes,
+          bias_id, bias_inputs) -> RingSpec:
     if window is not None and not is_causal:
         raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")
     mask = None
     if window is not None or mask_id:
         mask = BlockMask(is_causal, window, mask_program(mask_id) if mask_id else None, tuple(mask_inputs or ()))
-    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask)
+    scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(alibi_slopes),
+                      mask_program(bias_id) if bias_id else None, tuple(bias_inputs or ()))
+    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask, scores)
 
 
 def _exchange(group_name: str) -> RingExchange:
@@ -170,9 +188,11 @@ def _exchange(group_name: str) -> RingExchange:
 def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
     seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
-    mask_inputs: list[torch.Tensor],
+    mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
+    bias_inputs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs)
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
+                 alibi_slopes, bias_id, bias_inputs)
     check_inputs(q, k, v, spec.layout)
     exchange = _exchange(group_name)
     if exchange.world_size != world_size:
@@ -183,7 +203,8 @@ def _ring_attention_op(
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs):
+def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs, softcap,
+      alibi_slopes, bias_id, bias_inputs):
     if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
         check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
@@ -194,9 +215,11 @@ def _ring_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
     is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
-    mask_inputs: list[torch.Tensor],
+    mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
+    bias_inputs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs)
+    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
+                 alibi_slopes, bias_id, bias_inputs)
     if dlse is not None and not bool(dlse.any()):
         dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
     dq, dk, dv = ring_backward(
@@ -208,20 +231,28 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs):
+      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
+# Where the op's two lists of program inputs (mask_inputs, bias_inputs) sit among its arguments after q, k, v.
+_PROGRAM_INPUTS = (8, 12)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.config, mask_inputs = inputs
+    """Saves q, k, v, out, lse and the program inputs; the other arguments are plain values."""
+    q, k, v, *ctx.config = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *mask_inputs)
+    ctx.save_for_backward(q, k, v, out, lse, *(t for i in _PROGRAM_INPUTS for t in ctx.config[i]))
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, *mask_inputs = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.config, mask_inputs)
-    return (dq, dk, dv, *(None for _ in ctx.config), [None] * len(mask_inputs))
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    config = list(ctx.config)
+    for i in _PROGRAM_INPUTS:  # the program inputs as autograd unpacks them
+        config[i], saved = list(saved[:len(config[i])]), saved[len(config[i]):]
+    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *config)
+    return (dq, dk, dv, *([None] * len(arg) if i in _PROGRAM_INPUTS else None for i, arg in enumerate(config)))
 
 
 def _no_double_backward(ctx, *grads):

@@ -21,27 +21,36 @@ from lowering.kernels import accumulation_dtype, block_attention_backward, block
 from lowering.layout import Layout
 from lowering.masks import BlockMask, Tile, mask_tiles
 from lowering.schedule import kv_source, plan_block
+from lowering.scores import ScoreMod
 
 
 @dataclass(frozen=True)
 class RingSpec:
     """What every rank agrees on for one call: ``mask`` adds a sliding window or a mask program to the
-    causal flag (its ``is_causal`` must equal ``is_causal``)."""
+    causal flag (its ``is_causal`` must equal ``is_causal``); ``scores`` modifies the scores (soft-cap,
+    ALiBi, a bias program)."""
 
     layout: Layout
     is_causal: bool
     scale: float
     mask: Optional[BlockMask] = None
+    scores: ScoreMod = ScoreMod()
 
     def tiles(self, q_rank: int, kv_rank: int, q, q_pos, kv_pos) -> list[Tile]:
         """The kernel calls of rank ``q_rank`` against the KV block of ``kv_rank``: the planned tasks, cut
-        into evaluated mask tiles when a window or program is set (empty tiles left out)."""
+        into evaluated tiles when a window, a mask program or a bias program is set (empty tiles left out)."""
         block_mask = self.mask or BlockMask(self.is_causal)
         return [
             tile
             for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
-            for tile in mask_tiles(task, q_pos, kv_pos, block_mask, q.size(0), q.size(1))
+            for tile in mask_tiles(task, q_pos, kv_pos, block_mask, q.size(0), q.size(1), split=self.scores.per_tile)
         ]
+
+    def kernel_options(self, tile: Tile, q, q_pos, kv_pos) -> dict:
+        """What the block kernels take for one tile besides q, k, v and positions."""
+        rows, cols = q_pos[tile.rows], kv_pos[tile.cols]
+        return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask,
+                    **self.scores.kernel_options(rows, cols, q.size(0), q.size(1), q.device))
 
 
 class _RankForward:
@@ -60,7 +69,7 @@ class _RankForward:
             rows, cols = t.rows, t.cols
             block_attention_merge_(
                 self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
-                self.out[:, :, rows], self.lse[:, :, rows], scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
+                self.out[:, :, rows], self.lse[:, :, rows], **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
             )
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +95,7 @@ class _RankBackward:
             dq, dk, dv = block_attention_backward(
                 self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],
                 self.out[:, :, rows], self.lse[:, :, rows], self.q_pos[rows], kv_pos[cols],
-                scale=self.spec.scale, is_causal=t.causal, mask=t.mask,
+                **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
                 dlse=None if self.dlse is None else self.dlse[:, :, rows],
             )
             self.dq[:, :, rows] += dq.to(acc)

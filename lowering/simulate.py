@@ -17,6 +17,7 @@ from lowering.masks import BlockMask
 from lowering.op import check_inputs, default_scale
 from lowering.ring import RingSpec, _RankBackward, _RankForward
 from lowering.schedule import kv_source
+from lowering.scores import ScoreMod
 
 
 @dataclass
@@ -42,15 +43,22 @@ def simulate_ring(
     window: Optional[int] = None,
     mask: Optional[Callable] = None,
     mask_inputs: Sequence[torch.Tensor] = (),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Sequence[float]] = None,
+    bias: Optional[Callable] = None,
+    bias_inputs: Sequence[torch.Tensor] = (),
 ) -> SimulatedRing:
     """Run the ring's forward (and, given ``dout``, backward) lap for every rank of ``layout``.
 
-    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``; ``window``, ``mask`` and
-    ``mask_inputs`` as in `lowering.ring_attention`.
+    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``; ``window``, ``mask``,
+    ``mask_inputs`` and the score modifiers (``softcap``, ``alibi_slopes``, ``bias``, ``bias_inputs``) as in
+    `lowering.ring_attention`.
     """
     p = layout.world_size
     block_mask = BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
-    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask)
+    scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes), bias,
+                      tuple(bias_inputs))
+    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask, scores)
     qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
     check_inputs(qs[0], ks[0], vs[0], layout)
 

@@ -35,24 +35,32 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
 
 
-def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = None, *, softcap=None,
+                          bias=None) -> torch.Tensor:
     """Attention in fp64 under a dense boolean ``visible`` mask (broadcast to [B, Hq, N, N]); rows with no
-    visible key give 0 (the ring's convention) instead of SDPA's NaN. Differentiable."""
-    q, k, v = q.double(), k.double(), v.double()
-    scale = q.size(-1) ** -0.5 if scale is None else scale
-    groups = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    visible key give 0 (the ring's convention) instead of SDPA's NaN. ``softcap`` caps the scaled scores
+    (``c·tanh(s/c)``), then a dense ``bias`` is added. Differentiable."""
+    v = v.double().repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = _scores_fp64(q, k, visible, scale, softcap, bias)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return probs @ v
 
 
-def masked_lse_fp64(q, k, visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def masked_lse_fp64(q, k, visible: torch.Tensor, scale: float | None = None, *, softcap=None, bias=None):
     """log-sum-exp of each query row's visible scores in fp64 (-inf for a row with no visible key)."""
+    return torch.logsumexp(_scores_fp64(q, k, visible, scale, softcap, bias), dim=-1)
+
+
+def _scores_fp64(q, k, visible, scale, softcap, bias):
     q, k = q.double(), k.double()
     scale = q.size(-1) ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-    return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.double()
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def grad_error(grads: dict, expected: dict) -> float:

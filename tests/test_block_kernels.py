@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lowering.kernels import block_attention, block_attention_backward, torch_attention
+from kernel_cases import SCORE_CASES, check_case
 from reference import lse_fp64, rel_err
 
 
@@ -88,3 +89,9 @@ def test_fused_cpu_kernel_is_used_where_it_applies(case, fused, monkeypatch):
     q, k = torch.randn(1, 2, len(q_pos), 8), torch.randn(1, 2, len(kv_pos), 8)
     block_attention(q, k, k, q_pos, kv_pos, scale=0.3, is_causal=causal)
     assert len(calls) == int(fused)
+
+
+@pytest.mark.parametrize("case", SCORE_CASES)
+def test_score_modifiers_match_fp64(case):
+    """Soft-capping, ALiBi slopes and a dense bias in the torch kernels (fp64: forward, LSE, gradients)."""
+    check_case(case, torch.float64, backend="torch")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lowering.masks import register_mask
 from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
 from reference import attention_fp64, rel_err
 
@@ -23,14 +24,23 @@ def test_ring_of_one_equals_sdpa_with_lse_and_grads():
         assert rel_err(got, want) < 1e-11
 
 
+def _head_bias(q_pos, kv_pos, per_head):
+    """A bias program reading one input: a per-head multiple of the query-key distance."""
+    return per_head[:, None, None] * (q_pos[:, None] - kv_pos[None, :]).abs()
+
+
+@pytest.mark.parametrize("scores", [False, True], ids=["plain", "score-modifiers"])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "non-contiguous"])
-def test_opcheck(contiguous):
+def test_opcheck(contiguous, scores):
     n = 10
     if contiguous:
         q, k, v = _qkv(n)
     else:
         q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [])
+    modifiers = (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)]) \
+        if scores else (None, None, "", [])
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [],
+            *modifiers)
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
 
 

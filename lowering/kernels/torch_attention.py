@@ -3,7 +3,8 @@
 The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
 applies when the block is fully visible, or causal with identical, increasing query and key positions
 (then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
-other positional mask, a window, a dense mask, a gradient flowing into the LSE) takes the math path,
+other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
+into the LSE) takes the math path,
 which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64 inputs; half-precision
 inputs are widened first) and return their results in it, so the ring merges unrounded partial results.
 """
@@ -25,27 +26,33 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None):
+def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None, softcap=None,
+            alibi_slopes=None, bias=None):
     acc = accumulation_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    if window is None and mask is None and _fused_applies(q, q_pos, kv_pos, is_causal):
+    if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias):
         return _fused(q, k, v, 0.0, is_causal, scale=scale)
-    probs, lse = _probabilities(q, k, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), scale)
+    scores, _ = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
+    probs, lse = _probabilities(scores, _visible(q_pos, kv_pos, is_causal, window, mask, q.device))
     return probs @ _repeat_heads(v, q.size(1)), lse
 
 
-def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None, dlse=None):
+def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
+             softcap=None, alibi_slopes=None, bias=None, dlse=None):
     acc = accumulation_dtype(q.dtype)
     dout, q, k, v, out, lse = (t.to(acc) for t in (dout, q, k, v, out, lse))
-    if dlse is None and window is None and mask is None and _fused_applies(q, q_pos, kv_pos, is_causal):
+    if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse):
         return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
-    probs, _ = _probabilities(q, k, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), scale, lse=lse)
+    scores, capped = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
+    probs, _ = _probabilities(scores, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
     k_rep, v_rep = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
     delta = (dout * out).sum(-1)
     if dlse is not None:
         delta = delta - dlse.to(acc)
     dv = probs.mT @ dout
     dscores = probs * (dout @ v_rep.mT - delta.unsqueeze(-1))
+    if softcap is not None:  # d/dx c·tanh(x/c) = 1 - tanh(x/c)^2
+        dscores = dscores * (1 - (capped / softcap) ** 2)
     dq = (dscores @ k_rep) * scale
     dk = (dscores.mT @ q) * scale
     return dq, _sum_head_groups(dk, k.size(1)), _sum_head_groups(dv, v.size(1))
@@ -62,8 +69,10 @@ def merge(out_acc, lse_acc, out_block, lse_block) -> None:
     lse_acc.copy_(lse_new)
 
 
-def _fused_applies(q, q_pos, kv_pos, is_causal: bool) -> bool:
-    if q.device.type != "cpu":
+def _fused_applies(q, q_pos, kv_pos, is_causal: bool, *options) -> bool:
+    """aten's fused CPU kernel computes this block: on the CPU, no option set beyond a causal flag it can
+    express (``options``: window, mask, score modifiers, an LSE gradient)."""
+    if q.device.type != "cpu" or any(option is not None for option in options):
         return False
     return not is_causal or aligned(q_pos, kv_pos)
 
@@ -84,10 +93,23 @@ def _visible(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[t
     return visible
 
 
-def _probabilities(q, k, visible, scale, lse: Optional[torch.Tensor] = None):
+def _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias):
+    """(the block's scores with every score modifier applied, the soft-capped scores before any bias)."""
+    scores = (q @ _repeat_heads(k, q.size(1)).mT) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    capped = scores
+    if alibi_slopes is not None:
+        distance = (kv_pos.to(q.device)[None, :] - q_pos.to(q.device)[:, None]).to(scores.dtype)
+        scores = scores + alibi_slopes.to(device=q.device, dtype=scores.dtype)[:, None, None] * distance
+    if bias is not None:
+        scores = scores + bias.to(device=q.device, dtype=scores.dtype)
+    return scores, capped
+
+
+def _probabilities(scores, visible, lse: Optional[torch.Tensor] = None):
     """Softmax probabilities of the block (rows with no visible key are all zero) and their LSE.
     With ``lse`` given, probabilities are taken against it (the backward pass's global LSE)."""
-    scores = (q @ _repeat_heads(k, q.size(1)).mT) * scale
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if lse is None:

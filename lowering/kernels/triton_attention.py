@@ -3,7 +3,10 @@
 One program computes a tile of ``BLOCK_M`` query rows of one (batch, head) against the whole key block,
 ``BLOCK_N`` keys at a time, with the online softmax (FlashAttention-2). Visibility comes from positions:
 ``kv_pos <= q_pos`` when causal, ``q_pos - kv_pos < window`` with a window, ``kv_pos < seq_bound``
-(padding), and an optional dense bool mask. From the positions' ranges (and a per-tile summary of the
+(padding), and an optional dense bool mask. Score modifiers (`lowering.scores`) apply to ``scale · q kᵀ``
+before masking: soft-capping fused (``c·tanh(s/c)``; tanh from exponentials, the interpreter has no
+libdevice), ALiBi computed from the positions and a per-head slope, a dense float bias tile loaded like
+the mask. From the positions' ranges (and a per-tile summary of the
 dense mask) each key tile is classified before anything is loaded: *invisible* tiles are skipped (no
 loads, no math), *fully visible* ones skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h`` reads KV head ``h // group``;
 K/V are never repeated in memory.
@@ -83,6 +86,32 @@ def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, 
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exponentials: an odd series near 0 (where 1 - e^-2|x| would cancel)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    x2 = x * x
+    series = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _modified(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(scores with the score modifiers applied, the soft-capped scores before any bias), natural units."""
+    if HAS_SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
+    capped = scores
+    if HAS_ALIBI:
+        scores = scores + tl.load(SLOPES + h) * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    if HAS_BIAS:
+        scores = scores + tl.load(BIAS + b * sbb + h * sbh + rows[:, None] * sbn + cols[None, :] * sbm,
+                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return scores, capped
+
+
+@triton.jit
 def _program(length, heads, BLOCK: tl.constexpr):
     """(tile, batch, head) of this program: a 1-D grid, tiles of one head adjacent (they share K/V in
     cache), indices 64-bit so that offsets never wrap."""
@@ -102,42 +131,50 @@ def _load_tile(PTR, b, h, offs, ok, dims, dim_ok, sb, sh, sn, sd, UPCAST: tl.con
 
 
 @triton.jit
-def _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi, some_invalid,
-            seq_bound, window, MASK, smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """q kᵀ of a tile in base-2 units; hidden pairs -inf, and no mask arithmetic when all are visible."""
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+def _scores(q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi, some_invalid,
+            seq_bound, window, MASK, smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm,
+            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """(the modified scores of a tile in base-2 units, hidden pairs -inf and no mask arithmetic when all
+    are visible; the soft-capped scores in natural units, for the backward's chain rule)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores, capped = _modified(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, softcap, SLOPES, BIAS,
+                               sbb, sbh, sbn, sbm, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS)
+    scores = scores * LOG2E
     if HAS_MASK:  # a dense mask always applies (its per-tile summary already skipped hidden tiles)
         scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
                          smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
     elif _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
         scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
                          smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
-    return scores
+    return scores, capped
 
 
 @triton.jit
-def _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
+def _key_tile(q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
               kv_hi, some_invalid, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
-              smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """A key tile as a query tile's kernels see it: (k, v, the masked scores in base-2 units)."""
+              smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """A key tile as a query tile's kernels see it: (k, v, the scores in base-2 units, the capped scores)."""
     k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
     v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
-    scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                     some_invalid, seq_bound, window, MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
-                     PRECISION)
-    return k, v, scores
+    scores, capped = _scores(q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                             some_invalid, seq_bound, window, MASK, smb, smh, smn, smm, softcap, SLOPES, BIAS,
+                             sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                             PRECISION)
+    return k, v, scores, capped
 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, QPOS, KVPOS, MASK, TILES, OUT, LSE,
+    Q, K, V, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, OUT, LSE,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smn, smm, stb, sth, stm, stn, sob, soh, son, sod, slb, slh, sln,
-    H, n, m, scale, window, seq_bound,
+    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, sob, soh, son, sod, slb, slh, sln,
+    H, n, m, scale, window, seq_bound, softcap,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m, b, h = _program(n, H, BLOCK_M)
@@ -149,15 +186,15 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * LOG2E  # softmax in base 2
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            k, v, scores = _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
-                                     kv_pos, kv_lo, kv_hi, start + BLOCK_N > m, dims, dim_ok, seq_bound, window,
-                                     skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smn, smm,
-                                     IS_CAUSAL, HAS_WINDOW, HAS_MASK, UPCAST, PRECISION)
+            k, v, scores, capped = _key_tile(
+                q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                start + BLOCK_N > m, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
+                smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, UPCAST, PRECISION)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - shift[:, None])
@@ -194,13 +231,23 @@ def _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln):
 
 
 @triton.jit
+def _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradient of the loss with respect to ``scale · q kᵀ`` (through the soft-cap: 1 - tanh²)."""
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+    if HAS_SOFTCAP:
+        t = capped / softcap
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, DQ,
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, stb, sth, stm, stn, slb, slh, sln,
-    H, n, m, scale, window, seq_bound,
+    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, slb, slh, sln,
+    H, n, m, scale, window, seq_bound, softcap,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m, b, h = _program(n, H, BLOCK_M)
@@ -212,17 +259,17 @@ def _dq_kernel(
     do = _load_tile(DO, b, h, rows, row_ok, dims, dim_ok, sdb, sdh, sdn, sdd, UPCAST)
     lse2, delta = _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * LOG2E
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
         if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
                            stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
-            k, v, scores = _key_tile(q, K, V, MASK, b, h, kv_h, qk_scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok,
-                                     kv_pos, kv_lo, kv_hi, start + BLOCK_N > m, dims, dim_ok, seq_bound, window,
-                                     skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smn, smm,
-                                     IS_CAUSAL, HAS_WINDOW, HAS_MASK, UPCAST, PRECISION)
+            k, v, scores, capped = _key_tile(
+                q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                start + BLOCK_N > m, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
+                smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, UPCAST, PRECISION)
             p = tl.exp2(scores - lse2[:, None])
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            ds = _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP, PRECISION)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale,
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -230,12 +277,12 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, DK, DV,
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DK, DV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, stb, sth, stm, stn, slb, slh, sln,
-    HKV, n, m, scale, window, seq_bound,
+    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, slb, slh, sln,
+    HKV, n, m, scale, window, seq_bound, softcap,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n, b, kv_h = _program(m, HKV, BLOCK_N)
@@ -246,7 +293,6 @@ def _dkdv_kernel(
     v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    qk_scale = scale * LOG2E
     for g in range(GROUP):  # the query heads that read this KV head
         h = kv_h * GROUP + g
         for start in range(0, n, BLOCK_M):
@@ -256,12 +302,14 @@ def _dkdv_kernel(
                 q = _load_tile(Q, b, h, rows, row_ok, dims, dim_ok, sqb, sqh, sqn, sqd, UPCAST)
                 do = _load_tile(DO, b, h, rows, row_ok, dims, dim_ok, sdb, sdh, sdn, sdd, UPCAST)
                 lse2, delta = _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln)
-                scores = _scores(q, k, qk_scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
-                                 kv_hi, (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m), seq_bound, window,
-                                 MASK, smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, PRECISION)
+                scores, capped = _scores(
+                    q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
+                    (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m), seq_bound, window, MASK, smb, smh, smn,
+                    smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_SOFTCAP,
+                    HAS_ALIBI, HAS_BIAS, PRECISION)
                 p = tl.exp2(scores - lse2[:, None])
                 dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+                ds = _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP, PRECISION)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     kv_mask = col_ok[:, None] & dim_ok[None, :]
     tl.store(DK + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, dk * scale, mask=kv_mask)
@@ -300,8 +348,21 @@ def _mask_args(mask: Optional[torch.Tensor], shape, block_m: int, block_n: int, 
     return mask.view(torch.uint8), mask.stride(), tiles, tiles.stride()
 
 
+def _score_args(softcap, alibi_slopes, bias, shape, device) -> tuple[tuple, tuple, float, dict]:
+    """(slopes and bias pointers, the bias's strides broadcast to ``shape``, the soft-cap, the flags)."""
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
+    strides = (0, 0, 0, 0)
+    if bias is not None:
+        bias = bias.to(device=device, dtype=torch.float32)
+        bias = bias[(None,) * (4 - bias.dim())].expand(shape)
+        strides = bias.stride()
+    flags = dict(HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None)
+    return (alibi_slopes, bias), strides, float(softcap or 1.0), flags
+
+
 def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-            seq_bound: Optional[int] = None, out=None, lse=None):
+            seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, out=None, lse=None):
     """(out, lse) fp32; with ``out``/``lse`` fp32 accumulators given, merges into them and returns them."""
     b, hq, n, d = q.shape
     m = k.size(2)
@@ -313,19 +374,21 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     config = _config(q)
     mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
         mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
+    score_ptrs, bias_strides, cap, score_flags = _score_args(softcap, alibi_slopes, bias, (b, hq, n, m), q.device)
     grid = (triton.cdiv(n, config["BLOCK_M"]) * b * hq,)
     _forward_kernel[grid](
-        q, k, v, q_pos, kv_pos, mask_bytes, tiles, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *tile_strides, *out.stride(), *lse.stride(),
-        hq, n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound),
+        q, k, v, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *tile_strides, *bias_strides, *out.stride(),
+        *lse.stride(), hq, n, m, float(scale), int(window or 0),
+        int(NO_BOUND.value if seq_bound is None else seq_bound), cap,
         GROUP=hq // k.size(1), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
-        MERGE=merge, **config,
+        **score_flags, MERGE=merge, **config,
     )
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-             seq_bound: Optional[int] = None, dlse=None):
+             seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, dlse=None):
     """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row."""
     b, hq, n, d = q.shape
     hkv, m = k.size(1), k.size(2)
@@ -342,11 +405,16 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     config = _config(q)
     mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
         mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
-    flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None)
-    scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *lse.stride())
+    score_ptrs, bias_strides, cap, score_flags = _score_args(softcap, alibi_slopes, bias, (b, hq, n, m), q.device)
+    flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
+                 **score_flags)
+    scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound), cap)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *bias_strides,
+               *lse.stride())
     _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]) * b * hq,)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dq, *strides, hq, *scalars, **flags, **config)
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dq, *strides, hq, *scalars,
+        **flags, **config)
     _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]) * b * hkv,)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, dk, dv, *strides, hkv, *scalars, **flags, **config)
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dk, dv, *strides, hkv, *scalars,
+        **flags, **config)
     return dq, dk, dv
