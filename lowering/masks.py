@@ -2,7 +2,9 @@
 
 A *mask program* is a function ``program(q_pos, kv_pos, *inputs) -> bool`` that says, for global query
 positions ``q_pos [n]`` and key positions ``kv_pos [m]``, which pairs are visible; its result broadcasts
-to ``[B, Hq, n, m]``. The ``inputs`` are small replicated tensors it reads (position ids, segment ids, a
+to ``[B, Hq, n, m]``. A program may instead return an additive float mask, as models add it to the
+scores: values at or below `MASKED_AT_OR_BELOW` hide their key, and any other nonzero value is a bias
+the kernels add to the score (a position bias combined with the mask in one tensor). The ``inputs`` are small replicated tensors it reads (position ids, segment ids, a
 padding mask: ``[B, S]``-sized, never ``S x S``). The compiler lifts such programs out of model graphs
 (see ``ringpass/passes/lift_masks.py``); they travel to the ring op by id (`register_mask`), since a
 custom op cannot take a function.
@@ -75,17 +77,19 @@ class BlockMask:
         """Only causal (or nothing): the planned tasks are already exact, no tile needs evaluating."""
         return self.window is None and self.program is None
 
-    def visible(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-        """bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible."""
+    def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
+        """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the
+        additive bias an additive program carries on them, or None)."""
         q, kv = q_pos.unsqueeze(-1), kv_pos.unsqueeze(0)
         visible = torch.ones(len(q_pos), len(kv_pos), dtype=torch.bool, device=q_pos.device)
         if self.is_causal:
             visible &= kv <= q
         if self.window is not None:
             visible &= q - kv < self.window
-        visible = visible[None, None]
+        visible, bias = visible[None, None], None
         if self.program is not None:
-            visible = visible & as_visibility(self.program(q_pos, kv_pos, *self.inputs))
+            program_visible, bias = split_additive(self.program(q_pos, kv_pos, *self.inputs))
+            visible = visible & program_visible
         if visible.dim() != 4 or visible.size(0) not in (1, batch) or visible.size(1) not in (1, heads):
             raise InvalidInputError(
                 f"The mask program returned shape {tuple(visible.shape)}; it must broadcast to "
@@ -93,18 +97,19 @@ class BlockMask:
             )
         if events.recording():
             events.emit("mask_tile", shape=tuple(visible.shape), numel=visible.numel())
-        return visible
+        return visible, bias
 
 
 @dataclass(frozen=True)
 class Tile:
     """A rectangle of a planned task for one kernel call: ``mask`` is None when the positions alone
-    (``causal``: kv_pos <= q_pos, else everything) describe it."""
+    (``causal``: kv_pos <= q_pos, else everything) describe it; ``bias``: what an additive mask adds."""
 
     rows: slice
     cols: slice
     causal: bool
     mask: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
 
 
 def mask_tiles(task: BlockTask, q_pos, kv_pos, block_mask: BlockMask, batch: int, heads: int,
@@ -120,15 +125,15 @@ def mask_tiles(task: BlockTask, q_pos, kv_pos, block_mask: BlockMask, batch: int
             cols = slice(c, min(c + MASK_TILE, task.kv_stop))
             if _outside_window(q_pos[rows], kv_pos[cols], block_mask):
                 continue
-            visible = block_mask.visible(q_pos[rows], kv_pos[cols], batch, heads)
+            visible, bias = block_mask.evaluate(q_pos[rows], kv_pos[cols], batch, heads)
             if not bool(visible.any()):
                 continue
             if bool(visible.all()):
-                yield Tile(rows, cols, causal=False)
+                yield Tile(rows, cols, causal=False, bias=bias)
             elif _is_causal_on_aligned(visible, q_pos[rows], kv_pos[cols]):
-                yield Tile(rows, cols, causal=True)
+                yield Tile(rows, cols, causal=True, bias=bias)
             else:
-                yield Tile(rows, cols, causal=False, mask=visible)
+                yield Tile(rows, cols, causal=False, mask=visible, bias=bias)
 
 
 def _outside_window(q_pos, kv_pos, block_mask: BlockMask) -> bool:
@@ -154,18 +159,13 @@ def _is_causal_on_aligned(visible, q_pos, kv_pos) -> bool:
     return bool((visible == causal).all())
 
 
-def as_visibility(values: torch.Tensor) -> torch.Tensor:
-    """A program's result as booleans: bool as is; an additive float mask must hold only 0 (visible) and
-    values at or below `MASKED_AT_OR_BELOW` (hidden: -inf, -1e9, finfo.min)."""
+def split_additive(values: torch.Tensor):
+    """A program's result as (visibility, bias or None): bool as is; an additive float mask hides the keys
+    whose values are at or below `MASKED_AT_OR_BELOW` (-inf, -1e9, finfo.min) and adds the rest."""
     if values.dtype == torch.bool:
-        return values
+        return values, None
     if not values.is_floating_point():
         raise NotSupportedError(f"A mask program returned {values.dtype}; masks must be bool or additive float (0 / -inf).")
     visible = values > MASKED_AT_OR_BELOW
-    if bool((values[visible] != 0).any()):
-        raise NotSupportedError(
-            "The additive attention mask carries values other than 0 and large negative ones (an attention bias such "
-            "as ALiBi, or a 0/1 float mask added to the scores); attention biases are not supported by ring "
-            "attention yet."
-        )
-    return visible
+    bias = values.masked_fill(~visible, 0.0)
+    return visible, (bias if bool(bias.any()) else None)

@@ -49,8 +49,10 @@ class RingSpec:
     def kernel_options(self, tile: Tile, q, q_pos, kv_pos) -> dict:
         """What the block kernels take for one tile besides q, k, v and positions."""
         rows, cols = q_pos[tile.rows], kv_pos[tile.cols]
-        return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask,
-                    **self.scores.kernel_options(rows, cols, q.size(0), q.size(1), q.device))
+        options = self.scores.kernel_options(rows, cols, q.size(0), q.size(1), q.device)
+        if tile.bias is not None:  # an additive mask's bias adds to the bias program's
+            options["bias"] = tile.bias if options["bias"] is None else options["bias"] + tile.bias
+        return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask, **options)
 
 
 class _RankForward:

@@ -37,6 +37,7 @@ class AttentionRecord:
     dtype: str
     itemsize: int
     scale: float
+    score_mods: list[str] = field(default_factory=list)  # soft-cap, ALiBi slopes, a lifted bias program
 
     def shape(self) -> AttentionShape:
         return AttentionShape(self.batch, self.query_heads, self.kv_heads, self.head_dim, self.itemsize,
@@ -262,7 +263,7 @@ _LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
 
 
 def _attention_text(a: AttentionRecord) -> str:
-    mask = a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else "")
+    mask = "; ".join([a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods])
     where = a.module or "top level"
     return (f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
             f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}")

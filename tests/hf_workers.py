@@ -34,6 +34,19 @@ def build(name: str):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, sliding_window=5, attn_implementation=implementation)
         return transformers.MistralForCausalLM(config)
+    if name == "bloom":  # ALiBi: slopes 1/4, 1/16, ... times key positions (from the padding mask when given)
+        config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                          attention_dropout=0.0)
+        return transformers.BloomForCausalLM(config)
+    if name == "mpt":  # ALiBi over max_seq_len, sliced to the sequence
+        config = transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
+        return transformers.MptForCausalLM(config)
+    if name == "gemma2":  # logit soft-capping (a small cap, so that it bites), every other layer a window of 5
+        config = transformers.Gemma2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=5, attn_logit_softcapping=0.5, attention_dropout=0.0, initializer_range=0.5,
+            attn_implementation="eager")
+        return transformers.Gemma2ForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation=implementation,
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -49,6 +62,11 @@ def batch(case: str, seq_len: int) -> dict:
     if case == "left-padded":
         mask = torch.ones(2, seq_len, dtype=torch.long)
         mask[0, :4] = 0  # sequence 0 is 4 tokens shorter, padded on the left
+        kwargs["attention_mask"] = mask
+        kwargs["labels"] = ids.masked_fill(mask == 0, -100)
+    elif case == "right-padded":
+        mask = torch.ones(2, seq_len, dtype=torch.long)
+        mask[0, -5:] = 0  # sequence 0 is 5 tokens shorter, padded on the right: every query still sees a key
         kwargs["attention_mask"] = mask
         kwargs["labels"] = ids.masked_fill(mask == 0, -100)
     elif case == "packed":  # three documents per row, positions restarting at each

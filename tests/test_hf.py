@@ -65,6 +65,25 @@ def test_falcon_trains_through_the_ring(name, heads):
         _check(results, {"labels": f"sdpa (causal, scale 0.3536, {heads}", "left-padded": "lifted mask program + causal"}, 2)
 
 
+SCORE_MODELS = {  # name: {case: what the report says of its attention}
+    "bloom": {"labels": "ALiBi slopes, computed in-kernel", "right-padded": "lifted bias program, evaluated per tile"},
+    "mpt": {"labels": "ALiBi slopes, computed in-kernel", "right-padded": "ALiBi slopes, computed in-kernel"},
+    "gemma2": {"labels": "soft-cap 0.5", "packed": "soft-cap 0.5"},
+}
+
+
+@pytest.mark.parametrize("name,world_size", [("bloom", 2), ("mpt", 2), ("gemma2", 2), ("bloom", 4)])
+def test_score_modifiers_train_through_the_ring(name, world_size):
+    """ALiBi (BLOOM: ``baddbmm`` over merged batch and heads, slopes times key positions, from the padding
+    mask's cumsum when one is passed; MPT: a bias sliced from a max-length table) and logit soft-capping
+    (Gemma 2, eager only): the score modifiers go into the ring's kernels, exact against the model run whole."""
+    expected = SCORE_MODELS[name]
+    for results in spawn_ranks(hf_workers.training_step, world_size, (name, list(expected), SEQ), timeout=600):
+        _check(results, {case: "hand-written (" for case in expected}, world_size)
+        for case, words in expected.items():
+            assert words in results[case]["report"], (case, results[case]["report"])
+
+
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are

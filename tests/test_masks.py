@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lowering.masks
-from lowering import InvalidInputError, Layout, NotSupportedError, record_ring_events, simulate_ring
+from lowering import InvalidInputError, Layout, record_ring_events, simulate_ring
 from lowering.kernels import block_attention, block_attention_backward
 from reference import masked_attention_fp64, rel_err
 
@@ -88,14 +88,21 @@ def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
     assert all(e.fields["causal"] and not e.fields["masked"] for e in calls)  # each one exactly causal: fused path
 
 
-def test_an_attention_bias_is_refused_not_dropped():
-    q, k, v = _inputs(16)
+def test_an_additive_mask_carrying_a_bias_applies_both():
+    """An additive mask program's values: at or below -1e4 hide the key, anything else adds to the score."""
+    seq_len = 20
+    q, k, v = _inputs(seq_len)
+    pos = torch.arange(seq_len)
 
-    def alibi(q_pos, kv_pos):
-        return -(q_pos[:, None] - kv_pos[None, :]).abs().double()[None, None]
+    def alibi_and_causal(q_pos, kv_pos):
+        distance = (kv_pos[None, :] - q_pos[:, None]).double()
+        return torch.where(distance <= 0, 0.3 * distance, float("-inf"))[None, None]
 
-    with pytest.raises(NotSupportedError, match="attention bias"):
-        simulate_ring(q, k, v, layout=Layout("contiguous", 2, 16), mask=alibi)
+    expected = masked_attention_fp64(q, k, v, (pos[None, :] <= pos[:, None])[None, None],
+                                     bias=0.3 * (pos[None, :] - pos[:, None]).double())
+    for kind in ("contiguous", "zigzag"):
+        sim = simulate_ring(q, k, v, layout=Layout(kind, 2, seq_len), mask=alibi_and_causal)
+        assert rel_err(sim.out, expected) < 1e-12
 
 
 def test_a_window_needs_causal():

@@ -3,19 +3,24 @@
 Matches:
 - ``F.scaled_dot_product_attention`` in any spelling (positional or keyword arguments, ``scale``,
   ``is_causal``, ``enable_gqa``, ``attn_mask``);
-- hand-written attention: ``softmax(q @ kᵀ · s [+ mask | masked_fill(mask, -inf) | where(mask, ·, -inf)]) @ v``
-  with any matmul spelling (``@``, ``torch.matmul``, ``bmm``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` /
-  ``permute``, the scale as a multiplication or division, any softmax spelling, and casts and inert
-  dropouts (``p=0`` or eval) anywhere around the softmax (Hugging Face's eager attention).
+- hand-written attention: ``softmax(cap(q @ kᵀ · s) [+ bias] [+ mask | masked_fill(mask, -inf) |
+  where(mask, ·, -inf)]) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, and
+  ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale
+  as a multiplication or division, an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
+  bias (ALiBi, a position bias), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
+  views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
+  softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
+  one the bias; the scores are the side that leads back to ``q @ kᵀ``.
 K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
-Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask (if any) left to `lift_masks`.
-Refuses dropout inside attention, query and key lengths that differ, and a graph whose only attention
-is one it does not recognise (softmax of square scores times values: a bias or soft-cap on the scores).
+Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
+`lift_masks`. Refuses dropout inside attention, query and key lengths that differ, and a graph whose
+only attention is one it does not recognise (softmax of square scores times values).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -35,6 +40,10 @@ MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__
 TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
 CASTS = ("to", "type_as", "type", "float", "double", "half", "bfloat16", "contiguous")  # keep the values
 DROPOUTS = ("dropout", F.dropout)
+BADDBMM = (torch.baddbmm, "baddbmm")
+VIEWS = ("view", "reshape", torch.reshape)
+MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add")
+TANH = (torch.tanh, "tanh")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,9 @@ class AttentionMatch:
     internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
     mask: Optional[tuple[str, fx.Node]] = None  # ("kept" | "masked_out" | "additive", the mask's node)
     fill: Optional[float] = None  # the value masked scores get (masked_fill / where), when it is one number
+    softcap: Optional[float] = None  # scores c·tanh(s / c)
+    bias: Optional[fx.Node] = None  # an additive score bias inside the mask (ALiBi, a position bias)
+    batch: Optional[int] = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
 
 
 def find_attention(ctx: PassContext) -> None:
@@ -173,7 +185,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     if not isinstance(probs, fx.Node):
         return None
     internal = [out]
-    probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0)
+    probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0), views
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
     active = next((n for n in internal if _is(n, DROPOUTS) and _drops(n)), None)
@@ -183,28 +195,72 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     internal.append(probs)
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
     scores, mask, fill = _peel_mask(scores, internal)
+    scores, bias = _peel_bias(scores, internal)
+    scores, softcap = _peel_softcap(scores, internal)
     scores, scale = _peel_scale(scores, internal)
-    if not _is(scores, MATMUL):
+    if _is(scores, BADDBMM):
+        product = _baddbmm(scores, bias)
+        if product is None:
+            return None
+        query, key_t, bias, alpha = product
+        scale *= alpha
+    elif _is(scores, MATMUL):
+        query, key_t = scores.args[0], scores.args[1]
+    else:
         return None
     internal.append(scores)
-    query, key_t = scores.args[0], scores.args[1]
     key = _transposed_last_two(key_t)
     if key is None:
         return None
     internal.append(key_t)
     if any(len(n.users) > 1 and n is not out for n in internal):
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
+    q, p = example_value(query), example_value(probs)
+    batch = p.shape[0] if q.dim() == 3 and p.dim() == 4 else None  # BLOOM: [B·H, S, D] against [B, H, S, S]
     return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale, "hand-written",
-                          tuple(internal), mask, fill)
+                          tuple(internal), mask, fill, softcap, bias, batch)
 
 
 def _peel_value_keeping(node, internal: list):
-    """The value under any casts and dropouts around it, which join ``internal`` (a dropout that acts is
-    refused by the caller once the value is known to be attention probabilities)."""
-    while isinstance(node, fx.Node) and _is(node, CASTS + DROPOUTS) and isinstance(node.args[0], fx.Node):
+    """The value under any casts, dropouts and batch-head views around it, which join ``internal`` (a
+    dropout that acts is refused by the caller once the value is known to be attention probabilities)."""
+    while isinstance(node, fx.Node) and (_is(node, CASTS + DROPOUTS) or _merges_heads(node)) \
+            and isinstance(node.args[0], fx.Node):
         internal.append(node)
         node = node.args[0]
     return node
+
+
+def _merges_heads(node: fx.Node) -> bool:
+    """A view between ``[B, H, n, m]`` and ``[B·H, n, m]`` (either way): the last two dims kept."""
+    if not _is(node, VIEWS) or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = example_value(node.args[0]), example_value(node)
+    if {before.dim(), after.dim()} != {3, 4} or tuple(before.shape[-2:]) != tuple(after.shape[-2:]):
+        return False
+    merged, split = (before, after) if before.dim() == 3 else (after, before)
+    return statically_known_true(merged.shape[0] == split.shape[0] * split.shape[1])
+
+
+def _leads_to_product(node, steps: int = 12) -> bool:
+    """``node`` is scores: scaling, soft-capping, biases, casts and views over ``q @ kᵀ``."""
+    if not isinstance(node, fx.Node) or steps == 0:
+        return False
+    if _is(node, MATMUL + BADDBMM):
+        return True
+    if not (_is(node, CASTS + MUL + DIV + ADD + TANH) or _merges_heads(node)):
+        return False
+    return any(_leads_to_product(arg, steps - 1) for arg in node.args if isinstance(arg, fx.Node))
+
+
+def _split_sum(node: fx.Node):
+    """(the scores, the other term) of ``scores + term``, or None."""
+    if not _is(node, ADD) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) or node.kwargs:
+        return None
+    left, right = node.args
+    if _leads_to_product(left):
+        return left, right
+    return (right, left) if _leads_to_product(right) else None
 
 
 def _drops(dropout: fx.Node) -> bool:
@@ -231,22 +287,70 @@ def _peel_mask(scores: fx.Node, internal: list):
         if scores.args[2] <= MASKED_AT_OR_BELOW:
             internal.append(scores)
             return scores.args[1], ("kept", scores.args[0]), float(scores.args[2])
-    if _is(scores, (operator.add, torch.add, "add")) and isinstance(scores.args[1], fx.Node):
-        left, right = scores.args
-        if _is(left, (operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div") + MATMUL):
-            internal.append(scores)
-            return left, ("additive", right), None
+    terms = _split_sum(scores)
+    if terms is not None:
+        internal.append(scores)
+        return terms[0], ("additive", terms[1]), None
     return scores, None, None
 
 
+def _peel_bias(scores: fx.Node, internal: list):
+    """(scores, the bias) of ``scores + bias`` under the mask, or (scores, None)."""
+    while _merges_heads(scores):  # BLOOM views [B·H, S, S] scores as [B, H, S, S] before the mask
+        internal.append(scores)
+        scores = scores.args[0]
+    terms = _split_sum(scores)
+    if terms is None:
+        return scores, None
+    internal.append(scores)
+    return terms
+
+
+def _peel_softcap(scores: fx.Node, internal: list):
+    """(x, c) of ``tanh(x / c) · c`` (or ``tanh(x · (1/c)) · c``), else (scores, None)."""
+    outer = _constant_factor(scores, MUL)
+    if outer is None or not _is(outer[0], TANH):
+        return scores, None
+    tanh = outer[0]
+    inner = _constant_factor(tanh.args[0], DIV) if isinstance(tanh.args[0], fx.Node) else None
+    inner_cap = None if inner is None else inner[1]
+    if inner is None:
+        inner = _constant_factor(tanh.args[0], MUL) if isinstance(tanh.args[0], fx.Node) else None
+        inner_cap = None if inner is None or inner[1] == 0 else 1.0 / inner[1]
+    if inner is None or not math.isclose(inner_cap, outer[1], rel_tol=1e-6):
+        return scores, None
+    internal += [scores, tanh, tanh.args[0]]
+    return inner[0], float(outer[1])
+
+
+def _constant_factor(node: fx.Node, ops):
+    """(x, c) of ``x op c`` (or ``c * x`` for a product) with a Python number c, else None."""
+    if not _is(node, ops) or len(node.args) != 2:
+        return None
+    x, c = node.args
+    if isinstance(x, (int, float)) and isinstance(c, fx.Node) and ops is MUL:
+        x, c = c, x
+    return (x, float(c)) if isinstance(x, fx.Node) and isinstance(c, (int, float)) else None
+
+
 def _peel_scale(scores: fx.Node, internal: list):
-    if _is(scores, (operator.mul, torch.mul, "mul")) and isinstance(scores.args[1], (int, float)):
-        internal.append(scores)
-        return scores.args[0], float(scores.args[1])
-    if _is(scores, (operator.truediv, torch.div, "div")) and isinstance(scores.args[1], (int, float)):
-        internal.append(scores)
-        return scores.args[0], 1.0 / float(scores.args[1])
+    for ops, as_factor in ((MUL, lambda c: c), (DIV, lambda c: 1.0 / c)):
+        found = _constant_factor(scores, ops)
+        if found is not None:
+            internal.append(scores)
+            return found[0], as_factor(found[1])
     return scores, 1.0
+
+
+def _baddbmm(node: fx.Node, bias):
+    """(q, kᵀ, the bias, alpha) of ``baddbmm(input, q, kᵀ, beta=1, alpha=s)`` (input: the bias; beta=0
+    ignores it), or None when its input would be a second bias or is scaled by another beta."""
+    names = ("input", "batch1", "batch2")
+    operands = dict(zip(names, node.args), **{n: node.kwargs[n] for n in names if n in node.kwargs})
+    beta, alpha = node.kwargs.get("beta", 1.0), node.kwargs.get("alpha", 1.0)
+    if not isinstance(alpha, (int, float)) or beta not in (0, 1) or (beta == 1 and bias is not None):
+        return None
+    return operands["batch1"], operands["batch2"], (operands["input"] if beta == 1 else bias), float(alpha)
 
 
 def _transposed_last_two(node: fx.Node) -> Optional[fx.Node]:

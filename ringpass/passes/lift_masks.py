@@ -18,7 +18,13 @@ Then, per attention, in this order:
    causal; otherwise it is refused, naming the node and source line, unless ``masks="materialize"``
    lets every rank hold the tensor whole (then it is a program input like the others).
 
-Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (the masks: they and what only
+Score modifiers of a hand-written attention (`lowering.scores`) join the plan: its soft-cap as a number,
+and its additive bias (the term under the mask) lifted the same way: a bias that depends on shapes only
+and is ``slope[h] · kv_pos + c`` along the keys (BLOOM's and MPT's ALiBi) becomes per-head slopes the
+kernels apply from positions; any other bias becomes a bias program evaluated per tile; a bias that needs
+an ``S x S`` tensor is refused.
+
+Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (masks and biases: they and what only
 feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank).
 """
 
@@ -32,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
-from lowering.masks import as_visibility, register_mask
+from lowering.masks import register_mask, split_additive
 from ringpass.graph import describe, example_value, is_module_state, placeholders_of, refusal, user_name
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
@@ -46,17 +52,33 @@ Q, KV = "q", "kv"
 
 @dataclass
 class MaskPlan:
-    """How the ring applies one attention's mask: flags, or a program with its whole inputs."""
+    """How the ring applies one attention's mask (flags, or a program with its whole inputs) and score
+    modifiers (soft-cap, ALiBi slopes, a bias program with its whole inputs)."""
 
     is_causal: bool = False
     window: Optional[int] = None
     program_id: str = ""
     inputs: list = field(default_factory=list)
+    softcap: Optional[float] = None
+    slopes: Optional[list] = None
+    bias_id: str = ""
+    bias_inputs: list = field(default_factory=list)
 
     def describe(self) -> str:
         if self.program_id:
             return f"lifted mask program{' + causal' if self.is_causal else ''}{self._window()}, evaluated per tile"
         return ("causal" if self.is_causal else "no mask") + self._window()
+
+    def score_mods(self) -> list[str]:
+        """The score modifiers in words, for the report."""
+        return ([f"soft-cap {self.softcap:g}"] if self.softcap is not None else []) + \
+            (["ALiBi slopes, computed in-kernel from positions"] if self.slopes is not None else []) + \
+            (["lifted bias program, evaluated per tile"] if self.bias_id else [])
+
+    def op_args(self) -> tuple:
+        """The ring op's mask and score arguments, in its order."""
+        return (self.window, self.program_id, list(self.inputs), self.softcap, self.slopes, self.bias_id,
+                list(self.bias_inputs))
 
     def _window(self) -> str:
         return f", sliding window {self.window}" if self.window is not None else ""
@@ -64,10 +86,70 @@ class MaskPlan:
 
 def lift_masks(ctx: PassContext) -> None:
     for match in ctx.attention:
-        if match.mask is None:
-            ctx.masks[match.output] = MaskPlan(match.is_causal)
-        else:
-            ctx.masks[match.output] = _plan(ctx, match)
+        plan = MaskPlan(match.is_causal) if match.mask is None else _plan(ctx, match)
+        plan.softcap = match.softcap
+        if match.bias is not None:
+            _plan_bias(ctx, match, plan)
+        ctx.masks[match.output] = plan
+
+
+def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
+    """ALiBi slopes when the bias is one, else a bias program (refused when it needs an S x S tensor)."""
+    bias = match.bias
+    ctx.lifted.add(bias)
+    plan.slopes = _alibi_slopes(ctx, match)
+    if plan.slopes is not None:
+        return
+    region = _Region(bias)
+    if region.oversized:
+        big = region.oversized[0]
+        raise refusal(
+            f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
+            "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
+            "so no rank holds S x S values. Build the bias from positions.", big)
+    program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)))
+    ctx.whole_values |= set(region.input_nodes)
+    plan.bias_id, plan.bias_inputs = register_mask(program, source=program.code), region.input_nodes
+
+
+def _to_4d(match, value):
+    """How a bias of ``value``'s shape becomes ``[B or 1, H or 1, n, m]`` for the ring: a 3-D bias of merged
+    batch and heads is unflattened, one of single-head 3-D attention gains a head axis."""
+    if value.dim() != 3 or example_value(match.query).dim() != 3:
+        return None
+    if match.batch is None:
+        return ("unsqueeze", 1)
+    return ("unsqueeze", 0) if same(value.shape[0], 1) else ("unflatten", 0, (match.batch, -1))
+
+
+def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
+    """Per-query-head slopes when the bias depends on shapes only and equals ``slope[h] · kv_pos + c[h]``
+    at every key (with dynamic shapes: at two lengths, with the same slopes), else None."""
+    n = example_value(match.output).shape[-2]
+    lengths = [None] if not isinstance(n, torch.SymInt) else [(n, n.node.hint), (n, 2 * n.node.hint + 3)]
+    found = []
+    for resize in lengths:
+        values = _evaluate(ctx, match.bias, resize)
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            return None
+        reshape = _to_4d(match, values)
+        values = getattr(values, reshape[0])(*reshape[1:]) if reshape else values[(None,) * (4 - values.dim())]
+        if values.dim() != 4 or values.shape[2] != 1 or values.shape[3] < 2:
+            return None  # varies with the query, or too short to read a slope from
+        lines = values[:, :, 0, :].double()
+        slopes = lines[..., 1] - lines[..., 0]
+        fitted = lines[..., :1] + slopes[..., None] * torch.arange(lines.shape[-1], dtype=torch.float64)
+        tolerance = 1e-6 * max(1.0, float(lines.abs().max()))
+        if not bool(((lines - fitted).abs() <= tolerance).all()) or not bool((slopes == slopes[:1]).all()):
+            return None
+        found.append(slopes[0].expand(_query_heads(match)).tolist())
+    return found[0] if all(f == found[0] for f in found) else None
+
+
+def _query_heads(match) -> int:
+    """The query heads of the ring call this attention becomes."""
+    q = example_value(match.query)
+    return int(q.shape[1]) if q.dim() == 4 else (1 if match.batch is None else int(q.shape[0]) // match.batch)
 
 
 def _plan(ctx: PassContext, match) -> MaskPlan:
@@ -442,9 +524,10 @@ def _offset_from_arange(value: torch.Tensor, dim: int) -> Optional[int]:
 
 
 # ---- 2. the mask program ------------------------------------------------------------------------------
-def _program(ctx: PassContext, region: _Region, kind: str) -> fx.GraphModule:
+def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tuple] = None) -> fx.GraphModule:
     """``program(q_pos, kv_pos, *inputs)``: the region, with its per-token inputs restricted to the
-    positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts)."""
+    positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts); a
+    ``reshape`` (method name and arguments) brings its result to the ring's ``[B, H, n, m]``."""
     graph = fx.Graph()
     positions = {Q: graph.placeholder("q_pos"), KV: graph.placeholder("kv_pos")}
     whole = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(region.input_nodes)}
@@ -466,6 +549,8 @@ def _program(ctx: PassContext, region: _Region, kind: str) -> fx.GraphModule:
     result = env[region.mask]
     if kind == "masked_out":
         result = graph.call_function(operator.invert, (result,))
+    if reshape is not None:
+        result = graph.call_method(reshape[0], (result, *reshape[1:]))
     graph.output(result)
     return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskProgram")
 
@@ -486,9 +571,14 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
         return False
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
     try:
-        visible = ~grid.bool() if kind == "masked_out" else as_visibility(grid)
+        visible, bias = (~grid.bool(), None) if kind == "masked_out" else split_additive(grid)
     except NotSupportedError as error:
         raise refusal(f"The attention mask at {describe(mask)}: {error}", mask) from None
+    if bias is not None:
+        raise refusal(
+            f"The attention mask at {describe(mask)} adds a bias held as a sequence x sequence tensor; ring attention "
+            "computes biases per tile from positions (ALiBi slopes, a bias built from position vectors), so no rank "
+            "holds S x S values. Build the bias from positions.", mask)
     return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
 
 

@@ -5,7 +5,8 @@ Matches ``ctx.attention`` (found by `find_attention`, masks planned by `lift_mas
 only those heads travel) with the layout, the mask plan (causal flag, window, mask program id and its
 whole inputs), the scale (1/sqrt(head_dim) when the model gave none) and the process group by name, and
 removes the SDPA call or the hand-written attention's nodes. 3-D single-head attention gains a head axis
-around the call.
+around the call; 3-D attention over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to
+``[B, H, S, D]`` around it. The score modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan.
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ def rewrite_attention(ctx: PassContext) -> None:
         plan = ctx.masks[match.output]
         with graph.inserting_before(match.output):
             operands = [match.query, match.key, match.value]
+            to_4d, back = (("unsqueeze", 1), ("squeeze", 1)) if match.batch is None else \
+                (("unflatten", 0, (match.batch, -1)), ("flatten", 0, 1))
             if q.dim() == 3:
-                operands = [graph.call_method("unsqueeze", (t, 1)) for t in operands]
+                operands = [graph.call_method(to_4d[0], (t, *to_4d[1:])) for t in operands]
             ring = graph.call_function(
                 torch.ops.ringpass.ring_attention.default,
                 (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
-                 ctx.group_name, plan.window, plan.program_id, list(plan.inputs)),
+                 ctx.group_name, *plan.op_args()),
             )
             copy_origin(ring, match.output)
             out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
             if q.dim() == 3:
-                out = graph.call_method("squeeze", (out, 1))
+                out = graph.call_method(back[0], (out, *back[1:]))
         out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
         match.output.replace_all_uses_with(out)
         ctx.placement[ring] = ctx.placement[out] = LOCAL
@@ -56,18 +59,22 @@ def rewrite_attention(ctx: PassContext) -> None:
 
 
 def _mask_inputs(plan) -> list[str]:
-    """The user inputs a mask program reads, and "positions" when it also reads values of the length alone."""
-    read = [inputs_read(node) for node in plan.inputs]
+    """The user inputs the mask and bias programs read, and "positions" when they also read values of the
+    length alone."""
+    read = [inputs_read(node) for node in [*plan.inputs, *plan.bias_inputs]]
     return sorted({name for names in read for name in names}) + (["positions"] if any(not names for names in read) else [])
 
 
 def _record(match, plan, scale: float) -> AttentionRecord:
     q, k = example_value(match.query), example_value(match.key)
     heads = (plain(q.shape[1]), plain(k.shape[1])) if q.dim() == 4 else (1, 1)
+    if match.batch is not None:
+        heads = (plain(q.shape[0]) // match.batch, plain(k.shape[0]) // match.batch)
     return AttentionRecord(
         module=module_path(match.output), source=source_line(match.output), spelling=match.spelling,
         mask=plan.describe(), is_causal=plan.is_causal, window=plan.window,
-        mask_inputs=_mask_inputs(plan), batch=plain(q.shape[0]), query_heads=heads[0],
+        mask_inputs=_mask_inputs(plan), batch=plain(q.shape[0]) if match.batch is None else match.batch,
+        query_heads=heads[0],
         kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
-        itemsize=q.element_size(), scale=float(scale),
+        itemsize=q.element_size(), scale=float(scale), score_mods=plan.score_mods(),
     )

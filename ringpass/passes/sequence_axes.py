@@ -4,7 +4,8 @@ Matches: the sequence length N is the attentions' query length (all must agree).
 sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
 (positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables). Every
 other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
-whose size moved are its sequence axes. Ops that spell sizes literally (``view``, ``reshape``,
+whose size moved are its sequence axes. The nodes inside a hand-written attention (scores, soft-cap, bias,
+probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v. Ops that spell sizes literally (``view``, ``reshape``,
 ``expand``, ``repeat``) are given the probe's sizes by `resize_size_args`, which the shape rewrite
 reuses for the real local length.
 
@@ -29,7 +30,7 @@ from torch.fx.node import map_aggregate
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state, refusal
 from ringpass.passes.context import PassContext, SeqDim
-from ringpass.passes.token_ops import classify, value_of
+from ringpass.passes.token_ops import classify, custom_forward, value_of
 
 VIEWS = ("view", "reshape", torch.reshape)
 EXPANDS = ("expand", "repeat", torch.broadcast_to)
@@ -71,6 +72,8 @@ class _Probe:
         self.probe_len = ctx.seq_len + 1
         self.values: dict[fx.Node, object] = {}
         self.inner_by_size: dict[object, int] = {_key(self.n): 1}
+        self.attention_outputs = {m.output: m for m in ctx.attention}
+        self.inside_attention = {n for m in ctx.attention for n in m.internal if n is not m.output}
         self.fake_mode = next(
             example_value(n).fake_mode for n in ctx.gm.graph.nodes
             if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
@@ -92,8 +95,12 @@ class _Probe:
         original = example_value(node)
         if node.op == "placeholder":
             return self._probe_placeholder(node, original)
-        if node.op == "get_attr":
+        if node.op == "get_attr" or node in self.inside_attention:
             return original
+        if node in self.attention_outputs:  # out: q's leading dims and v's head dim
+            match = self.attention_outputs[node]
+            q, v = self.values[match.query], self.values[match.value]
+            return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
         if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
             if source is not None:
@@ -103,6 +110,8 @@ class _Probe:
                 return original
         args, kwargs = self._probe_args(node)
         try:
+            if node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply:
+                return custom_forward(node)(*args[2:])[0]  # the Function's forward body: (outputs, saved)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)

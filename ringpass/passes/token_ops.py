@@ -4,7 +4,8 @@ An op on a value with a sequence axis may run on a shard only if it acts on ever
 is decided from what the op is, never assumed: pointwise aten ops (by their ``pointwise`` tag), ops that
 only rearrange or cast (``view``, ``transpose``, ``to``...), per-token layers (``linear``, ``embedding``,
 ``layer_norm`` over trailing feature dims, ``matmul`` over feature dims, a table indexed by per-token
-ids, indexing along other dims than the sequence), and ops with a ``dim``
+ids, indexing along other dims than the sequence), custom autograd Functions whose forward does only
+such ops (BLOOM's GeLU), and ops with a ``dim``
 argument (``softmax``, ``cat``, ``split``, ``sum``...) when that dim is not the sequence. A ``sum`` or
 ``mean`` over the sequence is a partial sum to be all-reduced; ``cross_entropy`` with a reduction is
 a global mean. Everything else that touches the sequence (sorts, convolutions, cumulative ops, max or
@@ -58,6 +59,8 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     ("mixing", why). ``seq_dims(arg)`` gives the sequence dims of an input node."""
     name = op_name(node)
     first = next((a for a in _tensor_args(node) if seq_dims(a)), None)
+    if name == "autograd_function_apply":
+        return _custom_function(node)
     if name == "getitem":
         return _getitem(node, seq_dims, output_has_seq)
     if name == "cross_entropy":
@@ -84,6 +87,23 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     if name in REARRANGE or name in PER_TOKEN_LAYERS or _pointwise(name):
         return "token", None
     return "mixing", f"`{name}` is not known to act on each token separately"
+
+
+def _custom_function(node: fx.Node) -> tuple[str, Optional[str]]:
+    """A custom autograd Function (Dynamo's ``autograd_function_apply``) acts per token when every op of its
+    forward does: pointwise or rearranging ops (its backward is the Function's own, computed per token too)."""
+    for op in custom_forward(node).graph.nodes:
+        if op.op not in ("call_function", "call_method"):
+            continue
+        name = op_name(op)
+        if not (name in REARRANGE or _pointwise(name) or name == "_set_grad_enabled"):
+            return "mixing", f"a custom autograd Function runs `{name}`, not known to act on each token separately"
+    return "token", None
+
+
+def custom_forward(node: fx.Node) -> fx.GraphModule:
+    """The forward body of an ``autograd_function_apply`` node."""
+    return getattr(node.graph.owning_module, node.args[0].target)
 
 
 def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, Optional[str]]:
