@@ -93,21 +93,39 @@ def attention_out(seq_len: int = 16):
 
 
 class SoftCappedScores(nn.Module):
-    """Written-out attention whose scores are soft-capped (Gemma 2): tanh(scores / c) * c."""
+    """Written-out attention whose scores are soft-capped (Gemma 2: ``tanh(scores / c) * c``), with a
+    distance bias added before the cap (``under_cap``: no form the kernels compute) or after it, or a
+    learned ``[S, S]`` bias table (``table``)."""
 
-    def __init__(self):
+    def __init__(self, bias: str):
         super().__init__()
+        self.bias = bias
         self.proj = nn.Linear(8, 24)
+        self.table = nn.Parameter(torch.randn(64, 64))
 
     def forward(self, x):
         q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
-        scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0
+        pos = torch.arange(x.shape[1], device=x.device)
+        distance = -(pos[:, None] - pos[None, :]).abs().float()
+        if self.bias == "under_cap":
+            scores = torch.tanh((q @ k.transpose(-1, -2) * 0.5 + distance) / 30.0) * 30.0
+        elif self.bias == "table":
+            scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0 + self.table[:x.shape[1], :x.shape[1]]
+        else:
+            scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0 + distance
         return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(x.shape)
 
 
-def soft_capped_scores(seq_len: int = 16):
-    return SoftCappedScores(), (torch.randn(1, seq_len, 8),)
+def soft_capped_scores(seq_len: int = 16, bias: str = "after_cap"):
+    return SoftCappedScores(bias), (torch.randn(1, seq_len, 8),)
 
+
+def bias_under_the_cap(seq_len: int = 16):
+    return soft_capped_scores(seq_len, "under_cap")
+
+
+def learned_bias_table(seq_len: int = 16):
+    return soft_capped_scores(seq_len, "table")
 
 
 class DropoutAround(nn.Module):

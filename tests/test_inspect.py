@@ -363,12 +363,26 @@ def test_picture_of_a_model_with_no_graph(tmp_path):
 
 
 def test_an_attention_it_cannot_read_is_refused_not_run_unsharded(tmp_path):
-    """Soft-capped scores (Gemma 2) used to pass as "no attention" and run unsharded on every rank."""
-    code, data = _cli(tmp_path, f"{TARGETS}:soft_capped_scores", "--world-size", "2")
+    """A bias under the soft-cap is no form the kernels compute: refused, never run unsharded."""
+    code, data = _cli(tmp_path, f"{TARGETS}:bias_under_the_cap", "--world-size", "2")
     assert code == 2
     refusal = data["graphs"][0]["refusal"]
     assert refusal["op"] == "softmax" and "does not recognise" in refusal["message"]
 
+
+def test_soft_capped_scores_with_a_distance_bias_are_rewritten(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:soft_capped_scores", "--world-size", "2")
+    assert code == 0
+    attention, = data["graphs"][0]["attentions"]
+    assert attention["score_mods"] == ["soft-cap 30", "lifted bias program, evaluated per tile"]
+    assert attention["scale"] == 0.5
+
+
+def test_a_learned_sequence_by_sequence_bias_is_refused(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:learned_bias_table", "--world-size", "2")
+    assert code == 2
+    assert "score bias" in data["graphs"][0]["refusal"]["message"]
+    assert "sequence x sequence tensor" in data["graphs"][0]["refusal"]["message"]
 
 
 def test_dropout_is_refused_on_attention_probabilities_only(tmp_path):

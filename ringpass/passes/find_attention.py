@@ -10,7 +10,8 @@ Matches:
   bias (ALiBi, a position bias), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
   views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
   softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
-  one the bias; the scores are the side that leads back to ``q @ kᵀ``.
+  one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
+  user input) is a bias; the scores are the side that leads back to ``q @ kᵀ``.
 K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import describe, example_value, refusal
+from ringpass.graph import describe, example_value, is_module_state, refusal
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -110,8 +111,8 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
         if any(_is(u, MATMUL) and u.args[0] is probs for u in probs.users):
             raise refusal(
                 f"{describe(node)} is a softmax over query x key scores that multiply values: an attention the ring "
-                "backend does not recognise, so nothing would be sharded. Attention with a score bias (ALiBi) or "
-                "soft-capping (tanh) is not supported yet; for Hugging Face models try attn_implementation='sdpa'.",
+                "backend does not recognise, so nothing would be sharded (recognised: scale, soft-cap tanh(x / c) * c, "
+                "then a bias, then a mask, over q @ k^T); for Hugging Face models try attn_implementation='sdpa'.",
                 node)
 
 
@@ -196,6 +197,8 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
     scores, mask, fill = _peel_mask(scores, internal)
     scores, bias = _peel_bias(scores, internal)
+    if bias is None and mask is not None and mask[0] == "additive" and _only_adds(mask[1]):
+        bias, mask = mask[1], None  # softmax(q kᵀ s + distance): one additive term that hides nothing
     scores, softcap = _peel_softcap(scores, internal)
     scores, scale = _peel_scale(scores, internal)
     if _is(scores, BADDBMM):
@@ -304,6 +307,32 @@ def _peel_bias(scores: fx.Node, internal: list):
         return scores, None
     internal.append(scores)
     return terms
+
+
+def _only_adds(term: fx.Node) -> bool:
+    """An additive term built from positions and module state with no booleans, no hiding values (at or
+    below -1e4) and no user input: a bias (an additive term that may hide keys is planned as a mask, whose
+    other values the ring adds as a bias anyway)."""
+    seen, stack = set(), [term]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))):
+            return False
+        if any(c <= MASKED_AT_OR_BELOW for c in _numbers((node.args, tuple(node.kwargs.values())))):
+            return False
+        stack += node.all_input_nodes
+    return True
+
+
+def _numbers(args) -> list:
+    """The Python numbers among (nested) arguments."""
+    found = []
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a)
+    return found
 
 
 def _peel_softcap(scores: fx.Node, internal: list):
