@@ -75,16 +75,21 @@ def user_name(node: fx.Node) -> str:
     return re.sub(r"^(kwargs|args|self)_", "", name)
 
 
-def placeholders_of(node: fx.Node) -> list[fx.Node]:
-    """The graph inputs (user inputs and module state) ``node`` is computed from."""
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it is computed from, once each."""
     seen, stack, found = set(), [node], []
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            found += [current] if current.op == "placeholder" else []
+            found.append(current)
             stack += current.all_input_nodes
     return found
+
+
+def placeholders_of(node: fx.Node) -> list[fx.Node]:
+    """The graph inputs (user inputs and module state) ``node`` is computed from."""
+    return [n for n in ancestors(node) if n.op == "placeholder"]
 
 
 def inputs_read(node: fx.Node) -> list[str]:

@@ -105,11 +105,25 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
             "report": str(backend.reports[-1]),
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+            "saved_bytes": _saved_for_backward(compiled, kwargs),
         }
         if dynamic:
             longer = batch(case, seq_len + 6)
             results[case]["longer"] = rel_err(compiled(**longer).logits, model(**longer).logits)
     return results
+
+
+def _saved_for_backward(compiled, kwargs) -> int:
+    """Bytes of the tensors one (already compiled) forward saves for the backward."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compiled(**kwargs)
+    return sum(saved)
 
 
 def generate_prefill(rank: int, world_size: int, name: str, seq_len: int) -> dict:

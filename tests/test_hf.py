@@ -87,12 +87,16 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are
-    opened (their activations kept, 1/P per rank) and the layers' attention rewritten."""
+    opened, the layers' attention rewritten, and the backward recomputes the rest of each layer (less is
+    saved than without checkpointing) but never a forward ring (the KV hops are the forward's and the
+    backward's own: 2 layers x (P-1) each)."""
     cases = ["labels", "left-padded"]
     expected = {"labels": "sdpa (causal", "left-padded": "lifted mask program + causal"}
+    plain, = spawn_ranks(hf_workers.training_step, 2, ("llama", ["labels"], SEQ), timeout=600)[:1]
     for results in spawn_ranks(hf_workers.training_step, 2, ("llama", cases, SEQ, None, checkpointed), timeout=600):
         _check(results, expected, 2)
-        assert all("activation-checkpoint region(s) opened" in r["report"] for r in results.values())
+        assert all("activation-checkpoint region(s) opened: recomputed" in r["report"] for r in results.values())
+        assert results["labels"]["saved_bytes"] < 0.8 * plain["labels"]["saved_bytes"], (results, plain)
 
 
 def test_one_dynamic_compile_serves_two_lengths():

@@ -8,6 +8,7 @@ import lowering.masks
 from lowering import InvalidInputError, Layout, record_ring_events, simulate_ring
 from lowering.kernels import block_attention, block_attention_backward
 from reference import masked_attention_fp64, rel_err
+from ring_checks import check_simulated_ring, qkv_fp64
 
 
 def packed_documents(q_pos, kv_pos, document):
@@ -18,13 +19,6 @@ def packed_documents(q_pos, kv_pos, document):
 def left_padding(q_pos, kv_pos, keep):
     """A [B, S] padding mask on the keys (HF's attention_mask), with causality."""
     return keep[:, kv_pos][:, None, None, :] & (kv_pos[None, :] <= q_pos[:, None])[None, None]
-
-
-def _inputs(seq_len, heads=(4, 2), batch=2):
-    torch.manual_seed(0)
-    q = torch.randn(batch, heads[0], seq_len, 8, dtype=torch.float64)
-    k, v = (torch.randn(batch, heads[1], seq_len, 8, dtype=torch.float64) for _ in range(2))
-    return q, k, v
 
 
 def _cases(seq_len):
@@ -48,24 +42,15 @@ def _cases(seq_len):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_masked_ring_matches_dense_masked_fp64(monkeypatch, case, kind, world_size):
     monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)  # many tiles per block: full, empty and partial ones
-    seq_len = 45
-    q, k, v = _inputs(seq_len)
-    options, visible = _cases(seq_len)[case]
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = masked_attention_fp64(*leaves, visible)
-    dout = torch.randn_like(expected)
-    expected.backward(dout)
-    sim = simulate_ring(q, k, v, layout=Layout(kind, world_size, seq_len), is_causal=True, dout=dout, **options)
-    assert rel_err(sim.out, expected) < 1e-12
-    for got, leaf in zip((sim.dq, sim.dk, sim.dv), leaves):
-        assert rel_err(got, leaf.grad) < 1e-12
+    options, visible = _cases(45)[case]
+    check_simulated_ring(Layout(kind, world_size, 45), visible, options)
 
 
 def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
     """The largest mask tensor the ring evaluates is one tile, at any sequence length (not S x S, not S/P x S)."""
     largest = {}
     for seq_len in (512, 2048):
-        q, k, v = _inputs(seq_len, heads=(2, 1))
+        q, k, v = qkv_fp64(seq_len, heads=(2, 1))
         document = torch.arange(seq_len) // 300
         with record_ring_events() as events:
             simulate_ring(q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, mask=packed_documents,
@@ -78,7 +63,7 @@ def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
 def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
     monkeypatch.setattr(lowering.masks, "MASK_TILE", 16)
     seq_len = 64
-    q, k, v = _inputs(seq_len, heads=(2, 2), batch=1)
+    q, k, v = qkv_fp64(seq_len, heads=(2, 2), batch=1)
     document = torch.arange(seq_len) // 16  # four documents: most of the causal triangle is masked
     with record_ring_events() as events:
         simulate_ring(q, k, v, layout=Layout("contiguous", 2, seq_len), is_causal=True, mask=packed_documents,
@@ -91,7 +76,7 @@ def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
 def test_an_additive_mask_carrying_a_bias_applies_both():
     """An additive mask program's values: at or below -1e4 hide the key, anything else adds to the score."""
     seq_len = 20
-    q, k, v = _inputs(seq_len)
+    q, k, v = qkv_fp64(seq_len)
     pos = torch.arange(seq_len)
 
     def alibi_and_causal(q_pos, kv_pos):
@@ -106,7 +91,7 @@ def test_an_additive_mask_carrying_a_bias_applies_both():
 
 
 def test_a_window_needs_causal():
-    q, k, v = _inputs(16)
+    q, k, v = qkv_fp64(16)
     with pytest.raises(InvalidInputError, match="needs is_causal=True"):
         simulate_ring(q, k, v, layout=Layout("contiguous", 2, 16), window=4)
 

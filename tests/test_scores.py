@@ -8,6 +8,7 @@ import torch
 import lowering.masks
 from lowering import InvalidInputError, Layout, record_ring_events, ring_attention, simulate_ring
 from reference import masked_attention_fp64, rel_err
+from ring_checks import check_simulated_ring, qkv_fp64
 
 SLOPES = [2.0 ** -(h + 1) for h in range(4)]
 
@@ -20,13 +21,6 @@ def document_bias(q_pos, kv_pos, document):
 
 def packed_documents(q_pos, kv_pos, document):
     return ((document[q_pos][:, None] == document[kv_pos][None, :]) & (kv_pos[None, :] <= q_pos[:, None]))[None, None]
-
-
-def _inputs(seq_len, heads=(4, 2), batch=2):
-    torch.manual_seed(0)
-    q = torch.randn(batch, heads[0], seq_len, 8, dtype=torch.float64)
-    k, v = (torch.randn(batch, heads[1], seq_len, 8, dtype=torch.float64) for _ in range(2))
-    return q, k, v
 
 
 def _cases(seq_len):
@@ -51,23 +45,14 @@ def _cases(seq_len):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_score_modifiers_in_the_ring_match_fp64(monkeypatch, case, kind, world_size):
     monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)  # many tiles per block
-    seq_len = 41
-    q, k, v = _inputs(seq_len)
-    options, reference, visible = _cases(seq_len)[case]
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = masked_attention_fp64(*leaves, visible, **reference)
-    dout = torch.randn_like(expected)
-    expected.backward(dout)
-    sim = simulate_ring(q, k, v, layout=Layout(kind, world_size, seq_len), is_causal=True, dout=dout, **options)
-    assert rel_err(sim.out, expected) < 1e-12
-    for got, leaf in zip((sim.dq, sim.dk, sim.dv), leaves):
-        assert rel_err(got, leaf.grad) < 1e-12
+    options, reference, visible = _cases(41)[case]
+    check_simulated_ring(Layout(kind, world_size, 41), visible, options, reference)
 
 
 def test_bias_memory_is_bounded_by_the_tile_not_the_sequence():
     largest = {}
     for seq_len in (512, 1536):
-        q, k, v = _inputs(seq_len, heads=(4, 1), batch=1)
+        q, k, v = qkv_fp64(seq_len, heads=(4, 1), batch=1)
         document = torch.arange(seq_len) // 300
         with record_ring_events() as events:
             simulate_ring(q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, bias=document_bias,
@@ -77,7 +62,7 @@ def test_bias_memory_is_bounded_by_the_tile_not_the_sequence():
 
 
 def test_public_entry_point_with_slopes_and_softcap_and_lse():
-    q, k, v = (t.requires_grad_() for t in _inputs(12))
+    q, k, v = (t.requires_grad_() for t in qkv_fp64(12))
     pos = torch.arange(12)
     out, lse = ring_attention(q, k, v, layout=Layout("zigzag", 1, 12), is_causal=True, softcap=2.0,
                               alibi_slopes=SLOPES, return_lse=True)
@@ -101,6 +86,6 @@ def test_public_entry_point_with_slopes_and_softcap_and_lse():
     (dict(bias=lambda q_pos, kv_pos: torch.zeros(3, 1, 1, 1)), "must broadcast"),
 ])
 def test_bad_score_options_are_refused(options, message):
-    q, k, v = _inputs(8)
+    q, k, v = qkv_fp64(8)
     with pytest.raises(InvalidInputError, match=message):
         ring_attention(q, k, v, layout=Layout("contiguous", 1, 8), **options)

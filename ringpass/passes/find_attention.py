@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import describe, example_value, is_module_state, refusal
+from ringpass.graph import ancestors, describe, example_value, is_module_state, refusal
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -313,19 +313,14 @@ def _only_adds(term: fx.Node) -> bool:
     """An additive term built from positions and module state with no booleans, no hiding values (at or
     below -1e4) and no user input: a bias (an additive term that may hide keys is planned as a mask, whose
     other values the ring adds as a bias anyway)."""
-    seen, stack = set(), [term]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        value = example_value(node)
-        if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))):
-            return False
-        if any(c <= MASKED_AT_OR_BELOW for c in _numbers((node.args, tuple(node.kwargs.values())))):
-            return False
-        stack += node.all_input_nodes
-    return True
+    return not any(_hides_or_is_input(node) for node in ancestors(term))
+
+
+def _hides_or_is_input(node: fx.Node) -> bool:
+    value = example_value(node)
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))):
+        return True
+    return any(c <= MASKED_AT_OR_BELOW for c in _numbers((node.args, tuple(node.kwargs.values()))))
 
 
 def _numbers(args) -> list:

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from lowering.masks import register_mask, split_additive
-from ringpass.graph import describe, example_value, is_module_state, placeholders_of, refusal, user_name
+from ringpass.graph import ancestors, describe, example_value, is_module_state, placeholders_of, refusal, user_name
 from ringpass.passes.context import PassContext
 from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
@@ -456,22 +456,16 @@ def _shape_formula(node: fx.Node) -> bool:
     """The value is the sequence length run through aranges, offsets and broadcasting only (no module
     state, no data, no op whose result could change its form with the length, like ``%`` or ``cumsum``):
     a reading of it at one length is its reading at every length."""
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder":
-            if not isinstance(example_value(current), torch.SymInt):
-                return False
-        elif current.op not in ("call_function", "call_method") or op_name(current) not in SHAPE_FORMULA:
-            return False
-        elif op_name(current) == "getitem" and isinstance(example_value(current.args[0]), torch.Tensor) \
-                and not _new_axes_only(current.args[1]):
-            return False
-        stack += current.all_input_nodes
-    return True
+    return all(_shape_op(current) for current in ancestors(node))
+
+
+def _shape_op(node: fx.Node) -> bool:
+    if node.op == "placeholder":
+        return isinstance(example_value(node), torch.SymInt)
+    if node.op not in ("call_function", "call_method") or op_name(node) not in SHAPE_FORMULA:
+        return False
+    return not (op_name(node) == "getitem" and isinstance(example_value(node.args[0]), torch.Tensor)
+                and not _new_axes_only(node.args[1]))
 
 
 def _casts_to_bool(node: fx.Node) -> bool:

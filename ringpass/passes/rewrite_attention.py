@@ -15,6 +15,7 @@ import math
 import operator
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ringpass.graph import copy_origin, describe, example_value, inputs_read, module_path, plain, refusal, source_line
 from ringpass.report import AttentionRecord
@@ -47,6 +48,9 @@ def rewrite_attention(ctx: PassContext) -> None:
             )
             copy_origin(ring, match.output)
             out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
+            if "recompute" in match.output.meta:  # inside a checkpoint region: never recompute a ring
+                for node in (ring, out):
+                    node.meta.update(recompute=CheckpointPolicy.MUST_SAVE, ac_graph_id=match.output.meta.get("ac_graph_id"))
             if q.dim() == 3:
                 out = graph.call_method(back[0], (out, *back[1:]))
         out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
