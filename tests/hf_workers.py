@@ -41,6 +41,11 @@ def build(name: str):
     if name == "mpt":  # ALiBi over max_seq_len, sliced to the sequence
         config = transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
         return transformers.MptForCausalLM(config)
+    if name == "mixtral":  # mixture of experts: tokens sorted by expert, grouped matmuls, order restored
+        config = transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation=implementation)
+        return transformers.MixtralForCausalLM(config)
     if name == "gemma2":  # logit soft-capping (a small cap, so that it bites), every other layer a window of 5
         config = transformers.Gemma2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -128,6 +128,34 @@ def learned_bias_table(seq_len: int = 16):
     return soft_capped_scores(seq_len, "table")
 
 
+class SortedExperts(nn.Module):
+    """Attention, then a mixture of experts written out: tokens sorted by their expert, each row multiplied
+    by its expert's weights, order restored by the inverse permutation. ``leak``: the sorted rows are also
+    added to the restored ones (token order meets sorted order: not token-local)."""
+
+    def __init__(self, leak: bool):
+        super().__init__()
+        self.leak = leak
+        self.proj, self.router = nn.Linear(8, 24), nn.Linear(8, 3)
+        self.experts = nn.Parameter(torch.randn(3, 8, 8))
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, 8)
+        expert_ids, perm = torch.sort(self.router(h).argmax(-1))
+        rows = h[perm]
+        out = (rows.unsqueeze(1) @ self.experts[expert_ids]).squeeze(1)[torch.argsort(perm)]
+        return (out + rows if self.leak else out).view(x.shape)
+
+
+def sorted_experts(seq_len: int = 16):
+    return SortedExperts(False), (torch.randn(2, seq_len, 8),)
+
+
+def sorted_rows_leak(seq_len: int = 16):
+    return SortedExperts(True), (torch.randn(2, seq_len, 8),)
+
+
 class DropoutAround(nn.Module):
     """Dropout (p=0.1, training) on written-out attention probabilities, or only on an MLP's input."""
 

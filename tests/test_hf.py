@@ -84,6 +84,16 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
             assert words in results[case]["report"], (case, results[case]["report"])
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mixture_of_experts_trains_through_the_ring(world_size):
+    """Mixtral's grouped experts sort this rank's tokens by expert, count them per expert (segment offsets
+    of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence."""
+    cases = ["labels", "right-padded"]
+    for results in spawn_ranks(hf_workers.training_step, world_size, ("mixtral", cases, SEQ), timeout=600):
+        _check(results, {"labels": "sdpa (causal", "right-padded": "lifted mask program + causal"}, world_size)
+        assert all("moe.py" not in r["report"] for r in results.values())  # no expert op computed whole
+
+
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are

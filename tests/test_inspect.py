@@ -385,6 +385,13 @@ def test_a_learned_sequence_by_sequence_bias_is_refused(tmp_path):
     assert "sequence x sequence tensor" in data["graphs"][0]["refusal"]["message"]
 
 
+def test_a_sort_of_this_ranks_tokens_that_is_undone_is_token_local(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:sorted_experts", "--world-size", "2")
+    assert code == 0 and not data["graphs"][0]["computed_whole"]
+    code, data = _cli(tmp_path, f"{TARGETS}:sorted_rows_leak", "--world-size", "2")
+    assert code == 2 and "getitem" in data["graphs"][0]["refusal"]["op"]
+
+
 def test_dropout_is_refused_on_attention_probabilities_only(tmp_path):
     code, data = _cli(tmp_path, f"{TARGETS}:dropout_in_attention", "--world-size", "2")
     assert code == 2 and "dropout inside ring attention is not supported" in data["graphs"][0]["refusal"]["message"]

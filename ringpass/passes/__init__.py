@@ -12,7 +12,9 @@ from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_checkpoints import inline_checkpoints
 from ringpass.passes.insert_boundaries import insert_boundaries
+from ringpass.passes.invert_permutations import invert_permutations
 from ringpass.passes.lift_masks import lift_masks
+from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.reduce_grads import reduce_grads
@@ -25,7 +27,9 @@ PIPELINE = (
     inline_checkpoints,
     find_attention,
     lift_masks,
+    invert_permutations,
     find_sequence_axes,
+    find_local_permutations,
     decide_placements,
     rewrite_positions,
     localize_shapes,
