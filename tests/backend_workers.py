@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import models
 import ringpass
+from lowering import record_ring_events
 from reference import grad_error, rel_err
 
 MODELS = {
@@ -209,7 +210,7 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             from torch.nn.attention.flex_attention import flex_attention
 
             q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
-            return flex_attention(q, q, q)
+            return flex_attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score * score.abs())
 
     class FloatMask(nn.Module):
         def forward(self, x):
@@ -283,3 +284,88 @@ def mask_readings(rank: int, world_size: int, lengths: list) -> dict:
             x = torch.randn(2, s, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
             errors[name].append(rel_err(compiled(x), model(x)))
     return errors
+
+
+class FlexModel(torch.nn.Module):
+    """Attention by ``flex_attention``: ``case`` "document-alibi" (causal and same-document ``mask_mod``,
+    ALiBi ``score_mod`` reading per-head slopes), "softcap" (causal, ``tanh(s / 2) * 2``), "plain" (no
+    block mask, no score_mod). ``dense=True`` computes the same attention written out over the whole score
+    matrix: the reference (eager flex has no backward on the CPU)."""
+
+    def __init__(self, case: str, seq_len: int):
+        super().__init__()
+        self.case = case
+        self.proj, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+        cuts = torch.tensor([seq_len // 3, seq_len - seq_len // 3 - 2, 2])
+        self.register_buffer("document", torch.repeat_interleave(torch.arange(3), cuts))
+        self.register_buffer("slopes", torch.tensor([0.5, 0.125]))
+
+    def forward(self, x, dense: bool = False):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = self._dense(q, k, v) if dense else self._flex(q, k, v)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+    def _mods(self):
+        document, slopes = self.document, self.slopes
+
+        def causal_documents(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (document[q_idx] == document[kv_idx])
+
+        def causal(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        def softcap(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / 2.0) * 2.0
+
+        return (causal_documents, alibi) if self.case == "document-alibi" else (causal, softcap)
+
+    def _flex(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if self.case == "plain":
+            return flex_attention(q, k, v)
+        mask_mod, score_mod = self._mods()
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], q.shape[2], device=q.device)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    def _dense(self, q, k, v):
+        scores = q @ k.transpose(-1, -2) / 2.0  # head dim 4
+        if self.case == "plain":
+            return torch.softmax(scores, -1) @ v
+        pos = torch.arange(q.shape[2])
+        if self.case == "document-alibi":
+            scores = scores + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
+            visible = (pos[None, :] <= pos[:, None]) & (self.document[:, None] == self.document[None, :])
+        else:
+            scores = torch.tanh(scores / 2.0) * 2.0
+            visible = pos[None, :] <= pos[:, None]
+        return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+
+
+def flex_training_step(rank: int, world_size: int, case: str, seq_len: int) -> dict:
+    """Output and every parameter gradient of the flex model compiled with the ring vs the same attention
+    written out densely, run whole."""
+    import torch.nn.attention.flex_attention as flex
+
+    flex._validate_device = lambda *tensors: None  # its "no backward on the CPU" check: the ring replaces flex
+    torch.manual_seed(0)
+    model = FlexModel(case, seq_len)
+    x = torch.randn(2, seq_len, 8, generator=torch.Generator().manual_seed(1))
+    expected = model(x, dense=True)
+    (expected ** 2).mean().backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    backend = ringpass.backend(compiler="aot_eager")
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        (got ** 2).mean().backward()
+    return {
+        "out": rel_err(got, expected),
+        "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
+        "report": str(backend.reports[-1]),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+    }

@@ -170,7 +170,7 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
     ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
     ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
     ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
-    ("flex", r"flex_attention, which the ring backend does not rewrite yet"),
+    ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
 ])
 def test_refusals_name_the_op_and_the_source_line(case, message):
     for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):

@@ -12,6 +12,9 @@ Matches:
   softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
   one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
   user input) is a bias; the scores are the side that leads back to ``q @ kᵀ``.
+- ``flex_attention`` (the higher-order op Dynamo makes of ``torch.nn.attention.flex_attention``): its
+  ``mask_mod`` and ``score_mod`` graphs and their buffers are kept for `lift_masks`; the block mask's
+  construction (an ``S x S`` evaluation of ``mask_mod``) only feeds the call and goes with it.
 K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
@@ -41,6 +44,7 @@ MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__
 TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
 CASTS = ("to", "type_as", "type", "float", "double", "half", "bfloat16", "contiguous")  # keep the values
 DROPOUTS = ("dropout", F.dropout)
+FLEX = torch.ops.higher_order.flex_attention
 BADDBMM = (torch.baddbmm, "baddbmm")
 VIEWS = ("view", "reshape", torch.reshape)
 MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add")
@@ -64,6 +68,18 @@ class AttentionMatch:
     softcap: Optional[float] = None  # scores c·tanh(s / c)
     bias: Optional[fx.Node] = None  # an additive score bias inside the mask (ALiBi, a position bias)
     batch: Optional[int] = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
+    flex: Optional["FlexMods"] = None  # a flex_attention call's mask_mod and score_mod
+
+
+@dataclass(frozen=True)
+class FlexMods:
+    """What a ``flex_attention`` call computes besides ``softmax(q kᵀ s) v``: ``mask_mod(b, h, q_idx, kv_idx,
+    *mask_buffers)`` and ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers)`` (GraphModules)."""
+
+    mask_mod: fx.GraphModule
+    score_mod: fx.GraphModule
+    mask_buffers: tuple
+    score_buffers: tuple
 
 
 def find_attention(ctx: PassContext) -> None:
@@ -73,11 +89,9 @@ def find_attention(ctx: PassContext) -> None:
                 f"{describe(node)} is nn.MultiheadAttention, which the ring backend does not rewrite yet; "
                 "write the attention with F.scaled_dot_product_attention (or by hand) instead.", node
             )
-        if node.op == "call_function" and node.target is torch.ops.higher_order.flex_attention:
-            raise refusal(
-                f"{describe(node)} is flex_attention, which the ring backend does not rewrite yet (it would run "
-                "unsharded); use F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa').", node)
-        if _is(node, SDPA):
+        if node.op == "call_function" and node.target is FLEX:
+            ctx.attention.append(_match_flex(ctx.gm, node))
+        elif _is(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
         elif _is(node, MATMUL):
             match = _match_hand_written(ctx.gm, node)
@@ -149,6 +163,60 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
                           mask=None if mask is None else (kind, mask))
 
 
+def _match_flex(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
+    """A ``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)``
+    call; its block mask's construction joins ``internal``."""
+    names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_buffers",
+             "mask_buffers")
+    args = dict(zip(names, node.args), **node.kwargs)
+    unused = [u for u in node.users if not (u.target is operator.getitem and u.args[1] in (0, 1))]
+    if unused:
+        raise refusal(f"{describe(unused[0])} reads a result of flex_attention other than its output and LSE; the "
+                      "ring returns those two.", unused[0])
+    if not isinstance(args["scale"], (int, float)):
+        raise refusal(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.", node)
+    mods = FlexMods(getattr(gm, args["block_mask"][-1].target), getattr(gm, args["score_mod"].target),
+                    tuple(args.get("mask_buffers", ())), tuple(args.get("score_buffers", ())))
+    operands = {args["query"], args["key"], args["value"], *mods.mask_buffers, *mods.score_buffers}
+    roots = [a for a in (args["score_mod"], *args["block_mask"]) if isinstance(a, fx.Node)]
+    return AttentionMatch(node, args["query"], args["key"], args["value"], False, float(args["scale"]),
+                          "flex_attention", tuple(_feeding_only(node, roots, operands)), flex=mods)
+
+
+def _feeding_only(call: fx.Node, roots: list, keep: set) -> set:
+    """``roots`` and their ancestors whose every use is by ``call`` or by another of them (``keep`` aside):
+    the block mask's construction. A ``setitem`` into one of them is part of it (it writes, nobody reads it),
+    and so is vmap's bookkeeping (``torch._functorch.predispatch``) when every vmap of the graph builds it."""
+    nodes = [n for n in reversed(list(call.graph.nodes)) if n not in keep and n.op not in ("placeholder", "output")]
+    found = set(roots)
+    grew = True
+    while grew:
+        grew = False
+        for node in nodes:
+            if node in found:
+                continue
+            writes_into_found = node.target is operator.setitem and node.args[0] in found
+            readers = [u for u in node.users if not _only_writes_into(u, node)]
+            if writes_into_found or (readers and all(u in found or u is call for u in readers)):
+                found.add(node)
+                grew = True
+    vmaps = [n for n in nodes if _vmap_bookkeeping(n)]
+    if all(n in found for n in vmaps if n.users):
+        found |= set(vmaps)
+    return found
+
+
+def _only_writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` is a ``setitem`` into ``node``, or a value used only by such writes (``node.new_ones(())``)."""
+    if user.target is operator.setitem and user.args[0] is node:
+        return True
+    return bool(user.users) and all(u.target is operator.setitem and u.args[0] is node for u in user.users)
+
+
+def _vmap_bookkeeping(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
+
+
 def _unrepeated(node: fx.Node) -> fx.Node:
     """K/V before a repeat of their heads (``k[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv*g, S, D)``,
     ``k.repeat_interleave(g, dim=1)``): the ring rotates the Hkv heads and repeats nothing."""
@@ -199,8 +267,8 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     scores, bias = _peel_bias(scores, internal)
     if bias is None and mask is not None and mask[0] == "additive" and _only_adds(mask[1]):
         bias, mask = mask[1], None  # softmax(q kᵀ s + distance): one additive term that hides nothing
-    scores, softcap = _peel_softcap(scores, internal)
-    scores, scale = _peel_scale(scores, internal)
+    scores, softcap = peel_softcap(scores, internal)
+    scores, scale = peel_scale(scores, internal)
     if _is(scores, BADDBMM):
         product = _baddbmm(scores, bias)
         if product is None:
@@ -256,14 +324,14 @@ def _leads_to_product(node, steps: int = 12) -> bool:
     return any(_leads_to_product(arg, steps - 1) for arg in node.args if isinstance(arg, fx.Node))
 
 
-def _split_sum(node: fx.Node):
-    """(the scores, the other term) of ``scores + term``, or None."""
+def split_sum(node: fx.Node, is_scores=_leads_to_product):
+    """(the scores, the other term) of ``scores + term``, or None; ``is_scores`` tells the scores' side."""
     if not _is(node, ADD) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) or node.kwargs:
         return None
     left, right = node.args
-    if _leads_to_product(left):
+    if is_scores(left) and not is_scores(right):
         return left, right
-    return (right, left) if _leads_to_product(right) else None
+    return (right, left) if is_scores(right) and not is_scores(left) else None
 
 
 def _drops(dropout: fx.Node) -> bool:
@@ -290,7 +358,7 @@ def _peel_mask(scores: fx.Node, internal: list):
         if scores.args[2] <= MASKED_AT_OR_BELOW:
             internal.append(scores)
             return scores.args[1], ("kept", scores.args[0]), float(scores.args[2])
-    terms = _split_sum(scores)
+    terms = split_sum(scores)
     if terms is not None:
         internal.append(scores)
         return terms[0], ("additive", terms[1]), None
@@ -302,7 +370,7 @@ def _peel_bias(scores: fx.Node, internal: list):
     while _merges_heads(scores):  # BLOOM views [B·H, S, S] scores as [B, H, S, S] before the mask
         internal.append(scores)
         scores = scores.args[0]
-    terms = _split_sum(scores)
+    terms = split_sum(scores)
     if terms is None:
         return scores, None
     internal.append(scores)
@@ -330,7 +398,7 @@ def _numbers(args) -> list:
     return found
 
 
-def _peel_softcap(scores: fx.Node, internal: list):
+def peel_softcap(scores: fx.Node, internal: list):
     """(x, c) of ``tanh(x / c) · c`` (or ``tanh(x · (1/c)) · c``), else (scores, None)."""
     outer = _constant_factor(scores, MUL)
     if outer is None or not _is(outer[0], TANH):
@@ -357,7 +425,7 @@ def _constant_factor(node: fx.Node, ops):
     return (x, float(c)) if isinstance(x, fx.Node) and isinstance(c, (int, float)) else None
 
 
-def _peel_scale(scores: fx.Node, internal: list):
+def peel_scale(scores: fx.Node, internal: list):
     for ops, as_factor in ((MUL, lambda c: c), (DIV, lambda c: 1.0 / c)):
         found = _constant_factor(scores, ops)
         if found is not None:

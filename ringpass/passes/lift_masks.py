@@ -31,7 +31,7 @@ feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -41,6 +41,7 @@ from lowering.errors import NotSupportedError
 from lowering.masks import register_mask, split_additive
 from ringpass.graph import ancestors, describe, example_value, is_module_state, placeholders_of, refusal, user_name
 from ringpass.passes.context import PassContext
+from ringpass.passes.flex_mods import FlexProgram, read_score_mod
 from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
 
@@ -85,12 +86,36 @@ class MaskPlan:
 
 
 def lift_masks(ctx: PassContext) -> None:
-    for match in ctx.attention:
+    for i, match in enumerate(ctx.attention):
+        if match.flex is not None:
+            ctx.attention[i], ctx.masks[match.output] = _plan_flex(ctx, match)
+            continue
         plan = MaskPlan(match.is_causal) if match.mask is None else _plan(ctx, match)
         plan.softcap = match.softcap
         if match.bias is not None:
             _plan_bias(ctx, match, plan)
         ctx.masks[match.output] = plan
+
+
+def _plan_flex(ctx: PassContext, match):
+    """(the match with the score_mod's scale folded in, the plan): ``mask_mod`` as a mask program, the
+    score_mod's soft-cap, and its bias as a bias program (`flex_mods`)."""
+    q = example_value(match.query)
+    batch, heads = q.shape[0], q.shape[1]
+    if isinstance(batch, torch.SymInt) or isinstance(heads, torch.SymInt):
+        raise refusal(f"flex_attention {describe(match.output)} with a dynamic batch or head count: its mask_mod is "
+                      "evaluated per (batch, head); compile with dynamic=False.", match.output)
+    mods = match.flex
+    reading = read_score_mod(mods.score_mod, match.output)
+    mask = FlexProgram(mods.mask_mod, int(batch), int(heads), score=False)
+    plan = MaskPlan(program_id=register_mask(mask, source=mask.code), inputs=list(mods.mask_buffers),
+                    softcap=reading.softcap)
+    ctx.whole_values |= set(mods.mask_buffers)
+    if reading.bias:
+        bias = FlexProgram(mods.score_mod, int(batch), int(heads), score=True)
+        plan.bias_id, plan.bias_inputs = register_mask(bias, source=bias.code), list(mods.score_buffers)
+        ctx.whole_values |= set(mods.score_buffers)
+    return replace(match, scale=match.scale * reading.scale), plan
 
 
 def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:

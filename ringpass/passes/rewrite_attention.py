@@ -47,19 +47,33 @@ def rewrite_attention(ctx: PassContext) -> None:
                  ctx.group_name, *plan.op_args()),
             )
             copy_origin(ring, match.output)
-            out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
+            ctx.placement[ring] = LOCAL
             if "recompute" in match.output.meta:  # inside a checkpoint region: never recompute a ring
-                for node in (ring, out):
-                    node.meta.update(recompute=CheckpointPolicy.MUST_SAVE, ac_graph_id=match.output.meta.get("ac_graph_id"))
-            if q.dim() == 3:
-                out = graph.call_method(back[0], (out, *back[1:]))
-        out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
-        match.output.replace_all_uses_with(out)
-        ctx.placement[ring] = ctx.placement[out] = LOCAL
-        ctx.axes[out] = ctx.axes[match.output]
+                ring.meta.update(recompute=CheckpointPolicy.MUST_SAVE, ac_graph_id=match.output.meta.get("ac_graph_id"))
+            if match.flex is not None:  # flex returns (out, lse), as the ring op does
+                match.output.replace_all_uses_with(ring)
+            else:
+                _replace_output(ctx, match, ring, back if q.dim() == 3 else None)
         graph.erase_node(match.output)
+        for node in reversed([n for n in graph.nodes if n in match.internal]):  # flex's block mask: writes too
+            if not node.users:
+                graph.erase_node(node)
         ctx.report.attention.append(_record(match, plan, scale))
     graph.eliminate_dead_code()  # the rest of hand-written attentions
+
+
+def _replace_output(ctx: PassContext, match, ring, back) -> None:
+    """The attention's output becomes the ring's (``back``: the method and arguments undoing a 3-D
+    attention's reshape)."""
+    graph = ctx.gm.graph
+    out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
+    out.meta.update({key: ring.meta[key] for key in ("recompute", "ac_graph_id") if key in ring.meta})
+    if back is not None:
+        out = graph.call_method(back[0], (out, *back[1:]))
+    out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
+    ctx.placement[out] = LOCAL
+    ctx.axes[out] = ctx.axes[match.output]
+    match.output.replace_all_uses_with(out)
 
 
 def _mask_inputs(plan) -> list[str]:

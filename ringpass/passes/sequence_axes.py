@@ -97,9 +97,12 @@ class _Probe:
             return self._probe_placeholder(node, original)
         if node.op == "get_attr" or node in self.inside_attention:
             return original
-        if node in self.attention_outputs:  # out: q's leading dims and v's head dim
+        if node in self.attention_outputs:  # out: q's leading dims and v's head dim (flex: and an LSE)
             match = self.attention_outputs[node]
             q, v = self.values[match.query], self.values[match.value]
+            if isinstance(original, tuple):
+                return tuple(q.new_empty((*q.shape[:-1], v.shape[-1]) if i == 0 else q.shape[:-1], dtype=item.dtype)
+                             for i, item in enumerate(original))
             return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
         if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)

@@ -30,6 +30,7 @@ REARRANGE = {
 }
 PER_TOKEN_LAYERS = {
     "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
+    "flex_attention",
 }  # over feature dims; a contraction over the sequence loses the sequence axis and is caught above
 TRAILING_NORMS = {"layer_norm", "rms_norm"}  # normalise over trailing (feature) dims
 REDUCTIONS = {
