@@ -9,6 +9,9 @@
   this rank's own rows of the gradient; no sum over ranks, since every rank consumes the same output).
 - ``ringpass::take_positions``: the rows at a few global positions where this rank holds them, zero
   elsewhere; all-reduced, every rank has those tokens (a pooler's first token) for their bytes alone.
+- ``ringpass::position_slots``: for a tensor of global positions (data: the last non-padding token of
+  each row), this rank's local slot of each and whether it holds it: a pick at data-dependent positions
+  indexes its own slots, zeroes what it does not hold, and is all-reduced like ``take_positions``.
 - ``ringpass::all_reduce_sum``: a rank-local partial sum made global (backward: identity, since every
   rank consumes the same total).
 - `reduce_grad` / `scale_grad`: identity forward; backward all-reduces, or scales, the gradient.
@@ -156,6 +159,24 @@ def _(rows, length, dim, positions, kind, world_size, seq_len, group_name):
     shape = list(rows.shape)
     shape[dim] = length
     return rows.new_empty(shape)
+
+
+@torch.library.custom_op("ringpass::position_slots", mutates_args=())
+def position_slots(positions: torch.Tensor, kind: str, world_size: int, seq_len: int,
+                   group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's slot of each global position, 0 where it holds none; whether it holds it), each shaped
+    like ``positions`` (negative positions count from the end)."""
+    layout = _layout(kind, world_size, seq_len)
+    held = layout.positions(_rank(group_name))[: layout.valid_len(_rank(group_name))].to(positions.device)
+    slot_of = torch.full((seq_len,), -1, dtype=torch.int64, device=positions.device)
+    slot_of[held] = torch.arange(len(held), device=positions.device)
+    slots = slot_of[positions.long() % seq_len]
+    return slots.clamp_min(0), slots >= 0
+
+
+@position_slots.register_fake
+def _(positions, kind, world_size, seq_len, group_name):
+    return torch.empty_like(positions, dtype=torch.int64), torch.empty_like(positions, dtype=torch.bool)
 
 
 def _take_setup(ctx, inputs, output):

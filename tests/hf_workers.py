@@ -161,15 +161,24 @@ def mask_tiles(rank: int, world_size: int, seq_lens: list) -> dict:
     return largest
 
 
-def classification_step(rank: int, world_size: int, seq_len: int) -> dict:
-    """BERT for sequence classification: the pooler reads the first token (a pick of one position)."""
+def classification_step(rank: int, world_size: int, seq_len: int, family: str = "bert") -> dict:
+    """Sequence classification. BERT: the pooler reads the first token (a pick of one position). Llama:
+    the logits of each row's last non-padding token (``logits[arange(B), last]``, positions from the data;
+    row 0 is right-padded by 4 tokens)."""
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa", num_labels=3)
-    model = transformers.BertForSequenceClassification(config).train()
-    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
-    kwargs = {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    ids = torch.randint(1, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    if family == "bert":
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa", num_labels=3)
+        model = transformers.BertForSequenceClassification(config).train()
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="sdpa", num_labels=3, pad_token_id=0)
+        model = transformers.LlamaForSequenceClassification(config).train()
+        ids[0, -4:] = 0
+    kwargs = {"input_ids": ids, "labels": torch.tensor([0, 2])} | ({"use_cache": False} if family != "bert" else {})
     expected = model(**kwargs)
     expected.loss.backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -155,3 +155,14 @@ def test_sequence_classification_picks_the_first_token(world_size):
         assert "2 attention(s) rewritten" in r["report"] and "position(s) [0] picked by every rank" in r["report"]
         assert "all-gather" not in r["report"].split("collectives inserted")[1].split("sequence-sharded")[0]
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_classification_picks_the_last_non_padding_token(world_size):
+    """Llama's classifier reads ``logits[arange(B), last_non_pad]``, positions computed from the ids: each rank
+    indexes the rows it holds, the rest are zero, and an all-reduce of B x labels gives every rank all."""
+    for r in spawn_ranks(hf_workers.classification_step, world_size, (SEQ, "llama"), timeout=300):
+        assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, r
+        assert "data-dependent positions picked by every rank" in r["report"], r["report"]
+        assert "all-gather" not in r["report"].split("collectives inserted")[1].split("sequence-sharded")[0]
+        assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]

@@ -25,7 +25,7 @@ from lowering.layout import Layout
 from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
 from ringpass.passes.sequence_axes import same
-from ringpass.passes.token_ops import pick_index
+from ringpass.passes.token_ops import pick_index, positions_index
 from ringpass.report import CollectiveRecord, ValueRecord
 
 
@@ -160,7 +160,10 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
 def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     """``x[:, 0]`` / ``x[:, -4:]`` on this rank's tokens: the rows at those global positions where this rank
     holds them (zero elsewhere), summed over the ranks: every rank has them, for their bytes alone."""
-    dim, index = pick_index(node, lambda a: {axis.dim for axis in ctx.axes.get(a, ())})
+    seq_dims = lambda a: {axis.dim for axis in ctx.axes.get(a, ())}  # noqa: E731
+    if pick_index(node, seq_dims) is None:
+        return _pick_at_data_positions(ctx, node, positions_index(node, seq_dims))
+    dim, index = pick_index(node, seq_dims)
     if isinstance(index, int):
         positions = [index]
     elif ctx.dynamic:
@@ -174,6 +177,23 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
         if isinstance(index, int):
             rows = graph.call_method("squeeze", (rows, dim))
         return _reduce(ctx, rows, node, f"the token(s) at position(s) {positions} picked by every rank", nbytes(example_value(node)))
+
+
+def _pick_at_data_positions(ctx: PassContext, node: fx.Node, entry: int) -> fx.Node:
+    """``x[i0, .., positions, ..]`` (positions: global, a replicated tensor): the same index on this rank's
+    slots (`position_slots`), rows it does not hold zeroed, summed over the ranks."""
+    graph = ctx.gm.graph
+    source, index = node.args[0], list(node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],))
+    trailing = example_value(source).dim() - len(index)
+    with graph.inserting_before(node):
+        slots = graph.call_function(torch.ops.ringpass.position_slots.default, (index[entry], *ctx.layout_args()))
+        index[entry] = graph.call_function(operator.getitem, (slots, 0))
+        held = graph.call_function(operator.getitem, (slots, 1))
+        rows = graph.call_function(operator.getitem, (source, tuple(index)))
+        held = graph.call_function(operator.getitem, (held, (Ellipsis, *[None] * trailing)))
+        rows = graph.call_function(torch.where, (held, rows, graph.call_method("new_zeros", (rows, ()))))
+        return _reduce(ctx, rows, node, "the tokens at data-dependent positions picked by every rank",
+                       nbytes(example_value(node)))
 
 
 def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:

@@ -118,6 +118,8 @@ def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, Option
         if not seq_dims(source):
             return "token", None  # a table (a parameter) looked up with per-token ids: an embedding
         return "mixing", "indexing with a tensor picks tokens"  # which tokens depends on per-token data
+    if not output_has_seq and positions_index(node, seq_dims) is not None:
+        return "pick", None  # x[arange(B), last_non_padding]: a few tokens at positions given as data
     rank = value_of(source).dim()
     consumed = [i for i in index if i is not None and i is not Ellipsis]
     dim, addressed = 0, {}
@@ -151,6 +153,19 @@ def pick_index(node: fx.Node, seq_dims) -> Optional[tuple[int, object]]:
     if isinstance(i, slice) and not all(isinstance(b, (int, type(None))) for b in (i.start, i.stop, i.step)):
         return None
     return d, i
+
+
+def positions_index(node: fx.Node, seq_dims) -> Optional[int]:
+    """Which entry of a pure tensor index (``x[arange(B), last]``, every entry a tensor without a sequence
+    axis) addresses the one sequence dim of the source, else None."""
+    source, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, fx.Node) and isinstance(value_of(i), torch.Tensor) and not seq_dims(i) for i in index):
+        return None
+    if any(value_of(i).dtype in (torch.bool, torch.uint8) for i in index):
+        return None  # a boolean mask selects a data-dependent number of rows
+    addressed = [d for d in range(len(index)) if d in seq_dims(source)]
+    return addressed[0] if len(addressed) == 1 and len(seq_dims(source)) == 1 else None
 
 
 def _positions(index: tuple, rank: int) -> list[int]:
