@@ -397,3 +397,25 @@ def test_dropout_is_refused_on_attention_probabilities_only(tmp_path):
     assert code == 2 and "dropout inside ring attention is not supported" in data["graphs"][0]["refusal"]["message"]
     code, data = _cli(tmp_path, f"{TARGETS}:dropout_in_mlp", "--world-size", "2")  # dropout(y) @ W is no attention
     assert code == 0 and data["graphs"][0]["attentions"][0]["spelling"] == "hand-written"
+
+
+class KeyPadding(torch.nn.Module):
+    """Causal attention under a [B, S] key-padding mask passed as an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+
+    def forward(self, x, keep):
+        q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        i = torch.arange(x.shape[1], device=x.device)
+        mask = keep[:, None, None, :] & (i[None, :] <= i[:, None])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_padding_mask_passed_sharded_is_refused_saying_the_mask_reads_it_whole():
+    x, keep = torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.bool)
+    inspection = ringpass.inspect(KeyPadding(), (x, keep), world_size=2, inputs="sharded")
+    message = inspection.reports[0].refusal.message
+    assert "Input keep is passed sharded (inputs='sharded') but the ring's mask program reads it whole" in message
+    assert message.count("sharded") == 2, message

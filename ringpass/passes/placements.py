@@ -118,7 +118,8 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
             "this part of the model without the ring backend.", mixing_op
         )
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
-        raise refusal(
-            f"Input {user_name(node)} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs the whole "
-            f"sequence ({why}); pass full inputs (inputs='full') instead.", mixing_op
-        )
+        reader = (f"the ring's mask program reads it whole, through {describe(mixing_op)}: a key's padding or "
+                  "segment id is needed on every rank that meets that key") if mixing_op in ctx.whole_values else \
+            f"{describe(mixing_op)} needs the whole sequence ({why})"
+        raise refusal(f"Input {user_name(node)} is passed sharded (inputs='sharded') but {reader}; pass full inputs "
+                      "(inputs='full') instead.", mixing_op)
