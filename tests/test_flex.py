@@ -10,13 +10,19 @@ from ringpass.launch import spawn_ranks
 SEQ = 22  # not a multiple of 2P: the layout's padding is exercised
 
 
-@pytest.mark.parametrize("case,words", [
-    ("document-alibi", ["flex_attention (lifted mask program", "; lifted bias program, evaluated per tile"]),
-    ("softcap", ["flex_attention (lifted mask program", "; soft-cap 2"]),
-    ("plain", ["flex_attention (lifted mask program"]),
+CASES = {
+    "document-alibi": ["flex_attention (lifted mask program", "; lifted bias program, evaluated per tile"],
+    "softcap": ["flex_attention (lifted mask program", "; soft-cap 2"],
+    "plain": ["flex_attention (lifted mask program"],
+}
+
+
+@pytest.mark.parametrize("case,world_size", [
+    *((case, 2) for case in CASES), ("document-alibi", 4),
+    *(pytest.param(case, 4, marks=pytest.mark.heavy) for case in ("softcap", "plain")),  # ./dev test -m heavy
 ])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_flex_attention_trains_through_the_ring(case, words, world_size):
+def test_flex_attention_trains_through_the_ring(case, world_size):
+    words = CASES[case]
     for r in spawn_ranks(backend_workers.flex_training_step, world_size, (case, SEQ), timeout=600):
         assert r["out"] <= 1e-5 and r["grads"] <= 1e-4, r
         assert all(w in r["report"] for w in words), r["report"]

@@ -72,7 +72,8 @@ SCORE_MODELS = {  # name: {case: what the report says of its attention}
 }
 
 
-@pytest.mark.parametrize("name,world_size", [("bloom", 2), ("mpt", 2), ("gemma2", 2), ("bloom", 4)])
+@pytest.mark.parametrize("name,world_size", [("bloom", 2), ("mpt", 2), ("gemma2", 2),
+                                             pytest.param("bloom", 4, marks=pytest.mark.heavy)])
 def test_score_modifiers_train_through_the_ring(name, world_size):
     """ALiBi (BLOOM: ``baddbmm`` over merged batch and heads, slopes times key positions, from the padding
     mask's cumsum when one is passed; MPT: a bias sliced from a max-length table) and logit soft-capping
@@ -84,7 +85,7 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
             assert words in results[case]["report"], (case, results[case]["report"])
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_mixture_of_experts_trains_through_the_ring(world_size):
     """Mixtral's grouped experts sort this rank's tokens by expert, count them per expert (segment offsets
     of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence."""
@@ -157,7 +158,7 @@ def test_sequence_classification_picks_the_first_token(world_size):
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sequence_classification_picks_the_last_non_padding_token(world_size):
     """Llama's classifier reads ``logits[arange(B), last_non_pad]``, positions computed from the ids: each rank
     indexes the rows it holds, the rest are zero, and an all-reduce of B x labels gives every rank all."""
