@@ -197,6 +197,10 @@ class Spellings(nn.Module):
             bias = torch.full((n, n), float("-inf")).triu(1)
             scores = q4 @ k4.permute(0, 1, 3, 2) / q.shape[-1] ** 0.5 + bias
             probs = scores.softmax(-1)
+        elif s == "einsum_scale_on_q":
+            scores = torch.einsum("bqd,bkd->bqk", q * q.shape[-1] ** -0.5, k)
+            probs = torch.softmax(scores.masked_fill(~self.causal[:n, :n], float("-inf")), dim=-1)
+            return self.out(x + torch.einsum("bqk,bkd->bqd", probs, v))
         elif s == "sdpa_all_keywords":
             y = F.scaled_dot_product_attention(query=q[:, None], key=k[:, None], value=v[:, None], attn_mask=None,
                                                dropout_p=0.0, is_causal=True, scale=0.3)
@@ -210,7 +214,7 @@ class Spellings(nn.Module):
 
 
 SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax",
-             "sdpa_all_keywords")
+             "sdpa_all_keywords", "einsum_scale_on_q")
 
 
 class PositionTableAndPooling(nn.Module):

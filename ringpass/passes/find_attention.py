@@ -4,8 +4,8 @@ Matches:
 - ``F.scaled_dot_product_attention`` in any spelling (positional or keyword arguments, ``scale``,
   ``is_causal``, ``enable_gqa``, ``attn_mask``);
 - hand-written attention: ``softmax(cap(q @ kᵀ · s) [+ bias] [+ mask | masked_fill(mask, -inf) |
-  where(mask, ·, -inf)]) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, and
-  ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale
+  where(mask, ·, -inf)]) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, an ``einsum`` of
+  two operands that is one (``"bhqd,bhkd->bhqk"``), and ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale
   as a multiplication or division, an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
   bias (ALiBi, a position bias), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
   views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
@@ -93,7 +93,7 @@ def find_attention(ctx: PassContext) -> None:
             ctx.attention.append(_match_flex(ctx.gm, node))
         elif _is(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
-        elif _is(node, MATMUL):
+        elif _product(node) is not None:
             match = _match_hand_written(ctx.gm, node)
             if match is not None:
                 ctx.attention.append(match)
@@ -122,7 +122,7 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
         probs = node  # follow the probabilities through casts, dropout and views to the matmul with values
         while len(probs.users) == 1 and _is(next(iter(probs.users)), CASTS + DROPOUTS + ("view", "reshape")):
             probs = next(iter(probs.users))
-        if any(_is(u, MATMUL) and u.args[0] is probs for u in probs.users):
+        if any((_product(u) or (None,))[0] is probs for u in probs.users):
             raise refusal(
                 f"{describe(node)} is a softmax over query x key scores that multiply values: an attention the ring "
                 "backend does not recognise, so nothing would be sharded (recognised: scale, soft-cap tanh(x / c) * c, "
@@ -250,8 +250,8 @@ def _new_axis_at_2(index) -> bool:
 
 def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionMatch]:
     """``out = probs @ v`` with ``probs = softmax(scores, -1)``; None when ``out`` is another matmul."""
-    probs, value = out.args[0], out.args[1]
-    if not isinstance(probs, fx.Node):
+    probs, value, transposed = _product(out)
+    if not isinstance(probs, fx.Node) or transposed:
         return None
     internal = [out]
     probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0), views
@@ -275,21 +275,46 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
             return None
         query, key_t, bias, alpha = product
         scale *= alpha
-    elif _is(scores, MATMUL):
-        query, key_t = scores.args[0], scores.args[1]
+    elif _product(scores) is not None:
+        query, key_t, transposed = _product(scores)
+        if transposed:  # einsum("...qd,...kd->...qk", q, k): k itself
+            key_t, key = None, key_t
     else:
         return None
     internal.append(scores)
-    key = _transposed_last_two(key_t)
-    if key is None:
-        return None
-    internal.append(key_t)
+    if key_t is not None:
+        key = _transposed_last_two(key_t)
+        if key is None:
+            return None
+        internal.append(key_t)
     if any(len(n.users) > 1 and n is not out for n in internal):
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
     q, p = example_value(query), example_value(probs)
     batch = p.shape[0] if q.dim() == 3 and p.dim() == 4 else None  # BLOOM: [B·H, S, D] against [B, H, S, S]
     return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale, "hand-written",
                           tuple(internal), mask, fill, softcap, bias, batch)
+
+
+def _product(node: fx.Node):
+    """(a, b, b_transposed) when ``node`` multiplies matrices over its last two dims: ``a @ b`` (False), or an
+    ``einsum`` of two operands with shared leading dims that is ``a @ b`` or ``a @ bᵀ`` (True); else None."""
+    if _is(node, MATMUL) and len(node.args) == 2:
+        return node.args[0], node.args[1], False
+    if not (_is(node, (torch.einsum, torch.functional.einsum)) and node.args and isinstance(node.args[0], str)):
+        return None
+    operands = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    equation = node.args[0].replace(" ", "")
+    if len(operands) != 2 or "->" not in equation or "." in equation or equation.count(",") != 1:
+        return None
+    (left, right), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    if len(left) < 2 or not len(left) == len(right) == len(out) or not left[:-2] == right[:-2] == out[:-2]:
+        return None
+    i, j = left[-2:]
+    if right[-2:] == j + out[-1] and out[-2:] == i + right[-1] and len({i, j, out[-1]}) == 3:
+        return operands[0], operands[1], False
+    if right[-1] == j and out[-2:] == i + right[-2] and len({i, j, right[-2]}) == 3:
+        return operands[0], operands[1], True
+    return None
 
 
 def _peel_value_keeping(node, internal: list):
@@ -317,7 +342,7 @@ def _leads_to_product(node, steps: int = 12) -> bool:
     """``node`` is scores: scaling, soft-capping, biases, casts and views over ``q @ kᵀ``."""
     if not isinstance(node, fx.Node) or steps == 0:
         return False
-    if _is(node, MATMUL + BADDBMM):
+    if _is(node, BADDBMM) or _product(node) is not None:
         return True
     if not (_is(node, CASTS + MUL + DIV + ADD + TANH) or _merges_heads(node)):
         return False
