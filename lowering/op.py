@@ -48,7 +48,7 @@ def ring_attention(
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
-    q ``[B, Hq, n, D]`` and k/v ``[B, Hkv, n, D]`` are this rank's shards in ``layout`` order
+    q ``[B, Hq, n, D]`` and k/v ``[B, Hkv, n, D]`` (v may have a smaller head dim: MLA) are this rank's shards in ``layout`` order
     (``layout.shard(x_full, 2, rank)``); Hq must be a multiple of Hkv (GQA/MQA: only the Hkv heads
     travel). Returns this rank's rows of full-sequence ``softmax(q kᵀ · scale [+ causal mask]) v``, and
     with ``return_lse=True`` also their log-sum-exp ``[B, Hq, n]`` (fp32; fp64 for fp64 inputs). Padding
@@ -67,6 +67,13 @@ def ring_attention(
     """
     if not isinstance(layout, Layout):
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
+    narrower = k.size(-1) - v.size(-1) if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else 0
+    if narrower > 0:  # MLA: values narrower than keys travel padded with zero columns, cut off again
+        out = ring_attention(q, k, torch.nn.functional.pad(v, (0, narrower)), layout=layout, is_causal=is_causal,
+                             scale=scale, group=group, return_lse=return_lse, window=window, mask=mask,
+                             mask_inputs=mask_inputs, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                             bias_inputs=bias_inputs)
+        return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
     group_name = _group_name(group, layout)
     if scale is not None and not isinstance(scale, (int, float)):
@@ -113,8 +120,8 @@ def check_inputs(q, k, v, layout: Layout) -> None:
     if k.shape != v.shape:
         if k.shape[:-1] == v.shape[:-1]:
             raise NotSupportedError(
-                f"k has head dim {k.size(-1)} but v has {v.size(-1)}; a value head dim different from "
-                "the key head dim is not supported yet. Pad v to the key head dim."
+                f"k has head dim {k.size(-1)} but v has {v.size(-1)}; values wider than keys are not supported "
+                "(ring_attention pads narrower values itself)."
             )
         raise InvalidInputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
     if q.size(0) != k.size(0) or q.size(3) != k.size(3):

@@ -56,7 +56,7 @@ BAD_INPUTS = {
     "mixed dtypes": (dict(k=k.float()), InvalidInputError, r"share one dtype"),
     "k on another device": (dict(k=k.to("meta")), InvalidInputError, r"on one device.*\.to\(\)"),
     "k and v differ": (dict(v=v[:, :1]), InvalidInputError, r"k and v must have the same shape"),
-    "v head dim differs": (dict(v=torch.randn(2, 2, 6, 4, dtype=torch.float64)), NotSupportedError, r"value head dim"),
+    "v wider than k": (dict(v=torch.randn(2, 2, 6, 12, dtype=torch.float64)), NotSupportedError, r"values wider than keys"),
     "batch differs": (dict(k=k[:1], v=v[:1]), InvalidInputError, r"agree in batch"),
     "Hq not a multiple of Hkv": (dict(k=torch.randn(2, 3, 6, 8, dtype=torch.float64), v=torch.randn(2, 3, 6, 8, dtype=torch.float64)),
                                  InvalidInputError, r"4 heads, k/v have 3.*multiple"),
@@ -85,3 +85,15 @@ def test_double_backward_is_refused_clearly():
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(NotSupportedError, match="double backward"):
         dq.sum().backward()
+
+
+def test_values_narrower_than_keys_are_padded_and_cut():
+    """MLA: a value head dim smaller than the key head dim (the values travel padded with zeros)."""
+    q, k = (t.requires_grad_() for t in _qkv(12)[:2])
+    v = torch.randn(2, 2, 12, 5, dtype=torch.float64, requires_grad=True)
+    out = ring_attention(q, k, v, layout=Layout("zigzag", 1, 12), is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 4, 12, 5) and rel_err(out, expected) < 1e-12
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        assert rel_err(got, want) < 1e-11

@@ -4,7 +4,8 @@ Matches ``ctx.attention`` (found by `find_attention`, masks planned by `lift_mas
 ``ringpass::ring_attention`` on the local q, k, v (GQA/MQA keys and values stay at their own head count:
 only those heads travel) with the layout, the mask plan (causal flag, window, mask program id and its
 whole inputs), the scale (1/sqrt(head_dim) when the model gave none) and the process group by name, and
-removes the SDPA call or the hand-written attention's nodes. 3-D single-head attention gains a head axis
+removes the SDPA call or the hand-written attention's nodes. Values with a smaller head dim than the keys
+(MLA) are padded with zero columns to the key head dim and the output's extra columns cut off. 3-D single-head attention gains a head axis
 around the call; 3-D attention over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to
 ``[B, H, S, D]`` around it. The score modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan.
 """
@@ -41,6 +42,9 @@ def rewrite_attention(ctx: PassContext) -> None:
                 (("unflatten", 0, (match.batch, -1)), ("flatten", 0, 1))
             if q.dim() == 3:
                 operands = [graph.call_method(to_4d[0], (t, *to_4d[1:])) for t in operands]
+            narrower = example_value(match.key).shape[-1] - example_value(match.value).shape[-1]
+            if narrower:  # MLA: values narrower than keys travel padded with zeros to the key head dim
+                operands[2] = graph.call_function(torch.nn.functional.pad, (operands[2], (0, narrower)))
             ring = graph.call_function(
                 torch.ops.ringpass.ring_attention.default,
                 (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
@@ -51,9 +55,12 @@ def rewrite_attention(ctx: PassContext) -> None:
             if "recompute" in match.output.meta:  # inside a checkpoint region: never recompute a ring
                 ring.meta.update(recompute=CheckpointPolicy.MUST_SAVE, ac_graph_id=match.output.meta.get("ac_graph_id"))
             if match.flex is not None:  # flex returns (out, lse), as the ring op does
+                if narrower:
+                    raise refusal(f"flex_attention {describe(match.output)} with values narrower than keys is not "
+                                  "supported yet.", match.output)
                 match.output.replace_all_uses_with(ring)
             else:
-                _replace_output(ctx, match, ring, back if q.dim() == 3 else None)
+                _replace_output(ctx, match, ring, back if q.dim() == 3 else None, narrower)
         graph.erase_node(match.output)
         for node in reversed([n for n in graph.nodes if n in match.internal]):  # flex's block mask: writes too
             if not node.users:
@@ -62,12 +69,14 @@ def rewrite_attention(ctx: PassContext) -> None:
     graph.eliminate_dead_code()  # the rest of hand-written attentions
 
 
-def _replace_output(ctx: PassContext, match, ring, back) -> None:
+def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     """The attention's output becomes the ring's (``back``: the method and arguments undoing a 3-D
-    attention's reshape)."""
+    attention's reshape; ``narrower``: the zero columns padded onto the values, cut off again)."""
     graph = ctx.gm.graph
     out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
     out.meta.update({key: ring.meta[key] for key in ("recompute", "ac_graph_id") if key in ring.meta})
+    if narrower:
+        out = graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, -narrower))))
     if back is not None:
         out = graph.call_method(back[0], (out, *back[1:]))
     out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
