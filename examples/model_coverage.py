@@ -62,6 +62,10 @@ FAMILIES = {
     "granite": ("GraniteConfig", GQA, "sdpa"),
     "glm4": ("Glm4Config", dict(GQA, head_dim=8, pad_token_id=0), "sdpa"),
     "mixtral": ("MixtralConfig", dict(GQA, num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    "deepseek_v3": ("DeepseekV3Config", dict(GQA, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16,
+                                              q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                              n_group=1, topk_group=1), "sdpa"),
     "qwen3_moe": ("Qwen3MoeConfig", dict(GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
                   "sdpa"),
 }

@@ -87,6 +87,13 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def remove_dead_code(graph: fx.Graph) -> None:
+    """FX's dead-code elimination, keeping in-place method calls (``x[..., :8].copy_(y)``, ``m.scatter_(...)``)
+    whose results nobody reads: FX counts every method call as pure."""
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or (
+        node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")))
+
+
 def placeholders_of(node: fx.Node) -> list[fx.Node]:
     """The graph inputs (user inputs and module state) ``node`` is computed from."""
     return [n for n in ancestors(node) if n.op == "placeholder"]

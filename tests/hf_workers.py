@@ -46,6 +46,13 @@ def build(name: str):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation=implementation)
         return transformers.MixtralForCausalLM(config)
+    if name == "deepseek_v3":  # MLA (keys 8 + 4 rotary wide, values 8; built by copy_ into new_empty) and its MoE
+        config = transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            n_group=1, topk_group=1, attn_implementation=implementation)
+        return transformers.DeepseekV3ForCausalLM(config)
     if name == "gemma2":  # logit soft-capping (a small cap, so that it bites), every other layer a window of 5
         config = transformers.Gemma2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -95,6 +95,14 @@ def test_mixture_of_experts_trains_through_the_ring(world_size):
         assert all("moe.py" not in r["report"] for r in results.values())  # no expert op computed whole
 
 
+def test_multi_head_latent_attention_trains_through_the_ring():
+    """DeepSeek-V3: keys assembled by ``copy_`` into ``new_empty`` slices (in-place writes the rewrite must
+    keep), values narrower than keys (padded to travel), a router built with ``scatter_`` / ``gather``."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("deepseek_v3", ["labels", "right-padded"], SEQ), timeout=600):
+        _check(results, {"labels": "sdpa (causal, scale 0.2887, 4 query / 4 key-value heads, head dim 12",
+                         "right-padded": "lifted mask program + causal"}, 2)
+
+
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are

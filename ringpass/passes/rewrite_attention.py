@@ -18,7 +18,8 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ringpass.graph import copy_origin, describe, example_value, inputs_read, module_path, plain, refusal, source_line
+from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, plain, refusal,
+                            remove_dead_code, source_line)
 from ringpass.report import AttentionRecord
 from ringpass.passes.context import LOCAL, PassContext
 
@@ -66,7 +67,7 @@ def rewrite_attention(ctx: PassContext) -> None:
             if not node.users:
                 graph.erase_node(node)
         ctx.report.attention.append(_record(match, plan, scale))
-    graph.eliminate_dead_code()  # the rest of hand-written attentions
+    remove_dead_code(graph)  # the rest of hand-written attentions
 
 
 def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:

@@ -104,6 +104,9 @@ class _Probe:
                 return tuple(q.new_empty((*q.shape[:-1], v.shape[-1]) if i == 0 else q.shape[:-1], dtype=item.dtype)
                              for i, item in enumerate(original))
             return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
+        if node.op == "call_method" and node.target in CREATORS and self._source_kind(node, original):
+            self.ctx.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
+            return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
         if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
             if source is not None:

@@ -6,7 +6,7 @@ only rearrange or cast (``view``, ``transpose``, ``to``...), per-token layers (`
 ``layer_norm`` over trailing feature dims, ``matmul`` over feature dims, a table indexed by per-token
 ids, indexing along other dims than the sequence), custom autograd Functions whose forward does only
 such ops (BLOOM's GeLU), and ops with a ``dim``
-argument (``softmax``, ``cat``, ``split``, ``sum``...) when that dim is not the sequence. A ``sum`` or
+argument (``softmax``, ``cat``, ``split``, ``sum``, ``gather``...) when that dim is not the sequence. A ``sum`` or
 ``mean`` over the sequence is a partial sum to be all-reduced; ``cross_entropy`` with a reduction is
 a global mean. Everything else that touches the sequence (sorts, convolutions, cumulative ops, max or
 norm over the sequence, tensor indexing, ops not listed) mixes tokens.
@@ -26,7 +26,8 @@ REARRANGE = {
     "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as",
     "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
     "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
-    "getattr", "pad", "movedim", "swapaxes", "broadcast_to",
+    "getattr", "pad", "movedim", "swapaxes", "broadcast_to", "zeros_like", "ones_like", "empty_like", "full_like", "copy_",
+    "new_empty", "new_zeros", "new_ones", "new_full",
 }
 PER_TOKEN_LAYERS = {
     "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
@@ -39,9 +40,11 @@ REDUCTIONS = {
 }
 ALONG_DIM = {
     "softmax", "log_softmax", "cat", "concat", "split", "chunk", "unbind", "repeat_interleave", "sort", "argsort",
-    "topk", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "roll",
+    "topk", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "roll", "gather", "take_along_dim",
+    "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
 }
-DIM_POSITION = {"split": 2, "chunk": 2, "repeat_interleave": 2, "norm": 2, "topk": 2, "roll": 2}  # else the 2nd
+DIM_POSITION = {"split": 2, "chunk": 2, "repeat_interleave": 2, "norm": 2, "topk": 2, "roll": 2,
+                "take_along_dim": 2}  # else the 2nd
 OPERATOR_NAMES = {
     "truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "or_": "bitwise_or",
     "xor": "bitwise_xor", "invert": "bitwise_not", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
