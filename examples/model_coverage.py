@@ -39,6 +39,8 @@ FAMILIES = {
     "gemma": ("GemmaConfig", dict(GQA, head_dim=8), "sdpa"),
     "gemma2": ("Gemma2Config", dict(GQA, head_dim=8, sliding_window=5), "eager"),
     "gemma3": ("Gemma3TextConfig", dict(GQA, head_dim=8, sliding_window=5), "sdpa"),
+    "gemma3 (bidirectional)": ("Gemma3TextConfig", dict(GQA, head_dim=8, sliding_window=5,
+                                                        use_bidirectional_attention=True), "sdpa"),
     "phi": ("PhiConfig", dict(SMALL, resid_pdrop=0.0, embd_pdrop=0.0), "sdpa"),
     "phi3": ("Phi3Config", dict(GQA, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0), "sdpa"),
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
