@@ -53,6 +53,12 @@ def build(name: str):
             qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
             n_group=1, topk_group=1, attn_implementation=implementation)
         return transformers.DeepseekV3ForCausalLM(config)
+    if name == "embeddinggemma":  # Gemma 3 with bidirectional attention: its mask built with vmap
+        config = transformers.Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=5, use_bidirectional_attention=True,
+            attn_implementation=implementation)
+        return transformers.Gemma3ForCausalLM(config)
     if name == "gemma2":  # logit soft-capping (a small cap, so that it bites), every other layer a window of 5
         config = transformers.Gemma2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

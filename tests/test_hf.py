@@ -103,6 +103,14 @@ def test_multi_head_latent_attention_trains_through_the_ring():
                          "right-padded": "lifted mask program + causal"}, 2)
 
 
+def test_a_mask_built_with_vmap_is_lifted():
+    """Bidirectional Gemma 3 (EmbeddingGemma) builds its mask by vmap over (batch, head, query, key): the
+    vmap nest is rewritten into broadcasting and lifted as a mask program."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("embeddinggemma", ["labels", "right-padded"], SEQ),
+                               timeout=600):
+        _check(results, {"labels": "sdpa (lifted mask program", "right-padded": "sdpa (lifted mask program"}, 2)
+
+
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are

@@ -9,6 +9,7 @@ from lowering.layout import Layout
 from ringpass.graph import example_value, nbytes, op_label, plain, short_source
 from ringpass.graph_view import op_chain
 from ringpass.passes.context import FULL, LOCAL, PassContext
+from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_checkpoints import inline_checkpoints
 from ringpass.passes.insert_boundaries import insert_boundaries
@@ -25,6 +26,7 @@ from ringpass.report import Refusal
 
 PIPELINE = (
     inline_checkpoints,
+    devectorize_vmaps,
     find_attention,
     lift_masks,
     invert_permutations,

@@ -53,6 +53,9 @@ OPERATOR_NAMES = {
 
 def op_name(node: fx.Node) -> str:
     if node.op == "call_method":
+        if node.target.startswith("__") and node.target.endswith("__"):  # x.__and__(y): as operator.and_
+            bare = node.target[2:-2]
+            return OPERATOR_NAMES.get(bare, OPERATOR_NAMES.get(bare + "_", bare))
         return node.target
     name = getattr(node.target, "__name__", str(node.target))
     return OPERATOR_NAMES.get(name, name) if node.target.__module__ in ("_operator", "operator") else name
