@@ -87,6 +87,11 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def is_vmap_bookkeeping(node: fx.Node) -> bool:
+    """A call Dynamo records for ``vmap`` (``torch._functorch.predispatch``: nesting levels, batch dims)."""
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
+
+
 def remove_dead_code(graph: fx.Graph) -> None:
     """FX's dead-code elimination, keeping in-place method calls (``x[..., :8].copy_(y)``, ``m.scatter_(...)``)
     whose results nobody reads: FX counts every method call as pure."""

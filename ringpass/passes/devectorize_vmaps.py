@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ringpass.graph import example_value
+from ringpass.graph import example_value, is_vmap_bookkeeping
 from ringpass.passes.context import PassContext
 from ringpass.passes.token_ops import is_pointwise, op_name
 
@@ -30,7 +30,7 @@ def devectorize_vmaps(ctx: PassContext) -> None:
 
 
 def _predispatch(node: fx.Node, name: str) -> bool:
-    return _bookkeeping(node) and node.target.__name__ == name
+    return is_vmap_bookkeeping(node) and node.target.__name__ == name
 
 
 def _nests(graph: fx.Graph) -> list[list[fx.Node]]:
@@ -55,7 +55,7 @@ def _rewrite(ctx: PassContext, nest: list[fx.Node]) -> None:
     graph = ctx.gm.graph
     adds = [n for n in nest if _predispatch(n, "_add_batch_dim")]
     removes = [n for n in nest if _predispatch(n, "_remove_batch_dim")]
-    body = [n for n in nest if not _bookkeeping(n)]
+    body = [n for n in nest if not is_vmap_bookkeeping(n)]
     levels = [n.args[2] for n in adds]
     if not adds or sorted(levels) != list(range(min(levels), min(levels) + len(levels))):
         return
@@ -78,13 +78,9 @@ def _rewrite(ctx: PassContext, nest: list[fx.Node]) -> None:
     chain[-1].replace_all_uses_with(full)
     changed.add(full)
     for node in reversed(nest):
-        if _bookkeeping(node):
+        if is_vmap_bookkeeping(node):
             graph.erase_node(node)
     _refresh_example_values(graph, changed)
-
-
-def _bookkeeping(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
 
 
 def _removal_chain(removes: list[fx.Node], levels: list[int]):

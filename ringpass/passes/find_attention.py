@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import ancestors, describe, example_value, is_module_state, refusal
+from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -200,7 +200,7 @@ def _feeding_only(call: fx.Node, roots: list, keep: set) -> set:
             if writes_into_found or (readers and all(u in found or u is call for u in readers)):
                 found.add(node)
                 grew = True
-    vmaps = [n for n in nodes if _vmap_bookkeeping(n)]
+    vmaps = [n for n in nodes if is_vmap_bookkeeping(n)]
     if all(n in found for n in vmaps if n.users):
         found |= set(vmaps)
     return found
@@ -211,10 +211,6 @@ def _only_writes_into(user: fx.Node, node: fx.Node) -> bool:
     if user.target is operator.setitem and user.args[0] is node:
         return True
     return bool(user.users) and all(u.target is operator.setitem and u.args[0] is node for u in user.users)
-
-
-def _vmap_bookkeeping(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
 
 
 def _unrepeated(node: fx.Node) -> fx.Node:
