@@ -30,8 +30,8 @@ from lowering.schedule import BlockTask
 
 MASK_TILE = 256  # query rows and key columns per evaluated mask tile: bounds mask memory independently of S
 # An additive mask value at or below this hides its key: exp(score - 1e4) underflows to exactly 0 next to
-# any visible key, in every float dtype (-inf, -1e9 and finfo.min all qualify). A row whose keys are all
-# hidden gives 0 here, where eager attention with a finite fill would average the hidden keys instead.
+# any visible key, in every float dtype (-inf, -1e9 and finfo.min all qualify). What a row whose keys are
+# all hidden gives: `lowering.fully_masked`.
 MASKED_AT_OR_BELOW = -1e4
 
 _programs: dict[str, Callable] = {}

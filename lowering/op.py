@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.fully_masked import check_fully_masked
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
 from lowering.masks import BlockMask, mask_program, register_mask
@@ -45,6 +46,7 @@ def ring_attention(
     alibi_slopes: Optional[Sequence[float]] = None,
     bias: Optional[Callable] = None,
     bias_inputs: Sequence[torch.Tensor] = (),
+    fully_masked: str = "zero",
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -58,12 +60,18 @@ def ring_attention(
     ``window=W`` (with ``is_causal``): a key is visible from queries at most ``W - 1`` positions after it.
     ``mask(q_pos, kv_pos, *mask_inputs) -> bool`` (True = visible, broadcastable to ``[B, Hq, n, m]``) is
     evaluated on global positions, one tile of at most `lowering.masks.MASK_TILE` squared pairs at a time;
-    ``mask_inputs`` are the (replicated, small) tensors it reads. Rows with no visible key get out 0.
+    ``mask_inputs`` are the (replicated, small) tensors it reads. Rows with no visible key get out 0
+    (unless ``fully_masked`` says otherwise).
 
     Score modifiers (`lowering.scores`), applied to ``scale · q kᵀ`` before masking: ``softcap=c`` gives
     ``c·tanh(s/c)``; ``alibi_slopes`` (one float per query head) adds ``slope·(kv_pos − q_pos)``, computed in
     the kernels; ``bias(q_pos, kv_pos, *bias_inputs) -> float`` (broadcastable to ``[B, Hq, n, m]``) is added
     after the soft-cap, evaluated per tile like ``mask``.
+
+    ``fully_masked``: what a query whose keys are all hidden gives (`lowering.fully_masked`): ``"zero"``
+    (as SDPA with a bool mask), ``"uniform"`` (the mean of every key's value, with the gradients eager
+    attention adding a finite mask such as ``finfo.min`` computes), ``"uniform_values"`` (that mean with
+    gradients into the values only, as eager ``masked_fill`` with a finite value). Their lse stays -inf.
     """
     if not isinstance(layout, Layout):
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
@@ -72,7 +80,7 @@ def ring_attention(
         out = ring_attention(q, k, torch.nn.functional.pad(v, (0, narrower)), layout=layout, is_causal=is_causal,
                              scale=scale, group=group, return_lse=return_lse, window=window, mask=mask,
                              mask_inputs=mask_inputs, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-                             bias_inputs=bias_inputs)
+                             bias_inputs=bias_inputs, fully_masked=fully_masked)
         return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
     group_name = _group_name(group, layout)
@@ -81,13 +89,14 @@ def ring_attention(
     scale = default_scale(q) if scale is None else float(scale)
     mask_id = register_mask(mask) if mask is not None else ""
     check_score_options(softcap, alibi_slopes)
+    check_fully_masked(fully_masked)
     slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
     if slopes is not None and len(slopes) != q.size(1):
         raise InvalidInputError(f"alibi_slopes has {len(slopes)} slopes; q has {q.size(1)} heads: give one per query head.")
     out, lse = torch.ops.ringpass.ring_attention(
         q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name,
         window, mask_id, list(mask_inputs), None if softcap is None else float(softcap), slopes,
-        register_mask(bias) if bias is not None else "", list(bias_inputs),
+        register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked,
     )
     return (out, lse) if return_lse else out
 
@@ -172,7 +181,7 @@ def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
 
 
 def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap, alibi_slopes,
-          bias_id, bias_inputs) -> RingSpec:
+          bias_id, bias_inputs, fully_masked) -> RingSpec:
     if window is not None and not is_causal:
         raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")
     mask = None
@@ -180,7 +189,7 @@ def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inp
         mask = BlockMask(is_causal, window, mask_program(mask_id) if mask_id else None, tuple(mask_inputs or ()))
     scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(alibi_slopes),
                       mask_program(bias_id) if bias_id else None, tuple(bias_inputs or ()))
-    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask, scores)
+    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask, scores, fully_masked)
 
 
 def _exchange(group_name: str) -> RingExchange:
@@ -196,10 +205,10 @@ def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
     seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor],
+    bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                 alibi_slopes, bias_id, bias_inputs)
+                 alibi_slopes, bias_id, bias_inputs, fully_masked)
     check_inputs(q, k, v, spec.layout)
     exchange = _exchange(group_name)
     if exchange.world_size != world_size:
@@ -211,7 +220,7 @@ def _ring_attention_op(
 
 @_ring_attention_op.register_fake
 def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs, softcap,
-      alibi_slopes, bias_id, bias_inputs):
+      alibi_slopes, bias_id, bias_inputs, fully_masked):
     if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
         check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
@@ -223,10 +232,10 @@ def _ring_attention_backward_op(
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
     is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor],
+    bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                 alibi_slopes, bias_id, bias_inputs)
+                 alibi_slopes, bias_id, bias_inputs, fully_masked)
     if dlse is not None and not bool(dlse.any()):
         dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
     dq, dk, dv = ring_backward(
@@ -238,7 +247,7 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs):
+      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
+from lowering.fully_masked import add_fully_masked_grads_, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_
 from lowering.layout import Layout
 from lowering.masks import BlockMask, Tile, mask_tiles
@@ -28,13 +29,18 @@ from lowering.scores import ScoreMod
 class RingSpec:
     """What every rank agrees on for one call: ``mask`` adds a sliding window or a mask program to the
     causal flag (its ``is_causal`` must equal ``is_causal``); ``scores`` modifies the scores (soft-cap,
-    ALiBi, a bias program)."""
+    ALiBi, a bias program); ``fully_masked`` says what a query whose keys are all hidden gives
+    (`lowering.fully_masked`)."""
 
     layout: Layout
     is_causal: bool
     scale: float
     mask: Optional[BlockMask] = None
     scores: ScoreMod = ScoreMod()
+    fully_masked: str = "zero"
+
+    def __post_init__(self):
+        check_fully_masked(self.fully_masked)
 
     def tiles(self, q_rank: int, kv_rank: int, q, q_pos, kv_pos) -> list[Tile]:
         """The kernel calls of rank ``q_rank`` against the KV block of ``kv_rank``: the planned tasks, cut
@@ -64,9 +70,13 @@ class _RankForward:
         acc = accumulation_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        self.values = None  # the sum of every key's value, when fully masked rows average them
 
     def add_block(self, k: torch.Tensor, v: torch.Tensor, kv_rank: int) -> None:
         kv_pos = self.spec.layout.positions(kv_rank).to(k.device)
+        if self.spec.fully_masked != "zero":
+            block_sum = value_sum(v, kv_pos, self.spec.layout.seq_len, self.out.dtype)
+            self.values = block_sum if self.values is None else self.values + block_sum
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
             rows, cols = t.rows, t.cols
             block_attention_merge_(
@@ -75,6 +85,8 @@ class _RankForward:
             )
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.values is not None:
+            fill_fully_masked_(self.out, self.lse, self.values, self.q_pos, self.spec.layout.seq_len)
         return self.out.to(self.q.dtype), self.lse
 
 
@@ -103,6 +115,8 @@ class _RankBackward:
             self.dq[:, :, rows] += dq.to(acc)
             dkv[0, :, :, cols] += dk.to(acc)
             dkv[1, :, :, cols] += dv.to(acc)
+        add_fully_masked_grads_(self.spec.fully_masked, self.dout, self.q, k, v, self.out, self.lse, self.q_pos, kv_pos,
+                                self.spec.layout.seq_len, self.spec.scale, self.spec.scores.softcap, self.dq, dkv)
         return dkv
 
 

@@ -47,18 +47,20 @@ def simulate_ring(
     alibi_slopes: Optional[Sequence[float]] = None,
     bias: Optional[Callable] = None,
     bias_inputs: Sequence[torch.Tensor] = (),
+    fully_masked: str = "zero",
 ) -> SimulatedRing:
     """Run the ring's forward (and, given ``dout``, backward) lap for every rank of ``layout``.
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``; ``window``, ``mask``,
-    ``mask_inputs`` and the score modifiers (``softcap``, ``alibi_slopes``, ``bias``, ``bias_inputs``) as in
-    `lowering.ring_attention`.
+    ``mask_inputs``, the score modifiers (``softcap``, ``alibi_slopes``, ``bias``, ``bias_inputs``) and
+    ``fully_masked`` as in `lowering.ring_attention`.
     """
     p = layout.world_size
     block_mask = BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
     scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes), bias,
                       tuple(bias_inputs))
-    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask, scores)
+    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask, scores,
+                    fully_masked)
     qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
     check_inputs(qs[0], ks[0], vs[0], layout)
 

@@ -35,6 +35,14 @@ def short_source(node: fx.Node) -> str:
     return f"{match['file'].rsplit('/', 1)[-1]}:{match['line']}" if match else ""
 
 
+def numbers_in(node: fx.Node) -> list:
+    """The Python numbers among a node's (nested) arguments and keyword arguments."""
+    found = []
+    fx.node.map_aggregate((node.args, tuple(node.kwargs.values())),
+                          lambda a: found.append(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a)
+    return found
+
+
 def op_label(node: fx.Node) -> str:
     """The op a node calls, as a user would write it (``cumsum``, ``view``, ``scaled_dot_product_attention``)."""
     if node.op in ("placeholder", "output"):

@@ -38,6 +38,7 @@ class AttentionRecord:
     itemsize: int
     scale: float
     score_mods: list[str] = field(default_factory=list)  # soft-cap, ALiBi slopes, a lifted bias program
+    fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
 
     def shape(self) -> AttentionShape:
         return AttentionShape(self.batch, self.query_heads, self.kv_heads, self.head_dim, self.itemsize,
@@ -262,8 +263,14 @@ SCHEDULE_ROWS_SHOWN = 32  # larger rings are summarised (the JSON has every bloc
 _LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
 
 
+FULLY_MASKED_TEXT = {"zero": [],
+                     "uniform": ["a query with every key hidden averages all keys, as eager (gradients to q, k, v)"],
+                     "uniform_values": ["a query with every key hidden averages all keys, as eager (gradients to v)"]}
+
+
 def _attention_text(a: AttentionRecord) -> str:
-    mask = "; ".join([a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods])
+    mask = "; ".join([a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods,
+                      *FULLY_MASKED_TEXT[a.fully_masked]])
     where = a.module or "top level"
     return (f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
             f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}")

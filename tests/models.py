@@ -108,11 +108,12 @@ class Llama(nn.Module):
 
 class HandWritten(nn.Module):
     """Attention written out: softmax(q kᵀ / sqrt(d) masked by an arange comparison) v. Given document
-    ids ``doc [B, N]`` (packed sequences), keys of other documents are masked out too."""
+    ids ``doc [B, N]`` (packed sequences), keys of other documents are masked out too. ``fill``: the value
+    ``masked_fill`` gives hidden scores."""
 
-    def __init__(self, vocab=61, dim=32, heads=2):
+    def __init__(self, vocab=61, dim=32, heads=2, fill=float("-inf")):
         super().__init__()
-        self.heads = heads
+        self.heads, self.fill = heads, fill
         self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
 
     def forward(self, ids, doc=None):
@@ -124,7 +125,7 @@ class HandWritten(nn.Module):
         blocked = idx[None, :] > idx[:, None]
         if doc is not None:
             blocked = blocked | (doc[:, :, None] != doc[:, None, :])[:, None]
-        scores = scores.masked_fill(blocked, float("-inf"))
+        scores = scores.masked_fill(blocked, self.fill)
         y = torch.softmax(scores, dim=-1) @ v
         return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
 

@@ -36,14 +36,23 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = None, *, softcap=None,
-                          bias=None) -> torch.Tensor:
-    """Attention in fp64 under a dense boolean ``visible`` mask (broadcast to [B, Hq, N, N]); rows with no
-    visible key give 0 (the ring's convention) instead of SDPA's NaN. ``softcap`` caps the scaled scores
-    (``c·tanh(s/c)``), then a dense ``bias`` is added. Differentiable."""
+                          bias=None, fully_masked: str = "zero") -> torch.Tensor:
+    """Attention in fp64 under a dense boolean ``visible`` mask (broadcast to [B, Hq, N, N]). ``softcap``
+    caps the scaled scores (``c·tanh(s/c)``), then a dense ``bias`` is added. Rows with no visible key:
+    ``fully_masked="zero"`` gives them 0 (SDPA's bool-mask convention); ``"uniform"`` hides keys as eager
+    attention does, adding ``finfo.min`` to their scores; ``"uniform_values"`` replaces their scores with it
+    (``masked_fill``). Differentiable."""
     v = v.double().repeat_interleave(q.size(1) // v.size(1), dim=1)
-    scores = _scores_fp64(q, k, visible, scale, softcap, bias)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs @ v
+    if fully_masked == "zero":
+        probs = torch.softmax(_scores_fp64(q, k, visible, scale, softcap, bias), dim=-1).nan_to_num(0.0)
+        return probs @ v
+    scores = _scores_fp64(q, k, torch.ones_like(visible), scale, softcap, bias)
+    lowest = torch.finfo(torch.float64).min
+    if fully_masked == "uniform":
+        scores = scores + torch.zeros_like(scores).masked_fill(~visible, lowest)
+    else:
+        scores = scores.masked_fill(~visible, lowest)
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def masked_lse_fp64(q, k, visible: torch.Tensor, scale: float | None = None, *, softcap=None, bias=None):

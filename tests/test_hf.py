@@ -36,23 +36,19 @@ def test_training_matches_the_unsharded_model(name, world_size):
         _check(results, expected_mask, world_size)
 
 
+AVERAGES = "a query with every key hidden averages all keys, as eager (gradients to q, k, v)"
+
+
 @pytest.mark.parametrize("name", ["llama-eager", "gpt2-eager"])
 def test_eager_attention_trains_through_the_ring(name):
     """Hugging Face's written-out attention (matmul, additive mask, softmax in fp32, dropout p=0, cast,
-    matmul; Llama's K/V heads repeated) is found and rewritten."""
-    for results in spawn_ranks(hf_workers.training_step, 2, (name, ["labels", "packed"], SEQ), timeout=600):
-        _check(results, {"labels": "hand-written (lifted mask program", "packed": "hand-written (lifted mask program"}, 2)
-
-
-def test_eager_attention_with_padding_warns_where_it_differs():
-    """Left padding leaves padded queries no visible key: eager's finfo.min mask averages every key there,
-    the ring gives 0 (not built yet), and the report says so."""
-    import ringpass
-
-    model = hf_workers.build("llama-eager")
-    inspection = ringpass.inspect(model, hf_workers.batch("left-padded", SEQ), world_size=2)
-    assert inspection.status == "rewritten"
-    assert any("eager attention averages every key" in w for w in inspection.reports[0].warnings)
+    matmul; Llama's K/V heads repeated) is found and rewritten. Left padding leaves the padded queries no
+    visible key: eager's added finfo.min makes their softmax uniform over every key (the last padded
+    position's prediction enters the shifted loss), and the ring gives the same, gradients included."""
+    cases = ["labels", "packed", "left-padded"]
+    for results in spawn_ranks(hf_workers.training_step, 2, (name, cases, SEQ), timeout=600):
+        _check(results, {"labels": "hand-written (lifted mask program", "packed": "hand-written (lifted mask program",
+                         "left-padded": AVERAGES}, 2)
 
 
 @pytest.mark.parametrize("name,heads", [("falcon", "4 query / 4 key-value heads"), ("falcon_mqa", "4 query / 1 key-value heads")])
@@ -67,8 +63,9 @@ def test_falcon_trains_through_the_ring(name, heads):
 
 SCORE_MODELS = {  # name: {case: what the report says of its attention}
     "bloom": {"labels": "ALiBi slopes, computed in-kernel", "right-padded": "lifted bias program, evaluated per tile"},
-    "mpt": {"labels": "ALiBi slopes, computed in-kernel", "right-padded": "ALiBi slopes, computed in-kernel"},
-    "gemma2": {"labels": "soft-cap 0.5", "packed": "soft-cap 0.5"},
+    "mpt": {"labels": "ALiBi slopes, computed in-kernel", "right-padded": "ALiBi slopes, computed in-kernel",
+            "left-padded": "ALiBi slopes, computed in-kernel from positions; a query with every key hidden averages all keys, as eager (gradients to v)"},  # masked_fill(finfo.min)
+    "gemma2": {"labels": "soft-cap 0.5", "packed": "soft-cap 0.5", "left-padded": "soft-cap 0.5; " + AVERAGES},
 }
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 
 import inspect_targets
+import models
 import ringpass
 from lowering import Layout
 from lowering.schedule import schedule_table
@@ -419,3 +420,19 @@ def test_a_padding_mask_passed_sharded_is_refused_saying_the_mask_reads_it_whole
     message = inspection.reports[0].refusal.message
     assert "Input keep is passed sharded (inputs='sharded') but the ring's mask program reads it whole" in message
     assert message.count("sharded") == 2, message
+
+
+@pytest.mark.parametrize("fill,plan,warned", [(float("-inf"), "zero", False),
+                                              (torch.finfo(torch.float32).min, "uniform_values", False),
+                                              (-1e4, "uniform_values", True)])
+def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, warned):
+    """A -inf fill gives 0 there (eager: NaN); finfo.min makes eager's softmax uniform, and the ring averages
+    too; -1e4 does not swamp the scores (eager still weighs them): averaged, and the report warns."""
+    model = models.HandWritten(fill=fill)
+    ids = torch.randint(0, 61, (2, 12))
+    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    inspection = ringpass.inspect(model, (ids, doc), world_size=2)
+    report, = inspection.reports
+    assert report.attention[0].mask.startswith("lifted mask program")
+    assert report.attention[0].fully_masked == plan
+    assert any("does not swamp" in w or "still weighs those keys" in w for w in report.warnings) == warned

@@ -46,6 +46,29 @@ def test_masked_ring_matches_dense_masked_fp64(monkeypatch, case, kind, world_si
     check_simulated_ring(Layout(kind, world_size, 45), visible, options)
 
 
+def hidden_heads(q_pos, kv_pos, keep, heads):
+    """Left padding, and on the heads marked in ``heads`` the first 11 queries see no key at all."""
+    return left_padding(q_pos, kv_pos, keep) & ~(heads[None, :, None, None] & (q_pos < 11)[None, None, :, None])
+
+
+@pytest.mark.parametrize("softcap", [None, 0.7])
+@pytest.mark.parametrize("fully_masked", ["uniform", "uniform_values"])
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fully_masked_rows_give_what_eager_attention_gives(monkeypatch, softcap, fully_masked, kind, world_size):
+    """Queries whose keys are all hidden (left padding; some heads only) average every key as eager attention
+    with a finfo.min mask does, and their gradients are eager's: into q and k through the uniform softmax
+    when the mask is added, into v only when it replaces the scores."""
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)
+    pos = torch.arange(43)
+    keep = torch.ones(2, 43, dtype=torch.bool)
+    keep[0, :7] = False
+    heads = torch.tensor([False, True, True, False])
+    options = dict(mask=hidden_heads, mask_inputs=[keep, heads], fully_masked=fully_masked, softcap=softcap)
+    reference = dict(fully_masked=fully_masked, softcap=softcap)
+    check_simulated_ring(Layout(kind, world_size, 43), hidden_heads(pos, pos, keep, heads), options, reference)
+
+
 def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
     """The largest mask tensor the ring evaluates is one tile, at any sequence length (not S x S, not S/P x S)."""
     largest = {}

@@ -37,8 +37,8 @@ def test_opcheck(contiguous, scores):
         q, k, v = _qkv(n)
     else:
         q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
-    modifiers = (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)]) \
-        if scores else (None, None, "", [])
+    modifiers = (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)],
+                 "uniform") if scores else (None, None, "", [], "zero")
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [],
             *modifiers)
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)

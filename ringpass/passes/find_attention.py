@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
+from ringpass.graph import (ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in,
+                            refusal)
 from ringpass.passes.context import PassContext
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -409,14 +410,7 @@ def _hides_or_is_input(node: fx.Node) -> bool:
     value = example_value(node)
     if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))):
         return True
-    return any(c <= MASKED_AT_OR_BELOW for c in _numbers((node.args, tuple(node.kwargs.values()))))
-
-
-def _numbers(args) -> list:
-    """The Python numbers among (nested) arguments."""
-    found = []
-    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a)
-    return found
+    return any(c <= MASKED_AT_OR_BELOW for c in numbers_in(node))
 
 
 def peel_softcap(scores: fx.Node, internal: list):

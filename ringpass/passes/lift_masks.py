@@ -38,14 +38,18 @@ import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
-from lowering.masks import register_mask, split_additive
-from ringpass.graph import ancestors, describe, example_value, is_module_state, placeholders_of, refusal, user_name
+from lowering.masks import MASKED_AT_OR_BELOW, register_mask, split_additive
+from ringpass.graph import (ancestors, describe, example_value, is_module_state, numbers_in, placeholders_of, refusal,
+                            user_name)
 from ringpass.passes.context import PassContext
 from ringpass.passes.flex_mods import FlexProgram, read_score_mod
 from ringpass.passes.sequence_axes import same
 from ringpass.passes.token_ops import is_pointwise, op_name
 
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
+# A finite hiding value at or below this makes every score it is added to the same number in float32 (its
+# spacing there is 64: any score under 32 in size is lost), so a fully hidden query's softmax is uniform.
+SWAMPS_EVERY_SCORE = -1e9
 CASTS = {"to", "bool", "float", "double", "half", "long", "int", "type", "type_as", "contiguous", "clone", "detach"}
 AND = {"bitwise_and", "logical_and"}
 Q, KV = "q", "kv"
@@ -64,6 +68,7 @@ class MaskPlan:
     slopes: Optional[list] = None
     bias_id: str = ""
     bias_inputs: list = field(default_factory=list)
+    fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
 
     def describe(self) -> str:
         if self.program_id:
@@ -79,7 +84,7 @@ class MaskPlan:
     def op_args(self) -> tuple:
         """The ring op's mask and score arguments, in its order."""
         return (self.window, self.program_id, list(self.inputs), self.softcap, self.slopes, self.bias_id,
-                list(self.bias_inputs))
+                list(self.bias_inputs), self.fully_masked)
 
     def _window(self) -> str:
         return f", sliding window {self.window}" if self.window is not None else ""
@@ -182,14 +187,6 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     _check_additive(match, kind, mask)
     region = _Region(mask)
     ctx.lifted.add(mask)
-    finite = f"the finite value {match.fill:g}" if match.fill is not None and match.fill != float("-inf") else (
-        "an additive mask (finite if it holds finfo.min)" if kind == "additive" else "")
-    if finite:
-        ctx.report.warnings.append(
-            f"{describe(mask)} hides keys with {finite}: a query whose keys are all hidden (left padding) gets 0 "
-            "here, where eager attention averages every key; with shifted labels the last padded position's "
-            "prediction enters the loss, so such a batch differs from eager there (not built yet: eager's average)"
-        )
     n = example_value(match.output).shape[-2]
     if region.oversized:
         dynamic = isinstance(n, torch.SymInt)  # one check at one length would not hold for the others
@@ -212,7 +209,30 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
         return MaskPlan(is_causal, window)
     program = _program(ctx, region, kind)
     ctx.whole_values |= set(region.input_nodes)
-    return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes)
+    return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes,
+                    fully_masked=_fully_masked(ctx, match, kind, region))
+
+
+def _fully_masked(ctx: PassContext, match, kind: str, region: "_Region") -> str:
+    """What the model gives a query whose keys are all hidden (left padding), for the ring to give the same
+    (`lowering.fully_masked`): an added finite mask (``+ finfo.min``) makes its softmax uniform over every key,
+    with gradients into the scores; a finite fill (``masked_fill``, ``where``) too, with none; a bool mask
+    (SDPA: 0) or a ``-inf`` fill (eager: NaN) gives 0. A finite value too small to swamp every score
+    (``-1e4``) leaves eager weighing such a query's keys by their scores: warned, not reproduced."""
+    if kind == "additive":
+        hiding, mode = [x for node, _ in region.ops for x in numbers_in(node) if x <= MASKED_AT_OR_BELOW], "uniform"
+    elif match.fill is not None and match.fill != float("-inf"):
+        hiding, mode = [match.fill], "uniform_values"
+    else:
+        return "zero"
+    weak = sorted({x for x in hiding if SWAMPS_EVERY_SCORE < x})
+    if weak:
+        ctx.report.warnings.append(
+            f"{describe(match.output)} hides keys with {', '.join(f'{x:g}' for x in weak)}: where a query's keys are "
+            "all hidden (left padding) the ring gives the mean of every key's value, as a fill of finfo.min gives; "
+            "eager attention with this fill still weighs those keys by their scores there, so such a batch "
+            "differs from eager at those positions (hide keys with torch.finfo(dtype).min to match)")
+    return mode
 
 
 def _read(ctx: PassContext, region: "_Region", kind: str, n) -> tuple[frozenset, bool]:

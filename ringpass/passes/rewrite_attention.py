@@ -104,5 +104,5 @@ def _record(match, plan, scale: float) -> AttentionRecord:
         mask_inputs=_mask_inputs(plan), batch=plain(q.shape[0]) if match.batch is None else match.batch,
         query_heads=heads[0],
         kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
-        itemsize=q.element_size(), scale=float(scale), score_mods=plan.score_mods(),
+        itemsize=q.element_size(), scale=float(scale), score_mods=plan.score_mods(), fully_masked=plan.fully_masked,
     )
