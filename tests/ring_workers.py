@@ -241,3 +241,34 @@ def rings_on_subgroups(rank: int, world_size: int) -> float:
     out = ring_attention(*(layout.shard(t, 2, ring_rank) for t in (q, k, v)), layout=layout, is_causal=True, group=group)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return rel_err(out, layout.shard(expected, 2, ring_rank))
+
+
+def _left_padded(q_pos, kv_pos, keep):
+    return keep[:, kv_pos][:, None, None, :] & (kv_pos[None, :] <= q_pos[:, None])[None, None]
+
+
+def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
+    """Left-padded queries (no visible key) through ring_attention on real ranks, for each fully_masked
+    mode, against fp64 attention hiding keys as the mode's model does: out, dq, dk, dv of this rank's rows."""
+    from reference import masked_attention_fp64
+
+    seq_len = 4 * world_size + 5
+    layout = Layout("zigzag", world_size, seq_len)
+    generator = torch.Generator().manual_seed(3)  # every rank draws the same full tensors
+    q, k, v = (torch.randn(2, h, seq_len, 8, dtype=torch.float64, generator=generator) for h in (4, 2, 2))
+    dout = torch.randn(2, 4, seq_len, 8, dtype=torch.float64, generator=generator)
+    keep = torch.ones(2, seq_len, dtype=torch.bool)
+    keep[0, :6] = False
+    pos, real = torch.arange(seq_len), layout.positions(rank) < seq_len
+    errors = {}
+    for mode in ("zero", "uniform", "uniform_values"):
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = masked_attention_fp64(*ref, _left_padded(pos, pos, keep), fully_masked=mode)
+        (expected * dout).sum().backward()
+        local = [layout.shard(t, 2, rank).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, layout=layout, is_causal=True, mask=_left_padded, mask_inputs=[keep],
+                             fully_masked=mode)
+        (out * layout.shard(dout, 2, rank)).sum().backward()
+        errors[mode] = max(rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
+                           for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref))))
+    return errors

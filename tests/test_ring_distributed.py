@@ -92,6 +92,14 @@ def test_ring_attention_compiles_fullgraph_on_two_ranks():
         assert result["out"] < 1e-12 and result["grads"] < 1e-12
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fully_masked_queries_on_ranks_give_what_their_model_gives(world_size):
+    """Left-padded queries see no key: 0 (SDPA's bool mask), or eager's uniform average with its gradients
+    (added finfo.min: into q, k, v; filled: into v), with blocks and dK/dV travelling between processes."""
+    for errors in spawn_ranks(ring_workers.fully_masked_on_ranks, world_size, timeout=TIMEOUT):
+        assert set(errors) == {"zero", "uniform", "uniform_values"} and max(errors.values()) < 1e-12, errors
+
+
 def test_two_rings_on_subgroups_of_four_ranks():
     errors = spawn_ranks(ring_workers.rings_on_subgroups, 4, timeout=TIMEOUT)
     assert max(errors) < 1e-12
