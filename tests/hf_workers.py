@@ -123,6 +123,7 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
             "report": str(backend.reports[-1]),
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+            "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
             "saved_bytes": _saved_for_backward(compiled, kwargs),
         }
         if dynamic:

@@ -51,14 +51,18 @@ def test_eager_attention_trains_through_the_ring(name):
                          "left-padded": AVERAGES}, 2)
 
 
-@pytest.mark.parametrize("name,heads", [("falcon", "4 query / 4 key-value heads"), ("falcon_mqa", "4 query / 1 key-value heads")])
-def test_falcon_trains_through_the_ring(name, heads):
-    """Falcon's new decoder (``broadcast_to(key, query.shape)``: its K/V heads are repeated before SDPA and
-    travel repeated, not peeled yet) and the old multi-query one (SDPA with one KV head broadcast against
-    four query heads, no enable_gqa: only that head travels; K/V picked with ``[..., [-2], :]``)."""
+@pytest.mark.parametrize("name,kv_heads", [("falcon", 2), ("falcon_mqa", 1)])
+def test_falcon_trains_through_the_ring(name, kv_heads):
+    """Falcon's new decoder (``broadcast_to(key, query.shape)`` repeats each KV head over its query group
+    before the rotary embedding: proven repeated, one head of each group travels) and the old multi-query
+    one (SDPA with one KV head broadcast against four query heads, no enable_gqa: only that head travels;
+    K/V picked with ``[..., [-2], :]``). A KV hop carries 2·B·Hkv·n·D·4 bytes: only the distinct heads."""
     cases = ["labels", "left-padded"]
     for results in spawn_ranks(hf_workers.training_step, 2, (name, cases, SEQ), timeout=600):
-        _check(results, {"labels": f"sdpa (causal, scale 0.3536, {heads}", "left-padded": "lifted mask program + causal"}, 2)
+        _check(results, {"labels": f"sdpa (causal, scale 0.3536, 4 query / {kv_heads} key-value heads",
+                         "left-padded": "lifted mask program + causal"}, 2)
+        for case, r in results.items():  # batch 2, 8 tokens per rank (13 padded to 16), head dim 8, fp32
+            assert r["kv_bytes"] == {2 * 2 * kv_heads * 8 * 8 * 4}, (case, r["kv_bytes"])
 
 
 SCORE_MODELS = {  # name: {case: what the report says of its attention}

@@ -15,7 +15,10 @@ Matches:
 - ``flex_attention`` (the higher-order op Dynamo makes of ``torch.nn.attention.flex_attention``): its
   ``mask_mod`` and ``score_mod`` graphs and their buffers are kept for `lift_masks`; the block mask's
   construction (an ``S x S`` evaluation of ``mask_mod``) only feeds the call and goes with it.
-K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat.
+K/V whose heads are repeated for GQA (expand + reshape, ``repeat_interleave``) are taken before the repeat;
+K/V whose heads are proven to repeat in groups after further per-head-uniform ops (Falcon's
+``broadcast_to`` before the rotary embedding, `head_groups`) keep ``kv_groups``: the rewrite sends one head
+of each group.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
 `lift_masks`. Refuses dropout inside attention, query and key lengths that differ, and a graph whose
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -38,6 +41,7 @@ from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import (ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in,
                             refusal)
 from ringpass.passes.context import PassContext
+from ringpass.passes.head_groups import repeated_groups
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
@@ -70,6 +74,7 @@ class AttentionMatch:
     bias: Optional[fx.Node] = None  # an additive score bias inside the mask (ALiBi, a position bias)
     batch: Optional[int] = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
     flex: Optional["FlexMods"] = None  # a flex_attention call's mask_mod and score_mod
+    kv_groups: int = 1  # K and V heads repeat in consecutive groups of this size: one of each travels
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ def find_attention(ctx: PassContext) -> None:
                 ctx.attention.append(match)
     if not ctx.attention:
         _refuse_unrecognised_attention(ctx.gm)
+    ctx.attention[:] = [_with_kv_groups(match) for match in ctx.attention]
     for match in ctx.attention:
         q, k = example_value(match.query), example_value(match.key)
         if q.shape[-2] != k.shape[-2]:
@@ -108,6 +114,14 @@ def find_attention(ctx: PassContext) -> None:
                 "attention shards queries and keys the same way, so they must have one length (a KV cache "
                 "concatenated before attention is not supported: compile with use_cache=False).", match.output
             )
+
+
+def _with_kv_groups(match: AttentionMatch) -> AttentionMatch:
+    """The match with ``kv_groups`` set when its 4-D keys and values repeat their heads in groups."""
+    if example_value(match.key).dim() != 4 or match.batch is not None:
+        return match
+    groups = math.gcd(repeated_groups(match.key, 1), repeated_groups(match.value, 1))
+    return replace(match, kv_groups=groups) if groups > 1 else match
 
 
 def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:

@@ -2,7 +2,7 @@
 
 Matches ``ctx.attention`` (found by `find_attention`, masks planned by `lift_masks`). Writes a call of
 ``ringpass::ring_attention`` on the local q, k, v (GQA/MQA keys and values stay at their own head count:
-only those heads travel) with the layout, the mask plan (causal flag, window, mask program id and its
+only those heads travel; keys and values whose heads repeat in groups send one head of each) with the layout, the mask plan (causal flag, window, mask program id and its
 whole inputs), the scale (1/sqrt(head_dim) when the model gave none) and the process group by name, and
 removes the SDPA call or the hand-written attention's nodes. Values with a smaller head dim than the keys
 (MLA) are padded with zero columns to the key head dim and the output's extra columns cut off. 3-D single-head attention gains a head axis
@@ -43,6 +43,9 @@ def rewrite_attention(ctx: PassContext) -> None:
                 (("unflatten", 0, (match.batch, -1)), ("flatten", 0, 1))
             if q.dim() == 3:
                 operands = [graph.call_method(to_4d[0], (t, *to_4d[1:])) for t in operands]
+            if match.kv_groups > 1:  # heads repeated in groups (Falcon): one head of each group travels
+                heads = (slice(None), slice(None, None, match.kv_groups))
+                operands[1:] = [graph.call_function(operator.getitem, (t, heads)) for t in operands[1:]]
             narrower = example_value(match.key).shape[-1] - example_value(match.value).shape[-1]
             if narrower:  # MLA: values narrower than keys travel padded with zeros to the key head dim
                 operands[2] = graph.call_function(torch.nn.functional.pad, (operands[2], (0, narrower)))
@@ -95,7 +98,7 @@ def _mask_inputs(plan) -> list[str]:
 
 def _record(match, plan, scale: float) -> AttentionRecord:
     q, k = example_value(match.query), example_value(match.key)
-    heads = (plain(q.shape[1]), plain(k.shape[1])) if q.dim() == 4 else (1, 1)
+    heads = (plain(q.shape[1]), plain(k.shape[1]) // match.kv_groups) if q.dim() == 4 else (1, 1)
     if match.batch is not None:
         heads = (plain(q.shape[0]) // match.batch, plain(k.shape[0]) // match.batch)
     return AttentionRecord(
