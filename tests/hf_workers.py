@@ -96,10 +96,11 @@ def batch(case: str, seq_len: int) -> dict:
 
 
 def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int, dynamic=None,
-                  checkpointed: str = "") -> dict:
+                  checkpointed: str = "", reference: str = "", fullgraph: bool = True) -> dict:
     """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case.
     With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``;
-    ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing."""
+    ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing;
+    ``reference`` names the model run uncompiled when it is not ``name`` (the same weights)."""
     torch._dynamo.config.specialize_float = True  # dynamic=True would trace HF's dropout_p as a value
     results = {}
     for case in cases:
@@ -108,12 +109,13 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         if checkpointed:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointed == "reentrant"})
         kwargs = batch(case, seq_len)
-        expected = model(**kwargs)
+        unsharded = build(reference) if reference else model
+        expected = unsharded(**kwargs)
         expected.loss.backward()
-        expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
+        expected_grads = {n: p.grad.clone() for n, p in unsharded.named_parameters()}
+        unsharded.zero_grad()
         backend = ringpass.backend(compiler="aot_eager")
-        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+        compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
         with record_ring_events() as events:
             got = compiled(**kwargs)
             got.loss.backward()
@@ -121,7 +123,7 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             "loss": rel_err(got.loss, expected.loss),
             "logits": rel_err(got.logits, expected.logits),
             "grads": max(rel_err(p.grad, expected_grads[n]) for n, p in model.named_parameters()),
-            "report": str(backend.reports[-1]),
+            "report": "\n".join(str(r) for r in backend.reports),
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
             "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
             "saved_bytes": _saved_for_backward(compiled, kwargs),
@@ -208,3 +210,17 @@ def classification_step(rank: int, world_size: int, seq_len: int, family: str = 
         "report": str(backend.reports[-1]),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
     }
+
+
+def flex_training_step(rank: int, world_size: int, cases: list, seq_len: int, fullgraph: bool) -> dict:
+    """Llama with ``attn_implementation="flex_attention"`` against the same weights with SDPA run whole.
+    With ``fullgraph``, Dynamo ignores ``warnings.warn`` (HF's ``create_block_mask(_compile=True)`` warns,
+    which Dynamo cannot trace); without, the model compiles in several graphs."""
+    import warnings
+
+    import torch.nn.attention.flex_attention as flex
+
+    flex._validate_device = lambda *tensors: None  # its "no backward on the CPU" check: the ring replaces flex
+    if fullgraph:
+        torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    return training_step(rank, world_size, "llama-flex_attention", cases, seq_len, reference="llama", fullgraph=fullgraph)

@@ -184,3 +184,13 @@ def test_sequence_classification_picks_the_last_non_padding_token(world_size):
         assert "data-dependent positions picked by every rank" in r["report"], r["report"]
         assert "all-gather" not in r["report"].split("collectives inserted")[1].split("sequence-sharded")[0]
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+def test_hugging_face_flex_attention_trains_through_the_ring(fullgraph):
+    """``attn_implementation="flex_attention"``: HF's block mask (causal, padding, packed documents) becomes a
+    mask program evaluated per tile; the same weights with SDPA, run whole, are the reference. (HF's flex mask
+    branches on the padding mask's values, ``if not fast_all(attention_mask)``: padding needs graph breaks.)"""
+    cases = ["labels", "packed"] + ([] if fullgraph else ["left-padded"])
+    for results in spawn_ranks(hf_workers.flex_training_step, 2, (cases, SEQ, fullgraph), timeout=600):
+        _check(results, {case: "flex_attention (lifted mask program" for case in cases}, 2)

@@ -193,7 +193,7 @@ def _match_flex(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     mods = FlexMods(getattr(gm, args["block_mask"][-1].target), getattr(gm, args["score_mod"].target),
                     tuple(args.get("mask_buffers", ())), tuple(args.get("score_buffers", ())))
     operands = {args["query"], args["key"], args["value"], *mods.mask_buffers, *mods.score_buffers}
-    roots = [a for a in (args["score_mod"], *args["block_mask"]) if isinstance(a, fx.Node)]
+    roots = [a for a in (args["score_mod"], *args["block_mask"]) if isinstance(a, fx.Node) and a.op != "placeholder"]
     return AttentionMatch(node, args["query"], args["key"], args["value"], False, float(args["scale"]),
                           "flex_attention", tuple(_feeding_only(node, roots, operands)), flex=mods)
 
