@@ -71,7 +71,10 @@ class _Prover:
             source_dim = _source_dim(node, name, value.dim(), dim)
             return 1 if source_dim is None else self.groups(args[0], source_dim, step)
         if node.target is operator.getitem:
-            source_dim = _indexed_dim(args[1], example_value(args[0]), dim)
+            source = example_value(args[0]) if isinstance(args[0], fx.Node) else None
+            if not isinstance(source, torch.Tensor):
+                return 1  # an item of a tuple (split, unbind): not followed
+            source_dim = _indexed_dim(args[1], source, dim)
             return 1 if source_dim is None else self.groups(args[0], source_dim, step)
         if name == "cat":
             cat_dim = node.kwargs.get("dim", args[1] if len(args) > 1 else 0) % value.dim()
