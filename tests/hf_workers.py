@@ -65,6 +65,17 @@ def build(name: str):
             num_key_value_heads=2, head_dim=8, sliding_window=5, attn_logit_softcapping=0.5, attention_dropout=0.0, initializer_range=0.5,
             attn_implementation="eager")
         return transformers.Gemma2ForCausalLM(config)
+    if name == "gpt_neo":  # eager only: a causal buffer (global layer) or a banded one (local, window 5) under the mask
+        config = transformers.GPTNeoConfig(
+            vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=256,
+            attention_types=[[["global", "local"], 1]], window_size=5, embed_dropout=0.0, resid_dropout=0.0,
+            attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+        return transformers.GPTNeoForCausalLM(config)
+    if name == "codegen":  # eager only: (q kᵀ + mask) / scale, the scale outside the mask
+        config = transformers.CodeGenConfig(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, n_ctx=256, n_inner=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return transformers.CodeGenForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation=implementation,
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)

@@ -177,3 +177,23 @@ def dropout_in_attention(seq_len: int = 16):
 
 def dropout_in_mlp(seq_len: int = 16):
     return DropoutAround(False), (torch.randn(1, seq_len, 8),)
+
+
+class MaskBeforeABreak(nn.Module):
+    """Builds a 4-D padding mask, breaks the graph (as a data-dependent expert loop would), then attends."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Embedding(61, 32), models.EncoderBlock(32, 4)
+
+    def forward(self, ids, keep):
+        idx = torch.arange(ids.shape[1], device=ids.device)
+        mask = (idx[None, :] <= idx[:, None])[None, None] & keep[:, None, None, :].bool()
+        x = self.embed(ids)
+        torch._dynamo.graph_break()
+        return self.block(x, mask)
+
+
+def mask_before_a_break(seq_len: int = 16):
+    return MaskBeforeABreak(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2, seq_len, dtype=torch.long))
+

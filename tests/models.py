@@ -206,6 +206,11 @@ class Spellings(nn.Module):
             y = F.scaled_dot_product_attention(query=q[:, None], key=k[:, None], value=v[:, None], attn_mask=None,
                                                dropout_p=0.0, is_causal=True, scale=0.3)
             return self.out(x + y[:, 0])
+        elif s == "scale_outside_bias_and_mask":  # CodeGen: (q kᵀ + bias + mask) / s scales the bias too
+            idx = torch.arange(n, device=ids.device)
+            distance = (idx[None, :] - idx[:, None]).float() * 0.3
+            mask = torch.zeros(n, n).masked_fill(idx[None, :] > idx[:, None], torch.finfo(torch.float32).min)
+            probs = torch.softmax((q @ k.mT + distance + mask) / q.shape[-1] ** 0.5, dim=-1)
         else:  # "tril_ones_masked_fill_float32_softmax"
             mask = torch.tril(torch.ones(n, n, device=ids.device))
             scores = (q @ k.transpose(1, 2)) * 0.25
@@ -215,7 +220,7 @@ class Spellings(nn.Module):
 
 
 SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax",
-             "sdpa_all_keywords", "einsum_scale_on_q")
+             "sdpa_all_keywords", "einsum_scale_on_q", "scale_outside_bias_and_mask")
 
 
 class PositionTableAndPooling(nn.Module):

@@ -51,6 +51,28 @@ def test_eager_attention_trains_through_the_ring(name):
                          "left-padded": AVERAGES}, 2)
 
 
+@pytest.mark.parametrize("name,cases,expected", [
+    ("gpt_neo", ["labels", "packed"], ["lifted mask program + causal, evaluated", "+ causal, sliding window 5"]),
+    ("codegen", ["labels", "left-padded"], ["scale 0.3536", AVERAGES])])
+def test_older_eager_spellings_train_through_the_ring(name, cases, expected):
+    """GPT-Neo: ``where(buffer, scores, torch.tensor(finfo.min)) + mask``, a second mask inside the first, read
+    from a causal buffer (global layers) or a banded one (local layers: a sliding window of 5). CodeGen:
+    ``(q kᵀ + mask) / sqrt(d)``, the scale applied outside the mask (left padding: the scaled finfo.min still
+    averages every key)."""
+    for results in spawn_ranks(hf_workers.training_step, 2, (name, cases, SEQ), timeout=600):
+        _check(results, {case: "hand-written (" for case in cases}, 2)
+        for words in expected:
+            assert all(words in r["report"] for r in results.values()), (words, results)
+
+
+def test_two_masks_with_padding_warn_where_eager_averages_fewer_keys():
+    """GPT-Neo with left padding: a query whose keys are all hidden averages, in eager, only the keys its buffer
+    keeps (keys both masks hide are -inf); the ring gives 0 there, and the report says so."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("gpt_neo", ["left-padded"], SEQ), timeout=600):
+        assert "2 attention(s) rewritten" in results["left-padded"]["report"]
+        assert "applies two masks: where the mask program hides every key" in results["left-padded"]["report"]
+
+
 @pytest.mark.parametrize("name,kv_heads", [("falcon", 2), ("falcon_mqa", 1)])
 def test_falcon_trains_through_the_ring(name, kv_heads):
     """Falcon's new decoder (``broadcast_to(key, query.shape)`` repeats each KV head over its query group

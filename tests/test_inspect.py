@@ -436,3 +436,11 @@ def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, w
     assert report.attention[0].mask.startswith("lifted mask program")
     assert report.attention[0].fully_masked == plan
     assert any("does not swamp" in w or "still weighs those keys" in w for w in report.warnings) == warned
+
+
+def test_a_mask_that_arrives_whole_after_a_graph_break_says_so(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:mask_before_a_break", "--world-size", "2")
+    assert code == 2
+    message = data["graphs"][-1]["refusal"]["message"]
+    assert "sequence x sequence tensor" in message and "breaks the graph between building the mask and using it" in message
+

@@ -3,11 +3,14 @@
 Matches:
 - ``F.scaled_dot_product_attention`` in any spelling (positional or keyword arguments, ``scale``,
   ``is_causal``, ``enable_gqa``, ``attn_mask``);
-- hand-written attention: ``softmax(cap(q @ kᵀ · s) [+ bias] [+ mask | masked_fill(mask, -inf) |
-  where(mask, ·, -inf)]) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, an ``einsum`` of
+- hand-written attention: ``softmax([c ·] (cap(q @ kᵀ · s) [+ bias] [+ mask | masked_fill(mask, -inf) |
+  where(mask, ·, -inf)])) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, an ``einsum`` of
   two operands that is one (``"bhqd,bhkd->bhqk"``), and ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale
-  as a multiplication or division, an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
-  bias (ALiBi, a position bias), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
+  as a multiplication or division (also outside the mask, CodeGen's ``(q kᵀ + mask) / s``: it scales
+  everything the softmax sees), an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
+  bias (ALiBi, a position bias), further ``masked_fill`` / ``where`` masks inside the first one (GPT-Neo's
+  causal or banded buffer under its padding mask), fills given as numbers or as 0-d constant tensors
+  (``torch.tensor(finfo.min)``), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
   views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
   softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
   one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
@@ -74,6 +77,8 @@ class AttentionMatch:
     bias: Optional[fx.Node] = None  # an additive score bias inside the mask (ALiBi, a position bias)
     batch: Optional[int] = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
     flex: Optional["FlexMods"] = None  # a flex_attention call's mask_mod and score_mod
+    outer_scale: float = 1.0  # a scale applied outside the mask and bias: their values scale with it
+    inner_masks: tuple = ()  # further masks inside ``mask``: ((kind, node), fill) each, outermost first
     kv_groups: int = 1  # K and V heads repeat in consecutive groups of this size: one of each travels
 
 
@@ -274,7 +279,17 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
                       "attention is not supported. Set the attention dropout to 0.", active)
     internal.append(probs)
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
+    scores, outer = peel_scale(scores, internal)  # softmax((q kᵀ + mask) / s): CodeGen
+    if outer <= 0:
+        return None
     scores, mask, fill = _peel_mask(scores, internal)
+    inner_masks = []
+    while mask is not None:  # where(buffer, s, min) + padding_mask (GPT-Neo): a filled mask inside the first
+        peeled, inner, inner_fill = _peel_mask(scores, internal, filled_only=True)
+        if inner is None:
+            break
+        scores = peeled
+        inner_masks.append((inner, inner_fill))
     scores, bias = _peel_bias(scores, internal)
     if bias is None and mask is not None and mask[0] == "additive" and _only_adds(mask[1]):
         bias, mask = mask[1], None  # softmax(q kᵀ s + distance): one additive term that hides nothing
@@ -302,8 +317,10 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
         return None  # an intermediate (the scores, the probabilities) is used elsewhere: not a plain attention
     q, p = example_value(query), example_value(probs)
     batch = p.shape[0] if q.dim() == 3 and p.dim() == 4 else None  # BLOOM: [B·H, S, D] against [B, H, S, S]
-    return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale, "hand-written",
-                          tuple(internal), mask, fill, softcap, bias, batch)
+    softcap = None if softcap is None else softcap * outer  # c · C·tanh(x/C) = (cC)·tanh(c·x / (cC))
+    return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale * outer, "hand-written",
+                          tuple(internal), mask, fill, softcap, bias, batch, outer_scale=outer,
+                          inner_masks=tuple(inner_masks))
 
 
 def _product(node: fx.Node):
@@ -350,11 +367,13 @@ def _merges_heads(node: fx.Node) -> bool:
 
 
 def _leads_to_product(node, steps: int = 12) -> bool:
-    """``node`` is scores: scaling, soft-capping, biases, casts and views over ``q @ kᵀ``."""
+    """``node`` is scores: scaling, soft-capping, biases, filled masks, casts and views over ``q @ kᵀ``."""
     if not isinstance(node, fx.Node) or steps == 0:
         return False
     if _is(node, BADDBMM) or _product(node) is not None:
         return True
+    if _is(node, ("masked_fill", torch.masked_fill, torch.where)):  # the scores are the filled value
+        return _leads_to_product(node.args[1 if _is(node, (torch.where,)) else 0], steps - 1)
     if not (_is(node, CASTS + MUL + DIV + ADD + TANH) or _merges_heads(node)):
         return False
     return any(_leads_to_product(arg, steps - 1) for arg in node.args if isinstance(arg, fx.Node))
@@ -382,23 +401,34 @@ def _softmax_dim(node: fx.Node):
     return node.kwargs.get("dim")
 
 
-def _peel_mask(scores: fx.Node, internal: list):
+def _peel_mask(scores: fx.Node, internal: list, filled_only: bool = False):
     """(scores before masking, the mask as ("masked_out"|"kept"|"additive", node), the fill value of a
-    masked_fill / where) or (scores, None, None)."""
+    masked_fill / where) or (scores, None, None); ``filled_only``: not an additive mask."""
     if _is(scores, ("masked_fill", torch.masked_fill)):
-        fill = scores.args[2]
-        if isinstance(fill, (int, float)) and fill <= MASKED_AT_OR_BELOW:
+        fill = _constant_number(scores.args[2])
+        if fill is not None and fill <= MASKED_AT_OR_BELOW:
             internal.append(scores)
-            return scores.args[0], ("masked_out", scores.args[1]), float(fill)
-    if _is(scores, (torch.where,)) and len(scores.args) == 3 and isinstance(scores.args[2], (int, float)):
-        if scores.args[2] <= MASKED_AT_OR_BELOW:
+            return scores.args[0], ("masked_out", scores.args[1]), fill
+    if _is(scores, (torch.where,)) and len(scores.args) == 3:
+        fill = _constant_number(scores.args[2])
+        if fill is not None and fill <= MASKED_AT_OR_BELOW:
             internal.append(scores)
-            return scores.args[1], ("kept", scores.args[0]), float(scores.args[2])
-    terms = split_sum(scores)
+            return scores.args[1], ("kept", scores.args[0]), fill
+    terms = None if filled_only else split_sum(scores)
     if terms is not None:
         internal.append(scores)
         return terms[0], ("additive", terms[1]), None
     return scores, None, None
+
+
+def _constant_number(value) -> Optional[float]:
+    """A Python number, or the number of a 0-d tensor made from one (``torch.tensor(c, dtype=...)``), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, fx.Node) and _is(value, (torch.tensor, torch.scalar_tensor)) and value.args \
+            and isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
+        return float(value.args[0])
+    return None
 
 
 def _peel_bias(scores: fx.Node, internal: list):

@@ -96,6 +96,8 @@ def lift_masks(ctx: PassContext) -> None:
             ctx.attention[i], ctx.masks[match.output] = _plan_flex(ctx, match)
             continue
         plan = MaskPlan(match.is_causal) if match.mask is None else _plan(ctx, match)
+        for mask, fill in match.inner_masks:
+            plan = _combined(ctx, match, plan, _plan(ctx, replace(match, mask=mask, fill=fill, inner_masks=())))
         plan.softcap = match.softcap
         if match.bias is not None:
             _plan_bias(ctx, match, plan)
@@ -137,7 +139,7 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
             f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
             "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
             "so no rank holds S x S values. Build the bias from positions.", big)
-    program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)))
+    program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)), match.outer_scale)
     ctx.whole_values |= set(region.input_nodes)
     plan.bias_id, plan.bias_inputs = register_mask(program, source=program.code), region.input_nodes
 
@@ -172,7 +174,7 @@ def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
         tolerance = 1e-6 * max(1.0, float(lines.abs().max()))
         if not bool(((lines - fitted).abs() <= tolerance).all()) or not bool((slopes == slopes[:1]).all()):
             return None
-        found.append(slopes[0].expand(_query_heads(match)).tolist())
+        found.append((slopes[0] * match.outer_scale).expand(_query_heads(match)).tolist())
     return found[0] if all(f == found[0] for f in found) else None
 
 
@@ -180,6 +182,26 @@ def _query_heads(match) -> int:
     """The query heads of the ring call this attention becomes."""
     q = example_value(match.query)
     return int(q.shape[1]) if q.dim() == 4 else (1 if match.batch is None else int(q.shape[0]) // match.batch)
+
+
+def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> MaskPlan:
+    """One plan for two masks of one attention (a key is visible when both keep it): their flags joined; at
+    most one may need a program. Where the program hides every key of a query, eager attention averages
+    the keys the other mask keeps (keys both hide get -inf), which the ring does not reproduce: such a
+    query gets 0, and the report says so."""
+    if outer.program_id and inner.program_id:
+        raise refusal(f"{describe(match.output)} applies two masks that both need evaluating per tile; ring attention "
+                      "takes one mask program. Combine them into one mask (e.g. `keep & causal`).", match.output)
+    windows = [w for w in (outer.window, inner.window) if w is not None]
+    program = outer if outer.program_id else inner
+    combined = replace(program, is_causal=outer.is_causal or inner.is_causal, window=min(windows) if windows else None)
+    if combined.program_id and combined.fully_masked != "zero":
+        combined.fully_masked = "zero"
+        ctx.report.warnings.append(
+            f"{describe(match.output)} applies two masks: where the mask program hides every key of a query (left "
+            "padding), eager attention averages the keys the other mask keeps; the ring gives 0 there, so such a "
+            "batch differs from eager at those positions (their labels should be ignored)")
+    return combined
 
 
 def _plan(ctx: PassContext, match) -> MaskPlan:
@@ -190,8 +212,9 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     n = example_value(match.output).shape[-2]
     if region.oversized:
         dynamic = isinstance(n, torch.SymInt)  # one check at one length would not hold for the others
-        if not dynamic and _shape_only_causal(ctx, mask, kind, n):
-            return MaskPlan(True)
+        flags = None if dynamic else _shape_only_flags(ctx, mask, kind, n)
+        if flags is not None:
+            return MaskPlan(*flags)
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
             raise refusal(
@@ -200,14 +223,14 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
                 "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a causal buffer is then "
                 "checked at each length)" if dynamic else "") + ", or allow holding it whole on every rank with "
-                "options={'masks': 'materialize'}." + _unreadable_state(ctx, mask), big
+                "options={'masks': 'materialize'}." + _unreadable_state(ctx, mask) + _after_graph_break(ctx, big), big
             )
         ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
     implied, exact = _read(ctx, region, kind, n)
     is_causal, window = _flags(implied)
     if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
         return MaskPlan(is_causal, window)
-    program = _program(ctx, region, kind)
+    program = _program(ctx, region, kind, factor=match.outer_scale if kind == "additive" else 1.0)
     ctx.whole_values |= set(region.input_nodes)
     return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes,
                     fully_masked=_fully_masked(ctx, match, kind, region))
@@ -563,10 +586,12 @@ def _offset_from_arange(value: torch.Tensor, dim: int) -> Optional[int]:
 
 
 # ---- 2. the mask program ------------------------------------------------------------------------------
-def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tuple] = None) -> fx.GraphModule:
+def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tuple] = None,
+             factor: float = 1.0) -> fx.GraphModule:
     """``program(q_pos, kv_pos, *inputs)``: the region, with its per-token inputs restricted to the
     positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts); a
-    ``reshape`` (method name and arguments) brings its result to the ring's ``[B, H, n, m]``."""
+    ``reshape`` (method name and arguments) brings its result to the ring's ``[B, H, n, m]``; a float
+    result is multiplied by ``factor`` (a scale the model applies outside the mask or bias)."""
     graph = fx.Graph()
     positions = {Q: graph.placeholder("q_pos"), KV: graph.placeholder("kv_pos")}
     whole = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(region.input_nodes)}
@@ -588,6 +613,8 @@ def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tup
     result = env[region.mask]
     if kind == "masked_out":
         result = graph.call_function(operator.invert, (result,))
+    if factor != 1.0:
+        result = graph.call_function(operator.mul, (result, factor))
     if reshape is not None:
         result = graph.call_method(reshape[0], (result, *reshape[1:]))
     graph.output(result)
@@ -602,12 +629,13 @@ def _unpassable(arg: fx.Node):
     )
 
 
-def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
-    """A mask from an S x S tensor that depends on shapes only, evaluated once: is it exactly causal?"""
+def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n) -> Optional[tuple[bool, Optional[int]]]:
+    """A mask from an S x S tensor that depends on shapes only, evaluated once: (True, None) when it is exactly
+    causal, (True, W) when it is causal within a band of W keys (a sliding-window buffer), else None."""
     n = n.node.hint if isinstance(n, torch.SymInt) else n
     values = _evaluate(ctx, mask) if n <= MASK_LIMIT else None
     if values is None or values.dim() < 2:
-        return False
+        return None
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
     try:
         visible, bias = (~grid.bool(), None) if kind == "masked_out" else split_additive(grid)
@@ -618,7 +646,24 @@ def _shape_only_causal(ctx: PassContext, mask: fx.Node, kind: str, n) -> bool:
             f"The attention mask at {describe(mask)} adds a bias held as a sequence x sequence tensor; ring attention "
             "computes biases per tile from positions (ALiBi slopes, a bias built from position vectors), so no rank "
             "holds S x S values. Build the bias from positions.", mask)
-    return bool((visible == torch.ones(n, n, dtype=torch.bool).tril()).all())
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    width = int(visible[..., -1, :].sum(-1).max()) if visible.numel() else 0
+    for window in (None, width):
+        band = causal if window is None else causal & ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+        if window != 0 and bool((visible == band).all()):
+            return True, window if window is not None and window < n else None
+    return None
+
+
+def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:
+    """A note for an S x S mask that arrives as an input of a graph after the first: a model that breaks the
+    graph between building its mask and its attention (Hugging Face passes its 4-D mask on)."""
+    if big.op != "placeholder" or is_module_state(big) or ctx.report.graph_index == 0:
+        return ""
+    return (f" (This is graph {ctx.report.graph_index} of the model: it receives the mask whole because the model "
+            "breaks the graph between building the mask and using it, e.g. a loop over experts or `.tolist()` / "
+            "`.nonzero()` on routing data. Compile with fullgraph=True to see where, and remove the break; "
+            "torch._dynamo.config.capture_scalar_outputs / capture_dynamic_output_shape_ops may help.)")
 
 
 def _unreadable_state(ctx: PassContext, mask: fx.Node) -> str:

@@ -123,8 +123,11 @@ class _Probe:
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
             raise refusal(
-                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. "
-                "It probably mixes the sequence with a tensor of fixed length; please report this model.", node
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. It combines a "
+                "value that follows the sequence length with one whose size stays at the traced length: typically "
+                "a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, linear attention), "
+                "which cannot be sharded along the sequence, or a size read from a tensor's data. If neither fits, "
+                "please report this model.", node
             ) from None
 
     def _probe_placeholder(self, node: fx.Node, original):

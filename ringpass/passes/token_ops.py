@@ -27,7 +27,7 @@ REARRANGE = {
     "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
     "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
     "getattr", "pad", "movedim", "swapaxes", "broadcast_to", "zeros_like", "ones_like", "empty_like", "full_like", "copy_",
-    "new_empty", "new_zeros", "new_ones", "new_full",
+    "new_empty", "new_zeros", "new_ones", "new_full", "view_as_real", "view_as_complex",
 }
 PER_TOKEN_LAYERS = {
     "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
