@@ -39,16 +39,17 @@ def test_training_matches_the_unsharded_model(name, world_size):
 AVERAGES = "a query with every key hidden averages all keys, as eager (gradients to q, k, v)"
 
 
-@pytest.mark.parametrize("name", ["llama-eager", "gpt2-eager"])
-def test_eager_attention_trains_through_the_ring(name):
+@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), ("gpt2-eager", 2),
+                                             pytest.param("llama-eager", 4, marks=pytest.mark.heavy)])
+def test_eager_attention_trains_through_the_ring(name, world_size):
     """Hugging Face's written-out attention (matmul, additive mask, softmax in fp32, dropout p=0, cast,
     matmul; Llama's K/V heads repeated) is found and rewritten. Left padding leaves the padded queries no
     visible key: eager's added finfo.min makes their softmax uniform over every key (the last padded
     position's prediction enters the shifted loss), and the ring gives the same, gradients included."""
     cases = ["labels", "packed", "left-padded"]
-    for results in spawn_ranks(hf_workers.training_step, 2, (name, cases, SEQ), timeout=600):
+    for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
         _check(results, {"labels": "hand-written (lifted mask program", "packed": "hand-written (lifted mask program",
-                         "left-padded": AVERAGES}, 2)
+                         "left-padded": AVERAGES}, world_size)
 
 
 @pytest.mark.parametrize("name,cases,expected", [
