@@ -14,6 +14,7 @@ from reference import grad_error, rel_err
 
 MODELS = {
     "gpt": lambda: models.GPT(),
+    "gpt_regions": lambda: models.GPT(regions=True),
     "llama": lambda: models.Llama(),
     "llama_repeat_kv": lambda: models.Llama(repeat_kv=True),
     "position_table_pooling": lambda: models.PositionTableAndPooling(),

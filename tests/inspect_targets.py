@@ -197,3 +197,19 @@ class MaskBeforeABreak(nn.Module):
 def mask_before_a_break(seq_len: int = 16):
     return MaskBeforeABreak(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2, seq_len, dtype=torch.long))
 
+
+
+class AttentionInACond(nn.Module):
+    """Attention inside one branch of ``torch.cond``: a higher-order op the ring does not open."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Embedding(61, 32), models.GPTBlock(32, 4)
+
+    def forward(self, ids, flag):
+        x = self.embed(ids)
+        return torch.cond(flag.sum() > 0, lambda t: self.block(t), lambda t: t.clone(), (x,))
+
+
+def attention_in_a_cond(seq_len: int = 16):
+    return AttentionInACond(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2))

@@ -27,20 +27,27 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Learned positions from arange, LayerNorm, GELU MLP, tied LM head, causal SDPA."""
+    """Learned positions from arange, LayerNorm, GELU MLP, tied LM head, causal SDPA. With ``regions``, each
+    block runs through one ``torch.compiler.nested_compile_region`` (Dynamo's ``invoke_subgraph``)."""
 
-    def __init__(self, vocab=61, dim=32, heads=4, layers=2, max_len=128):
+    def __init__(self, vocab=61, dim=32, heads=4, layers=2, max_len=128, regions=False):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
         self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
+        self.regions = regions
 
     def forward(self, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.wte(ids) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            x = _in_a_region(block, x) if self.regions else block(x)
         return self.ln(x) @ self.wte.weight.T
+
+
+@torch.compiler.nested_compile_region
+def _in_a_region(block, x):
+    return block(x)
 
 
 class RMSNorm(nn.Module):

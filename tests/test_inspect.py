@@ -444,3 +444,9 @@ def test_a_mask_that_arrives_whole_after_a_graph_break_says_so(tmp_path):
     message = data["graphs"][-1]["refusal"]["message"]
     assert "sequence x sequence tensor" in message and "breaks the graph between building the mask and using it" in message
 
+
+
+def test_attention_inside_another_higher_order_op_is_refused(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:attention_in_a_cond", "--world-size", "2")
+    assert code == 2, data
+    assert "holds an attention in its body" in data["graphs"][0]["refusal"]["message"]

@@ -11,7 +11,7 @@ from ringpass.graph_view import op_chain
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.find_attention import find_attention
-from ringpass.passes.inline_checkpoints import inline_checkpoints
+from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.invert_permutations import invert_permutations
 from ringpass.passes.lift_masks import lift_masks
@@ -25,7 +25,7 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.report import Refusal
 
 PIPELINE = (
-    inline_checkpoints,
+    inline_subgraphs,
     devectorize_vmaps,
     find_attention,
     lift_masks,
