@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ringpass.graph import example_value
 from ringpass.passes.token_ops import is_pointwise, op_name
@@ -123,18 +124,19 @@ def _random(name: str) -> bool:
 
 def _merged_dims(source: tuple, out: tuple, dim: int):
     """The consecutive source dims whose sizes multiply to ``out[dim]`` and that start where ``out[:dim]``
-    ends (a flatten, or the dim kept), or None (the dim is split or mixed)."""
-    if not all(isinstance(s, int) for s in (*source, *out)):
-        return None
-    before, i = math.prod(out[:dim]), 0
-    while i < len(source) and math.prod(source[:i]) < before:
-        i += 1
-    if math.prod(source[:i]) != before:
-        return None
-    j = i
-    while j < len(source) and math.prod(source[i:j]) < out[dim]:
-        j += 1
-    return list(range(i, j)) if j > i and math.prod(source[i:j]) == out[dim] else None
+    ends (a flatten, or the dim kept), or None (the dim is split or mixed). Symbolic sizes compare only
+    where the comparison is known without a guard."""
+    def equal(a, b) -> bool:
+        return bool(statically_known_true(a == b))
+
+    before = math.prod(out[:dim])
+    for i in range(len(source) + 1):
+        if equal(math.prod(source[:i]), before):
+            for j in range(i + 1, len(source) + 1):
+                if equal(math.prod(source[i:j]), out[dim]):
+                    return list(range(i, j))
+            return None
+    return None
 
 
 def _source_dim(node: fx.Node, name: str, rank: int, dim: int):
