@@ -46,6 +46,12 @@ def build(name: str):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation=implementation)
         return transformers.MixtralForCausalLM(config)
+    if name == "llama4":  # MoE by tiling: hidden.repeat(experts, 1), scaled per expert, summed back; chunked attention
+        config = transformers.Llama4TextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+            attention_chunk_size=5, interleave_moe_layer_step=1, attn_implementation=implementation)
+        return transformers.Llama4ForCausalLM(config)
     if name == "deepseek_v3":  # MLA (keys 8 + 4 rotary wide, values 8; built by copy_ into new_empty) and its MoE
         config = transformers.DeepseekV3Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,

@@ -109,12 +109,14 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
             assert words in results[case]["report"], (case, results[case]["report"])
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
-def test_mixture_of_experts_trains_through_the_ring(world_size):
+@pytest.mark.parametrize("name,world_size", [("mixtral", 2), ("llama4", 2), pytest.param("mixtral", 4, marks=pytest.mark.heavy)])
+def test_mixture_of_experts_trains_through_the_ring(name, world_size):
     """Mixtral's grouped experts sort this rank's tokens by expert, count them per expert (segment offsets
-    of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence."""
+    of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence.
+    Llama 4 tiles the tokens once per expert (``hidden.repeat(experts, 1)``: k copies of a shard are the shard
+    of k copies), runs the experts on the tiles and sums them back."""
     cases = ["labels", "right-padded"]
-    for results in spawn_ranks(hf_workers.training_step, world_size, ("mixtral", cases, SEQ), timeout=600):
+    for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
         _check(results, {"labels": "sdpa (causal", "right-padded": "lifted mask program + causal"}, world_size)
         assert all("moe.py" not in r["report"] for r in results.values())  # no expert op computed whole
 
@@ -209,7 +211,7 @@ def test_sequence_classification_picks_the_last_non_padding_token(world_size):
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
 
 
-@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.heavy)], ids=["fullgraph", "graph-breaks"])
 def test_hugging_face_flex_attention_trains_through_the_ring(fullgraph):
     """``attn_implementation="flex_attention"``: HF's block mask (causal, padding, packed documents) becomes a
     mask program evaluated per tile; the same weights with SDPA, run whole, are the reference. (HF's flex mask

@@ -38,8 +38,9 @@ def insert_boundaries(ctx: PassContext) -> None:
         if node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
             _shard_all_uses(ctx, node)
         elif placement in (LOCAL, PARTIAL):
-            for arg in node.all_input_nodes:
-                if ctx.placement.get(arg) == FULL and arg not in ctx.whole_values:
+            reads_programs_inputs = node.target is torch.ops.ringpass.ring_attention.default
+            for arg in node.all_input_nodes:  # the ring's mask and bias programs read their inputs whole
+                if ctx.placement.get(arg) == FULL and not (reads_programs_inputs and arg in ctx.whole_values):
                     node.replace_input_with(arg, _shard(ctx, arg, shards))
         if placement == PARTIAL:
             _all_reduce(ctx, node, padded)

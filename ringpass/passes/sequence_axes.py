@@ -290,9 +290,7 @@ def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
             continue
         if node.target in EXPANDS:
             j = axis.dim + len(out_shape) - len(in_shape)
-            if node.target == "repeat" and sizes[j] != 1:
-                raise refusal(f"{describe(node)} repeats along the sequence axis.", node)
-            if node.target == "repeat":
+            if node.target == "repeat":  # counts, not sizes: k copies of a shard are the shard of k copies
                 continue
         else:
             j, _ = _view_target_dim(node, axis, n)
