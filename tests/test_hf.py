@@ -117,7 +117,8 @@ def test_mixture_of_experts_trains_through_the_ring(name, world_size):
     of k copies), runs the experts on the tiles and sums them back."""
     cases = ["labels", "right-padded"]
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
-        _check(results, {"labels": "sdpa (causal", "right-padded": "lifted mask program + causal"}, world_size)
+        labels = "sdpa (causal" if name == "mixtral" else "sdpa (lifted mask program + causal"  # Llama 4: chunks of 5
+        _check(results, {"labels": labels, "right-padded": "lifted mask program + causal"}, world_size)
         assert all("moe.py" not in r["report"] for r in results.values())  # no expert op computed whole
 
 
