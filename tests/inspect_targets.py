@@ -213,3 +213,20 @@ class AttentionInACond(nn.Module):
 
 def attention_in_a_cond(seq_len: int = 16):
     return AttentionInACond(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2))
+
+
+class CappedWithoutMask(nn.Module):
+    """Soft-capped scores with no mask at all: ``softmax(tanh(s / c) · c)`` (the cap's factor is no outer scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
+        scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 3.0) * 3.0
+        return torch.softmax(scores, dim=-1) @ v
+
+
+def capped_without_mask(seq_len: int = 16):
+    return CappedWithoutMask(), (torch.randn(2, seq_len, 8),)

@@ -450,3 +450,10 @@ def test_attention_inside_another_higher_order_op_is_refused(tmp_path):
     code, data = _cli(tmp_path, f"{TARGETS}:attention_in_a_cond", "--world-size", "2")
     assert code == 2, data
     assert "holds an attention in its body" in data["graphs"][0]["refusal"]["message"]
+
+
+def test_soft_capped_scores_without_a_mask_are_rewritten(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:capped_without_mask", "--world-size", "2")
+    assert code == 0, data
+    attention, = data["graphs"][0]["attentions"]
+    assert attention["score_mods"] == ["soft-cap 3"] and attention["scale"] == 0.5

@@ -279,7 +279,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
                       "attention is not supported. Set the attention dropout to 0.", active)
     internal.append(probs)
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
-    scores, outer = peel_scale(scores, internal)  # softmax((q kᵀ + mask) / s): CodeGen
+    scores, outer = _peel_outer_scale(scores, internal)  # softmax((q kᵀ + mask) / s): CodeGen
     if outer <= 0:
         return None
     scores, mask, fill = _peel_mask(scores, internal)
@@ -482,6 +482,16 @@ def _constant_factor(node: fx.Node, ops):
     if isinstance(x, (int, float)) and isinstance(c, fx.Node) and ops is MUL:
         x, c = c, x
     return (x, float(c)) if isinstance(x, fx.Node) and isinstance(c, (int, float)) else None
+
+
+def _peel_outer_scale(scores: fx.Node, internal: list):
+    """(x, c) of ``c · x`` when x is masked scores (a scale outside the mask), else (scores, 1)."""
+    peeled = []
+    under, outer = peel_scale(scores, peeled)
+    if outer == 1.0 or _peel_mask(under, [])[1] is None:
+        return scores, 1.0
+    internal += peeled
+    return under, outer
 
 
 def peel_scale(scores: fx.Node, internal: list):
