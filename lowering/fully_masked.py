@@ -14,8 +14,8 @@ ring reproduces the one its model uses (``fully_masked=`` of `lowering.ring_atte
 
 The ring sees a row's keys block by block, and a row is fully masked when its merged lse is still -inf
 after the lap. So the forward keeps a running sum of the values it sees (``value_sum``) and rewrites those
-rows at the end (`fill_fully_masked_`); the backward adds their gradient to each KV block it sees
-(`add_fully_masked_grads_`), in tiles of at most ``MASK_TILE`` rows and keys, for those rows only. Padding
+rows at the end (`fill_fully_masked_`); the backward finds them once and adds their gradient to each KV block it sees
+(`FullyMaskedGrads`), in tiles of at most ``MASK_TILE`` rows and keys, for those rows only. Padding
 slots of the layout (positions ``>= seq_len``) are neither averaged nor rewritten.
 """
 
@@ -37,7 +37,8 @@ def check_fully_masked(mode) -> None:
 
 def value_sum(v: torch.Tensor, kv_pos: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, Hkv, D]``: the sum of this block's values over its real keys (not the layout's padding)."""
-    return v[:, :, kv_pos < seq_len].sum(2, dtype=dtype)
+    real = (kv_pos < seq_len).to(device=v.device, dtype=dtype)
+    return (v.to(dtype) * real[:, None]).sum(2)
 
 
 def fully_masked_rows(lse: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -50,40 +51,43 @@ def fill_fully_masked_(out: torch.Tensor, lse: torch.Tensor, values: torch.Tenso
     """Give the fully masked rows of ``out`` (accumulation dtype) the mean value, ``values / seq_len``
     (``values``: the sum over every key, ``[B, Hkv, D]``). Their lse stays -inf: they saw no visible key."""
     rows = fully_masked_rows(lse, q_pos, seq_len)
-    if bool(rows.any()):
-        mean = (values / seq_len).repeat_interleave(out.size(1) // values.size(1), dim=1).unsqueeze(2)
-        out.copy_(torch.where(rows.unsqueeze(-1), mean.to(out.dtype), out))
+    mean = (values / seq_len).repeat_interleave(out.size(1) // values.size(1), dim=1).unsqueeze(2)
+    out.copy_(torch.where(rows.unsqueeze(-1), mean.to(out.dtype), out))
 
 
-def add_fully_masked_grads_(mode: str, dout, q, k, v, out, lse, q_pos, kv_pos, seq_len: int, scale: float,
-                            softcap, dq: torch.Tensor, dkv: torch.Tensor) -> None:
-    """Add the fully masked rows' share of the gradients for one KV block: into ``dq`` (``[B, Hq, n, D]``)
-    and ``dkv`` (``stack((dk, dv))`` of the block), both in the accumulation dtype, as autograd computes
-    them through the uniform softmax of `mode`."""
-    rows = fully_masked_rows(lse, q_pos, seq_len)
-    local = rows.any(0).any(0).nonzero().squeeze(1)  # rows fully masked in some batch entry or head
-    keys = (kv_pos < seq_len).to(k.device).nonzero().squeeze(1)
-    if mode == "zero" or local.numel() == 0 or keys.numel() == 0:
-        return
-    acc, groups, tile = dq.dtype, q.size(1) // k.size(1), masks.MASK_TILE
+class FullyMaskedGrads:
+    """The fully masked rows of one rank's queries, found once per backward (one host sync), and their share
+    of each KV block's gradients as autograd computes them through the uniform softmax of ``mode``."""
 
-    def by_kv_head(grad):  # [B, Hq, m, D] -> [B, Hkv, m, D]: a KV head's gradient sums over its query heads
-        b, h, m, d = grad.shape
-        return grad.view(b, h // groups, groups, m, d).sum(2)
+    def __init__(self, mode: str, lse: torch.Tensor, q_pos: torch.Tensor, seq_len: int):
+        self.mode, self.seq_len = mode, seq_len
+        self.rows = fully_masked_rows(lse, q_pos, seq_len) if mode != "zero" else None
+        self.local = self.rows.any(0).any(0).nonzero().squeeze(1) if self.rows is not None else None  # in some b, h
 
-    for start in range(0, local.numel(), tile):
-        r = local[start:start + tile]
-        weighted = dout[:, :, r].to(acc) * (rows[:, :, r].to(acc) / seq_len).unsqueeze(-1)  # p · dout, 0 elsewhere
-        dkv[1, :, :, keys] += by_kv_head(weighted.sum(2, keepdim=True))
-        if mode != "uniform":
-            continue
-        q_r, out_r = q[:, :, r].to(acc), out[:, :, r].to(acc)
-        delta = (weighted * out_r).sum(-1, keepdim=True)
-        for c_start in range(0, keys.numel(), tile):
-            c = keys[c_start:c_start + tile]
-            k_c, v_c = (t[:, :, c].to(acc).repeat_interleave(groups, dim=1) for t in (k, v))
-            ds = weighted @ v_c.transpose(-1, -2) - delta  # p (dp - delta) with p = 1/N
-            if softcap is not None:
-                ds = ds * (1 - torch.tanh(q_r @ k_c.transpose(-1, -2) * (scale / softcap)) ** 2)
-            dq[:, :, r] += scale * (ds @ k_c)
-            dkv[0, :, :, c] += by_kv_head(scale * (ds.transpose(-1, -2) @ q_r))
+    def add_(self, dout, q, k, v, out, kv_pos, scale: float, softcap, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+        """Into ``dq`` (``[B, Hq, n, D]``) and ``dkv`` (``stack((dk, dv))`` of the block, accumulation dtype)."""
+        if self.local is None or self.local.numel() == 0:
+            return
+        acc, groups, tile, n = dq.dtype, q.size(1) // k.size(1), masks.MASK_TILE, self.seq_len
+        real = (kv_pos < n).to(device=k.device, dtype=acc)  # padding keys of the layout get nothing
+
+        def by_kv_head(grad):  # [B, Hq, m, D] -> [B, Hkv, m, D]: a KV head's gradient sums over its query heads
+            b, h, m, d = grad.shape
+            return grad.view(b, h // groups, groups, m, d).sum(2)
+
+        for start in range(0, self.local.numel(), tile):
+            r = self.local[start:start + tile]
+            weighted = dout[:, :, r].to(acc) * (self.rows[:, :, r].to(acc) / n).unsqueeze(-1)  # p · dout, 0 elsewhere
+            dkv[1] += by_kv_head(weighted.sum(2, keepdim=True)) * real[:, None]
+            if self.mode != "uniform":
+                continue
+            q_r, out_r = q[:, :, r].to(acc), out[:, :, r].to(acc)
+            delta = (weighted * out_r).sum(-1, keepdim=True)
+            for c in range(0, k.size(2), tile):
+                cols = slice(c, c + tile)
+                k_c, v_c = (t[:, :, cols].to(acc).repeat_interleave(groups, dim=1) for t in (k, v))
+                ds = (weighted @ v_c.transpose(-1, -2) - delta) * real[cols]  # p (dp - delta) with p = 1/N
+                if softcap is not None:
+                    ds = ds * (1 - torch.tanh(q_r @ k_c.transpose(-1, -2) * (scale / softcap)) ** 2)
+                dq[:, :, r] += scale * (ds @ k_c)
+                dkv[0, :, :, cols] += by_kv_head(scale * (ds.transpose(-1, -2) @ q_r))

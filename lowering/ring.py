@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
-from lowering.fully_masked import add_fully_masked_grads_, check_fully_masked, fill_fully_masked_, value_sum
+from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_
 from lowering.layout import Layout
 from lowering.masks import BlockMask, Tile, mask_tiles
@@ -98,6 +98,7 @@ class _RankBackward:
         self.spec, self.rank = spec, rank
         self.q_pos = spec.layout.positions(rank).to(q.device)
         self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+        self.fully_masked = FullyMaskedGrads(spec.fully_masked, lse, self.q_pos, spec.layout.seq_len)
 
     def block_grads(self, k, v, kv_rank: int) -> torch.Tensor:
         """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype."""
@@ -115,8 +116,8 @@ class _RankBackward:
             self.dq[:, :, rows] += dq.to(acc)
             dkv[0, :, :, cols] += dk.to(acc)
             dkv[1, :, :, cols] += dv.to(acc)
-        add_fully_masked_grads_(self.spec.fully_masked, self.dout, self.q, k, v, self.out, self.lse, self.q_pos, kv_pos,
-                                self.spec.layout.seq_len, self.spec.scale, self.spec.scores.softcap, self.dq, dkv)
+        self.fully_masked.add_(self.dout, self.q, k, v, self.out, kv_pos, self.spec.scale, self.spec.scores.softcap,
+                               self.dq, dkv)
         return dkv
 
 
