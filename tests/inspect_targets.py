@@ -230,3 +230,57 @@ class CappedWithoutMask(nn.Module):
 
 def capped_without_mask(seq_len: int = 16):
     return CappedWithoutMask(), (torch.randn(2, seq_len, 8),)
+
+
+class EinsumWithHeadsLast(nn.Module):
+    """Funnel's layout: values [B, S, H, D], ``einsum("bnij,bjnd->bind", probs, v)``: attention the pass does
+    not read (the operands' leading dims differ), so it must be refused, not run unsharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4) for t in self.proj(x).split(8, -1))
+        scores = torch.einsum("bind,bjnd->bnij", q, k)
+        return torch.einsum("bnij,bjnd->bind", torch.softmax(scores, dim=-1), v)
+
+
+def einsum_with_heads_last(seq_len: int = 16):
+    return EinsumWithHeadsLast(), (torch.randn(2, seq_len, 8),)
+
+
+class ScoresCopiedFirst(nn.Module):
+    """Longformer's way: scores computed, written into a new tensor, softmaxed; the probabilities leave the
+    graph (a graph break would split them from the values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
+        scores = q.new_zeros(x.shape[0], 2, x.shape[1], x.shape[1])
+        scores[:, :, :, :] = q @ k.transpose(-1, -2)
+        return torch.softmax(scores, dim=-1)
+
+
+def scores_copied_first(seq_len: int = 16):
+    return ScoresCopiedFirst(), (torch.randn(2, seq_len, 8),)
+
+
+class SlicedTypeIds(nn.Module):
+    """BigBird's token types: a buffer sliced to the length and expanded over the batch, then embedded."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("token_type_ids", torch.zeros(1, 64, dtype=torch.long), persistent=False)
+        self.embed, self.types, self.block = nn.Embedding(61, 32), nn.Embedding(2, 32), models.EncoderBlock(32, 4)
+
+    def forward(self, ids):
+        types = self.token_type_ids[:, : ids.shape[1]].expand(ids.shape[0], ids.shape[1])
+        return self.block(self.embed(ids) + self.types(types))
+
+
+def sliced_type_ids(seq_len: int = 16):
+    return SlicedTypeIds(), (torch.randint(0, 61, (2, seq_len)),)

@@ -457,3 +457,16 @@ def test_soft_capped_scores_without_a_mask_are_rewritten(tmp_path):
     assert code == 0, data
     attention, = data["graphs"][0]["attentions"]
     assert attention["score_mods"] == ["soft-cap 3"] and attention["scale"] == 0.5
+
+
+@pytest.mark.parametrize("target", ["einsum_with_heads_last", "scores_copied_first"])
+def test_attention_in_an_unread_layout_is_refused_not_run_unsharded(tmp_path, target):
+    code, data = _cli(tmp_path, f"{TARGETS}:{target}", "--world-size", "2")
+    assert code == 2, data
+    assert "an attention the ring backend does not recognise" in data["graphs"][0]["refusal"]["message"]
+
+
+def test_a_sliced_and_expanded_buffer_becomes_this_ranks_positions(tmp_path):
+    code, data = _cli(tmp_path, f"{TARGETS}:sliced_type_ids", "--world-size", "2")
+    assert code == 0, data
+    assert any("slice of" in p for p in data["graphs"][0]["positions"])

@@ -45,6 +45,7 @@ from ringpass.graph import (ancestors, describe, example_value, is_module_state,
                             refusal)
 from ringpass.passes.context import PassContext
 from ringpass.passes.head_groups import repeated_groups
+from ringpass.passes.token_ops import is_pointwise
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
@@ -55,7 +56,8 @@ DROPOUTS = ("dropout", F.dropout)
 FLEX = torch.ops.higher_order.flex_attention
 BADDBMM = (torch.baddbmm, "baddbmm")
 VIEWS = ("view", "reshape", torch.reshape)
-MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add")
+MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add",
+                                                                                     operator.iadd)
 TANH = (torch.tanh, "tanh")
 
 
@@ -130,26 +132,72 @@ def _with_kv_groups(match: AttentionMatch) -> AttentionMatch:
 
 
 def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
-    """A softmax over the last dim of square (query x key) scores whose probabilities multiply values is an
-    attention this pass did not recognise (a bias or a soft-cap on the scores): refused, rather than the
-    model running unsharded on every rank."""
+    """A softmax over the last dim whose probabilities, through shape ops, pointwise ops, masks and dropout,
+    multiply another activation (a matmul, ``bmm`` or ``einsum`` in any layout: Funnel's ``bnij,bjnd``), or
+    whose scores come from a product of two batched activations (Longformer's banded chunks, copied into a
+    new tensor first), is an attention this pass did not recognise: refused, rather than the model running
+    unsharded on every rank. A router's softmax (over ``linear`` logits; its probabilities scale expert
+    outputs, then meet weights) is not one."""
     for node in gm.graph.nodes:
         value = example_value(node) if _is(node, SOFTMAX) else None
-        if value is None or value.dim() < 3 or _softmax_dim(node) not in (-1, value.dim() - 1):
+        if value is None or value.dim() < 2 or _softmax_dim(node) not in (-1, value.dim() - 1) or value.shape[-1] == 1:
             continue
-        if not statically_known_true(value.shape[-1] == value.shape[-2]) or value.shape[-1] == 1:
-            continue
-        probs = node  # follow the probabilities through casts, dropout and views to the matmul with values
-        while len(probs.users) == 1 and _is(next(iter(probs.users)), CASTS + DROPOUTS + ("view", "reshape")):
-            probs = next(iter(probs.users))
-        if any((_product(u) or (None,))[0] is probs for u in probs.users):
+        if _weighs_an_activation(node) or (value.dim() >= 3 and _scored_by_two_activations(node)):
             raise refusal(
-                f"{describe(node)} is a softmax over query x key scores that multiply values: an attention the ring "
-                "backend does not recognise, so nothing would be sharded (recognised: scale, soft-cap tanh(x / c) * c, "
-                "then a bias, then a mask, over q @ k^T); for Hugging Face models try attn_implementation='sdpa'.",
-                node)
+                f"{describe(node)} is a softmax whose probabilities multiply values: an attention the ring backend "
+                "does not recognise, so nothing would be sharded (recognised: a scale, soft-cap tanh(x / c) * c, "
+                "a bias and masks over q @ k^T, then softmax @ v); for Hugging Face models try "
+                "attn_implementation='sdpa'.", node)
 
 
+PASS_THROUGH = CASTS + DROPOUTS + VIEWS + TRANSPOSE + ("flatten", "unflatten", "expand", "unsqueeze", "squeeze",
+                                                      "masked_fill", torch.masked_fill, torch.where, F.pad, "__getitem__")
+PRODUCTS = MATMUL + BADDBMM + (torch.einsum, torch.functional.einsum)
+
+
+def _weighs_an_activation(probs: fx.Node, steps: int = 16) -> bool:
+    """``probs`` reaches, within ``steps`` ops that keep its values' meaning, a product with a tensor computed
+    from the user's inputs (not from weights alone)."""
+    frontier, seen = [probs], {probs}
+    for _ in range(steps):
+        reached = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen or user.op not in ("call_function", "call_method"):
+                    continue
+                seen.add(user)
+                if _is(user, PRODUCTS):
+                    if any(_from_user_inputs(a) for a in user.all_input_nodes if a is not node):
+                        return True
+                elif _is(user, PASS_THROUGH) or user.target is operator.getitem or is_pointwise(user):
+                    reached.append(user)
+        frontier = reached
+    return False
+
+
+def _scored_by_two_activations(softmax: fx.Node) -> bool:
+    """The softmax's input is computed from a product of two tensors of 3 or more dims that both come from the
+    user's inputs (``q @ kᵀ`` in some spelling); writes into a tensor (``setitem``) count as computing it."""
+    writes: dict[fx.Node, list] = {}
+    for node in softmax.graph.nodes:
+        if node.target is operator.setitem and isinstance(node.args[0], fx.Node):
+            writes.setdefault(node.args[0], []).append(node)
+    seen, stack = set(), [softmax.args[0]]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if _is(node, PRODUCTS):
+            operands = [a for a in node.all_input_nodes if isinstance(example_value(a), torch.Tensor)]
+            if len(operands) == 2 and all(example_value(a).dim() >= 3 and _from_user_inputs(a) for a in operands):
+                return True
+        stack += node.all_input_nodes + writes.get(node, [])
+    return False
+
+
+def _from_user_inputs(node: fx.Node) -> bool:
+    return any(p.op == "placeholder" and not is_module_state(p) for p in ancestors(node))
 def _is(node: fx.Node, targets) -> bool:
     """``node`` calls one of ``targets`` (functions, or method names as strings)."""
     return node.op in ("call_function", "call_method") and node.target in targets

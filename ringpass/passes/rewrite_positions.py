@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ringpass.graph import example_value, source_line, user_name
+from ringpass.graph import copy_origin, example_value, source_line, user_name
 from ringpass.passes.context import LOCAL, PassContext
 from ringpass.passes.sequence_axes import same, value_of
 
@@ -32,6 +32,8 @@ def rewrite_positions(ctx: PassContext) -> None:
                 new = graph.call_method("index_select", (_unsliced(ctx, node), ctx.axes[node][0].dim, positions))
         what = "arange" if kind == "positions" else f"slice of {user_name(node.args[0])}"
         ctx.report.positions.append(f"{what} -> this rank's positions ({source_line(node)})")
+        new.meta["example_value"] = value  # later passes read the (global) shape of what it replaces
+        copy_origin(new, node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         ctx.placement[new] = LOCAL
