@@ -1,5 +1,5 @@
 """Which Hugging Face families train through the ring: builds each from a small config (random weights,
-no downloads), runs one training step (labels, loss, backward) compiled with backend="ring" on P gloo
+no downloads; a causal LM, or a masked LM for encoders), runs one training step (labels, loss, backward) compiled with backend="ring" on P gloo
 processes against the same model run whole, and writes the table in docs/models.md.
 
     python examples/model_coverage.py                     # every family, P=2, writes docs/models.md
@@ -29,7 +29,8 @@ VOCAB, SEQ = 61, 13
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=256)
 GQA = dict(SMALL, num_key_value_heads=2)
-# family -> (config class, config keywords, attention implementation)
+ENCODER = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# family -> (config class, config keywords, attention implementation[, "masked-lm": an encoder, else a causal LM])
 FAMILIES = {
     "llama": ("LlamaConfig", GQA, "sdpa"),
     "llama (eager)": ("LlamaConfig", GQA, "eager"),
@@ -130,14 +131,44 @@ FAMILIES = {
     "jamba": ("JambaConfig", dict(GQA, num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
                                   attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
                                   use_mamba_kernels=False), "sdpa"),
+    "bert (masked LM)": ("BertConfig", ENCODER, "sdpa", "masked-lm"),
+    "roberta (masked LM)": ("RobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
+    "xlm-roberta (masked LM)": ("XLMRobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
+    "distilbert (masked LM)": ("DistilBertConfig", dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                        max_position_embeddings=256, dropout=0.0), "sdpa", "masked-lm"),
+    "electra (masked LM)": ("ElectraConfig", dict(ENCODER, embedding_size=16), "sdpa", "masked-lm"),
+    "albert (masked LM)": ("AlbertConfig", dict(ENCODER, embedding_size=16), "sdpa", "masked-lm"),
+    "ernie (masked LM)": ("ErnieConfig", ENCODER, "sdpa", "masked-lm"),
+    "modernbert (masked LM)": ("ModernBertConfig", dict(SMALL, global_attn_every_n_layers=2, local_attention=4,
+                                                        mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
+                                                        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+                               "sdpa", "masked-lm"),  # global and local (window 4, both ways) layers
+    "nomic_bert (masked LM)": ("NomicBertConfig", ENCODER, "sdpa", "masked-lm"),
+    "esm (masked LM)": ("EsmConfig", dict(ENCODER, pad_token_id=1, mask_token_id=2, position_embedding_type="rotary",
+                                          token_dropout=False, emb_layer_norm_before=False), "sdpa", "masked-lm"),
+    "megatron_bert (masked LM)": ("MegatronBertConfig", ENCODER, "eager", "masked-lm"),
+    "roformer (masked LM)": ("RoFormerConfig", dict(ENCODER, embedding_size=32), "eager", "masked-lm"),
+    "big_bird (masked LM)": ("BigBirdConfig", dict(ENCODER, attention_type="original_full", sep_token_id=3), "eager",
+                             "masked-lm"),
+    "deberta-v2 (masked LM)": ("DebertaV2Config", dict(ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                                       max_relative_positions=-1, position_buckets=8), "eager", "masked-lm"),
+    "mpnet (masked LM)": ("MPNetConfig", dict(ENCODER, pad_token_id=1), "eager", "masked-lm"),
+    "funnel (masked LM)": ("FunnelConfig", dict(vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=32,
+                                                n_head=4, d_head=8, d_inner=64, hidden_dropout=0.0, activation_dropout=0.0),
+                           "eager", "masked-lm"),
+    "longformer (masked LM)": ("LongformerConfig", dict(ENCODER, attention_window=4, pad_token_id=1), "eager", "masked-lm"),
+    "xlm (masked LM)": ("XLMConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, dropout=0.0,
+                                          max_position_embeddings=256), "eager", "masked-lm"),
 }
 
 
 def build(family: str) -> torch.nn.Module:
-    config_class, keywords, implementation = FAMILIES[family]
+    config_class, keywords, implementation, *head = FAMILIES[family]
     config = getattr(transformers, config_class)(**{"attention_dropout": 0.0, **keywords})
     config._attn_implementation = implementation
     torch.manual_seed(0)
+    if head == ["masked-lm"]:
+        return transformers.AutoModelForMaskedLM.from_config(config).train()
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.loss_type = "ForCausalLM"  # GPT-2's default loss property breaks the graph
     return model.train()
@@ -200,7 +231,7 @@ def table(results: dict, world_size: int) -> str:
         f"Measured {datetime.date.today()} with transformers {transformers.__version__}, torch {torch.__version__}, "
         f"on {world_size} gloo processes: `python examples/model_coverage.py`. Each family is built from a small "
         "config (2 layers, hidden 32, 4 heads, random weights), one training step (labels, loss, backward, fp32, "
-        f"{SEQ} tokens, batch 2) compiled with `backend=\"ring\"` against the same model run whole. The error is the "
+        f"{SEQ} tokens, batch 2; a causal LM, or a masked LM for the encoders) compiled with `backend=\"ring\"` against the same model run whole. The error is the "
         "largest relative error of loss, logits and every parameter gradient; KV hops counts the ring's KV "
         "exchanges on rank 0 (forward and backward), which an unsharded run would not make.",
         "",
