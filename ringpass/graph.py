@@ -35,6 +35,23 @@ def short_source(node: fx.Node) -> str:
     return f"{match['file'].rsplit('/', 1)[-1]}:{match['line']}" if match else ""
 
 
+def refresh_example_values(graph: fx.Graph, changed) -> None:
+    """Compute the example values of the ``changed`` nodes (inserted or rewritten), in graph order, on the
+    fake tensors of the graph's own FakeTensorMode."""
+    fake_mode = next(example_value(n).fake_mode for n in graph.nodes
+                     if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor))
+    with fake_mode:
+        for node in graph.nodes:
+            if node not in changed:
+                continue
+            args = fx.node.map_arg(node.args, example_value)
+            kwargs = fx.node.map_arg(node.kwargs, example_value)
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)
+
+
 def numbers_in(node: fx.Node) -> list:
     """The Python numbers among a node's (nested) arguments and keyword arguments."""
     found = []

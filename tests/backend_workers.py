@@ -15,6 +15,7 @@ from reference import grad_error, rel_err
 MODELS = {
     "gpt": lambda: models.GPT(),
     "gpt_regions": lambda: models.GPT(regions=True),
+    "torch_layers": lambda: models.TorchLayers(),
     "llama": lambda: models.Llama(),
     "llama_repeat_kv": lambda: models.Llama(repeat_kv=True),
     "position_table_pooling": lambda: models.PositionTableAndPooling(),
@@ -43,6 +44,10 @@ def _inputs(name: str, seq_len: int, batch: int, seed: int):
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
     if name == "hand_written_packed":  # documents of random lengths packed into each row
         return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)
+    if name == "torch_layers":  # a key padding mask; every query keeps its first key
+        keep = torch.rand(batch, seq_len, generator=generator) > 0.3
+        keep[:, 0] = True
+        return ids, keep
     if name == "gpt_with_loss":
         labels = torch.randint(0, 61, (batch, seq_len), generator=generator)
         labels[:, ::5] = -100  # some ignored tokens

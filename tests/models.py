@@ -168,6 +168,24 @@ class Encoder(nn.Module):
         return x, x.mean(dim=1)
 
 
+class TorchLayers(nn.Module):
+    """PyTorch's own attention modules: ``nn.MultiheadAttention`` under a causal mask (a ``triu(-inf)``
+    buffer-free mask from ``generate_square_subsequent_mask``) and an ``nn.TransformerEncoderLayer`` with a
+    key padding mask from ``keep [B, N]``."""
+
+    def __init__(self, vocab=61, dim=32, heads=4):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+
+    def forward(self, ids, keep):
+        x = self.embed(ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device, dtype=x.dtype)
+        x = x + self.attn(x, x, x, attn_mask=causal, is_causal=True)[0]
+        return self.head(self.layer(x, src_key_padding_mask=~keep))
+
+
 class WithLoss(nn.Module):
     """A language model that computes its loss (HF-style label shift, ignore_index) inside forward."""
 

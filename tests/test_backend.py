@@ -38,6 +38,7 @@ def _cases(world_size: int) -> list:
         ("position_table_pooling", dict(name="position_table_pooling", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-eager", dict(name="gpt", seq_len=seq_len, options={"compiler": "eager"}, dynamic=None)),
         ("gpt_regions", dict(name="gpt_regions", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
+        ("torch_layers", dict(name="torch_layers", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("llama_last_tokens", dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),

@@ -470,3 +470,45 @@ def test_a_sliced_and_expanded_buffer_becomes_this_ranks_positions(tmp_path):
     code, data = _cli(tmp_path, f"{TARGETS}:sliced_type_ids", "--world-size", "2")
     assert code == 0, data
     assert any("slice of" in p for p in data["graphs"][0]["positions"])
+
+
+def test_torch_attention_modules_are_written_out_and_their_limits_refused():
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer become SDPA; what cannot be sharded is refused: the
+    attention weights read back (need_weights=True), bias_k, and the fused eval fast path."""
+    torch.manual_seed(0)
+    ids, keep = torch.randint(0, 61, (2, 16)), torch.ones(2, 16, dtype=torch.bool)
+    inspection = ringpass.inspect(models.TorchLayers(), (ids, keep), world_size=2)
+    assert inspection.status == "rewritten" and len(inspection.reports[0].attention) == 2
+
+    class Weights(torch.nn.Module):
+        def __init__(self, **options):
+            super().__init__()
+            self.embed, self.attn = torch.nn.Embedding(61, 32), torch.nn.MultiheadAttention(32, 4, batch_first=True, **options)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            y, weights = self.attn(x, x, x)
+            return y, weights
+
+    for options, words in (({}, "need_weights=False"), ({"add_bias_kv": True}, "bias_k")):
+        refused = ringpass.inspect(Weights(**options), (ids,), world_size=2)
+        assert refused.status == "refused" and words in refused.reports[0].refusal.message
+
+    from ringpass.passes import run_pipeline
+    from ringpass.passes.context import PassContext
+    from ringpass.options import RingOptions
+    from ringpass.report import Report
+
+    messages = []
+
+    def pipeline(gm, example_inputs):  # the backend's pipeline on the real tensors of an eval, no-grad call
+        ctx = PassContext(gm, example_inputs, RingOptions(), 2, "", Report(world_size=2))
+        with pytest.raises(ringpass.NotSupportedError) as refused:
+            run_pipeline(ctx)
+        messages.append(str(refused.value))
+        return gm.forward
+
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    with torch.no_grad():
+        torch.compile(layer, backend=pipeline, fullgraph=True)(torch.randn(2, 16, 32))
+    assert "set_fastpath_enabled(False)" in messages[0]

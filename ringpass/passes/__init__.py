@@ -10,6 +10,7 @@ from ringpass.graph import example_value, nbytes, op_label, plain, short_source
 from ringpass.graph_view import op_chain
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
+from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.insert_boundaries import insert_boundaries
@@ -26,6 +27,7 @@ from ringpass.report import Refusal
 
 PIPELINE = (
     inline_subgraphs,
+    expand_multi_head_attention,
     devectorize_vmaps,
     find_attention,
     lift_masks,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ringpass.graph import example_value, is_vmap_bookkeeping
+from ringpass.graph import example_value, is_vmap_bookkeeping, refresh_example_values
 from ringpass.passes.context import PassContext
 from ringpass.passes.token_ops import is_pointwise, op_name
 
@@ -80,7 +80,7 @@ def _rewrite(ctx: PassContext, nest: list[fx.Node]) -> None:
     for node in reversed(nest):
         if is_vmap_bookkeeping(node):
             graph.erase_node(node)
-    _refresh_example_values(graph, changed)
+    refresh_example_values(graph, changed)
 
 
 def _removal_chain(removes: list[fx.Node], levels: list[int]):
@@ -93,18 +93,3 @@ def _removal_chain(removes: list[fx.Node], levels: list[int]):
         return None
     return chain
 
-
-def _refresh_example_values(graph: fx.Graph, changed: set) -> None:
-    """Recompute the example values of ``changed`` nodes, in graph order, on fake tensors."""
-    fake_mode = next(example_value(n).fake_mode for n in graph.nodes
-                     if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor))
-    with fake_mode:
-        for node in graph.nodes:
-            if node not in changed:
-                continue
-            args = fx.node.map_arg(node.args, example_value)
-            kwargs = fx.node.map_arg(node.kwargs, example_value)
-            if node.op == "call_method":
-                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                node.meta["example_value"] = node.target(*args, **kwargs)

@@ -54,6 +54,7 @@ TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
 CASTS = ("to", "type_as", "type", "float", "double", "half", "bfloat16", "contiguous")  # keep the values
 DROPOUTS = ("dropout", F.dropout)
 FLEX = torch.ops.higher_order.flex_attention
+FUSED_LAYERS = (torch._transformer_encoder_layer_fwd, torch._native_multi_head_attention)
 BADDBMM = (torch.baddbmm, "baddbmm")
 VIEWS = ("view", "reshape", torch.reshape)
 MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add",
@@ -97,11 +98,11 @@ class FlexMods:
 
 def find_attention(ctx: PassContext) -> None:
     for node in ctx.gm.graph.nodes:
-        if _is(node, (F.multi_head_attention_forward,)):
+        if _is(node, FUSED_LAYERS):
             raise refusal(
-                f"{describe(node)} is nn.MultiheadAttention, which the ring backend does not rewrite yet; "
-                "write the attention with F.scaled_dot_product_attention (or by hand) instead.", node
-            )
+                f"{describe(node)} is PyTorch's fused Transformer fast path (nn.TransformerEncoderLayer or "
+                "nn.MultiheadAttention in eval without gradients): one opaque op the ring cannot open. Turn the fast "
+                "path off with torch.backends.mha.set_fastpath_enabled(False).", node)
         if node.op == "call_function" and node.target is FLEX:
             ctx.attention.append(_match_flex(ctx.gm, node))
         elif _is(node, SDPA):

@@ -240,10 +240,13 @@ def _fully_masked(ctx: PassContext, match, kind: str, region: "_Region") -> str:
     """What the model gives a query whose keys are all hidden (left padding), for the ring to give the same
     (`lowering.fully_masked`): an added finite mask (``+ finfo.min``) makes its softmax uniform over every key,
     with gradients into the scores; a finite fill (``masked_fill``, ``where``) too, with none; a bool mask
-    (SDPA: 0) or a ``-inf`` fill (eager: NaN) gives 0. A finite value too small to swamp every score
+    (SDPA: 0) or a ``-inf`` fill or added mask (the model: NaN) gives 0. A finite value too small to swamp every score
     (``-1e4``) leaves eager weighing such a query's keys by their scores: warned, not reproduced."""
     if kind == "additive":
-        hiding, mode = [x for node, _ in region.ops for x in numbers_in(node) if x <= MASKED_AT_OR_BELOW], "uniform"
+        hiding = [x for node, _ in region.ops for x in numbers_in(node) if x <= MASKED_AT_OR_BELOW]
+        if hiding and all(x == float("-inf") for x in hiding):
+            return "zero"  # -inf added to every score: NaN in the model; 0 here
+        mode = "uniform"
     elif match.fill is not None and match.fill != float("-inf"):
         hiding, mode = [match.fill], "uniform_values"
     else:

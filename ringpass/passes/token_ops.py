@@ -23,7 +23,7 @@ import torch.fx as fx
 from ringpass.graph import example_value
 
 REARRANGE = {
-    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as",
+    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as", "unflatten",
     "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
     "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
     "getattr", "pad", "movedim", "swapaxes", "broadcast_to", "zeros_like", "ones_like", "empty_like", "full_like", "copy_",
