@@ -24,8 +24,9 @@ K/V whose heads are proven to repeat in groups after further per-head-uniform op
 of each group.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
-`lift_masks`. Refuses dropout inside attention, query and key lengths that differ, and a graph whose
-only attention is one it does not recognise (softmax of square scores times values).
+`lift_masks`. Refuses dropout inside attention, query and key lengths that differ, PyTorch's fused
+Transformer fast path, and a graph whose only attention is one it does not recognise (a softmax whose
+probabilities multiply values, or whose scores are a product of two activations).
 """
 
 from __future__ import annotations
