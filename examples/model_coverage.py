@@ -113,7 +113,7 @@ FAMILIES = {
                                           shared_expert_intermediate_size=16), "sdpa"),
     "phimoe": ("PhimoeConfig", dict(GQA, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "sdpa"),
     "dbrx": ("DbrxConfig", dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=256, resid_pdrop=0.0,
-                                emb_pdrop=0.0, attn_config=dict(kv_n_heads=2, attn_pdrop=0.0, clip_qkv=8.0),
+                                emb_pdrop=0.0, attn_config=dict(kv_n_heads=2, attn_pdrop=0.0, rope_theta=10000.0, clip_qkv=8.0),
                                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)), "sdpa"),
     "jetmoe": ("JetMoeConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
                                     kv_channels=8, intermediate_size=64, max_position_embeddings=256,
