@@ -96,6 +96,7 @@ class Report:
     gradients: str = ""    # "reduced" | "local"
     activation_bytes: dict = field(default_factory=dict)  # {"per_rank": .., "unsharded": .., "whole": ..}
     warnings: list[str] = field(default_factory=list)
+    differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
     refusal: Optional[Refusal] = None
     unchanged: str = ""    # why the graph runs unchanged (one rank, no attention)
 
@@ -166,18 +167,24 @@ class Report:
                 f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"])
         for indices, cost in self.ring_costs():
             lines += _section(f"ring, per call of each of attention(s) {_ranges(indices)}", ring_text(cost))
+        lines += _section("where the results can differ from the model's", self.differs)
         lines += _section("warnings", self.warnings)
         return "\n".join(lines)
 
     def log(self, rank: int = 0, print_summary: bool = True) -> None:
-        """The full report at INFO on the ``ringpass`` logger; the summary line on rank 0 (stderr)."""
+        """The full report at INFO on the ``ringpass`` logger; the summary line on rank 0 (stderr), and a
+        WARNING line for each place where the results can differ from the model's."""
         logger.info("%s", self)
+        for difference in self.differs:
+            logger.warning("graph %d: %s", self.graph_index, difference)
         if print_summary and rank == 0:
             if not summary_logger.handlers:
                 summary_logger.addHandler(_StderrHandler())
                 summary_logger.setLevel(logging.INFO)
                 summary_logger.propagate = False
             summary_logger.info("%s", self.summary())
+            for difference in self.differs:
+                summary_logger.warning("ringpass: graph %d: WARNING: %s", self.graph_index, difference)
 
     # ---- data ----------------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -201,6 +208,7 @@ class Report:
             "ring": [ring_dict(indices, cost) for indices, cost in self.ring_costs()],
             "refusal": asdict(self.refusal) if self.refusal else None,
             "warnings": self.warnings,
+            "differs": self.differs,
         }
         return data
 

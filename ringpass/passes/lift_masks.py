@@ -197,7 +197,7 @@ def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> Mask
     combined = replace(program, is_causal=outer.is_causal or inner.is_causal, window=min(windows) if windows else None)
     if combined.program_id and combined.fully_masked != "zero":
         combined.fully_masked = "zero"
-        ctx.report.warnings.append(
+        ctx.report.differs.append(
             f"{describe(match.output)} applies two masks: where the mask program hides every key of a query (left "
             "padding), eager attention averages the keys the other mask keeps; the ring gives 0 there, so such a "
             "batch differs from eager at those positions (their labels should be ignored)")
@@ -253,7 +253,7 @@ def _fully_masked(ctx: PassContext, match, kind: str, region: "_Region") -> str:
         return "zero"
     weak = sorted({x for x in hiding if SWAMPS_EVERY_SCORE < x})
     if weak:
-        ctx.report.warnings.append(
+        ctx.report.differs.append(
             f"{describe(match.output)} hides keys with {', '.join(f'{x:g}' for x in weak)}: where a query's keys are "
             "all hidden (left padding) the ring gives the mean of every key's value, as a fill of finfo.min gives; "
             "eager attention with this fill still weighs those keys by their scores there, so such a batch "
