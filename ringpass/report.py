@@ -175,8 +175,6 @@ class Report:
         """The full report at INFO on the ``ringpass`` logger; the summary line on rank 0 (stderr), and a
         WARNING line for each place where the results can differ from the model's."""
         logger.info("%s", self)
-        for difference in self.differs:
-            logger.warning("graph %d: %s", self.graph_index, difference)
         if print_summary and rank == 0:
             if not summary_logger.handlers:
                 summary_logger.addHandler(_StderrHandler())
@@ -271,14 +269,14 @@ SCHEDULE_ROWS_SHOWN = 32  # larger rings are summarised (the JSON has every bloc
 _LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
 
 
-FULLY_MASKED_TEXT = {"zero": [],
-                     "uniform": ["a query with every key hidden averages all keys, as eager (gradients to q, k, v)"],
-                     "uniform_values": ["a query with every key hidden averages all keys, as eager (gradients to v)"]}
+FULLY_MASKED_TEXT = {"uniform": "a query with every key hidden averages all keys, as eager (gradients to q, k, v)",
+                     "uniform_values": "a query with every key hidden averages all keys, as eager (gradients to v)"}
 
 
 def _attention_text(a: AttentionRecord) -> str:
+    average = [FULLY_MASKED_TEXT[a.fully_masked]] if a.fully_masked in FULLY_MASKED_TEXT else []
     mask = "; ".join([a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods,
-                      *FULLY_MASKED_TEXT[a.fully_masked]])
+                      *average])
     where = a.module or "top level"
     return (f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
             f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}")

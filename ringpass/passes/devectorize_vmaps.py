@@ -14,7 +14,6 @@ later as needing an S x S tensor).
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ringpass.graph import example_value, is_vmap_bookkeeping, refresh_example_values

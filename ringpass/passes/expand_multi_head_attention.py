@@ -73,7 +73,7 @@ def _written_out(graph: fx.Graph, call: fx.Node, a: dict) -> list[fx.Node]:
         created.append(copy_origin(node, call))
         return node
 
-    length, batch, embed = example_value(a["query"]).shape
+    _, batch, embed = example_value(a["query"]).shape
     heads = a["num_heads"]
     if a["use_separate_proj_weight"]:
         weights = [a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]]

@@ -140,11 +140,12 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
     new tensor first), is an attention this pass did not recognise: refused, rather than the model running
     unsharded on every rank. A router's softmax (over ``linear`` logits; its probabilities scale expert
     outputs, then meet weights) is not one."""
+    activations = _activations(gm.graph)
     for node in gm.graph.nodes:
         value = example_value(node) if _is(node, SOFTMAX) else None
         if value is None or value.dim() < 2 or _softmax_dim(node) not in (-1, value.dim() - 1) or value.shape[-1] == 1:
             continue
-        if _weighs_an_activation(node) or (value.dim() >= 3 and _scored_by_two_activations(node)):
+        if _weighs_an_activation(node, activations) or (value.dim() >= 3 and _scored_by_two(node, activations)):
             raise refusal(
                 f"{describe(node)} is a softmax whose probabilities multiply values: an attention the ring backend "
                 "does not recognise, so nothing would be sharded (recognised: a scale, soft-cap tanh(x / c) * c, "
@@ -157,9 +158,17 @@ PASS_THROUGH = CASTS + DROPOUTS + VIEWS + TRANSPOSE + ("flatten", "unflatten", "
 PRODUCTS = MATMUL + BADDBMM + (torch.einsum, torch.functional.einsum)
 
 
-def _weighs_an_activation(probs: fx.Node, steps: int = 16) -> bool:
-    """``probs`` reaches, within ``steps`` ops that keep its values' meaning, a product with a tensor computed
-    from the user's inputs (not from weights alone)."""
+def _activations(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes computed from the user's inputs (not from weights and constants alone)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and not is_module_state(node)) or any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _weighs_an_activation(probs: fx.Node, activations: set, steps: int = 16) -> bool:
+    """``probs`` reaches, within ``steps`` ops that keep its values' meaning, a product with an activation."""
     frontier, seen = [probs], {probs}
     for _ in range(steps):
         reached = []
@@ -169,7 +178,7 @@ def _weighs_an_activation(probs: fx.Node, steps: int = 16) -> bool:
                     continue
                 seen.add(user)
                 if _is(user, PRODUCTS):
-                    if any(_from_user_inputs(a) for a in user.all_input_nodes if a is not node):
+                    if any(a in activations for a in user.all_input_nodes if a is not node):
                         return True
                 elif _is(user, PASS_THROUGH) or user.target is operator.getitem or is_pointwise(user):
                     reached.append(user)
@@ -177,9 +186,9 @@ def _weighs_an_activation(probs: fx.Node, steps: int = 16) -> bool:
     return False
 
 
-def _scored_by_two_activations(softmax: fx.Node) -> bool:
-    """The softmax's input is computed from a product of two tensors of 3 or more dims that both come from the
-    user's inputs (``q @ kᵀ`` in some spelling); writes into a tensor (``setitem``) count as computing it."""
+def _scored_by_two(softmax: fx.Node, activations: set) -> bool:
+    """The softmax's input is computed from a product of two activations of 3 or more dims (``q @ kᵀ`` in
+    some spelling); writes into a tensor (``setitem``) count as computing it."""
     writes: dict[fx.Node, list] = {}
     for node in softmax.graph.nodes:
         if node.target is operator.setitem and isinstance(node.args[0], fx.Node):
@@ -192,14 +201,12 @@ def _scored_by_two_activations(softmax: fx.Node) -> bool:
         seen.add(node)
         if _is(node, PRODUCTS):
             operands = [a for a in node.all_input_nodes if isinstance(example_value(a), torch.Tensor)]
-            if len(operands) == 2 and all(example_value(a).dim() >= 3 and _from_user_inputs(a) for a in operands):
+            if len(operands) == 2 and all(example_value(a).dim() >= 3 and a in activations for a in operands):
                 return True
         stack += node.all_input_nodes + writes.get(node, [])
     return False
 
 
-def _from_user_inputs(node: fx.Node) -> bool:
-    return any(p.op == "placeholder" and not is_module_state(p) for p in ancestors(node))
 def _is(node: fx.Node, targets) -> bool:
     """``node`` calls one of ``targets`` (functions, or method names as strings)."""
     return node.op in ("call_function", "call_method") and node.target in targets

@@ -82,6 +82,17 @@ def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
             delattr(gm, body_attr.target)
 
 
+def _calls_attention(body: fx.GraphModule) -> bool:
+    """The body, or a body nested in it, calls SDPA or flex_attention."""
+    for node in body.graph.nodes:
+        if node.op in ("call_function", "call_method") and node.target in ATTENTION_OPS:
+            return True
+        nested = getattr(body, node.target, None) if node.op == "get_attr" else None
+        if isinstance(nested, fx.GraphModule) and _calls_attention(nested):
+            return True
+    return False
+
+
 def _free_name(gm: fx.GraphModule, name: str) -> str:
     name, i = name.replace(".", "_"), 0
     while hasattr(gm, f"{name}_{i}"):
@@ -95,8 +106,7 @@ def _refuse_attention_in_other_bodies(gm: fx.GraphModule) -> None:
             continue
         for arg in call.args:
             body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
-            if isinstance(body, fx.GraphModule) and any(
-                    n.op in ("call_function", "call_method") and n.target in ATTENTION_OPS for n in body.graph.nodes):
+            if isinstance(body, fx.GraphModule) and _calls_attention(body):
                 raise refusal(f"{describe(call)} ({call.target.name()}) holds an attention in its body; the ring backend "
                               "does not rewrite attention there, and running it unsharded would be wrong quietly. Move "
                               "the attention out of it (e.g. replace torch.cond with a plain branch).", call)
