@@ -13,18 +13,24 @@ import torch
 import torch.distributed as dist
 
 from lowering import events
+from lowering.failures import connection_lost, wait_works
 
 KV_TAG, DKV_TAG = 0, 1
 
 
 class Pending:
-    def __init__(self, works, received: torch.Tensor):
+    def __init__(self, works, received: torch.Tensor, exchange: "RingExchange" = None, what: str = ""):
         self._works = works
         self._received = received
+        self._exchange, self._what = exchange, what
 
     def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
+        if self._received.is_cuda or self._exchange is None:
+            for work in self._works:
+                work.wait()
+        else:
+            wait_works(self._works, self._exchange.group.group_name, self._what,
+                       peers=(self._exchange.next_rank, self._exchange.prev_rank))
         return self._received
 
 
@@ -39,20 +45,26 @@ class RingExchange:
             return
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
-        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+        self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
 
-    def start(self, tensor: torch.Tensor, *, payload: str, step: int, tag: int) -> Pending:
+    def start(self, tensor: torch.Tensor, *, payload: str, step: int, tag: int, phase: str = "forward") -> Pending:
         if self.world_size == 1:
             return Pending([], tensor)
         tensor = tensor.contiguous()
         if events.recording():
-            events.emit("exchange", payload=payload, step=step, bytes=tensor.numel() * tensor.element_size())
+            events.emit("exchange", payload=payload, step=step, phase=phase, bytes=tensor.numel() * tensor.element_size())
         received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, tensor, self._next, self.group, tag),
-                dist.P2POp(dist.irecv, received, self._prev, self.group, tag),
-            ]
-        )
-        return Pending(works, received)
+        what = f"exchanging the {payload} block of {phase} step {step} with ranks {self.next_rank} (next) and {self.prev_rank} (previous)"
+        try:
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, tensor, self.next_rank, self.group, tag),
+                    dist.P2POp(dist.irecv, received, self.prev_rank, self.group, tag),
+                ]
+            )
+        except RuntimeError as error:  # gloo: the connection to a neighbour is already closed
+            if tensor.is_cuda:
+                raise
+            raise connection_lost(self.group.group_name, what, error) from None
+        return Pending(works, received, self, what)

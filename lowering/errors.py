@@ -16,3 +16,7 @@ class InvalidInputError(RingpassError, ValueError):
 
 class NotSupportedError(RingpassError, NotImplementedError):
     """A well-formed request for a feature that is not built (yet); never answered with a guess."""
+
+
+class RingpassWarning(UserWarning):
+    """Something ran, but not as a user of the ring expects (a graph that runs unsharded)."""

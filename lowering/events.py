@@ -5,21 +5,22 @@
     exchanges = [e for e in events if e.kind == "exchange"]
 
 Nothing is recorded (and nothing costs anything) outside the context manager. Tests use it to count
-communication and kernel calls; tools use it to show a schedule.
+communication and kernel calls (and, with ``on_event``, to inject failures at a given step); tools use
+it to show a schedule.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
-_recorders: list[list["RingEvent"]] = []
+_recorders: list[tuple[list["RingEvent"], Optional[Callable]]] = []
 
 
 @dataclass(frozen=True)
 class RingEvent:
-    """``kind`` is ``"exchange"`` (fields: payload, step) or ``"block_forward"`` /
+    """``kind`` is ``"exchange"`` (fields: payload, step, phase, bytes) or ``"block_forward"`` /
     ``"block_backward"`` (fields: q_pos, kv_pos, causal)."""
 
     kind: str
@@ -31,15 +32,20 @@ def recording() -> bool:
 
 
 def emit(kind: str, **fields: Any) -> None:
-    for events in _recorders:
-        events.append(RingEvent(kind, fields))
+    event = RingEvent(kind, fields)
+    for events, on_event in list(_recorders):
+        events.append(event)
+        if on_event is not None:
+            on_event(event)
 
 
 @contextmanager
-def record_ring_events() -> Iterator[list[RingEvent]]:
+def record_ring_events(on_event: Optional[Callable[[RingEvent], None]] = None) -> Iterator[list[RingEvent]]:
+    """The events of the block, in order; ``on_event(event)`` is also called as each happens."""
     events: list[RingEvent] = []
-    _recorders.append(events)
+    entry = (events, on_event)
+    _recorders.append(entry)
     try:
         yield events
     finally:
-        _recorders.remove(events)
+        _recorders.remove(entry)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.failures import told_to_peers
 from lowering.fully_masked import check_fully_masked
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
@@ -207,15 +208,16 @@ def _ring_attention_op(
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
     bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                 alibi_slopes, bias_id, bias_inputs, fully_masked)
-    check_inputs(q, k, v, spec.layout)
-    exchange = _exchange(group_name)
-    if exchange.world_size != world_size:
-        raise InvalidInputError(
-            f"The layout is for {world_size} ranks but process group {group_name!r} has {exchange.world_size}."
-        )
-    return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
+    with told_to_peers(group_name):
+        spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
+                     alibi_slopes, bias_id, bias_inputs, fully_masked)
+        check_inputs(q, k, v, spec.layout)
+        exchange = _exchange(group_name)
+        if exchange.world_size != world_size:
+            raise InvalidInputError(
+                f"The layout is for {world_size} ranks but process group {group_name!r} has {exchange.world_size}."
+            )
+        return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
 
 
 @_ring_attention_op.register_fake
@@ -234,15 +236,15 @@ def _ring_attention_backward_op(
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
     bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                 alibi_slopes, bias_id, bias_inputs, fully_masked)
-    if dlse is not None and not bool(dlse.any()):
-        dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
-    dq, dk, dv = ring_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        None if dlse is None else dlse.contiguous(), spec, _exchange(group_name),
-    )
-    return dq, dk, dv
+    with told_to_peers(group_name):
+        spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
+                     alibi_slopes, bias_id, bias_inputs, fully_masked)
+        if dlse is not None and not bool(dlse.any()):
+            dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
+        return ring_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            None if dlse is None else dlse.contiguous(), spec, _exchange(group_name),
+        )
 
 
 @_ring_attention_backward_op.register_fake

@@ -141,11 +141,11 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     kv = torch.stack((k, v))
     dkv_arriving = None
     for step in range(p):
-        kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
+        kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward") if step < p - 1 else None
         dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
         if dkv_arriving is not None:
             dkv += dkv_arriving.wait()
-        dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG)
+        dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
         if kv_arriving is not None:
             kv = kv_arriving.wait()
     dkv = dkv_arriving.wait()

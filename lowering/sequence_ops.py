@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from lowering.failures import wait_collective
 from lowering.layout import Layout, local_length
 
 
@@ -88,7 +89,8 @@ def gather_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_l
     if not group_name:
         return layout.unshard([x], dim).contiguous()
     shards = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(shards, x, group=_group(group_name))
+    work = dist.all_gather(shards, x, group=_group(group_name), async_op=True)
+    wait_collective(work, x, group_name, f"all-gathering a {tuple(x.shape)} output along dim {dim}")
     return layout.unshard(shards, dim).contiguous()
 
 
@@ -103,7 +105,8 @@ def _(x, dim, kind, world_size, seq_len, group_name):
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     total = x.clone()
     if group_name:
-        dist.all_reduce(total, group=_group(group_name))
+        work = dist.all_reduce(total, group=_group(group_name), async_op=True)
+        wait_collective(work, total, group_name, f"all-reducing a {tuple(total.shape)} partial sum")
     return total
 
 

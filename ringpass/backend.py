@@ -8,23 +8,33 @@ Dynamo hands over each captured graph; the passes (`ringpass.passes.PIPELINE`) r
 attention is ring attention over this rank's tokens, and the result goes to the inner compiler.
 With world size 1, or no process group initialised, the graph is compiled unchanged. Rank 0 prints one
 line per compiled graph (what was rewritten or refused; ``options={"report": "off"}`` silences it) and
-the full report goes to the ``ringpass`` logger at INFO.
+the full report goes to the ``ringpass`` logger at INFO. A graph that runs unsharded on a multi-rank job
+(no attention in it, or ``WORLD_SIZE`` > 1 without a process group) gives a `RingpassWarning`, or an
+error with ``unsharded="error"``. A rewritten graph is called through `ringpass.guard` (the ranks agree
+on graph and inputs; a failure on one rank reaches the others); a compile that fails on one rank is
+posted to the others too (`lowering.failures`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import os
+from collections import deque
+import warnings
+
 import torch.distributed as dist
 import torch.fx as fx
 
-from lowering.errors import InvalidInputError
+from lowering import failures
+from lowering.errors import InvalidInputError, RingpassWarning
+from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.context import PassContext
 from ringpass.report import Report
 
-_reports: list[Report] = []
+_reports: deque[Report] = deque(maxlen=100)  # the latest graphs of every backend (bounded: recompiles add more)
 
 
 class RingBackend:
@@ -40,20 +50,40 @@ class RingBackend:
             options = RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
         group = _resolve_group(options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
-        report = Report(world_size=world_size, graph_index=len(self.reports))
+        index = len(self.reports)
+        report = Report(world_size=world_size, graph_index=index)
         self.reports.append(report)
         _reports.append(report)
+        if world_size == 1:
+            report.unchanged = "one rank (or no process group)"
+            report.warnings.append("one rank (or no process group): the graph runs unchanged")
+            report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
+            launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            if group is None and launched > 1:
+                _unsharded(options, f"graph {index}: WORLD_SIZE={launched} but no process group is initialised, so "
+                                    "the ring has one rank and the graph runs unsharded on every process. Call "
+                                    "torch.distributed.init_process_group() before the first forward.")
+            return _inner_compile(options.compiler, gm, example_inputs)
+        ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report)
+        failures.configure(group.group_name, timeout=options.timeout)
+        failures.set_state(f"compiling graph {index}")
         try:
-            if world_size == 1:
-                report.unchanged = "one rank (or no process group)"
-                report.warnings.append("one rank (or no process group): the graph runs unchanged")
-            else:
-                run_pipeline(PassContext(gm, example_inputs, options, world_size, group.group_name, report))
+            try:
+                run_pipeline(ctx)
                 gm.graph.lint()
                 gm.recompile()
-        finally:
-            report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
-        return _inner_compile(options.compiler, gm, example_inputs)
+            finally:
+                report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
+            if report.unchanged:
+                _unsharded(options, f"graph {index}: no attention found, so it runs unchanged (replicated, unsharded) "
+                                    f"on every rank of the ring ({report.unchanged}). If the model has attention, "
+                                    "ringpass.inspect(model, inputs) shows why it was not found.")
+                return _inner_compile(options.compiler, gm, example_inputs)
+            return guard_graph(_inner_compile(options.compiler, gm, example_inputs), ctx, index)
+        except Exception as error:  # the peers stop with this rank's error instead of waiting for it
+            # the call this compile was for counts, as it does on the peers that compiled and called it
+            failures.post_failure(group.group_name, error, call=failures.begin_call())
+            raise
 
 
 def backend(**options: Any) -> RingBackend:
@@ -69,6 +99,12 @@ def ring(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
 def last_report() -> Report | None:
     """The report of the most recent graph compiled by any ring backend in this process."""
     return _reports[-1] if _reports else None
+
+
+def _unsharded(options: RingOptions, message: str) -> None:
+    if options.unsharded == "error":
+        raise InvalidInputError(f"{message} (unsharded='error' makes this an error; 'warn' a warning)")
+    warnings.warn(message, RingpassWarning, stacklevel=2)
 
 
 def _as_dict(options: RingOptions) -> dict:

@@ -5,7 +5,8 @@
 Each rank calls ``fn(rank, world_size, *args)`` inside an initialised default process group and its
 return value comes back in ``results[rank]``. Nothing hangs: a rank that raises, dies or outlives
 ``timeout`` seconds stops every rank, and `spawn_ranks` raises `RankFailure` with what went wrong
-(the rank's traceback, its exit code, or the timeout). Used by ``ringpass demo`` and the test-suite.
+(the rank's traceback, its exit code, or the timeout). The ranks in ``may_die`` may die without a result
+(failure-injection tests kill them); theirs is None. Used by ``ringpass demo`` and the test-suite.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def free_port() -> int:
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0,
+    may_die: Sequence[int] = (),
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -48,7 +50,7 @@ def spawn_ranks(
     for proc in procs:
         proc.start()
     try:
-        return _collect(procs, results, world_size, timeout)
+        return _collect(procs, results, world_size, timeout, set(may_die))
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -57,7 +59,7 @@ def spawn_ranks(
         results.close()
 
 
-def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
+def _collect(procs, results, world_size: int, timeout: float, may_die: set) -> list[Any]:
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(outputs) < world_size:
@@ -68,6 +70,9 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
             outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for rank, proc in enumerate(procs):
             if rank not in outputs and not proc.is_alive() and results.empty():
+                if rank in may_die:
+                    outputs[rank] = None
+                    continue
                 raise RankFailure(
                     f"rank {rank} of {world_size} died (exit code {proc.exitcode}) before reporting a result."
                 )

@@ -15,6 +15,8 @@ CHOICES = {
     "grads": ("reduced", "local"),
     "masks": ("lift", "materialize"),
     "report": ("summary", "off"),
+    "checks": ("first", "every", "off"),
+    "unsharded": ("warn", "error"),
 }
 
 
@@ -30,7 +32,13 @@ class RingOptions:
     sequence x sequence tensor is refused) or ``materialize`` (such a tensor is allowed: every rank
     holds it whole, S x S memory, and the ring reads its tiles).
     ``report``: ``summary`` (rank 0 prints one line per compiled graph to stderr) or ``off``; the full
-    report is logged at INFO on the ``ringpass`` logger either way."""
+    report is logged at INFO on the ``ringpass`` logger either way.
+    ``checks``: before each call the ranks agree on the graph and the input shapes; ``first`` (inputs that
+    must be equal on every rank are also checksummed on the first call of each graph), ``every`` (on every
+    call) or ``off`` (no agreement; see docs/reliability.md). ``timeout``: seconds a wait may last while
+    every peer waits inside ringpass too (a deadlock) before every rank raises.
+    ``unsharded``: a graph that runs unsharded on a multi-rank job (no attention found, or no process group
+    under a multi-process launch) gives a `RingpassWarning` (``warn``) or an error (``error``)."""
 
     group: Any = None
     layout: str = "auto"
@@ -40,6 +48,9 @@ class RingOptions:
     grads: str = "reduced"
     masks: str = "lift"
     report: str = "summary"
+    checks: str = "first"
+    timeout: float = 30.0
+    unsharded: str = "warn"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "RingOptions":
@@ -57,4 +68,6 @@ class RingOptions:
                 raise InvalidInputError(
                     f"Ring backend option {name}={value!r} is not one of {', '.join(map(repr, allowed))}."
                 )
+        if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:
+            raise InvalidInputError(f"Ring backend option timeout={result.timeout!r} must be a positive number of seconds.")
         return result

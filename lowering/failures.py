@@ -1,0 +1,361 @@
+"""Never hang: a failure on one rank reaches every rank, waits are bounded, ranks agree before they exchange.
+
+The rendezvous store every rank of a process group already shares (the TCPStore of ``torchrun`` or of
+``init_process_group``) is the side channel; it still answers when the ring's own traffic cannot.
+
+- `post_failure`: a rank whose ring call, boundary collective or compile raises writes
+  ``rank r: <error>`` under ``ringpass/failed/<r>`` before the error leaves ringpass.
+- `wait_works`: every wait of the ring and of the boundary collectives (gloo, CPU tensors) runs in a
+  helper thread while this rank watches the store. It raises `PeerFailure`, naming the rank and the
+  cause, as soon as a peer posted a failure, the connection to a peer broke (its process died), a peer's
+  heartbeat stopped for ``dead_after`` seconds (killed or frozen), or the wait outlived ``timeout``
+  seconds while every peer was alive and waiting inside ringpass too (a deadlock: the ranks are out of
+  step). A peer that is compiling, or busy in the user's code between calls, is waited for (up to the
+  process group's own timeout): a long checkpoint save on one rank is not a failure. CUDA tensors (NCCL) are waited as NCCL waits (the CPU does
+  not block); NCCL's own watchdog and the process group's ``timeout`` bound those.
+- `agree`: every rank posts a fingerprint of its next call and reads every peer's; a difference raises
+  the same `InvalidInputError` on every rank, naming the field and the ranks.
+- A daemon thread per process beats ``ringpass/alive/<r>`` every ``BEAT`` seconds with what the rank is
+  doing (`set_state`), so a waiting rank can tell a dead peer from a busy one.
+
+A failure is tagged with the call it happened in (`begin_call` numbers the compiled graphs' calls on
+each rank); a rank ignores peers' failures from earlier calls and from a call it failed in itself, so
+ranks that all refused the same graph can go on. After a `PeerFailure` the process group is not usable:
+destroy it (or let the launcher restart the job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from lowering.errors import InvalidInputError, RingpassError
+
+PREFIX = "ringpass/"
+BEAT = 0.5           # seconds between heartbeats
+POLL = 0.1           # seconds between looks at the store while a wait lasts
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_DEAD_AFTER = 10.0
+INSIDE = "inside ringpass"  # how the state of a rank that runs a ring call (or waits in one) begins
+
+
+class PeerFailure(RingpassError, RuntimeError):
+    """Another rank failed, died or is out of step with this one; this rank cannot go on."""
+
+
+@dataclass
+class _Process:
+    """This process's place in the job: its call counter, the call it last failed in, its state."""
+
+    call: int = 0
+    failed_call: int = -1
+    state: str = "starting"
+    seen_failures: int = 0
+    heartbeat: Optional[threading.Thread] = None
+    waiter: Optional[ThreadPoolExecutor] = None
+    settings: dict = field(default_factory=dict)  # group name -> (timeout, dead_after)
+
+
+_process = _Process()
+
+
+def configure(group_name: str = "", *, timeout: float = DEFAULT_TIMEOUT, dead_after: float = DEFAULT_DEAD_AFTER) -> None:
+    """How long a wait on ``group_name`` ('' = every group) may last while every peer is alive
+    (``timeout``), and how long a silent heartbeat means a dead peer (``dead_after``), in seconds."""
+    for name, value in (("timeout", timeout), ("dead_after", dead_after)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}.")
+    _process.settings[group_name] = (float(timeout), float(dead_after))
+
+
+def begin_call() -> int:
+    """Number the next call of a compiled ring graph on this rank (every rank counts the same calls)."""
+    _process.call += 1
+    return _process.call
+
+
+def current_call() -> int:
+    return _process.call
+
+
+def set_state(state: str) -> None:
+    """What this rank is doing, as its heartbeat tells the peers (``compiling graph 2``; a state that
+    begins with `INSIDE` says the rank runs a ring call)."""
+    _process.state = state
+
+
+class _Channel:
+    """The store, this rank and its peers (global ranks) in one process group."""
+
+    def __init__(self, group_name: str):
+        from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+
+        group = _resolve_process_group(group_name) if group_name else dist.group.WORLD
+        self.group_name = group_name
+        self.store = _tcp_store(_get_default_store())
+        self.rank = dist.get_rank()
+        self.members = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self.peers = [r for r in self.members if r != self.rank]
+        self.timeout, self.dead_after = _process.settings.get(group_name, _process.settings.get("", (DEFAULT_TIMEOUT, DEFAULT_DEAD_AFTER)))
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._looked_at_beats = 0.0
+        _start_heartbeat(self.store, self.rank)
+
+    # ---- failures ------------------------------------------------------------------------------------
+    def post(self, message: str, *, origin: bool, call: int) -> None:
+        _process.failed_call = max(_process.failed_call, call)
+        try:
+            self.store.set(f"{PREFIX}failed/{self.rank}", json.dumps({"call": call, "origin": origin, "message": message}))
+            self.store.add(f"{PREFIX}failures", 1)
+        except Exception:  # the store's host is gone too; the peers find out by themselves
+            pass
+
+    def posted(self, force: bool = False) -> list[dict]:
+        """Peers' failures that concern this rank's current call, origins first."""
+        count = self.store.add(f"{PREFIX}failures", 0)
+        if count == _process.seen_failures and not force:
+            return []
+        _process.seen_failures = count
+        found = []
+        for peer in self.peers:
+            key = f"{PREFIX}failed/{peer}"
+            if self.store.check([key]):
+                record = json.loads(self.store.get(key))
+                if record["call"] >= _process.call and record["call"] > _process.failed_call:
+                    found.append({**record, "rank": peer})
+        return sorted(found, key=lambda r: (not r["origin"], r["rank"]))
+
+    # ---- liveness ------------------------------------------------------------------------------------
+    def look(self, what: str, started: float) -> None:
+        """Raise `PeerFailure` if a peer failed, died, or the wait for ``what`` outlived the timeout (the
+        failures are read every look, the heartbeats every `BEAT`, the peers' states only at the timeout)."""
+        try:
+            self._look(what, started)
+        except (RuntimeError, OSError) as error:
+            if isinstance(error, RingpassError):
+                raise
+            raise self.failure(f"the rendezvous store stopped answering: its host (the launcher's agent under torchrun, "
+                               f"else rank 0's process) has exited or died: {str(error).splitlines()[0][:200]}", what) from None
+
+    def _look(self, what: str, started: float) -> None:
+        failures = self.posted()
+        if failures:
+            raise self.failure(f"rank {failures[0]['rank']} failed: {failures[0]['message']}", what)
+        now = time.monotonic()
+        if now - self._looked_at_beats >= BEAT:
+            self._looked_at_beats = now
+            for peer in self.peers:
+                count = int(self.store.add(f"{PREFIX}alive/{peer}", 0))
+                last_count, since = self._beats.get(peer, (-1, now))
+                if count != last_count:
+                    self._beats[peer] = (count, now)
+                elif now - since > self.dead_after:
+                    raise self.failure(f"rank {peer} stopped responding (no heartbeat for {now - since:.0f} s: the "
+                                       "process was killed, or is frozen)", what)
+        if now - started > self.timeout:
+            states = {peer: self._state(peer) for peer in self.peers}
+            if all(s.startswith(INSIDE) for s in states.values()):
+                told = "; ".join(f"rank {p}: {s}" for p, s in states.items())
+                raise self.failure(
+                    f"waited {now - started:.0f} s (timeout={self.timeout:g}) while every peer is alive and waiting "
+                    f"inside ringpass too: the ranks are out of step (different graphs, or a different number of ring "
+                    f"calls). The peers say: {told}", what,
+                )
+
+    def _state(self, peer: int) -> str:
+        key = f"{PREFIX}state/{peer}"
+        return self.store.get(key).decode() if self.store.check([key]) else "unknown"
+
+    def failure(self, cause: str, what: str) -> PeerFailure:
+        message = f"rank {self.rank} stopped while {what}: {cause}"
+        self.post(message, origin=False, call=_process.call)
+        return PeerFailure(message)
+
+    def dead_peers(self, sample: float) -> list[int]:
+        """Peers whose heartbeat did not move during ``sample`` seconds."""
+        try:
+            before = {p: self.store.add(f"{PREFIX}alive/{p}", 0) for p in self.peers}
+            time.sleep(sample)
+            return [p for p in self.peers if self.store.add(f"{PREFIX}alive/{p}", 0) == before[p]]
+        except Exception:
+            return [self.members[0]]  # the store's host (rank 0 of the job) is gone
+
+
+_channels: dict[tuple, _Channel] = {}
+
+
+def channel(group_name: str) -> _Channel:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    key = (group_name, id(_get_default_store()), _process.settings.get(group_name), _process.settings.get(""))
+    if key not in _channels:
+        _channels[key] = _Channel(group_name)
+    return _channels[key]
+
+
+def post_failure(group_name: str, error: BaseException, *, call: Optional[int] = None) -> None:
+    """Tell the peers in ``group_name`` that this rank failed with ``error`` (a `PeerFailure` was already told)."""
+    if isinstance(error, PeerFailure) or not dist.is_initialized():
+        return
+    text = f"{type(error).__name__}: {error}".strip()
+    channel(group_name).post(text if len(text) < 2000 else text[:2000] + " ...", origin=True,
+                             call=_process.call if call is None else call)
+
+
+@contextmanager
+def told_to_peers(group_name: str):
+    """Run the block; an error it raises is posted to the peers in ``group_name`` ('' = no group) first."""
+    try:
+        yield
+    except Exception as error:
+        if group_name:
+            post_failure(group_name, error)
+        raise
+
+
+def check_peers(group_name: str, what: str) -> None:
+    """Raise `PeerFailure` now if a peer posted a failure that concerns this call."""
+    ch = channel(group_name)
+    ch.look(what, time.monotonic())
+
+
+def wait_works(works: Sequence, group_name: str, what: str, *, peers: Sequence[int] = ()) -> None:
+    """Wait for ``works`` (of a CPU process group), bounded as the module docstring says. ``peers`` are
+    the global ranks at the other end of each work, when one is (a P2P send or receive)."""
+    if not works:
+        return
+    future = _waiter().submit(_wait_each, works)
+    try:
+        future.result(timeout=POLL)
+        return
+    except FutureTimeout:
+        pass
+    except Exception as error:
+        raise connection_lost(group_name, what, error, _peer_of(error, peers)) from None
+    ch, started = channel(group_name), time.monotonic()
+    while True:
+        ch.look(what, started)
+        try:
+            future.result(timeout=POLL)
+            return
+        except FutureTimeout:
+            continue
+        except Exception as error:
+            raise connection_lost(group_name, what, error, _peer_of(error, peers)) from None
+
+
+def wait_collective(work, tensor, group_name: str, what: str) -> None:
+    """Wait for a collective's ``work``: bounded on CPU tensors, as NCCL waits on CUDA ones."""
+    if tensor.is_cuda or not group_name:
+        work.wait()
+    else:
+        wait_works([work], group_name, what)
+
+
+def _peer_of(error: Exception, peers: Sequence[int]) -> Optional[int]:
+    index = getattr(error, "work_index", None)
+    return peers[index] if index is not None and index < len(peers) else None
+
+
+def _wait_each(works) -> None:
+    for i, work in enumerate(works):
+        try:
+            work.wait()
+        except Exception as error:
+            error.work_index = i
+            raise
+
+
+def connection_lost(group_name: str, what: str, error: Exception, peer: Optional[int] = None) -> PeerFailure:
+    """The `PeerFailure` for a send, receive or collective that raised (gloo: the connection to ``peer``,
+    or to some peer, broke), with the failing rank's own message when it posted one."""
+    ch = channel(group_name)
+    time.sleep(POLL)  # a peer that raised posts before its process exits: give its message a moment
+    failures = ch.posted(force=True)
+    if failures:
+        return ch.failure(f"rank {failures[0]['rank']} failed: {failures[0]['message']}", what)
+    if peer is not None:
+        lost = f"rank {peer}"
+    else:
+        dead = ch.dead_peers(sample=2 * BEAT + POLL)
+        lost = f"rank(s) {', '.join(map(str, dead))}" if dead else "a peer"
+    return ch.failure(f"the connection to {lost} broke (its process died or left the process group): "
+                      f"{str(error).splitlines()[0][:200]}", what)
+
+
+def agree(group_name: str, topic: str, mine: dict, describe) -> list[dict]:
+    """Post ``mine`` for this rank's current call and return every member's (in group rank order), once
+    all have posted; ``describe(fingerprints)`` returns what differs ('' when they agree), raised as
+    `InvalidInputError` on every rank. Bounded like `wait_works`."""
+    ch, call = channel(group_name), _process.call
+    slot = lambda rank: f"{PREFIX}agree/{topic}/{rank}/{call % 4}"
+    found, started = {ch.rank: mine}, time.monotonic()
+    try:
+        ch.store.set(slot(ch.rank), json.dumps({"call": call, **mine}))
+    except (RuntimeError, OSError):
+        ch.look("posting this rank's fingerprint", started)  # names what broke
+        raise
+    while len(found) < len(ch.members):
+        try:
+            for peer in ch.peers:
+                if peer not in found and ch.store.check([slot(peer)]):
+                    record = json.loads(ch.store.get(slot(peer)))
+                    if record.pop("call") == call:
+                        found[peer] = record
+        except (RuntimeError, OSError):
+            pass  # the look below names what broke
+        if len(found) < len(ch.members):
+            ch.look(f"waiting for every rank to reach call {call} of a ring graph", started)
+            time.sleep(0.002 if time.monotonic() - started < POLL else POLL)
+    everyone = [found[r] for r in ch.members]
+    difference = describe(everyone)
+    if difference:
+        _process.failed_call = max(_process.failed_call, call)  # every rank raises this itself
+        raise InvalidInputError(difference)
+    return everyone
+
+
+def _tcp_store(store):
+    """The TCPStore under the default store's prefixes (ringpass keys its own names), or the store itself."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _start_heartbeat(store, rank: int) -> None:
+    if _process.heartbeat is not None and _process.heartbeat.is_alive():
+        return
+    beater = store
+    if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
+        beater = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
+    _process.heartbeat = threading.Thread(target=_beat, args=(beater, rank), name="ringpass-heartbeat", daemon=True)
+    _process.heartbeat.start()
+
+
+def _beat(store, rank: int) -> None:
+    told = None
+    try:
+        while True:
+            store.add(f"{PREFIX}alive/{rank}", 1)
+            if _process.state != told:
+                told = _process.state
+                store.set(f"{PREFIX}state/{rank}", told)
+            time.sleep(BEAT)
+    except Exception:  # the store went away: the job is over
+        return
+
+
+def _waiter() -> ThreadPoolExecutor:
+    if _process.waiter is None or os.getpid() != getattr(_process.waiter, "_pid", None):
+        _process.waiter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ringpass-wait")
+        _process.waiter._pid = os.getpid()
+    return _process.waiter
