@@ -277,5 +277,25 @@ def _no_double_backward(ctx, *grads):
     raise NotSupportedError("Differentiating ring attention twice (double backward) is not supported.")
 
 
+def _autocast_kernel(device_type: str):
+    """Under ``torch.autocast``, the ring op casts q, k, v as autocast casts SDPA's (to the autocast
+    dtype; float64 stays), then runs with autocast off: a model whose rotary embedding left q in float32
+    and v in bfloat16 runs as it does unsharded."""
+    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type)))
+
+    def kernel(_, q, k, v, *rest):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device_type else t
+                for t in (q, k, v)]
+        with torch._C._ExcludeDispatchKeyGuard(key):
+            return torch.ops.ringpass.ring_attention.default(*cast, *rest)
+
+    return kernel
+
+
+_autocast_library = torch.library.Library("ringpass", "IMPL")
+for _device_type in ("cpu", "cuda"):
+    _autocast_library.impl("ring_attention", _autocast_kernel(_device_type),
+                           "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 _ring_attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

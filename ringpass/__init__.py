@@ -3,14 +3,17 @@
     model = torch.compile(model, backend="ring")      # under torchrun
 
 `backend(**options)` returns a configured backend, `last_report()` what the last compile did,
-`inspect(model, inputs, world_size=P)` what the pass will do to a model, offline. The
+`inspect(model, inputs, world_size=P)` what the pass will do to a model, offline; `shard(x, dim)` /
+`unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout. The
 runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
 """
 
-from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
+from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
+from lowering.failures import PeerFailure
 from ringpass.backend import RingBackend, backend, last_report
 from ringpass.inspection import Inspection, inspect
+from ringpass.sharding import shard, unshard
 
 __version__ = "0.1.0"
-__all__ = ["Inspection", "InvalidInputError", "NotSupportedError", "RingBackend", "RingpassError", "__version__", "backend",
-           "inspect", "last_report"]
+__all__ = ["Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend", "RingpassError",
+           "RingpassWarning", "__version__", "backend", "inspect", "last_report", "shard", "unshard"]

@@ -22,7 +22,6 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from lowering import failures
 from ringpass.graph import is_module_state, user_name
@@ -46,15 +45,13 @@ class GuardedGraph:
         self.compiled, self.inputs, self.graph_hash = compiled, inputs, graph_hash
         self.index, self.group_name, self.checks = index, group_name, checks
         self.calls = 0
-        self._boxed_call = getattr(compiled, "_boxed_call", False)
 
     def __call__(self, *args):
-        arguments = args[0] if self._boxed_call else args
         call = failures.begin_call()
         failures.set_state(f"{failures.INSIDE}: graph {self.index}, call {call}")
         try:
             if self.checks != "off":
-                failures.agree(self.group_name, "call", self._fingerprint(arguments), self._difference)
+                failures.agree(self.group_name, "call", self._fingerprint(args), self._difference)
             self.calls += 1
             with failures.told_to_peers(self.group_name):
                 return self.compiled(*args)

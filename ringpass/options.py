@@ -23,8 +23,10 @@ CHOICES = {
 @dataclass(frozen=True)
 class RingOptions:
     """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group).
-    ``layout``: ``auto`` = zigzag when any attention is causal or masked, else contiguous.
-    ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard).
+    ``layout``: ``auto`` = zigzag when any attention is causal or masked, or the inputs are sharded, else
+    contiguous (the report's summary line names the layout).
+    ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard,
+    made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs).
     ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
     ``compiler``: what compiles the rewritten graph. ``grads``: ``reduced`` (every rank ends with the
     unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens).

@@ -83,15 +83,12 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
         graphs.append(gm)
         return compiled
 
-    layout = None
     compiled_inputs = inputs
     ring_group = group.get_group() if hasattr(group, "get_group") else group
     ring_world = dist.get_world_size(ring_group) if group is not None else world_size
     ring_rank = dist.get_rank(ring_group) if group is not None else rank
-    if options.get("inputs") == "sharded":
-        from lowering import Layout
-        layout = Layout(options.get("layout", "zigzag"), ring_world, seq_len)
-        compiled_inputs = tuple(layout.shard(t, 1, ring_rank) for t in inputs)
+    if options.get("inputs") == "sharded":  # the helper users call (zigzag: what layout="auto" gives sharded inputs)
+        compiled_inputs = tuple(ringpass.shard(t, 1, layout=options.get("layout", "zigzag"), group=group) for t in inputs)
     outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
     outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
     if options.get("outputs") == "sharded":
@@ -103,8 +100,12 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
         weights_used, expected_cmp = weights, expected_tuple
     _loss(outputs, weights_used).backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
+    gathered = []  # sharded outputs reassembled with ringpass.unshard equal the whole outputs
+    if options.get("outputs") == "sharded":
+        gathered = [rel_err(ringpass.unshard(o.detach(), 1, seq_len=seq_len, layout=options.get("layout", "zigzag"), group=group), e.detach())
+                    for o, e in zip(outputs_tuple, expected_tuple) if e.dim() >= 2 and e.shape[1] == seq_len]
     result = {
-        "outputs": [rel_err(o.detach(), e.detach()) for o, e in zip(outputs_tuple, expected_cmp)],
+        "outputs": [rel_err(o.detach(), e.detach()) for o, e in zip(outputs_tuple, expected_cmp)] + gathered,
         "report": str(backend.reports[-1]) if backend.reports else "",
         "ops": _op_counts(graphs[-1]) if graphs else {},
         "inner": inner,

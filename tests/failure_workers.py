@@ -87,3 +87,39 @@ def disagree(rank: int, world_size: int, victim: int) -> dict:
     }
     return {name: _outcome(case) for name, case in cases.items()}
 
+
+
+class NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(61, 8)
+
+    def forward(self, ids):
+        return self.embed(ids).relu()
+
+
+def unsharded_and_autocast(rank: int, world_size: int) -> dict:
+    """A graph without attention warns (or, with unsharded="error", raises); a Llama under
+    ``torch.autocast(bfloat16)`` runs through the ring as it runs whole under autocast."""
+    import warnings
+
+    from reference import rel_err
+
+    results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compiled(NoAttention)(_ids(SEQ_LEN))
+    results["warnings"] = [str(w.message) for w in caught if w.category is ringpass.RingpassWarning]
+    results["error"] = _outcome(lambda: _compiled(NoAttention, unsharded="error")(_ids(SEQ_LEN)))["error"]
+
+    torch.manual_seed(0)
+    model = models.Llama()
+    ids = _ids(SEQ_LEN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(ids)
+        torch._dynamo.reset()
+        with record_ring_events() as events:
+            got = torch.compile(model, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(ids)
+    results["autocast"] = {"dtype": str(got.dtype), "error": rel_err(got.float(), expected.float()),
+                           "exchanges": sum(e.kind == "exchange" for e in events)}
+    return results

@@ -17,6 +17,11 @@ from ringpass.launch import spawn_ranks
 
 TIMEOUT = 400
 MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
+# every family of backend_workers.MODELS whose inputs can be passed sharded (gpt_with_loss shifts its labels
+# and torch_layers reads a padding mask whole: both refused with inputs="sharded", see docs/backend.md)
+SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "llama_repeat_kv", "llama_last_tokens", "gpt_regions",
+              "position_table_pooling")
+SHARDED_IO_DYNAMIC = ("gpt", "llama", "hand_written", "encoder", "position_table_pooling")
 
 
 def _cases(world_size: int) -> list:
@@ -24,7 +29,7 @@ def _cases(world_size: int) -> list:
     cases = []
     for name in MODELS:
         for dynamic in (None, True):
-            for dtype in (torch.float64, torch.float32):
+            for dtype in (torch.float64, torch.float32) if world_size == 2 else (torch.float64,):
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
                                             dynamic=dynamic, dtype=dtype)))
@@ -42,11 +47,15 @@ def _cases(world_size: int) -> list:
         ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("llama_last_tokens", dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
-        ("gpt-sharded_io", dict(name="gpt", seq_len=4 * world_size,
-                                          options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}, dynamic=None)),
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
         ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
                                                 options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
+    ]
+    cases += [  # each rank passes its own shard and keeps its own shard of the outputs
+        (f"{name}-sharded_io-{'dynamic' if dynamic else 'static'}",
+         dict(name=name, seq_len=4 * world_size, options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
+              dynamic=dynamic))
+        for name in SHARDED_IO for dynamic in ((None, True) if world_size == 2 and name in SHARDED_IO_DYNAMIC else (None,))
     ]
     cases += [  # masks read from inputs: lifted programs evaluated per tile (dynamic shapes on 2 ranks only)
         (f"{name}-{'dynamic' if dynamic else 'static'}", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic))
@@ -93,7 +102,7 @@ def test_expected_collectives_in_the_graph():
     assert loss["shard_sequence.default"] == 2  # ids, and the shifted labels after the shift
     encoder = ops["encoder-static-float64"]["ops"]
     assert encoder["all_reduce_sum.default"] == 1  # the mean over tokens
-    sharded = ops["gpt-sharded_io"]["ops"]
+    sharded = ops["gpt-sharded_io-static"]["ops"]
     assert "gather_sequence.default" not in sharded and "shard_sequence.default" not in sharded
 
 

@@ -56,3 +56,27 @@ def test_disagreeing_ranks_all_refuse_before_the_ring(world_size):
         else:
             assert refused.startswith("PeerFailure: ") and "rank 1 failed: NotSupportedError: `cumsum`" in refused, refused
         assert outcomes["agree"]["error"] is None, (rank, outcomes["agree"])
+
+
+def test_unsharded_graphs_warn_and_autocast_runs_through_the_ring():
+    for result in spawn_ranks(failure_workers.unsharded_and_autocast, 2, timeout=TIMEOUT):
+        assert len(result["warnings"]) == 1 and "no attention found, so it runs unchanged" in result["warnings"][0]
+        assert "InvalidInputError" in result["error"] and "unsharded='error'" in result["error"], result["error"]
+        autocast = result["autocast"]
+        assert autocast["dtype"] == "torch.bfloat16" and autocast["exchanges"] == 2, autocast  # 2 layers, P-1 = 1 each
+        assert autocast["error"] < 2e-2, autocast  # bf16 against bf16 (measured 4e-3)
+
+
+def test_a_multi_process_launch_without_a_process_group_warns(monkeypatch):
+    import torch
+    import models
+    import ringpass
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch._dynamo.reset()
+    with pytest.warns(ringpass.RingpassWarning, match="WORLD_SIZE=2 but no process group is initialised"):
+        torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off"))(torch.zeros(1, 8, dtype=torch.long))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="InvalidInputError: graph 0: WORLD_SIZE=2 .*unsharded='error'"):  # Dynamo wraps it
+        torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off", unsharded="error"))(
+            torch.zeros(1, 8, dtype=torch.long))

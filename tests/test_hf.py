@@ -138,7 +138,7 @@ def test_a_mask_built_with_vmap_is_lifted():
         _check(results, {"labels": "sdpa (lifted mask program", "right-padded": "sdpa (lifted mask program"}, 2)
 
 
-@pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("checkpointed", ["non-reentrant", pytest.param("reentrant", marks=pytest.mark.heavy)])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are
     opened, the layers' attention rewritten, and the backward recomputes the rest of each layer (less is

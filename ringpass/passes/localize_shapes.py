@@ -6,6 +6,10 @@ sequence length into them; writes the local length instead (a merged dimension s
 sequence is scaled, not replaced). With ``inputs="sharded"`` the graph already holds local sizes and
 nothing changes. With dynamic shapes the sizes are SymInt inputs instead: uses of the sequence-length
 input (and arithmetic on it) in local ops get the local length, computed in the graph.
+
+Also matches, with ``inputs="sharded"``, values kept whole on every rank that the graph creates from its
+(local) length: an ``arange(n)`` or a ``torch.ones(B, n)`` padding mask that a lifted mask program reads
+at global positions. Writes the global length into their sizes, so they cover every position.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from ringpass.passes.context import LOCAL, PassContext
+from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.sequence_axes import is_size_op, resize_size_args
 
 ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod)
 
 
 def localize_shapes(ctx: PassContext) -> None:
+    if ctx.options.inputs == "sharded":
+        _globalize_whole_sources(ctx)
     local = ctx.graph_length("local")
     if not ctx.dynamic and local == ctx.seq_len:
         return
@@ -57,6 +63,17 @@ def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
                 twin = ctx.gm.graph.call_function(node.target, tuple(args))
     twins[node] = twin
     return twin
+
+
+def _globalize_whole_sources(ctx: PassContext) -> None:
+    for node, kind in ctx.sources.items():
+        if ctx.placement.get(node) != FULL or kind not in ("positions", "created"):
+            continue
+        length = ctx.graph_length("global")
+        if kind == "created":
+            node.args = _created_args(ctx, node, length)
+        else:  # arange(n) or arange(0, n[, 1])
+            node.args = (length,) if len(node.args) == 1 else (node.args[0], length, *node.args[2:])
 
 
 def _created_args(ctx: PassContext, node, local):

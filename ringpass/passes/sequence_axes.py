@@ -57,9 +57,10 @@ def find_sequence_axes(ctx: PassContext) -> None:
     sharded_inputs = ctx.options.inputs == "sharded"
     ctx.global_seq_len = ctx.seq_len * ctx.world_size if sharded_inputs else ctx.seq_len
     if ctx.options.layout == "auto":
-        # zigzag balances causal work; masks read from data (packed documents, padding) are causal in practice
+        # zigzag balances causal work; masks read from data (packed documents, padding) are causal in practice.
+        # Sharded inputs are always zigzag: the user shards them (ringpass.shard) without knowing the model.
         masked = any(plan.is_causal or plan.program_id for plan in ctx.masks.values())
-        ctx.layout_kind = "zigzag" if masked else "contiguous"
+        ctx.layout_kind = "zigzag" if masked or sharded_inputs else "contiguous"
     else:
         ctx.layout_kind = ctx.options.layout
     _Probe(ctx).run()
