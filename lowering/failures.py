@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -212,14 +213,20 @@ def post_failure(group_name: str, error: BaseException, *, call: Optional[int] =
 
 
 @contextmanager
-def told_to_peers(group_name: str):
-    """Run the block; an error it raises is posted to the peers in ``group_name`` ('' = no group) first."""
+def ring_work(group_name: str):
+    """Run the block as ringpass's work: the heartbeat says this rank is inside ringpass meanwhile, and an
+    error the block raises is posted to the peers in ``group_name`` ('' = no group) first."""
+    state = _process.state
+    if not state.startswith(INSIDE):
+        set_state(f"{INSIDE}: a ring call after call {_process.call}")
     try:
         yield
     except Exception as error:
         if group_name:
             post_failure(group_name, error)
         raise
+    finally:
+        set_state(state)
 
 
 def check_peers(group_name: str, what: str) -> None:
@@ -334,16 +341,16 @@ def _tcp_store(store):
 def _start_heartbeat(store, rank: int) -> None:
     if _process.heartbeat is not None and _process.heartbeat.is_alive():
         return
-    beater = store
-    if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
-        beater = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
-    _process.heartbeat = threading.Thread(target=_beat, args=(beater, rank), name="ringpass-heartbeat", daemon=True)
+    _process.heartbeat = threading.Thread(target=_beat, args=(store, rank), name="ringpass-heartbeat", daemon=True)
     _process.heartbeat.start()
 
 
 def _beat(store, rank: int) -> None:
     told = None
     try:
+        if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
+            store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=10))
         while True:
             store.add(f"{PREFIX}alive/{rank}", 1)
             if _process.state != told:

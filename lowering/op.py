@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.failures import told_to_peers
+from lowering.failures import ring_work
 from lowering.fully_masked import check_fully_masked
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout
@@ -208,7 +208,7 @@ def _ring_attention_op(
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
     bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    with told_to_peers(group_name):
+    with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
                      alibi_slopes, bias_id, bias_inputs, fully_masked)
         check_inputs(q, k, v, spec.layout)
@@ -236,7 +236,7 @@ def _ring_attention_backward_op(
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
     bias_inputs: list[torch.Tensor], fully_masked: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with told_to_peers(group_name):
+    with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
                      alibi_slopes, bias_id, bias_inputs, fully_masked)
         if dlse is not None and not bool(dlse.any()):

@@ -53,7 +53,7 @@ class GuardedGraph:
             if self.checks != "off":
                 failures.agree(self.group_name, "call", self._fingerprint(args), self._difference)
             self.calls += 1
-            with failures.told_to_peers(self.group_name):
+            with failures.ring_work(self.group_name):
                 return self.compiled(*args)
         finally:
             failures.set_state(f"outside ringpass, after call {call} (graph {self.index})")
@@ -94,8 +94,8 @@ class GuardedGraph:
 def guard_graph(compiled, ctx: PassContext, index: int):
     """``compiled`` called through the checks of the module docstring (``ctx`` after the pipeline ran)."""
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-    inputs = [GraphInput(user_name(n), ctx.options.inputs == "sharded" and ctx.placement.get(n) == LOCAL, is_module_state(n))
-              for n in placeholders]
+    sharded = {n for n in placeholders if ctx.placement.get(n) == LOCAL} | ctx.gathered_inputs
+    inputs = [GraphInput(user_name(n), ctx.options.inputs == "sharded" and n in sharded, is_module_state(n)) for n in placeholders]
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
     graph_hash = hashlib.sha1(f"{ctx.gm.code}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
     return GuardedGraph(compiled, inputs, graph_hash, index, ctx.group_name, ctx.options.checks)

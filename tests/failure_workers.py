@@ -123,3 +123,112 @@ def unsharded_and_autocast(rank: int, world_size: int) -> dict:
     results["autocast"] = {"dtype": str(got.dtype), "error": rel_err(got.float(), expected.float()),
                            "exchanges": sum(e.kind == "exchange" for e in events)}
     return results
+
+
+def random_architectures(rank: int, world_size: int, seeds: list, seq_len: int) -> dict:
+    """Each seed's random model (tests/random_models.py) compiled with the ring backend against itself
+    run whole: the relative errors of the output and the gradients, and the ring exchanges it made."""
+    import random_models
+    from reference import grad_error, rel_err
+
+    results = {}
+    for seed in seeds:
+        spec = random_models.draw(seed)
+        torch.manual_seed(seed)
+        model = random_models.RandomModel(spec).double()
+        args = random_models.inputs(spec, seq_len, seed)
+        weights = None
+        expected = model(*args)
+        if expected.dim():
+            weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=expected.dtype)
+        (expected * weights if weights is not None else expected).sum().backward()
+        expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)
+        try:
+            with record_ring_events() as events:
+                got = compiled(*args)
+                (got * weights if weights is not None else got).sum().backward()
+        except Exception as error:  # noqa: BLE001 -- reported with the spec, for the test to show
+            results[seed] = {"spec": spec, "error": f"{type(error).__name__}: {error}"}
+            continue
+        results[seed] = {"spec": spec, "error": None, "output": rel_err(got.detach(), expected.detach()),
+                         "grads": grad_error({k: p.grad for k, p in model.named_parameters()}, expected_grads),
+                         "exchanges": sum(e.kind == "exchange" for e in events)}
+    return results
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def edges(rank: int, world_size: int) -> dict:
+    """Edges that must hold: NaN in an input propagates as it does unsharded; no_grad and inference_mode
+    forwards; 50 training steps over three lengths (three compiles) equal the same steps unsharded, with
+    no growth of reports, mask programs or memory after the compiles."""
+    from lowering import masks
+    from reference import rel_err
+    from ringpass.backend import _reports as every_report
+
+    results = {}
+    torch.manual_seed(0)
+    encoder = models.Encoder().double()
+    x = torch.randn(2, SEQ_LEN, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[0, 5, 3] = float("nan")
+    expected, _ = encoder(x)
+    torch._dynamo.reset()
+    with record_ring_events() as events:
+        got, _ = torch.compile(encoder, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(x)
+    finite = ~expected.isnan()
+    results["nan"] = {"same_nans": torch.equal(got.isnan(), expected.isnan()), "nan_rows": int(expected.isnan().any(-1).sum()),
+                      "finite_error": rel_err(got[finite], expected[finite]),
+                      "exchanges": sum(e.kind == "exchange" for e in events)}
+
+    gpt = models.GPT().double()
+    ids = _ids(SEQ_LEN)
+    with torch.no_grad():
+        expected = gpt(ids)
+    for mode, context in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+        torch._dynamo.reset()
+        with context(), record_ring_events() as events:
+            got = torch.compile(gpt, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(ids)
+        results[mode] = {"error": rel_err(got, expected), "exchanges": sum(e.kind == "exchange" for e in events)}
+
+    torch.manual_seed(0)
+    reference, trained = models.WithLoss(models.GPT()).double(), models.WithLoss(models.GPT()).double()
+    trained.load_state_dict(reference.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, trained)]
+    backend = ringpass.backend(compiler="aot_eager", report="off")
+    compiled = torch.compile(trained, backend=backend, fullgraph=True)
+    sizes = {}
+    for step in range(50):
+        seq_len = (9, 12, 15)[step % 3]
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 61, (2, seq_len), generator=gen)
+        labels = ids.clone()
+        for model, optimizer in zip((reference, compiled), optimizers):
+            optimizer.zero_grad()
+            model(ids, labels)[0].backward()
+            optimizer.step()
+        if step in (9, 49):
+            sizes[step] = {"reports": len(backend.reports), "all_reports": len(every_report),
+                           "mask_programs": len(masks._programs), "resident": _resident_bytes()}
+    results["training"] = {"sizes": sizes, "error": max(rel_err(p, q) for p, q in zip(trained.parameters(), reference.parameters()))}
+    return results
+
+
+def out_of_step(rank: int, world_size: int) -> dict:
+    """After a clean call, rank 0 calls `lowering.ring_attention` by hand while the others call the
+    compiled model: each waits inside ringpass for the other (a deadlock). With ``timeout=3`` every rank
+    raises within seconds."""
+    from lowering import Layout, ring_attention
+
+    model = _compiled(timeout=3.0)
+    _step(model, _ids(SEQ_LEN))
+    if rank == 0:
+        layout = Layout("zigzag", world_size, 16)
+        q = torch.randn(1, 2, layout.local_len, 4, dtype=torch.float64)
+        return _outcome(lambda: ring_attention(q, q, q, layout=layout, is_causal=True), linger=2.0)
+    return _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)

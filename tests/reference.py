@@ -74,7 +74,7 @@ def _scores_fp64(q, k, visible, scale, softcap, bias):
 
 def grad_error(grads: dict, expected: dict) -> float:
     """The largest relative error over parameters; a gradient that is zero in exact arithmetic (a bias
-    that a later mean subtracts again, a key bias under softmax) is measured against 1e-6 of the largest
-    gradient instead."""
-    floor = 1e-6 * max(g.abs().max().item() for g in expected.values())
+    that a later mean subtracts again, a key bias under softmax) is measured against 1e-4 of the largest
+    gradient instead (at 1e-6 its fp64 rounding alone reaches 1e-10 on 4 ranks)."""
+    floor = 1e-4 * max(g.abs().max().item() for g in expected.values())
     return max(((grads[k] - g).abs().max() / max(g.abs().max().item(), floor)).item() for k, g in expected.items())

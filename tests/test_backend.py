@@ -17,18 +17,20 @@ from ringpass.launch import spawn_ranks
 
 TIMEOUT = 400
 MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
-# every family of backend_workers.MODELS whose inputs can be passed sharded (gpt_with_loss shifts its labels
-# and torch_layers reads a padding mask whole: both refused with inputs="sharded", see docs/backend.md)
-SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "llama_repeat_kv", "llama_last_tokens", "gpt_regions",
-              "position_table_pooling")
-SHARDED_IO_DYNAMIC = ("gpt", "llama", "hand_written", "encoder", "position_table_pooling")
+# every family of backend_workers.MODELS with its inputs passed sharded and its outputs kept sharded (labels
+# shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
+SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
+              "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed")
+SHARDED_IO_DYNAMIC = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "position_table_pooling",
+                      "encoder_padded", "hand_written_packed")
+SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
 
 
 def _cases(world_size: int) -> list:
     seq_len = 4 * world_size + 3  # padded by the layout: 2P does not divide it
     cases = []
-    for name in MODELS:
-        for dynamic in (None, True):
+    for name in MODELS:  # float32 on 2 ranks; dynamic shapes on 2 ranks, and for the GPT on 4
+        for dynamic in (None, True) if world_size == 2 or name == "gpt" else (None,):
             for dtype in (torch.float64, torch.float32) if world_size == 2 else (torch.float64,):
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
@@ -55,7 +57,8 @@ def _cases(world_size: int) -> list:
         (f"{name}-sharded_io-{'dynamic' if dynamic else 'static'}",
          dict(name=name, seq_len=4 * world_size, options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
               dynamic=dynamic))
-        for name in SHARDED_IO for dynamic in ((None, True) if world_size == 2 and name in SHARDED_IO_DYNAMIC else (None,))
+        for name in (SHARDED_IO if world_size == 2 else SHARDED_IO_ON_4)
+        for dynamic in ((None, True) if world_size == 2 and name in SHARDED_IO_DYNAMIC else (None,))
     ]
     cases += [  # masks read from inputs: lifted programs evaluated per tile (dynamic shapes on 2 ranks only)
         (f"{name}-{'dynamic' if dynamic else 'static'}", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic))
@@ -145,6 +148,10 @@ def test_bad_options_are_refused_with_the_choices():
         ringpass.backend(layout="diagonal")
     with pytest.raises(InvalidInputError, match="Unknown ring backend option\\(s\\) shards"):
         ringpass.backend(shards=2)
+    with pytest.raises(InvalidInputError, match="checks='sometimes' is not one of 'first', 'every', 'off'"):
+        ringpass.backend(checks="sometimes")
+    with pytest.raises(InvalidInputError, match="timeout=0 must be a positive number of seconds"):
+        ringpass.backend(timeout=0)
 
 
 def test_one_process_compiles_unchanged():

@@ -80,3 +80,28 @@ def test_a_multi_process_launch_without_a_process_group_warns(monkeypatch):
     with pytest.raises(Exception, match="InvalidInputError: graph 0: WORLD_SIZE=2 .*unsharded='error'"):  # Dynamo wraps it
         torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off", unsharded="error"))(
             torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_edges_nan_no_grad_inference_and_fifty_steps_without_growth():
+    for result in spawn_ranks(failure_workers.edges, 2, timeout=TIMEOUT):
+        nan = result["nan"]
+        assert nan["same_nans"] and nan["nan_rows"] == failure_workers.SEQ_LEN, nan  # row 0 all NaN (bidirectional)
+        assert nan["finite_error"] < 1e-12 and nan["exchanges"] > 0, nan
+        for mode in ("no_grad", "inference_mode"):
+            assert result[mode]["error"] < 1e-12 and result[mode]["exchanges"] == 2, (mode, result[mode])  # 2 layers
+        training = result["training"]
+        assert training["error"] < 1e-10, training
+        early, late = training["sizes"][9], training["sizes"][49]
+        assert early["reports"] == late["reports"] <= 3, training  # 9, then 12 and 15 (automatic dynamic), none after
+        assert late["mask_programs"] == early["mask_programs"] and late["all_reports"] <= 100, training
+        assert late["resident"] - early["resident"] < 64 * 2**20, training  # measured: 1.2 MB
+
+
+def test_ranks_out_of_step_raise_at_the_timeout():
+    results = spawn_ranks(failure_workers.out_of_step, 2, timeout=TIMEOUT)
+    stuck, other = results[1], results[0]
+    assert stuck["error"].startswith("PeerFailure: rank 1 stopped while waiting for every rank to reach call 2"), stuck
+    assert "waited 3 s (timeout=3) while every peer is alive and waiting inside ringpass too" in stuck["error"], stuck
+    assert "rank 0: inside ringpass" in stuck["error"], stuck
+    assert 3 <= stuck["seconds"] < 3 + DETECTED_WITHIN, stuck
+    assert other["error"].startswith("PeerFailure: rank 0 stopped while exchanging") and "rank 1 failed" in other["error"], other

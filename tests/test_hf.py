@@ -27,11 +27,12 @@ def _check(results, expected_mask, world_size=None):
             assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), (case, r["kv_exchanges"])
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), ("llama", 4),
+                                             pytest.param("gpt2", 4, marks=pytest.mark.heavy)])
 def test_training_matches_the_unsharded_model(name, world_size):
-    cases = ["labels", "left-padded", "packed"]
-    expected_mask = {"labels": "(causal,", "left-padded": "lifted mask program + causal", "packed": "lifted mask program, evaluated"}
+    cases = ["labels", "left-padded", "packed"] + (["rank-all-padding"] if name == "llama" else [])
+    expected_mask = {"labels": "(causal,", "left-padded": "lifted mask program + causal", "packed": "lifted mask program, evaluated",
+                     "rank-all-padding": "lifted mask program + causal"}
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
         _check(results, expected_mask, world_size)
 
@@ -39,17 +40,17 @@ def test_training_matches_the_unsharded_model(name, world_size):
 AVERAGES = "a query with every key hidden averages all keys, as eager (gradients to q, k, v)"
 
 
-@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), ("gpt2-eager", 2),
+@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), ("gpt2-eager", 2), ("biogpt-eager", 2),
                                              pytest.param("llama-eager", 4, marks=pytest.mark.heavy)])
 def test_eager_attention_trains_through_the_ring(name, world_size):
     """Hugging Face's written-out attention (matmul, additive mask, softmax in fp32, dropout p=0, cast,
     matmul; Llama's K/V heads repeated) is found and rewritten. Left padding leaves the padded queries no
     visible key: eager's added finfo.min makes their softmax uniform over every key (the last padded
     position's prediction enters the shifted loss), and the ring gives the same, gradients included."""
-    cases = ["labels", "packed", "left-padded"]
+    cases = ["labels", "packed", "left-padded"] + (["rank-all-padding"] if name.startswith("biogpt") else [])
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
         _check(results, {"labels": "hand-written (lifted mask program", "packed": "hand-written (lifted mask program",
-                         "left-padded": AVERAGES}, world_size)
+                         "left-padded": AVERAGES, "rank-all-padding": AVERAGES}, world_size)
 
 
 @pytest.mark.parametrize("name,cases,expected", [
@@ -172,8 +173,8 @@ def test_sliding_window_matches_the_unsharded_model(world_size):
         _check(results, expected_mask)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), ("gpt2", 4),
+                                             pytest.param("llama", 4, marks=pytest.mark.heavy)])
 def test_use_cache_forward_in_eval_matches_the_unsharded_model(name, world_size):
     for result in spawn_ranks(hf_workers.generate_prefill, world_size, (name, SEQ), timeout=300):
         assert result["logits"] <= 1e-4 and result["cache"] <= 1e-4, result

@@ -51,6 +51,7 @@ class PassContext:
     sources: dict[fx.Node, str] = field(default_factory=dict)     # node -> "input" | "positions" | "created" | "sliced"
     # placements
     placement: dict[fx.Node, str] = field(default_factory=dict)
+    gathered_inputs: set = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole
     # insert_boundaries: all-reduced totals of partial sums (their gradient must be made whole)
     totals: set = field(default_factory=set)
 

@@ -1,6 +1,9 @@
 """Where sharded and whole values meet: shard inputs, sum partial results, gather outputs.
 
 Matches edges between placements:
+- with ``inputs="sharded"``, a sharded per-token input needed whole (labels before a shift, a padding
+  mask a mask program reads): writes ``ringpass::gather_sequence`` after it, so every reader sees the
+  whole vector (readers on this rank's tokens shard it again);
 - a whole value (an input, or a value a token-mixing op produced) read by an op on this rank's tokens:
   writes ``ringpass::shard_sequence`` (once per value) on that edge;
 - a reduction over the sequence of local values: ``sum`` becomes the all-reduced local sum, ``mean`` the
@@ -37,6 +40,8 @@ def insert_boundaries(ctx: PassContext) -> None:
         placement = ctx.placement.get(node)
         if node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
             _shard_all_uses(ctx, node)
+        elif node in ctx.gathered_inputs:
+            _gather_all_uses(ctx, node)
         elif placement in (LOCAL, PARTIAL):
             reads_programs_inputs = node.target is torch.ops.ringpass.ring_attention.default
             for arg in node.all_input_nodes:  # the ring's mask and bias programs read their inputs whole
@@ -75,6 +80,23 @@ def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
         shard = _shard_node(ctx, placeholder)
     for user in users:
         user.replace_input_with(placeholder, shard)
+
+
+def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
+    users = list(placeholder.users)
+    args = (placeholder, ctx.axes[placeholder][0].dim, *ctx.layout_args())
+    order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+    with ctx.gm.graph.inserting_after(max((a for a in args if isinstance(a, fx.Node)), key=order.get)):  # after the length
+        whole = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, args), placeholder)
+    whole.meta["example_value"] = example_value(placeholder)
+    ctx.placement[whole], ctx.axes[whole] = FULL, ctx.axes[placeholder]
+    if placeholder in ctx.whole_values:  # the ring's programs read the gathered vector, not a shard of it
+        ctx.whole_values.add(whole)
+    for user in users:
+        user.replace_input_with(placeholder, whole)
+    ctx.report.collectives.append(CollectiveRecord(
+        "all-gather", "forward", f"input {user_name(placeholder)} (passed sharded, needed whole)",
+        short_source(placeholder), nbytes(example_value(placeholder)) * ctx.world_size))
 
 
 def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:

@@ -9,7 +9,9 @@ ranks at the boundary). Values without a sequence axis are replicated (*noseq*).
 
 Writes ``ctx.placement`` and the report's inputs (sharded, kept whole and why, replicated) and values
 computed whole; raises on a token-mixing op over a sharded activation, and, with
-``inputs="sharded"``, on one that needs the whole sequence.
+``inputs="sharded"``, on one that needs the whole sequence of a sharded activation input (a sharded
+per-token vector, ``[B, N]`` labels, a padding mask or segment ids, or what a lifted mask program
+reads, goes to ``ctx.gathered_inputs`` instead: every rank all-gathers it).
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
             "this part of the model without the ring backend.", mixing_op
         )
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
-        reader = (f"the ring's mask program reads it whole, through {describe(mixing_op)}: a key's padding or "
-                  "segment id is needed on every rank that meets that key") if mixing_op in ctx.whole_values else \
-            f"{describe(mixing_op)} needs the whole sequence ({why})"
-        raise refusal(f"Input {user_name(node)} is passed sharded (inputs='sharded') but {reader}; pass full inputs "
-                      "(inputs='full') instead.", mixing_op)
+        if mixing_op in ctx.whole_values or example_value(node).dim() <= 2:  # per-token vectors: all-gathered
+            ctx.gathered_inputs.add(node)
+            return
+        raise refusal(f"Input {user_name(node)} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs "
+                      f"the whole sequence ({why}); pass full inputs (inputs='full') instead.", mixing_op)

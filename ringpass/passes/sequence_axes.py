@@ -17,6 +17,7 @@ Writes ``ctx.seq_len``, ``ctx.global_seq_len``, ``ctx.layout_kind``, ``ctx.axes`
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 from typing import Optional
 
@@ -82,14 +83,21 @@ class _Probe:
 
     def run(self) -> None:
         shape_env = self.fake_mode.shape_env
-        # The probe's sizes are hypothetical: what it learns must not become guards of the real graph.
-        with self.fake_mode, (shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()):
-            for node in self.ctx.gm.graph.nodes:
-                if node.op == "output":
-                    continue
-                self.values[node] = self._probe(node)
-                self._record_axes(node)
-                self._record_role(node)
+        # The probe's sizes are hypothetical: what it learns must not become guards of the real graph, and
+        # an op that fails at them is an answer, not an error (fake tensors log each failure at ERROR).
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        level = fake_log.level
+        fake_log.setLevel(logging.CRITICAL)
+        try:
+            with self.fake_mode, (shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()):
+                for node in self.ctx.gm.graph.nodes:
+                    if node.op == "output":
+                        continue
+                    self.values[node] = self._probe(node)
+                    self._record_axes(node)
+                    self._record_role(node)
+        finally:
+            fake_log.setLevel(level)
 
     # ---- one node -------------------------------------------------------------------------------
     def _probe(self, node: fx.Node):
