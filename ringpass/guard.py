@@ -19,11 +19,13 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import torch
 
 from lowering import failures
+from lowering.masks import mask_program
 from ringpass.graph import is_module_state, user_name
 from ringpass.passes.context import LOCAL, PassContext
 
@@ -97,8 +99,17 @@ def guard_graph(compiled, ctx: PassContext, index: int):
     sharded = {n for n in placeholders if ctx.placement.get(n) == LOCAL} | ctx.gathered_inputs
     inputs = [GraphInput(user_name(n), ctx.options.inputs == "sharded" and n in sharded, is_module_state(n)) for n in placeholders]
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
-    graph_hash = hashlib.sha1(f"{ctx.gm.code}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
+    graph_hash = hashlib.sha1(f"{_canonical(ctx.gm.code)}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
     return GuardedGraph(compiled, inputs, graph_hash, index, ctx.group_name, ctx.options.checks)
+
+
+def _canonical(code: str) -> str:
+    """The graph's code with each mask or bias program's id replaced by the program's own code, and the
+    shape symbols (``s27``, ``u3``: numbered by each process's history) renamed in order of appearance,
+    so that ranks that compiled the same graph hash it alike."""
+    code = re.sub(r"mask-[0-9a-f]{16}", lambda m: f"<{getattr(mask_program(m.group(0)), 'code', '')}>", code)
+    names: dict[str, str] = {}
+    return re.sub(r"\b(?:s|u|zuf|zf)\d+\b", lambda m: names.setdefault(m.group(0), f"sym{len(names)}"), code)
 
 
 def _shape(value):

@@ -98,8 +98,8 @@ class PassContext:
 
     def _length_node(self) -> fx.Node:
         """A node whose value is the graph's sequence length: a SymInt input, else ``input.size(dim)``."""
-        if self.length_nodes:
-            return next(iter(self.length_nodes))
+        if self.length_nodes:  # the first in graph order: every rank picks the same one
+            return next(n for n in self.gm.graph.nodes if n in self.length_nodes)
         if "size" not in self._graph_lengths:
             source = next(n for n, kind in self.sources.items() if kind == "input")
             first_op = next(node for node in self.gm.graph.nodes if node.op != "placeholder")
