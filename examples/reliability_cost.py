@@ -1,10 +1,11 @@
-"""What the agreement between ranks costs per call: the GPT of compile_with_ring.py, one training step
-per call, with checks="off", "first" (the default) and "every".
+"""What the reliability machinery costs. First the agreement between ranks per call: the GPT of
+compile_with_ring.py, one training step per call, with checks="off", "first" (the default) and "every".
+Then the bounded wait of each ring exchange: a small `lowering.ring_attention` forward (P-1 exchanges)
+with the bounded waits, and with plain ``work.wait()`` in their place.
 
     torchrun --standalone --nproc-per-node 2 examples/reliability_cost.py [seq_len] [calls]
 
-Rank 0 prints one line per setting: the median time of a step and the time of the agreement itself
-(measured inside ringpass.guard), in milliseconds. docs/reliability.md records the numbers.
+Rank 0 prints the median times in milliseconds. docs/reliability.md records the numbers.
 """
 
 import statistics
@@ -14,9 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
+import lowering.comm
 import ringpass
 from compile_with_ring import GPT
-from lowering import failures
+from lowering import Layout, failures, ring_attention
 
 
 def _timed_agreement():
@@ -56,7 +58,31 @@ def main() -> None:
             agreement = statistics.median(spent) * 1e3 if spent else 0.0
             print(f"checks={checks:5s} seq_len={seq_len} step {statistics.median(steps) * 1e3:8.2f} ms   "
                   f"agreement {agreement:6.3f} ms per call")
+    _exchange_waits(calls)
     dist.destroy_process_group()
+
+
+def _plain_wait(works, *args, **kwargs):
+    for work in works:
+        work.wait()
+
+
+def _exchange_waits(calls: int) -> None:
+    layout = Layout("zigzag", dist.get_world_size(), 256)
+    q = torch.randn(1, 2, layout.local_len, 16)
+    bounded = lowering.comm.wait_works
+    for name, wait in (("bounded", bounded), ("plain", _plain_wait)):
+        lowering.comm.wait_works = wait
+        times = []
+        for _ in range(calls * 10):
+            dist.barrier()
+            start = time.perf_counter()
+            ring_attention(q, q, q, layout=layout, is_causal=True)
+            times.append(time.perf_counter() - start)
+        if dist.get_rank() == 0:
+            print(f"ring_attention forward, 256 tokens, {dist.get_world_size() - 1} exchange(s): "
+                  f"{statistics.median(times) * 1e3:.3f} ms with {name} waits")
+    lowering.comm.wait_works = bounded
 
 
 if __name__ == "__main__":

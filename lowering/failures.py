@@ -26,6 +26,7 @@ destroy it (or let the launcher restart the job).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -241,21 +242,14 @@ def wait_works(works: Sequence, group_name: str, what: str, *, peers: Sequence[i
     if not works:
         return
     future = _waiter().submit(_wait_each, works)
-    try:
-        future.result(timeout=POLL)
-        return
-    except FutureTimeout:
-        pass
-    except Exception as error:
-        raise connection_lost(group_name, what, error, _peer_of(error, peers)) from None
-    ch, started = channel(group_name), time.monotonic()
+    ch, started = None, time.monotonic()
     while True:
-        ch.look(what, started)
         try:
             future.result(timeout=POLL)
             return
-        except FutureTimeout:
-            continue
+        except FutureTimeout:  # a wait longer than POLL: look at the peers between polls
+            ch = ch or channel(group_name)
+            ch.look(what, started)
         except Exception as error:
             raise connection_lost(group_name, what, error, _peer_of(error, peers)) from None
 
@@ -299,36 +293,41 @@ def connection_lost(group_name: str, what: str, error: Exception, peer: Optional
                       f"{str(error).splitlines()[0][:200]}", what)
 
 
-def agree(group_name: str, topic: str, mine: dict, describe) -> list[dict]:
-    """Post ``mine`` for this rank's current call and return every member's (in group rank order), once
-    all have posted; ``describe(fingerprints)`` returns what differs ('' when they agree), raised as
-    `InvalidInputError` on every rank. Bounded like `wait_works`."""
+def agree(group_name: str, topic: str, mine: dict, describe) -> None:
+    """Post ``mine`` for this rank's current call and wait until every member has posted theirs. The
+    ranks compare digests (one store round trip per poll, whatever the world size); only when they differ
+    are the whole fingerprints read, and ``describe(fingerprints in group rank order)`` says what differs,
+    raised as `InvalidInputError` on every rank. Bounded like `wait_works`."""
     ch, call = channel(group_name), _process.call
-    slot = lambda rank: f"{PREFIX}agree/{topic}/{rank}/{call % 4}"
-    found, started = {ch.rank: mine}, time.monotonic()
+    text = json.dumps(mine, sort_keys=True)
+    digest = f"{call}:{hashlib.sha1(text.encode()).hexdigest()}"
+    key = lambda kind, rank: f"{PREFIX}agree/{topic}/{kind}/{rank}/{call % 4}"  # four calls' slots, reused
+    started = time.monotonic()
     try:
-        ch.store.set(slot(ch.rank), json.dumps({"call": call, **mine}))
+        ch.store.multi_set([key("digest", ch.rank), key("full", ch.rank)], [digest, text])
     except (RuntimeError, OSError):
         ch.look("posting this rank's fingerprint", started)  # names what broke
         raise
-    while len(found) < len(ch.members):
+    digests, waiting = {ch.rank: digest}, list(ch.peers)
+    while waiting:
         try:
-            for peer in ch.peers:
-                if peer not in found and ch.store.check([slot(peer)]):
-                    record = json.loads(ch.store.get(slot(peer)))
-                    if record.pop("call") == call:
-                        found[peer] = record
+            keys = [key("digest", p) for p in waiting]
+            if ch.store.check(keys):
+                for peer, value in zip(list(waiting), ch.store.multi_get(keys)):
+                    if value.decode().split(":", 1)[0] == str(call):  # not a slot left from four calls ago
+                        digests[peer] = value.decode()
+                        waiting.remove(peer)
         except (RuntimeError, OSError):
             pass  # the look below names what broke
-        if len(found) < len(ch.members):
+        if waiting:
             ch.look(f"waiting for every rank to reach call {call} of a ring graph", started)
-            time.sleep(0.002 if time.monotonic() - started < POLL else POLL)
-    everyone = [found[r] for r in ch.members]
-    difference = describe(everyone)
-    if difference:
-        _process.failed_call = max(_process.failed_call, call)  # every rank raises this itself
-        raise InvalidInputError(difference)
-    return everyone
+            time.sleep(0.0005 if time.monotonic() - started < POLL else POLL)
+    if len(set(digests.values())) == 1:
+        return
+    _process.failed_call = max(_process.failed_call, call)  # every rank raises this itself
+    everyone = [json.loads(v) for v in ch.store.multi_get([key("full", r) for r in ch.members])]
+    raise InvalidInputError(describe(everyone) or f"The ranks disagree before call {call} of a ring graph "
+                            f"(fingerprint digests by rank: {[digests[r] for r in ch.members]}).")
 
 
 def _tcp_store(store):

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import RMSNorm
+
 VOCAB = 37
 
 
@@ -32,15 +34,6 @@ def draw(seed: int) -> dict:
     )
 
 
-class _RMS(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
 class _Block(nn.Module):
     def __init__(self, spec: dict):
         super().__init__()
@@ -49,7 +42,7 @@ class _Block(nn.Module):
         self.q = nn.Linear(d, spec["heads"] * hd)
         self.kv = nn.Linear(d, 2 * spec["kv_heads"] * hd)
         self.o = nn.Linear(spec["heads"] * hd, d)
-        norm = (lambda: nn.LayerNorm(d)) if spec["norm"] == "layer" else (lambda: _RMS(d))
+        norm = (lambda: nn.LayerNorm(d)) if spec["norm"] == "layer" else (lambda: RMSNorm(d))
         self.n1, self.n2 = norm(), norm()
         self.up = nn.Linear(d, 4 * d if spec["mlp"] == "gelu" else 2 * 2 * d)
         self.down = nn.Linear(4 * d if spec["mlp"] == "gelu" else 2 * d, d)

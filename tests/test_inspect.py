@@ -414,12 +414,24 @@ class KeyPadding(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def test_a_padding_mask_passed_sharded_is_refused_saying_the_mask_reads_it_whole():
+class RunningSumOfInput(torch.nn.Module):
+    """Attention over a running sum of its [B, S, D] input: the input is needed whole."""
+
+    def forward(self, x):
+        q = x.cumsum(1).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_sharded_padding_mask_is_gathered_and_a_sharded_activation_needed_whole_is_refused():
+    """The mask program reads the padding of every key: a [B, S] vector passed sharded is all-gathered
+    (its bytes in the report); a [B, S, D] input a cumsum needs whole is refused, naming it."""
     x, keep = torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.bool)
-    inspection = ringpass.inspect(KeyPadding(), (x, keep), world_size=2, inputs="sharded")
-    message = inspection.reports[0].refusal.message
-    assert "Input keep is passed sharded (inputs='sharded') but the ring's mask program reads it whole" in message
-    assert message.count("sharded") == 2, message
+    report = ringpass.inspect(KeyPadding(), (x, keep), world_size=2, inputs="sharded").reports[0]
+    assert report.status == "rewritten", report.refusal
+    gathered = [c for c in report.collectives if c.what == "input keep (passed sharded, needed whole)"]
+    assert len(gathered) == 1 and gathered[0].kind == "all-gather" and gathered[0].nbytes == 2 * 8 * 2, report.collectives
+    refusal = ringpass.inspect(RunningSumOfInput(), (x,), world_size=2, inputs="sharded").reports[0].refusal
+    assert refusal is not None and "Input x is passed sharded (inputs='sharded') but `cumsum`" in refusal.message, refusal
 
 
 @pytest.mark.parametrize("fill,plan,warned", [(float("-inf"), "zero", False),
