@@ -70,13 +70,16 @@ class _Process:
 _process = _Process()
 
 
-def configure(group_name: str = "", *, timeout: float = DEFAULT_TIMEOUT, dead_after: float = DEFAULT_DEAD_AFTER) -> None:
-    """How long a wait on ``group_name`` ('' = every group) may last while every peer is alive
-    (``timeout``), and how long a silent heartbeat means a dead peer (``dead_after``), in seconds."""
-    for name, value in (("timeout", timeout), ("dead_after", dead_after)):
+def configure(group_name: str = "", *, timeout: Optional[float] = None, dead_after: Optional[float] = None) -> None:
+    """How long a wait on ``group_name`` ('' = every group) may last while every peer waits inside
+    ringpass too (``timeout``), and how long a silent heartbeat means a dead peer (``dead_after``), in
+    seconds; a setting not given keeps its value."""
+    old = _process.settings.get(group_name, _process.settings.get("", (DEFAULT_TIMEOUT, DEFAULT_DEAD_AFTER)))
+    new = (old[0] if timeout is None else timeout, old[1] if dead_after is None else dead_after)
+    for name, value in zip(("timeout", "dead_after"), new):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}.")
-    _process.settings[group_name] = (float(timeout), float(dead_after))
+    _process.settings[group_name] = (float(new[0]), float(new[1]))
 
 
 def begin_call() -> int:

@@ -232,3 +232,26 @@ def out_of_step(rank: int, world_size: int) -> dict:
         q = torch.randn(1, 2, layout.local_len, 4, dtype=torch.float64)
         return _outcome(lambda: ring_attention(q, q, q, layout=layout, is_causal=True), linger=2.0)
     return _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)
+
+
+def freeze_in_the_ring(rank: int, world_size: int, victim: int) -> dict:
+    """After a clean step the victim stops itself (SIGSTOP) at its first forward exchange: alive to the
+    operating system, silent to its peers. With dead_after=3 the others raise; then they kill it."""
+    import torch.distributed as dist
+
+    from lowering import failures
+
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    model = _compiled()
+    _step(model, _ids(SEQ_LEN))
+    failures.configure(dist.group.WORLD.group_name, dead_after=3.0)
+
+    def inject(event):
+        if rank == victim and event.kind == "exchange" and event.fields["phase"] == "forward":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    with record_ring_events(on_event=inject):
+        outcome = _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)
+    os.kill(pids[victim], signal.SIGKILL)
+    return outcome

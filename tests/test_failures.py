@@ -106,3 +106,12 @@ def test_ranks_out_of_step_raise_at_the_timeout():
         assert error.startswith(f"PeerFailure: rank {rank} stopped while {waits}"), (rank, error)
         assert "(timeout=3) while every peer is alive and waiting inside ringpass too: the ranks are out of step" in error
         assert 3 <= result["seconds"] < 3 + DETECTED_WITHIN, (rank, result)
+
+
+def test_a_frozen_rank_is_found_by_its_silent_heartbeat():
+    results = spawn_ranks(failure_workers.freeze_in_the_ring, 2, (VICTIM,), timeout=TIMEOUT, may_die=[VICTIM])
+    error, seconds = results[0]["error"], results[0]["seconds"]
+    assert results[VICTIM] is None
+    assert error.startswith("PeerFailure: rank 0 stopped while exchanging the kv block of forward step 0"), error
+    assert "rank 1 stopped responding (no heartbeat for" in error and "killed, or is frozen" in error, error
+    assert 3 <= seconds < 3 + DETECTED_WITHIN, results[0]
