@@ -165,7 +165,7 @@ def test_one_dynamic_compile_serves_two_lengths():
             assert r["longer"] <= 1e-4, (case, r)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]
     expected_mask = {"labels": "(causal, sliding window 5,", "left-padded": "lifted mask program + causal, sliding window 5"}
@@ -191,7 +191,7 @@ def test_mask_memory_does_not_grow_with_the_sequence():
         assert largest[600] == largest[1500] == 2 * tile * tile, largest
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sequence_classification_picks_the_first_token(world_size):
     """BERT's pooler reads hidden_states[:, 0] of a sharded activation: the rank holding position 0 sends
     that row to every rank (an all-reduce of B x hidden), nothing is gathered."""
