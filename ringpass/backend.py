@@ -17,11 +17,10 @@ posted to the others too (`lowering.failures`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import os
-from collections import deque
 import warnings
+from collections import deque
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.fx as fx
