@@ -18,8 +18,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case,world_size", [
-    *((case, 2) for case in CASES), ("document-alibi", 4),
-    *(pytest.param(case, 4, marks=pytest.mark.heavy) for case in ("softcap", "plain")),  # ./dev test -m heavy
+    *((case, 2) for case in CASES),
+    *(pytest.param(case, 4, marks=pytest.mark.heavy) for case in ("document-alibi", "softcap", "plain")),  # -m heavy
 ])
 def test_flex_attention_trains_through_the_ring(case, world_size):
     words = CASES[case]

@@ -173,7 +173,7 @@ def test_sliding_window_matches_the_unsharded_model(world_size):
         _check(results, expected_mask)
 
 
-@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), ("gpt2", 4),
+@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), pytest.param("gpt2", 4, marks=pytest.mark.heavy),
                                              pytest.param("llama", 4, marks=pytest.mark.heavy)])
 def test_use_cache_forward_in_eval_matches_the_unsharded_model(name, world_size):
     for result in spawn_ranks(hf_workers.generate_prefill, world_size, (name, SEQ), timeout=300):
