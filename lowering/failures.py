@@ -154,7 +154,7 @@ class _Channel:
     def _look(self, what: str, started: float) -> None:
         failures = self.posted()
         if failures:
-            raise self.failure(f"rank {failures[0]['rank']} failed: {failures[0]['message']}", what)
+            raise self.relayed(failures[0], what)
         now = time.monotonic()
         if now - self._looked_at_beats >= BEAT:
             self._looked_at_beats = now
@@ -179,6 +179,10 @@ class _Channel:
     def _state(self, peer: int) -> str:
         key = f"{PREFIX}state/{peer}"
         return self.store.get(key).decode() if self.store.check([key]) else "unknown"
+
+    def relayed(self, record: dict, what: str) -> PeerFailure:
+        """The `PeerFailure` that passes on a peer's posted failure."""
+        return self.failure(f"rank {record['rank']} failed: {record['message']}", what)
 
     def failure(self, cause: str, what: str) -> PeerFailure:
         message = f"rank {self.rank} stopped while {what}: {cause}"
@@ -286,7 +290,7 @@ def connection_lost(group_name: str, what: str, error: Exception, peer: Optional
     time.sleep(POLL)  # a peer that raised posts before its process exits: give its message a moment
     failures = ch.posted(force=True)
     if failures:
-        return ch.failure(f"rank {failures[0]['rank']} failed: {failures[0]['message']}", what)
+        return ch.relayed(failures[0], what)
     if peer is not None:
         lost = f"rank {peer}"
     else:
