@@ -42,15 +42,23 @@ def spawn_ranks(
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
+    all_reported = ctx.Event()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, tuple(args), timeout, results), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(fn, rank, world_size, port, tuple(args), timeout, results, all_reported),
+            daemon=True,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
     try:
-        return _collect(procs, results, world_size, timeout, set(may_die))
+        outputs = _collect(procs, results, world_size, timeout, set(may_die))
+        all_reported.set()  # the ranks leave together: none takes the store down while another still works
+        for proc in procs:
+            proc.join(5)
+        return outputs
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -83,7 +91,7 @@ def _collect(procs, results, world_size: int, timeout: float, may_die: set) -> l
     return [outputs[r] for r in range(world_size)]
 
 
-def _rank_main(fn, rank, world_size, port, args, timeout, results) -> None:
+def _rank_main(fn, rank, world_size, port, args, timeout, results, all_reported) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         dist.init_process_group(
@@ -97,6 +105,9 @@ def _rank_main(fn, rank, world_size, port, args, timeout, results) -> None:
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         os._exit(1)
-    # Report first, then leave without interpreter teardown: gloo can abort at exit after its work is done.
+    # Stay until every rank has reported: rank 0 hosts the rendezvous store that ranks still working use
+    # (a replica that finishes first must not take it down). Then leave without interpreter teardown:
+    # gloo can abort at exit after its work is done.
+    all_reported.wait(timeout)
     dist.destroy_process_group()
     os._exit(0)
