@@ -37,13 +37,15 @@ MASKED_AT_OR_BELOW = -1e4
 _programs: dict[str, Callable] = {}
 
 
-def register_mask(program: Callable, source: Optional[str] = None) -> str:
+def register_mask(program: Callable, source: Optional[str] = None, *, mask_id: Optional[str] = None) -> str:
     """Make ``program`` callable from the ring op; returns its id. ``source`` (e.g. a GraphModule's code)
     names it by content, so every rank and every recompile gives the same program the same id; without
-    it the function object itself is the key (two lambdas never share an id; the registry keeps it alive)."""
-    name = f"{getattr(program, '__module__', '')}.{getattr(program, '__qualname__', type(program).__name__)}"
-    key = source if source is not None else f"{name}@{id(program)}"
-    mask_id = "mask-" + hashlib.sha1(key.encode()).hexdigest()[:16]
+    it the function object itself is the key (two lambdas never share an id; the registry keeps it alive).
+    ``mask_id`` registers it under an id given before (a loaded converted model's graph names its programs)."""
+    if mask_id is None:
+        name = f"{getattr(program, '__module__', '')}.{getattr(program, '__qualname__', type(program).__name__)}"
+        key = source if source is not None else f"{name}@{id(program)}"
+        mask_id = "mask-" + hashlib.sha1(key.encode()).hexdigest()[:16]
     _programs[mask_id] = program
     return mask_id
 
@@ -54,7 +56,7 @@ def mask_program(mask_id: str) -> Callable:
     except KeyError:
         raise InvalidInputError(
             f"Mask program {mask_id!r} is not registered in this process; a graph compiled elsewhere was loaded "
-            "without recompiling. Compile the model in this process (or call register_mask again)."
+            "without its programs. Compile the model in this process, or load a converted model with ringpass.load."
         ) from None
 
 

@@ -14,7 +14,10 @@
   indexes its own slots, zeroes what it does not hold, and is all-reduced like ``take_positions``.
 - ``ringpass::all_reduce_sum``: a rank-local partial sum made global (backward: identity, since every
   rank consumes the same total).
-- `reduce_grad` / `scale_grad`: identity forward; backward all-reduces, or scales, the gradient.
+- `reduce_grad` / `scale_grad`: identity forward; backward all-reduces, or scales, the gradient. Two
+  spellings: Python functions (an ``autograd.Function``, which AOTAutograd traces through: the backend's
+  graphs) and the ops ``ringpass::reduce_grad`` / ``ringpass::scale_grad`` (an alias with an autograd
+  kernel, which ``torch.export`` keeps as one node: converted graphs, `EXPORTABLE`).
 
 The rank is read at run time, so every rank compiles the same graph.
 """
@@ -231,3 +234,17 @@ def reduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x``, whose gradient is multiplied by ``factor`` in the backward."""
     return _GradientOnly.apply(x, lambda grad: grad * factor)
+
+
+# The same two as dispatcher ops. torch.export drops an autograd.Function's backward (it traces its forward),
+# so a converted graph calls these: an alias of ``x`` below autograd, the autograd kernel above it. They are not
+# functional (the output aliases the input), so AOTAutograd cannot take them: the backend keeps the functions.
+_library = torch.library.Library("ringpass", "FRAGMENT")
+_library.define("reduce_grad(Tensor(a) x, str group_name) -> Tensor(a)")
+_library.define("scale_grad(Tensor(a) x, float factor) -> Tensor(a)")
+for _name in ("reduce_grad", "scale_grad"):
+    _library.impl(_name, lambda x, _: torch.ops.aten.alias.default(x), "CompositeExplicitAutograd")
+_library.impl("reduce_grad", reduce_grad, "Autograd")
+_library.impl("scale_grad", scale_grad, "Autograd")
+
+EXPORTABLE = {reduce_grad: torch.ops.ringpass.reduce_grad.default, scale_grad: torch.ops.ringpass.scale_grad.default}

@@ -98,9 +98,13 @@ def guard_graph(compiled, ctx: PassContext, index: int):
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
     sharded = {n for n in placeholders if ctx.placement.get(n) == LOCAL} | ctx.gathered_inputs
     inputs = [GraphInput(user_name(n), ctx.options.inputs == "sharded" and n in sharded, is_module_state(n)) for n in placeholders]
+    return GuardedGraph(compiled, inputs, graph_hash(ctx), index, ctx.group_name, ctx.options.checks)
+
+
+def graph_hash(ctx: PassContext) -> str:
+    """What the ranks compare to know they run the same graph: its code and the options that shaped it."""
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
-    graph_hash = hashlib.sha1(f"{_canonical(ctx.gm.code)}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
-    return GuardedGraph(compiled, inputs, graph_hash, index, ctx.group_name, ctx.options.checks)
+    return hashlib.sha1(f"{_canonical(ctx.gm.code)}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
 
 
 def _canonical(code: str) -> str:
