@@ -4,16 +4,20 @@
 
 `backend(**options)` returns a configured backend, `last_report()` what the last compile did,
 `inspect(model, inputs, world_size=P)` what the pass will do to a model, offline; `shard(x, dim)` /
-`unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout. The
+`unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout; `convert(model,
+inputs, world_size=P)` applies the pass once and gives a module that runs eagerly, `save`s and `load`s. The
 runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
 """
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
 from lowering.failures import PeerFailure
+from ringpass.artifact import load
 from ringpass.backend import RingBackend, backend, last_report
+from ringpass.convert import ConvertedModel, convert
 from ringpass.inspection import Inspection, inspect
 from ringpass.sharding import shard, unshard
 
 __version__ = "0.1.0"
-__all__ = ["Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend", "RingpassError",
-           "RingpassWarning", "__version__", "backend", "inspect", "last_report", "shard", "unshard"]
+__all__ = ["ConvertedModel", "Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend",
+           "RingpassError", "RingpassWarning", "__version__", "backend", "convert", "inspect", "last_report", "load",
+           "shard", "unshard"]
