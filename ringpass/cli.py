@@ -1,6 +1,7 @@
-"""The ``ringpass`` command line: ``demo`` (the ring on CPU processes) and ``inspect`` (what the pass does
-to a model, offline). Exit status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention
-found, 1 a bad command line or a target that could not be loaded."""
+"""The ``ringpass`` command line: ``demo`` (the ring on CPU processes), ``inspect`` (what the pass does
+to a model, offline) and ``convert`` (apply it once and save the result for ``ringpass.load``). Exit
+status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention found, 1 a bad command line
+or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 anything else."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import sys
 import traceback
 
-from lowering.errors import InvalidInputError, RingpassError
+from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from ringpass import demo
 from ringpass.options import CHOICES
 
@@ -31,16 +32,20 @@ def main(argv=None) -> int:
         description="Capture TARGET's model as the ring backend would and show, for --world-size ranks, every "
                     "attention found, what is sharded, gathered and all-reduced, the ring's schedule, bytes, FLOPs "
                     "and per-rank memory, and any refusal with its source line and chain of ops."))
+    _convert_arguments(commands.add_parser(
+        "convert", help="apply the ring pass once and save the model for ringpass.load (no GPU, no process group)",
+        description="Capture TARGET's model, rewrite it for --world-size ranks, print what was done (as inspect does) "
+                    "and write a torch.export artifact that ringpass.load reads on every rank (docs/convert.md)."))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
     try:
-        return _inspect(args)
+        return _inspect(args) if args.command == "inspect" else _convert(args)
     except RingpassError as error:
         if error.__cause__ is not None:  # the model's own failure: where it happened
             traceback.print_exception(error.__cause__, file=sys.stderr)
-        print(f"ringpass inspect: {error}", file=sys.stderr)
-        return 1
+        print(f"ringpass {args.command}: {error}", file=sys.stderr)
+        return 2 if args.command == "convert" and isinstance(error, NotSupportedError) else 1
 
 
 def _demo_arguments(d) -> None:
@@ -67,11 +72,12 @@ def _demo(args) -> int:
     return 0
 
 
-def _inspect_arguments(i) -> None:
+def _target_arguments(i, built: str) -> None:
+    """TARGET or --hf-config, the sizes, the ring's world size and the backend options that change the rewrite."""
     i.add_argument("target", nargs="?", help="path/to/file.py:factory or package.module:factory, a callable "
                                             "returning (model, example_inputs)")
     i.add_argument("--hf-config", metavar="CONFIG", help="a local Hugging Face config.json (or its folder) instead "
-                                                         "of TARGET: built on the meta device, token ids as input")
+                                                         f"of TARGET: built {built}, token ids as input")
     i.add_argument("--labels", action="store_true", help="with --hf-config: a training step (labels, train mode)")
     i.add_argument("--world-size", type=int, required=True, help="ranks in the ring (any number, on any machine)")
     i.add_argument("--seq-len", type=int, help="sequence length (passed to the factory; --hf-config: default "
@@ -80,6 +86,25 @@ def _inspect_arguments(i) -> None:
     for name, choices in CHOICES.items():
         if name in INSPECT_OPTIONS:
             i.add_argument(f"--{name}", choices=choices, help="backend option (see docs/backend.md)")
+
+
+def _target(args, device: str) -> tuple:
+    """(model, example inputs, backend options) the command line names."""
+    from ringpass.targets import call_factory, hf_config_model, load_factory
+
+    if (args.target is None) == (args.hf_config is None):
+        raise InvalidInputError("give either TARGET or --hf-config CONFIG")
+    if args.hf_config:
+        model, inputs = hf_config_model(args.hf_config, args.seq_len, args.batch or 1, args.labels, device=device)
+    else:
+        if args.labels:
+            raise InvalidInputError("--labels goes with --hf-config (a factory returns its own inputs)")
+        model, inputs = call_factory(load_factory(args.target), args.seq_len, args.batch)
+    return model, inputs, {name: getattr(args, name) for name in INSPECT_OPTIONS if getattr(args, name) is not None}
+
+
+def _inspect_arguments(i) -> None:
+    _target_arguments(i, "on the meta device")
     i.add_argument("--json", metavar="FILE", help="write the findings as JSON (docs/inspect.md)")
     i.add_argument("--graphml", metavar="FILE", help="write the rewritten graph as GraphML (networkx)")
     i.add_argument("--picture", metavar="FILE", action="append", default=[],
@@ -89,17 +114,8 @@ def _inspect_arguments(i) -> None:
 
 def _inspect(args) -> int:
     from ringpass.inspection import inspect
-    from ringpass.targets import call_factory, hf_config_model, load_factory
 
-    if (args.target is None) == (args.hf_config is None):
-        raise InvalidInputError("give either TARGET or --hf-config CONFIG")
-    if args.hf_config:
-        model, inputs = hf_config_model(args.hf_config, args.seq_len, args.batch or 1, args.labels)
-    else:
-        if args.labels:
-            raise InvalidInputError("--labels goes with --hf-config (a factory returns its own inputs)")
-        model, inputs = call_factory(load_factory(args.target), args.seq_len, args.batch)
-    options = {name: getattr(args, name) for name in INSPECT_OPTIONS if getattr(args, name) is not None}
+    model, inputs, options = _target(args, "meta")
     inspection = inspect(model, inputs, world_size=args.world_size, **options)
     print(inspection)
     if args.code:
@@ -111,6 +127,23 @@ def _inspect(args) -> int:
     for picture in args.picture:
         inspection.write_picture(picture)
     return inspection.exit_code
+
+
+def _convert_arguments(c) -> None:
+    _target_arguments(c, "on the CPU with random weights")
+    c.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the artifact (.pt2)")
+    c.add_argument("--dynamic", action="store_true", help="a symbolic sequence length: one artifact for many lengths")
+
+
+def _convert(args) -> int:
+    from ringpass.convert import convert
+
+    model, inputs, options = _target(args, "cpu")
+    converted = convert(model, inputs, world_size=args.world_size, dynamic=args.dynamic, **options)
+    print(converted.report)
+    converted.save(args.output)
+    print(f"ringpass convert: wrote {args.output} (load it on each of {args.world_size} ranks with ringpass.load)")
+    return 0
 
 
 if __name__ == "__main__":

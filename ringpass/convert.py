@@ -205,7 +205,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
     ring_options = RingOptions.from_dict({**options, "report": "off"})
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     signature = pyinspect.signature(model.forward)
-    call = _canonical_call(signature, *_as_call(example_inputs), where="convert: the example inputs")
+    call = _canonical_call(signature, *_as_call(example_inputs), where="convert")
     captured = _capture(model, call, ring_options, world_size, dynamic)
     gm, ctx = captured.gm, captured.ctx
     for node in gm.graph.nodes:  # torch.export keeps these as ops; it would drop an autograd.Function's backward
@@ -221,7 +221,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
         parameters=[(p.name, p.kind.name) for p in signature.parameters.values()],
         masks=sorted({a for n in gm.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs))
                       if isinstance(a, str) and a.startswith("mask-")}))
-    report = Inspection(world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.axes)])
+    report = Inspection(world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.axes)], "convert")
     conversion.report_text, conversion.report_data = str(report), report.as_dict()
     program = Program(model, gm, placeholders, arguments)
     shape_check = _shape_check(conversion.tensor_inputs, gm, placeholders, program, dynamic)
@@ -284,7 +284,8 @@ def _capture(model, call: list, options: RingOptions, world_size: int, dynamic: 
 
     run_call = _call_function(call)
     try:
-        result = torch.compile(run_call, backend=backend, fullgraph=True, dynamic=dynamic)(model, *[v for _, _, v in call])
+        with torch._dynamo.config.patch(specialize_float=True):  # Python floats are baked in (a dropout p, an eps)
+            result = torch.compile(run_call, backend=backend, fullgraph=True, dynamic=dynamic)(model, *[v for _, _, v in call])
     except Exception as error:
         if "error" in found:
             raise found["error"] from None
@@ -327,7 +328,7 @@ def _canonical_call(signature: pyinspect.Signature, args: tuple, kwargs: dict, *
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as error:
-        raise InvalidInputError(f"{where} do not fit the model's forward{signature}: {error}.") from None
+        raise InvalidInputError(f"{where}: the arguments do not fit the model's forward{signature}: {error}.") from None
     call = []
     for name, parameter in signature.parameters.items():
         if name not in bound.arguments:

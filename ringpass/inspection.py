@@ -52,6 +52,7 @@ class Inspection:
     world_size: int
     options: dict
     graphs: list[CapturedGraph]
+    front_end: str = "inspect"  # the command the report's first line names
 
     @property
     def reports(self) -> list[Report]:
@@ -71,9 +72,9 @@ class Inspection:
 
     def __str__(self) -> str:
         head = {
-            "rewritten": f"ringpass inspect: every attention becomes ring attention over {self.world_size} ranks",
-            "refused": "ringpass inspect: REFUSED - the ring backend would stop on this model (see 'refused' below)",
-            "no attention": "ringpass inspect: NO ATTENTION FOUND - the ring backend would run this model unchanged "
+            "rewritten": f"ringpass {self.front_end}: every attention becomes ring attention over {self.world_size} ranks",
+            "refused": f"ringpass {self.front_end}: REFUSED - the ring backend would stop on this model (see 'refused' below)",
+            "no attention": f"ringpass {self.front_end}: NO ATTENTION FOUND - the ring backend would run this model unchanged "
                             "and unsharded on every rank",
         }[self.status]
         parts = [head]

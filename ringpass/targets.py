@@ -60,9 +60,10 @@ def call_factory(factory: Callable, seq_len: Optional[int], batch: Optional[int]
     return result
 
 
-def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool) -> tuple:
-    """(model on the meta device, keyword inputs) for a local Hugging Face config. The model trains when
-    ``labels`` (loss included), else runs in eval; ``use_cache=False`` either way (the ring's regime)."""
+def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool, device: str = "meta") -> tuple:
+    """(model on ``device``, keyword inputs) for a local Hugging Face config: on the meta device no weight is
+    allocated; elsewhere the weights are randomly initialised. The model trains when ``labels`` (loss
+    included), else runs in eval; ``use_cache=False`` either way (the ring's regime)."""
     try:
         import transformers
     except ImportError:
@@ -79,7 +80,7 @@ def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool)
     if not seq_len:
         raise InvalidInputError("--hf-config: the config names no max_position_embeddings; give --seq-len.")
     architecture = getattr(transformers, (config.architectures or [""])[0], None)  # the class the config names
-    with torch.device("meta"):
+    with torch.device(device):
         if architecture is not None:
             model = architecture._from_config(config)
         else:
@@ -92,7 +93,7 @@ def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool)
     model.train(labels)
     if labels and hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph
-    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     inputs = {"input_ids": ids}
     if "use_cache" in pyinspect.signature(model.forward).parameters:
         inputs["use_cache"] = False

@@ -37,3 +37,13 @@ def test_hf_llama_with_padding_under_torchrun():
     assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
     assert float(grad_error) < 1e-4
     assert "lifted mask program + causal" in output
+
+
+def test_convert_and_run_under_torchrun():
+    output = _torchrun("convert_and_run.py", timeout=300)
+    steps = re.findall(r"step \d: loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output)
+    assert len(steps) == 2, output
+    for loss, unsharded, grad_error in steps:
+        assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
+        assert float(grad_error) < 1e-4
+    assert "rewritten to ring attention over 2 ranks" in output

@@ -1,0 +1,104 @@
+"""What each rank runs in the conversion tests: a converted model (loaded from an artifact, or converted in
+the rank) against the same model unsharded in one process: outputs, every parameter gradient, two SGD steps."""
+
+from __future__ import annotations
+
+import torch
+
+import hf_workers
+import models
+import ringpass
+from lowering import record_ring_events
+from reference import grad_error, rel_err
+
+
+def build(name: str) -> torch.nn.Module:
+    """``hand``: the hand-written Llama-style model in fp64; ``hf``: a tiny Hugging Face Llama (fp32)."""
+    if name == "hf":
+        return hf_workers.build("llama")
+    torch.manual_seed(0)
+    return models.Llama().double()
+
+
+def call(name: str, seq_len: int):
+    """(args, kwargs) of one call: token ids passed positionally; for ``hf`` keyword ids, labels and a
+    left-padded attention mask."""
+    if name == "hf":
+        return (), hf_workers.batch("left-padded", seq_len)
+    return (torch.randint(0, 61, (2, seq_len), generator=torch.Generator().manual_seed(seq_len)),), {}
+
+
+def loss_of(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):  # logits: a fixed random projection, so every logit gets a gradient
+        weights = torch.randn(output.shape, dtype=output.dtype, generator=torch.Generator().manual_seed(7))
+        return (output * weights).sum()
+    return output.loss
+
+
+def logits_of(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def train_and_compare(rank: int, world_size: int, name: str, seq_lens: list, path: str = "") -> dict:
+    """The converted model (``ringpass.load(path)``, or ``ringpass.convert`` here when ``path`` is empty)
+    and the unsharded model, each trained two SGD steps per length: errors per step, whether the ring ran,
+    and whether the converted model's parameters are the ones the optimizer steps."""
+    reference = build(name)
+    if path:
+        converted = ringpass.load(path)
+        shared = None
+    else:
+        model = build(name)
+        args, kwargs = call(name, seq_lens[0])
+        converted = ringpass.convert(model, kwargs or args, world_size=world_size,
+                                     dynamic=len(seq_lens) > 1)
+        shared = all(a is b for a, b in zip(converted.parameters(), model.parameters())) and converted.model is model
+    optimizer = torch.optim.SGD(converted.parameters(), lr=1e-3)
+    expected_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    result = {"steps": [], "shared": shared, "type": "", "names": sorted(n for n, _ in converted.model.named_parameters())
+              == sorted(n for n, _ in reference.named_parameters())}
+    for seq_len in seq_lens:
+        args, kwargs = call(name, seq_len)
+        for _ in range(2):
+            expected = reference(*args, **kwargs)
+            loss_of(expected).backward()
+            with record_ring_events() as events:
+                got = converted(*args, **kwargs)
+                loss_of(got).backward()
+            result["type"] = type(got).__name__
+            result["steps"].append({
+                "seq_len": seq_len,
+                "logits": rel_err(logits_of(got).detach(), logits_of(expected).detach()),
+                "grads": grad_error({n: p.grad for n, p in converted.model.named_parameters()},
+                                    {n: p.grad for n, p in reference.named_parameters()}),
+                "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+            })
+            optimizer.step(), expected_optimizer.step()
+            optimizer.zero_grad(), expected_optimizer.zero_grad()
+    return result
+
+
+def refusals(rank: int, world_size: int, paths: dict) -> dict:
+    """The errors a converted model gives for calls and setups it cannot run: {case: message}."""
+    found = {}
+
+    def attempt(case, fn):
+        try:
+            fn()
+            found[case] = "no error"
+        except ringpass.RingpassError as error:
+            found[case] = str(error)
+
+    other_ranks = ringpass.load(paths["other_world_size"])
+    attempt("world_size", lambda: other_ranks(*call("hand", 16)[0]))
+    static = ringpass.load(paths["static"])
+    ids = call("hand", 16)[0][0]
+    attempt("length", lambda: static(ids[:, :12]))
+    attempt("dtype", lambda: static(ids.int()))
+    attempt("missing", lambda: static())
+    attempt("extra", lambda: static(ids, mask=ids))
+    hf = ringpass.load(paths["hf"])
+    kwargs = hf_workers.batch("left-padded", 20)
+    attempt("constant", lambda: hf(**{**kwargs, "use_cache": True}))
+    attempt("unconverted_argument", lambda: hf(**{k: v for k, v in kwargs.items() if k != "attention_mask"}))
+    return found

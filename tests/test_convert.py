@@ -1,0 +1,182 @@
+"""`ringpass.convert`, `save` and `load`: convert once (no process group), save, load in fresh processes and
+run on P ranks with the unsharded model's numbers; clear errors for what a converted model cannot run."""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import convert_workers
+import ringpass
+from lowering.masks import mask_program
+from ringpass.launch import spawn_ranks
+
+TIMEOUT = 300
+TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
+
+
+def converted(name: str, world_size: int, seq_len: int, *, dynamic: bool = False):
+    """The test model converted in this process, which has no process group (as when converting offline)."""
+    assert not dist.is_initialized()
+    args, kwargs = convert_workers.call(name, seq_len)
+    return ringpass.convert(convert_workers.build(name), kwargs or args, world_size=world_size, dynamic=dynamic)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """Artifacts saved once for the module: {case: path}."""
+    folder = tmp_path_factory.mktemp("artifacts")
+    cases = {"static": ("hand", 2, 16, False), "dynamic": ("hand", 2, 16, True), "hf": ("hf", 2, 20, False),
+             "other_world_size": ("hand", 3, 16, False)}
+    paths = {}
+    for case, (name, world_size, seq_len, dynamic) in cases.items():
+        paths[case] = str(folder / f"{case}.pt2")
+        converted(name, world_size, seq_len, dynamic=dynamic).save(paths[case])
+    return paths
+
+
+def check_training(result: dict, tolerance: float, seq_lens: list) -> None:
+    assert result["names"]
+    assert [s["seq_len"] for s in result["steps"]] == [n for n in seq_lens for _ in range(2)]
+    for step in result["steps"]:
+        assert step["logits"] < tolerance and step["grads"] < tolerance, step
+        assert step["kv_exchanges"] > 0, "the ring did not run"
+
+
+@pytest.mark.parametrize("case,name,seq_lens,tolerance", [
+    ("static", "hand", [16], 1e-12),
+    ("dynamic", "hand", [16, 22], 1e-12),  # one artifact, two lengths
+    ("hf", "hf", [20], 1e-4),              # a Hugging Face Llama with labels and a left-padded mask, fp32
+])
+def test_saved_model_trains_in_fresh_processes_like_the_unsharded_model(artifacts, case, name, seq_lens, tolerance):
+    for result in spawn_ranks(convert_workers.train_and_compare, 2, (name, seq_lens, artifacts[case]), timeout=TIMEOUT):
+        check_training(result, tolerance, seq_lens)
+        if name == "hf":
+            assert result["type"] == "CausalLMOutputWithPast"  # the output structure survives save and load
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name,seq_lens,tolerance,dynamic", [("hand", [16], 1e-12, False), ("hf", [20], 1e-4, False),
+                                                             ("hand", [16, 23], 1e-12, True)])
+def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic):
+    path = str(tmp_path / "model.pt2")
+    converted(name, 4, seq_lens[0], dynamic=dynamic).save(path)
+    for result in spawn_ranks(convert_workers.train_and_compare, 4, (name, seq_lens, path), timeout=TIMEOUT):
+        check_training(result, tolerance, seq_lens)
+
+
+def test_converted_in_memory_shares_the_models_parameters():
+    """Converted in each rank: ``converted.parameters()`` are the model's own, so an optimizer on either trains
+    both; two dynamic lengths without recompiling anything."""
+    for result in spawn_ranks(convert_workers.train_and_compare, 2, ("hand", [16, 19]), timeout=TIMEOUT):
+        assert result["shared"]
+        check_training(result, 1e-12, [16, 19])
+
+
+def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts):
+    program = torch.export.load(artifacts["hf"])  # plain torch.export reads it
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "ringpass.ring_attention.default" in targets and "ringpass.reduce_grad.default" in targets
+    meta = json.loads(zipfile.ZipFile(artifacts["hf"]).read(
+        next(n for n in zipfile.ZipFile(artifacts["hf"]).namelist() if n.endswith("extra/ringpass.json"))))
+    assert meta["conversion"]["world_size"] == 2 and meta["conversion"]["layout"] == "zigzag"
+    assert meta["torch"] == torch.__version__ and meta["ringpass"] == ringpass.__version__
+    assert len(meta["masks"]) == 1  # the left-padded mask: a lifted program, exported with the model
+
+
+def test_a_loaded_mask_program_evaluates_any_tile_as_the_converted_one(tmp_path):
+    """The exported mask program gives what the lifted one gives, on tiles of any size (a last tile may be
+    one row or one column), for random values of the inputs the ring op passes it."""
+    from ringpass.artifact import _mask_inputs
+
+    original = converted("hf", 2, 20)
+    mask_id = original.conversion.masks[0]
+    lifted = mask_program(mask_id)
+    node = next(n for n in original._program.gm.graph.nodes if mask_id in n.args)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) for v in _mask_inputs(node, mask_id)]
+    original.save(str(tmp_path / "hf.pt2"))
+    ringpass.load(str(tmp_path / "hf.pt2"))
+    loaded = mask_program(mask_id)
+    assert loaded is not lifted
+    for rows, cols in ((1, 1), (1, 7), (5, 20), (20, 20)):
+        q_pos, kv_pos = torch.arange(20 - rows, 20), torch.arange(cols)
+        assert torch.equal(loaded(q_pos, kv_pos, *inputs), lifted(q_pos, kv_pos, *inputs))
+
+
+def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
+    found = spawn_ranks(convert_workers.refusals, 2, (artifacts,), timeout=TIMEOUT)[0]
+    assert "converted for a ring of 3 ranks, but its process group has 2" in found["world_size"]
+    assert "converted for int64 [2, 16]" in found["length"] and "dynamic=True" in found["length"]
+    assert "is int32 [2, 16]" in found["dtype"]
+    assert "Argument `ids` was given when the model was converted" in found["missing"]
+    assert "do not fit the model's forward(ids=<not given>): got an unexpected keyword argument 'mask'" in found["extra"]
+    assert "`use_cache` is True; the model was converted with False" in found["constant"]
+    assert "Argument `attention_mask` was given when the model was converted" in found["unconverted_argument"]
+
+
+def test_no_process_group_is_a_clear_error(artifacts):
+    loaded = ringpass.load(artifacts["static"])
+    with pytest.raises(ringpass.InvalidInputError, match="needs a process group to run: call torch.distributed.init_process_group"):
+        loaded(convert_workers.call("hand", 16)[0][0])
+
+
+def _rewritten(path: str, tmp_path: Path, change) -> str:
+    """A copy of the artifact whose ringpass.json was changed by ``change(meta)``."""
+    out = str(tmp_path / "changed.pt2")
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item.filename)
+            if item.filename.endswith("extra/ringpass.json"):
+                data = json.dumps(change(json.loads(data))).encode()
+            target.writestr(item, data)
+    return out
+
+
+def test_a_changed_or_foreign_artifact_is_refused(artifacts, tmp_path):
+    changed = _rewritten(artifacts["static"], tmp_path, lambda meta: {**meta, "conversion": {**meta["conversion"], "world_size": 4}})
+    with pytest.raises(ringpass.InvalidInputError, match="was changed after it was saved"):
+        ringpass.load(changed)
+    foreign = str(tmp_path / "plain.pt2")
+    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),)), foreign)
+    with pytest.raises(ringpass.InvalidInputError, match="is not a ringpass converted model"):
+        ringpass.load(foreign)
+    with pytest.raises(ringpass.InvalidInputError, match="no file"):
+        ringpass.load(str(tmp_path / "missing.pt2"))
+
+
+def test_an_artifact_from_another_version_is_refused(artifacts, tmp_path, monkeypatch):
+    import ringpass.artifact as artifact
+
+    monkeypatch.setattr(torch, "__version__", "2.99.0")  # as if this process had another torch
+    with pytest.raises(ringpass.InvalidInputError, match=r"written with torch 2\.13.*this process has torch 2\.99"):
+        artifact.load(artifacts["static"])
+
+
+def test_convert_refuses_what_it_cannot_convert():
+    import inspect_targets
+
+    with pytest.raises(ringpass.InvalidInputError, match="give world_size="):
+        ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0])
+    with pytest.raises(ringpass.InvalidInputError, match="option `compiler` does not apply"):
+        ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, compiler="eager")
+    model, inputs = inspect_targets.no_attention()
+    with pytest.raises(ringpass.NotSupportedError, match="no attention found"):
+        ringpass.convert(model, inputs, world_size=2)
+    model, inputs = inspect_targets.graph_break()
+    with pytest.raises(ringpass.NotSupportedError, match="as one graph"):
+        ringpass.convert(model, inputs, world_size=2)
+
+
+def test_convert_command_writes_a_loadable_artifact(tmp_path):
+    out = tmp_path / "llama.pt2"
+    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "convert", f"{TARGETS}:llama", "--world-size", "2",
+                          "--seq-len", "16", "-o", str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert "ringpass convert: every attention becomes ring attention over 2 ranks" in run.stdout and f"wrote {out}" in run.stdout
+    assert ringpass.load(str(out)).conversion.world_size == 2
