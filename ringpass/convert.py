@@ -122,7 +122,8 @@ class ConvertedModel(torch.nn.Module):
     (the original model, or the loaded artifact's)."""
 
     def __init__(self, model: torch.nn.Module, program: Callable, slots: GroupSlots, conversion: Conversion, *,
-                 group=None, checks: str, timeout: float, report=None, shape_check: Optional[Callable] = None):
+                 group=None, checks: str, timeout: float, report=None, shape_check: Optional[Callable] = None,
+                 example: tuple = ()):
         super().__init__()
         self.model = model
         self.conversion = conversion
@@ -132,7 +133,8 @@ class ConvertedModel(torch.nn.Module):
         self._slots = slots
         self._group, self._checks, self._timeout = group, checks, timeout
         self._shape_check = shape_check
-        self._bound: Optional[tuple[str, Callable]] = None
+        self._example = example  # the conversion's tensors, which `save` traces the program with
+        self._guarded: Optional[GuardedGraph] = None
         self._signature = _signature_of(conversion.parameters)
 
     def forward(self, *args, **kwargs):
@@ -142,8 +144,8 @@ class ConvertedModel(torch.nn.Module):
         if self._shape_check is not None:
             self._shape_check(tensors)
         outputs = self._guarded_program()(*tensors, *self._module_state())
-        inputs = list(tensors)
-        leaves = [outputs[i] if kind == "graph" else inputs[i] if kind == "input" else i for kind, i in c.outputs.leaves]
+        leaves = [outputs[at] if kind == "graph" else tensors[at] if kind == "input" else at  # at: the constant
+                  for kind, at in c.outputs.leaves]
         return pytree.tree_unflatten(leaves, c.outputs.spec)
 
     def save(self, path) -> None:
@@ -162,40 +164,41 @@ class ConvertedModel(torch.nn.Module):
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _guarded_program(self) -> Callable:
-        group = self._group
+        """The program bound to this run's process group and called through `ringpass.guard`."""
+        from lowering import failures
+        from ringpass.backend import _resolve_group
+
+        group = _resolve_group(self._group)
         if group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise InvalidInputError(
-                    f"This model was converted for a ring of {self.world_size} ranks and needs a process group to run: "
-                    "call torch.distributed.init_process_group() first (torchrun sets up the environment), on each of "
-                    f"the {self.world_size} ranks.")
-            group = dist.group.WORLD
+            raise InvalidInputError(
+                f"This model was converted for a ring of {self.world_size} ranks and needs a process group to run: "
+                "call torch.distributed.init_process_group() first (torchrun sets up the environment), on each of "
+                f"the {self.world_size} ranks.")
         size = dist.get_world_size(group)
         if size != self.world_size:
             raise InvalidInputError(
                 f"This model was converted for a ring of {self.world_size} ranks, but its process group has {size}. "
                 f"Run it on {self.world_size} ranks, or convert again with world_size={size}.")
-        if self._bound is None or self._bound[0] != group.group_name or self._slots.name != group.group_name:
-            from lowering import failures
-
+        if self._guarded is None or self._slots.name != group.group_name:
             failures.configure(group.group_name, timeout=self._timeout)
             self._slots.bind(group.group_name)
             program, n = self._program, len(self.conversion.tensor_inputs)
             inputs = [GraphInput(s.name, s.sharded, False) for s in self.conversion.tensor_inputs]
             names = [f"model.{name}" for name, _ in (*self.model.named_parameters(), *self.model.named_buffers())]
             inputs += [GraphInput(name, False, True) for name in names]
-            self._bound = (group.group_name, GuardedGraph(lambda *flat: program(*flat[:n]), inputs,
-                                                          self.conversion.graph_hash, 0, group.group_name, self._checks))
-        return self._bound[1]
+            self._guarded = GuardedGraph(lambda *flat: program(*flat[:n]), inputs, self.conversion.graph_hash, 0,
+                                         group.group_name, self._checks)
+        return self._guarded
 
 
 def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Optional[int] = None, group=None,
             dynamic: bool = False, **options: Any) -> ConvertedModel:
     """The ``ring`` backend's passes applied once to ``model`` for a ring of ``world_size`` ranks (taken
     from ``group``, or the default process group, when not given); no process group is needed to convert.
-    ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments, the whole
-    sequence as every rank passes it (``inputs="sharded"``: each rank's shard at run time, the whole
-    sequence here). ``dynamic=True`` converts with symbolic shapes, so one conversion serves many lengths.
+    ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments, as every
+    rank will pass them: the whole sequence (``inputs="sharded"``: one rank's shard, e.g. ``ids[:, :N // P]``,
+    since its shape is what each rank passes). ``dynamic=True`` converts with symbolic shapes, so one
+    conversion serves many lengths.
     ``options``: the backend's (layout, inputs, outputs, grads, masks, checks, timeout; docs/backend.md)."""
     for name in NOT_CONVERT_OPTIONS:
         if name in options:
@@ -226,8 +229,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
     program = Program(model, gm, placeholders, arguments)
     shape_check = _shape_check(conversion.tensor_inputs, gm, placeholders, program, dynamic)
     converted = ConvertedModel(model, program, GroupSlots(gm), conversion, group=group, checks=ring_options.checks,
-                               timeout=ring_options.timeout, report=report, shape_check=shape_check)
-    converted._example = _flat_tensors(call, arguments)  # what `save` traces the program with
+                               timeout=ring_options.timeout, report=report, shape_check=shape_check,
+                               example=_flat_tensors(call, arguments))
     return converted
 
 

@@ -95,6 +95,7 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
     ids = call("hand", 16)[0][0]
     attempt("length", lambda: static(ids[:, :12]))
     attempt("dtype", lambda: static(ids.int()))
+    attempt("keyword", lambda: static(ids=ids))  # the same call spelled another way: runs
     attempt("missing", lambda: static())
     attempt("extra", lambda: static(ids, mask=ids))
     hf = ringpass.load(paths["hf"])
@@ -102,3 +103,56 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
     attempt("constant", lambda: hf(**{**kwargs, "use_cache": True}))
     attempt("unconverted_argument", lambda: hf(**{k: v for k, v in kwargs.items() if k != "attention_mask"}))
     return found
+
+
+def sharded_inputs_local_grads(rank: int, world_size: int, path: str, seq_len: int) -> dict:
+    """A model converted with ``inputs="sharded", grads="local"``: each rank passes its `ringpass.shard` of the
+    ids and keeps its share of the gradients, whose sum over the ranks is the unsharded model's gradient."""
+    import torch.distributed as dist
+
+    reference, converted = build("hand"), ringpass.load(path)
+    ids = call("hand", seq_len)[0][0]
+    loss_of(reference(ids)).backward()
+    with record_ring_events() as events:
+        got = converted(ringpass.shard(ids, 1))
+        loss_of(got).backward()
+    grads = {}
+    for name, parameter in converted.model.named_parameters():
+        dist.all_reduce(parameter.grad)
+        grads[name] = parameter.grad
+    return {"logits": rel_err(got.detach(), reference(ids).detach()),
+            "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
+            "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events)}
+
+
+def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> dict:
+    """A test-model family (`backend_workers.MODELS`) converted in the rank, saved and loaded again: the
+    outputs and parameter gradients of both against the model run whole (fp64)."""
+    import backend_workers
+
+    torch.manual_seed(0)
+    model = backend_workers.MODELS[name]().double()
+    torch.manual_seed(0)
+    reference = backend_workers.MODELS[name]().double()
+    inputs = backend_workers._inputs(name, seq_len, batch=2, seed=0)
+    expected = reference(*inputs)
+    backend_workers._loss(expected, _weights(expected)).backward()
+    expected_grads = {n: p.grad for n, p in reference.named_parameters()}
+    converted = ringpass.convert(model, inputs, world_size=world_size)
+    path = f"{folder}/{name}-{rank}.pt2"
+    converted.save(path)
+    result = {}
+    for kind, runs in (("in memory", converted), ("loaded", ringpass.load(path))):
+        with record_ring_events() as events:
+            got = runs(*inputs)
+            backend_workers._loss(got, _weights(expected)).backward()
+        got, want = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+        result[kind] = {"outputs": max(rel_err(g.detach(), e.detach()) for g, e in zip(got, want)),
+                        "grads": grad_error({n: p.grad for n, p in runs.model.named_parameters()}, expected_grads),
+                        "ring": sum(e.kind == "exchange" for e in events)}
+    return result
+
+
+def _weights(expected) -> list:
+    outputs = expected if isinstance(expected, tuple) else (expected,)
+    return [torch.randn(e.shape, generator=torch.Generator().manual_seed(7)).to(e.dtype) for e in outputs]

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
+import backend_workers
 import convert_workers
 import ringpass
 from lowering.masks import mask_program
@@ -70,6 +72,24 @@ def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic)
         check_training(result, tolerance, seq_lens)
 
 
+def test_sharded_inputs_and_local_gradients(tmp_path):
+    """Converted with inputs="sharded" (the example is one rank's shard: its shape is what each rank passes)
+    and grads="local": gathered logits equal the model's, and the ranks' gradients sum to its gradient."""
+    path = str(tmp_path / "sharded.pt2")
+    ids = convert_workers.call("hand", 16)[0][0]
+    ringpass.convert(convert_workers.build("hand"), ids[:, :8], world_size=2, inputs="sharded", grads="local").save(path)
+    for result in spawn_ranks(convert_workers.sharded_inputs_local_grads, 2, (path, 16), timeout=TIMEOUT):
+        assert result["logits"] < 1e-12 and result["grads"] < 1e-12 and result["kv_exchanges"] > 0, result
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(backend_workers.MODELS))
+def test_every_test_model_family_converts_saves_and_loads(tmp_path, name):
+    for result in spawn_ranks(convert_workers.family, 2, (name, 13, str(tmp_path)), timeout=TIMEOUT):
+        for kind, errors in result.items():
+            assert errors["outputs"] < 1e-12 and errors["grads"] < 1e-12 and errors["ring"] > 0, (kind, errors)
+
+
 def test_converted_in_memory_shares_the_models_parameters():
     """Converted in each rank: ``converted.parameters()`` are the model's own, so an optimizer on either trains
     both; two dynamic lengths without recompiling anything."""
@@ -87,6 +107,14 @@ def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts)
     assert meta["conversion"]["world_size"] == 2 and meta["conversion"]["layout"] == "zigzag"
     assert meta["torch"] == torch.__version__ and meta["ringpass"] == ringpass.__version__
     assert len(meta["masks"]) == 1  # the left-padded mask: a lifted program, exported with the model
+
+
+def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):
+    moved = ringpass.load(artifacts["static"], device="meta")  # meta stands in for a GPU on this machine
+    assert {p.device.type for p in moved.parameters()} == {"meta"}
+    devices = [a for n in moved._program.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs))
+               if isinstance(a, torch.device)]
+    assert devices and {d.type for d in devices} == {"meta"}
 
 
 def test_a_loaded_mask_program_evaluates_any_tile_as_the_converted_one(tmp_path):
@@ -114,6 +142,7 @@ def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
     assert "converted for a ring of 3 ranks, but its process group has 2" in found["world_size"]
     assert "converted for int64 [2, 16]" in found["length"] and "dynamic=True" in found["length"]
     assert "is int32 [2, 16]" in found["dtype"]
+    assert found["keyword"] == "no error"
     assert "Argument `ids` was given when the model was converted" in found["missing"]
     assert "do not fit the model's forward(ids=<not given>): got an unexpected keyword argument 'mask'" in found["extra"]
     assert "`use_cache` is True; the model was converted with False" in found["constant"]
