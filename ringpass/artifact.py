@@ -80,12 +80,10 @@ def load(path, *, group=None, device=None, checks: Optional[str] = None, timeout
     _check_versions(meta, __version__)
     exported = torch.export.load(path)
     if device is not None:
-        from torch.export.passes import move_to_device_pass
-
-        exported = move_to_device_pass(exported, device)
+        exported = _moved(exported, torch.device(device))
     for mask_id, blob in meta["masks"].items():
-        program = torch.export.load(io.BytesIO(base64.b64decode(blob))).module()
-        register_mask(program, mask_id=mask_id)
+        program = torch.export.load(io.BytesIO(base64.b64decode(blob)))
+        register_mask((_moved(program, torch.device(device)) if device is not None else program).module(), mask_id=mask_id)
     conversion = _conversion_from_json(meta["conversion"])
     module = exported.module()
     options = conversion.options
@@ -109,6 +107,18 @@ class SavedReport:
     @property
     def status(self) -> str:
         return self.data.get("status", "")
+
+
+def _moved(exported, device: torch.device):
+    """``exported`` with its state on ``device`` and every device its graph names replaced by it (torch's
+    pass rewrites ``device=`` keywords only; the ring ops take the device positionally)."""
+    from torch.export.passes import move_to_device_pass
+
+    exported = move_to_device_pass(exported, device)
+    for node in exported.graph.nodes:
+        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (node.args, node.kwargs))
+    exported.graph_module.recompile()
+    return exported
 
 
 # ---- mask programs ---------------------------------------------------------------------------------------

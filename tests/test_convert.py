@@ -85,9 +85,10 @@ def test_sharded_inputs_and_local_gradients(tmp_path):
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(backend_workers.MODELS))
 def test_every_test_model_family_converts_saves_and_loads(tmp_path, name):
+    bound = 1e-6 if "float32" in name else 1e-12  # that spelling computes its softmax in fp32 on purpose
     for result in spawn_ranks(convert_workers.family, 2, (name, 13, str(tmp_path)), timeout=TIMEOUT):
         for kind, errors in result.items():
-            assert errors["outputs"] < 1e-12 and errors["grads"] < 1e-12 and errors["ring"] > 0, (kind, errors)
+            assert errors["outputs"] < bound and errors["grads"] < bound and errors["ring"] > 0, (kind, errors)
 
 
 def test_converted_in_memory_shares_the_models_parameters():
