@@ -477,12 +477,17 @@ def _shape_check(specs: list[TensorSpec], gm, paths, program: Program, dynamic: 
         return None
 
     def check(tensors):
+        # contiguous: Dynamo also guards on strides, which eager ops do not need (they work or raise on their own)
+        tensors = tuple(t.contiguous() for t in tensors)
         scope = {"self": program.model, **{a.name: _rebuild(a, tensors) for a in program.arguments}}
         values = [_read(path, scope, as_tensor) for path, as_tensor in paths]
         if not shape_env.evaluate_guards_expression(expression, values):
             shapes = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(specs, tensors))
-            raise InvalidInputError(f"The converted graph assumes shapes these inputs do not have ({shapes}); it was "
-                                    f"converted under the conditions {expression}. Convert with inputs of these shapes.")
+            raise InvalidInputError(
+                f"The converted graph does not fit these inputs ({shapes}): Dynamo traced it with symbolic shapes under "
+                "conditions they break. Sizes 0 and 1 are specialized, so a dim converted at 2 or more must stay at 2 or "
+                "more (convert with batch 1 to run batch 1). The conditions, over the graph's inputs t0, t1, ...: "
+                f"{expression}.")
     return check
 
 

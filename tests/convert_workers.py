@@ -13,7 +13,8 @@ from reference import grad_error, rel_err
 
 
 def build(name: str) -> torch.nn.Module:
-    """``hand``: the hand-written Llama-style model in fp64; ``hf``: a tiny Hugging Face Llama (fp32)."""
+    """``hand`` (and ``hand-batch1``): the hand-written Llama-style model in fp64; ``hf``: a tiny Hugging Face
+    Llama (fp32)."""
     if name == "hf":
         return hf_workers.build("llama")
     torch.manual_seed(0)
@@ -21,11 +22,12 @@ def build(name: str) -> torch.nn.Module:
 
 
 def call(name: str, seq_len: int):
-    """(args, kwargs) of one call: token ids passed positionally; for ``hf`` keyword ids, labels and a
-    left-padded attention mask."""
+    """(args, kwargs) of one call: token ids passed positionally (a batch of 2; ``hand-batch1``: of 1, the
+    long-context case); for ``hf`` keyword ids, labels and a left-padded attention mask."""
     if name == "hf":
         return (), hf_workers.batch("left-padded", seq_len)
-    return (torch.randint(0, 61, (2, seq_len), generator=torch.Generator().manual_seed(seq_len)),), {}
+    batch = 1 if name == "hand-batch1" else 2
+    return (torch.randint(0, 61, (batch, seq_len), generator=torch.Generator().manual_seed(seq_len)),), {}
 
 
 def loss_of(output) -> torch.Tensor:
@@ -96,6 +98,8 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
     attempt("length", lambda: static(ids[:, :12]))
     attempt("dtype", lambda: static(ids.int()))
     attempt("keyword", lambda: static(ids=ids))  # the same call spelled another way: runs
+    fresh = ringpass.load(paths["static"])  # the first call is checksummed (checks="first")
+    attempt("disagree", lambda: fresh((ids + rank) % 61))  # each rank its own batch
     attempt("missing", lambda: static())
     attempt("extra", lambda: static(ids, mask=ids))
     hf = ringpass.load(paths["hf"])

@@ -33,7 +33,7 @@ def converted(name: str, world_size: int, seq_len: int, *, dynamic: bool = False
 def artifacts(tmp_path_factory):
     """Artifacts saved once for the module: {case: path}."""
     folder = tmp_path_factory.mktemp("artifacts")
-    cases = {"static": ("hand", 2, 16, False), "dynamic": ("hand", 2, 16, True), "hf": ("hf", 2, 20, False),
+    cases = {"static": ("hand", 2, 16, False), "dynamic": ("hand-batch1", 2, 16, True), "hf": ("hf", 2, 20, False),
              "other_world_size": ("hand", 3, 16, False)}
     paths = {}
     for case, (name, world_size, seq_len, dynamic) in cases.items():
@@ -52,7 +52,7 @@ def check_training(result: dict, tolerance: float, seq_lens: list) -> None:
 
 @pytest.mark.parametrize("case,name,seq_lens,tolerance", [
     ("static", "hand", [16], 1e-12),
-    ("dynamic", "hand", [16, 22], 1e-12),  # one artifact, two lengths
+    ("dynamic", "hand-batch1", [16, 22], 1e-12),  # one artifact, two lengths (batch 1)
     ("hf", "hf", [20], 1e-4),              # a Hugging Face Llama with labels and a left-padded mask, fp32
 ])
 def test_saved_model_trains_in_fresh_processes_like_the_unsharded_model(artifacts, case, name, seq_lens, tolerance):
@@ -144,6 +144,7 @@ def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
     assert "converted for int64 [2, 16]" in found["length"] and "dynamic=True" in found["length"]
     assert "is int32 [2, 16]" in found["dtype"]
     assert found["keyword"] == "no error"
+    assert "The ranks disagree before call" in found["disagree"] and "input `ids` holds different values" in found["disagree"]
     assert "Argument `ids` was given when the model was converted" in found["missing"]
     assert "do not fit the model's forward(ids=<not given>): got an unexpected keyword argument 'mask'" in found["extra"]
     assert "`use_cache` is True; the model was converted with False" in found["constant"]
@@ -195,6 +196,9 @@ def test_convert_refuses_what_it_cannot_convert():
         ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0])
     with pytest.raises(ringpass.InvalidInputError, match="option `compiler` does not apply"):
         ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, compiler="eager")
+    dynamic = converted("hand", 2, 16, dynamic=True)  # checked before any process group is needed
+    with pytest.raises(ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[2, 1\]\).*Sizes 0 and 1 are specialized"):
+        dynamic(convert_workers.call("hand", 1)[0][0])
     model, inputs = inspect_targets.no_attention()
     with pytest.raises(ringpass.NotSupportedError, match="no attention found"):
         ringpass.convert(model, inputs, world_size=2)
