@@ -98,6 +98,8 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
     attempt("length", lambda: static(ids[:, :12]))
     attempt("dtype", lambda: static(ids.int()))
     attempt("keyword", lambda: static(ids=ids))  # the same call spelled another way: runs
+    for case, mode in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):  # runs, no backward
+        attempt(case, lambda mode=mode: _checked(static, ids, mode))
     fresh = ringpass.load(paths["static"])  # the first call is checksummed (checks="first")
     attempt("disagree", lambda: fresh((ids + rank) % 61))  # each rank its own batch
     attempt("missing", lambda: static())
@@ -110,23 +112,34 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
 
 
 def sharded_inputs_local_grads(rank: int, world_size: int, path: str, seq_len: int) -> dict:
-    """A model converted with ``inputs="sharded", grads="local"``: each rank passes its `ringpass.shard` of the
-    ids and keeps its share of the gradients, whose sum over the ranks is the unsharded model's gradient."""
+    """A model converted with ``inputs="sharded", outputs="sharded", grads="local"``: each rank passes its
+    `ringpass.shard` of the ids, gets its shard of the logits (`ringpass.unshard` reassembles them) and keeps
+    its share of the gradients; the ranks' losses and gradients sum to the unsharded model's."""
     import torch.distributed as dist
 
     reference, converted = build("hand"), ringpass.load(path)
     ids = call("hand", seq_len)[0][0]
-    loss_of(reference(ids)).backward()
+    expected = reference(ids)
+    loss_of(expected).backward()
+    weights = torch.randn(expected.shape, dtype=expected.dtype, generator=torch.Generator().manual_seed(7))
     with record_ring_events() as events:
         got = converted(ringpass.shard(ids, 1))
-        loss_of(got).backward()
+        (got * ringpass.shard(weights, 1)).sum().backward()
     grads = {}
     for name, parameter in converted.model.named_parameters():
         dist.all_reduce(parameter.grad)
         grads[name] = parameter.grad
-    return {"logits": rel_err(got.detach(), reference(ids).detach()),
+    return {"logits": rel_err(ringpass.unshard(got.detach(), 1, seq_len=seq_len), expected.detach()),
             "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events)}
+
+
+def _checked(converted, ids, mode) -> None:
+    with mode():
+        got = converted(ids)
+    expected = build("hand")(ids)
+    if got.requires_grad or rel_err(got, expected.detach()) > 1e-12:
+        raise ringpass.RingpassError(f"under {mode.__name__}: requires_grad={got.requires_grad}, error {rel_err(got, expected.detach())}")
 
 
 def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> dict:

@@ -64,7 +64,7 @@ def test_saved_model_trains_in_fresh_processes_like_the_unsharded_model(artifact
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name,seq_lens,tolerance,dynamic", [("hand", [16], 1e-12, False), ("hf", [20], 1e-4, False),
-                                                             ("hand", [16, 23], 1e-12, True)])
+                                                             ("hand", [16, 23], 1e-12, True), ("hf", [20, 27], 1e-4, True)])
 def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic):
     path = str(tmp_path / "model.pt2")
     converted(name, 4, seq_lens[0], dynamic=dynamic).save(path)
@@ -72,12 +72,14 @@ def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic)
         check_training(result, tolerance, seq_lens)
 
 
-def test_sharded_inputs_and_local_gradients(tmp_path):
-    """Converted with inputs="sharded" (the example is one rank's shard: its shape is what each rank passes)
-    and grads="local": gathered logits equal the model's, and the ranks' gradients sum to its gradient."""
+def test_sharded_inputs_and_outputs_with_local_gradients(tmp_path):
+    """Converted with inputs="sharded" (the example is one rank's shard: its shape is what each rank passes),
+    outputs="sharded" and grads="local": the reassembled logits equal the model's, and the ranks' gradients
+    sum to its gradient."""
     path = str(tmp_path / "sharded.pt2")
     ids = convert_workers.call("hand", 16)[0][0]
-    ringpass.convert(convert_workers.build("hand"), ids[:, :8], world_size=2, inputs="sharded", grads="local").save(path)
+    ringpass.convert(convert_workers.build("hand"), ids[:, :8], world_size=2, inputs="sharded", outputs="sharded",
+                     grads="local").save(path)
     for result in spawn_ranks(convert_workers.sharded_inputs_local_grads, 2, (path, 16), timeout=TIMEOUT):
         assert result["logits"] < 1e-12 and result["grads"] < 1e-12 and result["kv_exchanges"] > 0, result
 
@@ -143,7 +145,7 @@ def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
     assert "converted for a ring of 3 ranks, but its process group has 2" in found["world_size"]
     assert "converted for int64 [2, 16]" in found["length"] and "dynamic=True" in found["length"]
     assert "is int32 [2, 16]" in found["dtype"]
-    assert found["keyword"] == "no error"
+    assert found["keyword"] == found["no_grad"] == found["inference_mode"] == "no error"
     assert "The ranks disagree before call" in found["disagree"] and "input `ids` holds different values" in found["disagree"]
     assert "Argument `ids` was given when the model was converted" in found["missing"]
     assert "do not fit the model's forward(ids=<not given>): got an unexpected keyword argument 'mask'" in found["extra"]
@@ -214,3 +216,20 @@ def test_convert_command_writes_a_loadable_artifact(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "ringpass convert: every attention becomes ring attention over 2 ranks" in run.stdout and f"wrote {out}" in run.stdout
     assert ringpass.load(str(out)).conversion.world_size == 2
+
+
+@pytest.mark.heavy
+def test_convert_command_from_a_hugging_face_config(tmp_path):
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64, architectures=["LlamaForCausalLM"]
+                             ).save_pretrained(tmp_path / "config")
+    out = tmp_path / "llama.pt2"
+    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "convert", "--hf-config", str(tmp_path / "config"), "--labels",
+                          "--world-size", "4", "--seq-len", "32", "--dynamic", "-o", str(out)],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    loaded = ringpass.load(str(out))
+    assert loaded.conversion.world_size == 4 and loaded.conversion.dynamic
+    assert [a.name for a in loaded.conversion.arguments] == ["input_ids", "labels", "use_cache"]
