@@ -110,6 +110,9 @@ def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts)
     assert meta["conversion"]["world_size"] == 2 and meta["conversion"]["layout"] == "zigzag"
     assert meta["torch"] == torch.__version__ and meta["ringpass"] == ringpass.__version__
     assert len(meta["masks"]) == 1  # the left-padded mask: a lifted program, exported with the model
+    report = str(ringpass.load(artifacts["hf"]).report)  # the conversion's inspection, kept in the artifact
+    assert report.startswith("ringpass convert: every attention becomes ring attention over 2 ranks")
+    assert "2 attention(s) rewritten" in report and "lifted mask program" in report
 
 
 def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):

@@ -10,7 +10,8 @@ Matches:
   everything the softmax sees), an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
   bias (ALiBi, a position bias), further ``masked_fill`` / ``where`` masks inside the first one (GPT-Neo's
   causal or banded buffer under its padding mask), fills given as numbers or as 0-d constant tensors
-  (``torch.tensor(finfo.min)``), any softmax spelling, and casts, inert dropouts (``p=0`` or eval) and
+  (``torch.tensor(finfo.min)``), any softmax spelling, a ``nan_to_num(0)`` of the probabilities (a query
+  with no visible key gives 0, as in the ring), and casts, inert dropouts (``p=0`` or eval) and
   views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
   softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
   one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
@@ -61,6 +62,7 @@ VIEWS = ("view", "reshape", torch.reshape)
 MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add",
                                                                                      operator.iadd)
 TANH = (torch.tanh, "tanh")
+NAN_TO_NUM = (torch.nan_to_num, "nan_to_num")
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,9 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
         return None
     internal = [out]
     probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0), views
+    if _is(probs, NAN_TO_NUM) and _zeroes_nan(probs):  # a query with no visible key: NaN made 0, as the ring gives
+        internal.append(probs)
+        probs = _peel_value_keeping(probs.args[0], internal)
     if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
     active = next((n for n in internal if _is(n, DROPOUTS) and _drops(n)), None)
@@ -450,6 +455,11 @@ def _drops(dropout: fx.Node) -> bool:
     """A dropout that changes values: ``p > 0`` while training."""
     training = dropout.kwargs.get("training", dropout.args[2] if len(dropout.args) > 2 else True)
     return bool(training and dropout.kwargs.get("p", dropout.args[1] if len(dropout.args) > 1 else 0.5))
+
+
+def _zeroes_nan(node: fx.Node) -> bool:
+    """``nan_to_num`` that turns NaN into 0 (its infinities do not occur in probabilities)."""
+    return node.kwargs.get("nan", node.args[1] if len(node.args) > 1 else 0.0) in (0, None)
 
 
 def _softmax_dim(node: fx.Node):
