@@ -22,6 +22,7 @@ else the default group) and must have ``world_size`` ranks.
 
 from __future__ import annotations
 
+import functools
 import inspect as pyinspect
 import keyword
 from dataclasses import dataclass, field
@@ -501,8 +502,13 @@ def _read(path: str, scope: dict, as_tensor: bool):
     """The value at a Dynamo source path (``L['input_ids'].size()[1]``) in ``scope``."""
     from torch._dynamo.guards import _get_closure_vars
 
-    value = eval(path, {**_get_closure_vars(), "L": scope})  # paths are Dynamo's own, made from our argument names
+    value = eval(_compiled_path(path), {**_get_closure_vars(), "L": scope})  # Dynamo's paths, from our argument names
     return torch.as_tensor(value) if as_tensor else value
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled_path(path: str):
+    return compile(path, "<dynamo source>", "eval")
 
 
 class GroupSlots:
