@@ -6,6 +6,11 @@ it scores there, the forward FLOPs those pairs take, the bytes that travel per h
 holds for the attention's state, next to the same attention run unsharded (P = 1). Everything is counted
 from global positions (`Layout.segments`), independently of the planner's rectangles.
 
+On given `Hardware` (a link's bandwidth and latency, the FLOP rate one rank's kernel reaches; presets
+`LINKS`, `DEVICES`), `predict` gives each step's compute and transfer time and whether the transfer hides,
+`hiding_slice` the fewest tokens per rank at which it does, and `all_gather_seconds` the alternative's
+forward time (`ringpass plan` prints them and recommends).
+
 Conventions (docs/inspect.md):
 - FLOPs are useful FLOPs: ``4 · B · Hq · D`` per visible (query, key) pair forward (q·kᵀ and p·v, a
   multiply-add each); the backward does 2.5 times that (it recomputes the scores).
@@ -19,6 +24,7 @@ Conventions (docs/inspect.md):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
@@ -141,3 +147,86 @@ def _pairs(q_start: int, q_stop: int, k_start: int, k_stop: int, is_causal: bool
 
     pairs = seen(q_start, q_stop)
     return pairs - seen(q_start - window, q_stop - window) if window is not None else pairs
+
+
+# ---- time: what a ring step takes on given hardware ---------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    """A link between neighbouring ranks (bytes per second one way, seconds of latency per message) and the
+    rate one rank's attention kernel reaches (FLOP/s), each with where the number comes from."""
+
+    link_bytes_per_s: float
+    link_latency_s: float
+    flops_per_s: float
+    link: str = "custom"
+    device: str = "custom"
+
+
+LINKS = {  # name: (bytes/s one way, latency per message in s, source)
+    "nvlink": (450e9, 10e-6, "NVLink 4 (H100/H200 SXM): 900 GB/s both ways, nominal"),
+    "infiniband": (50e9, 20e-6, "InfiniBand NDR, 400 Gb/s per port, nominal"),
+    "pcie": (25e9, 15e-6, "PCIe 4.0 x16, ~25 GB/s achieved of 32 nominal"),
+    "loopback": (1.6e9, 0.8e-3, "gloo on 127.0.0.1 on the 2-core dev machine, batch_isend_irecv of 1-64 MiB, "
+                                "measured 2026-12-01"),
+}
+DEVICES = {  # name: (attention FLOP/s one rank reaches, source)
+    "h100": (600e12, "H100/H200 SXM: 989 dense bf16 TFLOP/s peak, ~60% in flash attention"),
+    "a100": (190e12, "A100: 312 dense bf16 TFLOP/s peak, ~60% in flash attention"),
+    "cpu": (88e9, "the 2-core dev machine, one thread per rank: ring forward+backward at N=16384 (issue 13)"),
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Per ring step of the busiest rank: ``compute`` and ``transfer`` seconds, forward and backward; the
+    totals with the transfer overlapped (a step lasts the longer of the two; the last step sends nothing)."""
+
+    compute_forward: list[float]
+    compute_backward: list[float]
+    transfer_forward: float
+    transfer_backward: float
+
+    @property
+    def forward_s(self) -> float:
+        return _overlapped(self.compute_forward, self.transfer_forward)
+
+    @property
+    def backward_s(self) -> float:
+        return _overlapped(self.compute_backward, self.transfer_backward)
+
+    @property
+    def hides(self) -> bool:
+        """Every transfer fits under the compute of the step it overlaps, forward and backward."""
+        return all(c >= self.transfer_forward for c in self.compute_forward[:-1]) and \
+            all(c >= self.transfer_backward for c in self.compute_backward[:-1])
+
+
+def predict(cost: RingCost, hardware: Hardware) -> Prediction:
+    """The ring's time on ``hardware``: each step as long as the busiest rank's compute there."""
+    steps = cost.layout.world_size
+    busiest = [max(cost.flops_forward[r][step] for r in range(steps)) / hardware.flops_per_s for step in range(steps)]
+    hop = hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s
+    backward_hop = hop + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s  # a KV block and its dK/dV travel together
+    return Prediction(busiest, [t * BACKWARD_FLOPS_RATIO for t in busiest], hop, backward_hop)
+
+
+def all_gather_seconds(cost: RingCost, hardware: Hardware) -> float:
+    """Forward time of the all-gather alternative (each rank gathers every K/V block, then attends with its
+    own queries): the gather (P-1 blocks, not overlapped) and then this rank's whole compute."""
+    p = cost.layout.world_size
+    gather = (p - 1) * (hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s)
+    return gather + max(sum(row) for row in cost.flops_forward) / hardware.flops_per_s
+
+
+def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:
+    """The fewest tokens per rank at which a step's compute covers its KV transfer: a block of n queries
+    against n keys scores n² pairs (half of them under a causal zigzag layout) at 4·B·Hq·D FLOPs each,
+    while the hop moves 2·B·Hkv·n·D·itemsize bytes after the link's latency."""
+    visible = 0.5 if shape.is_causal else 1.0
+    a = visible * 4 * shape.batch * shape.query_heads * shape.head_dim / hardware.flops_per_s
+    b = 2 * shape.batch * shape.kv_heads * shape.head_dim * shape.itemsize / hardware.link_bytes_per_s
+    return math.ceil((b + math.sqrt(b * b + 4 * a * hardware.link_latency_s)) / (2 * a))
+
+
+def _overlapped(compute: list[float], transfer: float) -> float:
+    return sum(max(c, transfer) for c in compute[:-1]) + compute[-1]

@@ -1,5 +1,6 @@
 """The ``ringpass`` command line: ``demo`` (the ring on CPU processes), ``inspect`` (what the pass does
-to a model, offline) and ``convert`` (apply it once and save the result for ``ringpass.load``). Exit
+to a model, offline), ``convert`` (apply it once and save the result for ``ringpass.load``) and ``plan``
+(whether the ring pays on given hardware, predicted). Exit
 status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention found, 1 a bad command line
 or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 anything else."""
 
@@ -36,9 +37,20 @@ def main(argv=None) -> int:
         "convert", help="apply the ring pass once and save the model for ringpass.load (no GPU, no process group)",
         description="Capture TARGET's model, rewrite it for --world-size ranks, print what was done (as inspect does) "
                     "and write a torch.export artifact that ringpass.load reads on every rank (docs/convert.md)."))
+    _plan_arguments(commands.add_parser(
+        "plan", help="predict whether the ring pays for an attention on given hardware (lowering.costmodel)",
+        description="Predict each ring step's compute and transfer for an attention's shape on a link and device "
+                    "(presets or numbers), whether the transfer hides, memory per rank, the all-gather alternative, "
+                    "and recommend ring, all-gather or no ring (decode)."))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "plan":
+        try:
+            return _plan(args)
+        except RingpassError as error:
+            print(f"ringpass plan: {error}", file=sys.stderr)
+            return 1
     try:
         return _inspect(args) if args.command == "inspect" else _convert(args)
     except RingpassError as error:
@@ -143,6 +155,44 @@ def _convert(args) -> int:
     print(converted.report)
     converted.save(args.output)
     print(f"ringpass convert: wrote {args.output} (load it on each of {args.world_size} ranks with ringpass.load)")
+    return 0
+
+
+def _plan_arguments(p) -> None:
+    from lowering.costmodel import DEVICES, LINKS
+
+    p.add_argument("--world-size", type=int, required=True, help="ranks in the ring")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True, help="query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp64"], default="bf16")
+    p.add_argument("--bidirectional", action="store_true", help="no causal mask")
+    p.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default="auto")
+    p.add_argument("--decode", action="store_true", help="one query per step against a cache")
+    p.add_argument("--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()))
+    p.add_argument("--bandwidth", type=float, metavar="GB/S", help="link bandwidth one way (overrides --link)")
+    p.add_argument("--latency", type=float, metavar="US", help="link latency per message (overrides --link)")
+    p.add_argument("--device", choices=sorted(DEVICES), help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()))
+    p.add_argument("--tflops", type=float, help="attention TFLOP/s one rank reaches (overrides --device)")
+    p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+
+
+def _plan(args) -> int:
+    import json
+
+    from lowering.costmodel import AttentionShape
+    from ringpass.plan import hardware, make_plan
+
+    shape = AttentionShape(args.batch, args.heads, args.kv_heads or args.heads, args.head_dim,
+                           {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[args.dtype], is_causal=not args.bidirectional)
+    hw = hardware(args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
+    plan = make_plan(shape, args.world_size, args.seq_len, hw, decode=args.decode, layout=args.layout)
+    print(plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.as_dict(), f, indent=1)
     return 0
 
 

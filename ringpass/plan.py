@@ -1,0 +1,131 @@
+"""`ringpass plan`: whether the ring pays for an attention on given hardware, predicted by `lowering.costmodel`.
+
+    ringpass plan --world-size 8 --seq-len 131072 --heads 32 --kv-heads 8 --head-dim 128 --link nvlink --device h100
+
+From the attention's shape, the world size and the hardware (a link preset or ``--bandwidth`` /
+``--latency``; a device preset or ``--tflops``), `make_plan` predicts each ring step's compute and
+transfer, whether the transfer hides behind the compute, the fewest tokens per rank at which it would,
+per-rank attention memory against one device, and the all-gather alternative's time; then recommends the
+ring (with its layout) where its transfers hide, else the most ranks at which they would (or no sequence
+parallelism), and for decode — one query per step — no ring at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowering.costmodel import DEVICES, LINKS, AttentionShape, Hardware, Prediction, all_gather_seconds, hiding_slice, \
+    predict, ring_cost
+from lowering.errors import InvalidInputError
+from lowering.layout import Layout
+
+
+@dataclass
+class Plan:
+    world_size: int
+    seq_len: int
+    layout: str
+    shape: AttentionShape
+    hardware: Hardware
+    prediction: Prediction
+    all_gather_forward_s: float
+    hiding_tokens: int
+    memory: dict
+    memory_unsharded: dict
+    recommendation: str
+
+    def as_dict(self) -> dict:
+        p = self.prediction
+        return {
+            "world_size": self.world_size, "seq_len": self.seq_len, "layout": self.layout,
+            "shape": vars(self.shape), "hardware": vars(self.hardware),
+            "forward_s": p.forward_s, "backward_s": p.backward_s, "hides": p.hides,
+            "compute_forward_s": p.compute_forward, "transfer_forward_s": p.transfer_forward,
+            "compute_backward_s": p.compute_backward, "transfer_backward_s": p.transfer_backward,
+            "all_gather_forward_s": self.all_gather_forward_s, "hiding_tokens_per_rank": self.hiding_tokens,
+            "memory_per_rank": self.memory, "memory_unsharded": self.memory_unsharded,
+            "recommendation": self.recommendation,
+        }
+
+    def __str__(self) -> str:
+        p, local = self.prediction, Layout(self.layout, self.world_size, self.seq_len).local_len
+        h = self.hardware
+        lines = [
+            f"ringpass plan: {self.world_size} ranks, sequence {self.seq_len} ({local} tokens per rank, {self.layout}), "
+            f"{self.shape.query_heads} query / {self.shape.kv_heads} KV heads, head dim {self.shape.head_dim}, "
+            f"batch {self.shape.batch}, {self.shape.itemsize} bytes per element, "
+            f"{'causal' if self.shape.is_causal else 'bidirectional'}",
+            f"  hardware: link {h.link} ({h.link_bytes_per_s / 1e9:g} GB/s, {h.link_latency_s * 1e6:g} us per message), "
+            f"device {h.device} ({h.flops_per_s / 1e12:g} TFLOP/s for attention)",
+            f"  per step (busiest rank): compute {_ms(p.compute_forward)} ms forward, {_ms(p.compute_backward)} ms "
+            f"backward; transfer {p.transfer_forward * 1e3:.3g} ms forward, {p.transfer_backward * 1e3:.3g} ms backward",
+            f"  transfer hidden behind compute: {'yes' if p.hides else 'no'} (it hides from {self.hiding_tokens} tokens "
+            "per rank)",
+            f"  ring: {p.forward_s * 1e3:.3g} ms forward, {p.backward_s * 1e3:.3g} ms backward; all-gather of K/V: "
+            f"{self.all_gather_forward_s * 1e3:.3g} ms forward",
+            f"  attention memory per rank: {_mib(self.memory['forward'])} forward / {_mib(self.memory['backward'])} "
+            f"backward, vs {_mib(self.memory_unsharded['forward'])} / {_mib(self.memory_unsharded['backward'])} on one "
+            "device",
+            f"  recommendation: {self.recommendation}",
+        ]
+        return "\n".join(lines)
+
+
+def hardware(link: str | None = None, device: str | None = None, *, bandwidth_gb_s: float | None = None,
+             latency_us: float | None = None, tflops: float | None = None) -> Hardware:
+    """`Hardware` from presets (`lowering.costmodel.LINKS`, `DEVICES`), numbers overriding them."""
+    if link is not None and link not in LINKS:
+        raise InvalidInputError(f"plan: link {link!r} is not one of {', '.join(LINKS)}; or give --bandwidth and --latency.")
+    if device is not None and device not in DEVICES:
+        raise InvalidInputError(f"plan: device {device!r} is not one of {', '.join(DEVICES)}; or give --tflops.")
+    if link is None and (bandwidth_gb_s is None or latency_us is None):
+        raise InvalidInputError("plan: give --link (" + ", ".join(LINKS) + ") or both --bandwidth and --latency.")
+    if device is None and tflops is None:
+        raise InvalidInputError("plan: give --device (" + ", ".join(DEVICES) + ") or --tflops.")
+    bandwidth, latency, _ = LINKS[link] if link else (None, None, None)
+    rate = DEVICES[device][0] if device else None
+    return Hardware(
+        link_bytes_per_s=bandwidth_gb_s * 1e9 if bandwidth_gb_s is not None else bandwidth,
+        link_latency_s=latency_us * 1e-6 if latency_us is not None else latency,
+        flops_per_s=tflops * 1e12 if tflops is not None else rate,
+        link=link or "custom", device=device or "custom")
+
+
+def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware, *, decode: bool = False,
+              layout: str = "auto") -> Plan:
+    """Predict the ring for ``shape`` over ``world_size`` ranks on ``hw`` and recommend (module docstring)."""
+    if world_size < 1 or seq_len < 1:
+        raise InvalidInputError(f"plan: world size and sequence length must be positive, got {world_size}, {seq_len}.")
+    layout = ("zigzag" if shape.is_causal else "contiguous") if layout == "auto" else layout
+    cost = ring_cost(Layout(layout, world_size, seq_len), shape)
+    prediction = predict(cost, hw)
+    gather = all_gather_seconds(cost, hw)
+    tokens = hiding_slice(shape, hw)
+    if decode:
+        advice = ("no ring: a decode step has one query per sequence, so each hop moves a whole KV block for almost "
+                  "no compute. Keep the KV cache sharded where it is and merge each rank's partial (out, LSE) in one "
+                  "small collective, or run decode without sequence parallelism.")
+    elif world_size == 1:
+        advice = "one rank: no sequence parallelism."
+    elif prediction.hides:
+        advice = f"ring, layout {layout}: its transfers hide behind compute and it holds 1/{world_size} of the sequence."
+    else:
+        fits = seq_len // tokens  # ranks at which each still holds a slice that hides its hop
+        advice = (f"the ring's transfers do not hide ({prediction.transfer_forward * 1e3:.3g} ms per hop vs "
+                  f"{min(prediction.compute_forward) * 1e3:.3g} ms of compute); they hide from {tokens} tokens per rank. "
+                  + (f"Use at most {fits} ranks for this length, or a faster link. " if fits >= 2 else
+                     "No sequence parallelism pays on time here: use the ring only if the sequence does not fit one "
+                     f"device (it then holds 1/{world_size} of it). ")
+                  + f"Gathering K/V instead (predicted {gather * 1e3:.3g} ms forward) moves the same bytes without "
+                  "hiding them and holds the whole K/V on every rank.")
+    return Plan(world_size, seq_len, layout, shape, hw, prediction, gather, tokens, cost.memory(),
+                cost.memory(unsharded=True), advice)
+
+
+def _ms(seconds: list[float]) -> str:
+    low, high = f"{min(seconds) * 1e3:.3g}", f"{max(seconds) * 1e3:.3g}"
+    return low if low == high else f"{low}..{high}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,79 @@
+"""`lowering.costmodel`'s time predictions and `ringpass plan`, against cases computed by hand here."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, hiding_slice, predict, ring_cost
+from lowering.layout import Layout
+from ringpass.plan import hardware, make_plan
+
+ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
+
+
+def test_a_hand_computed_ring():
+    """P=2, N=8, bidirectional: each step scores 4 x 4 = 16 pairs = 64 FLOPs (1 s at 64 FLOP/s); a hop moves
+    K and V of 4 tokens, 32 bytes (1 s at 32 B/s): two steps of 1 s, the transfer exactly hidden."""
+    hw = Hardware(link_bytes_per_s=32, link_latency_s=0.0, flops_per_s=64)
+    prediction = predict(ring_cost(Layout("contiguous", 2, 8), ONE), hw)
+    assert prediction.compute_forward == [1.0, 1.0] and prediction.transfer_forward == 1.0
+    assert prediction.forward_s == 2.0 and prediction.backward_s == 2.5 + 2.5
+    assert prediction.transfer_backward == 1.0 + 1.0  # the dK/dV accumulators (fp32 here) travel too
+    assert prediction.hides  # forward 1 s under 1 s of compute, backward 2 s under 2.5 s
+    # all-gather: one block (1 s), then both steps' compute (2 s)
+    assert all_gather_seconds(ring_cost(Layout("contiguous", 2, 8), ONE), hw) == 3.0
+
+
+def test_the_hiding_slice_is_where_a_step_covers_its_hop():
+    hw = Hardware(link_bytes_per_s=1e9, link_latency_s=20e-6, flops_per_s=1e12)
+    shape = AttentionShape(batch=1, query_heads=8, kv_heads=2, head_dim=64, itemsize=2)
+    n = hiding_slice(shape, hw)
+
+    def step(tokens_per_rank):
+        prediction = predict(ring_cost(Layout("contiguous", 2, 2 * tokens_per_rank), shape), hw)
+        return prediction.compute_forward[0], prediction.transfer_forward
+
+    compute, transfer = step(n)
+    assert compute >= transfer
+    compute, transfer = step(n - 1)
+    assert compute < transfer
+    # by hand: 4·8·64 FLOPs per pair, 2·2·64·2 bytes per token: n² · 2048e-12 = 20e-6 + n · 512e-9
+    assert abs(n - (512e-9 + (512e-9 ** 2 + 4 * 2048e-12 * 20e-6) ** 0.5) / (2 * 2048e-12)) < 1
+
+
+def test_a_longer_slice_hides_better_and_a_slower_link_worse():
+    shape = AttentionShape(batch=1, query_heads=32, kv_heads=8, head_dim=128, itemsize=2, is_causal=True)
+    fast, slow = hardware("nvlink", "h100"), hardware("pcie", "h100")
+    assert hiding_slice(shape, fast) < hiding_slice(shape, slow)
+
+    def ratio(seq_len, hw):
+        p = predict(ring_cost(Layout("zigzag", 8, seq_len), shape), hw)
+        return min(p.compute_forward[:-1]) / p.transfer_forward
+
+    assert ratio(8192, fast) < ratio(131072, fast)
+    assert ratio(131072, slow) < ratio(131072, fast)
+
+
+def test_recommendations():
+    shape = AttentionShape(batch=1, query_heads=32, kv_heads=8, head_dim=128, itemsize=2, is_causal=True)
+    assert make_plan(shape, 8, 131072, hardware("nvlink", "h100")).recommendation.startswith("ring, layout zigzag")
+    assert make_plan(shape, 8, 131072, hardware("nvlink", "h100"), decode=True).recommendation.startswith("no ring")
+    short = make_plan(shape, 8, 2048, hardware("loopback", "h100"))  # 256 tokens per rank on a slow link
+    assert not short.prediction.hides and "No sequence parallelism pays on time here" in short.recommendation
+    fewer = make_plan(shape, 16, 2**21, hardware("loopback", "h100"))  # 131072 per rank: too few for that link
+    assert not fewer.prediction.hides and f"Use at most {2**21 // fewer.hiding_tokens} ranks" in fewer.recommendation
+    with pytest.raises(Exception, match="give --link"):
+        hardware(None, "h100")
+
+
+def test_plan_command_prints_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "plan", "--world-size", "2", "--seq-len", "16384",
+                          "--heads", "4", "--head-dim", "64", "--dtype", "fp32", "--link", "loopback", "--device", "cpu",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "recommendation: ring, layout zigzag" in run.stdout
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and data["hides"] and data["forward_s"] > 0
