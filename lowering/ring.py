@@ -5,7 +5,8 @@ r+1 and the receive from r-1 are posted before the block's tasks run and waited 
 exchanges in all); the kernel merges each tile's partial (out, lse) into fp32 accumulators (fp64
 for fp64 inputs) with the log-sum-exp identity. Backward: dq accumulates locally; the dk/dv accumulator of a KV
 block travels one hop behind the block itself and arrives home after the lap (P-1 KV exchanges, P dk/dv
-exchanges). `_RankForward` / `_RankBackward` hold one rank's state and are shared with the
+exchanges). Each step's post, compute and wait are profiler ranges (``ringpass forward step 0: wait``),
+so a ``torch.profiler`` trace shows where a rank waits. `_RankForward` / `_RankBackward` hold one rank's state and are shared with the
 single-process simulation, which only changes how blocks move.
 """
 
@@ -121,16 +122,24 @@ class _RankBackward:
         return dkv
 
 
+def _span(phase: str, step: int, part: str):
+    """A profiler range (``ringpass forward step 0: compute``): traces show where a step waits."""
+    return torch.profiler.record_function(f"ringpass {phase} step {step}: {part}")
+
+
 def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     """This rank's (out, lse) of exact full-sequence attention."""
     rank, p = exchange.rank, exchange.world_size
     state = _RankForward(q, spec, rank)
     kv = torch.stack((k, v))
     for step in range(p):
-        arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
-        state.add_block(kv[0], kv[1], kv_source(rank, step, p))
+        with _span("forward", step, "post"):
+            arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
+        with _span("forward", step, "compute"):
+            state.add_block(kv[0], kv[1], kv_source(rank, step, p))
         if arriving is not None:
-            kv = arriving.wait()
+            with _span("forward", step, "wait"):
+                kv = arriving.wait()
     return state.result()
 
 
@@ -141,13 +150,19 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     kv = torch.stack((k, v))
     dkv_arriving = None
     for step in range(p):
-        kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward") if step < p - 1 else None
-        dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
-        if dkv_arriving is not None:
-            dkv += dkv_arriving.wait()
-        dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
+        with _span("backward", step, "post"):
+            kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward") if step < p - 1 else None
+        with _span("backward", step, "compute"):
+            dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
+        with _span("backward", step, "wait"):
+            if dkv_arriving is not None:
+                dkv += dkv_arriving.wait()
+        with _span("backward", step, "post"):
+            dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
         if kv_arriving is not None:
-            kv = kv_arriving.wait()
-    dkv = dkv_arriving.wait()
+            with _span("backward", step, "wait"):
+                kv = kv_arriving.wait()
+    with _span("backward", p - 1, "wait"):
+        dkv = dkv_arriving.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
     return state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)

@@ -272,3 +272,13 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
         errors[mode] = max(rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
                            for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref))))
     return errors
+
+
+def profiled_ring(rank: int, world_size: int) -> list:
+    """The profiler ranges one causal ring forward and backward records on this rank (names, in order)."""
+    layout = Layout("zigzag", world_size, 32)
+    q, k, v = (torch.randn(1, 2, layout.local_len, 8, generator=torch.Generator().manual_seed(rank + i)).requires_grad_()
+               for i in range(3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        ring_attention(q, k, v, layout=layout, is_causal=True).sum().backward()
+    return [e.name for e in profiler.events() if e.name.startswith("ringpass ")]

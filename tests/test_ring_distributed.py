@@ -103,3 +103,13 @@ def test_fully_masked_queries_on_ranks_give_what_their_model_gives(world_size):
 def test_two_rings_on_subgroups_of_four_ranks():
     errors = spawn_ranks(ring_workers.rings_on_subgroups, 4, timeout=TIMEOUT)
     assert max(errors) < 1e-12
+
+
+def test_each_ring_step_is_a_profiler_range():
+    """A torch.profiler trace of a ring shows each step's post, compute and wait, forward and backward."""
+    names = spawn_ranks(ring_workers.profiled_ring, 2, (), timeout=120)[0]
+    for phase in ("forward", "backward"):
+        for step in (0, 1):
+            assert f"ringpass {phase} step {step}: compute" in names, names
+        assert f"ringpass {phase} step 0: post" in names and f"ringpass {phase} step 0: wait" in names
+    assert "ringpass forward step 1: wait" not in names  # the last forward step receives nothing
