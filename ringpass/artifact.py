@@ -34,6 +34,7 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.masks import mask_program, register_mask
 from ringpass.convert import GROUP, Argument, Conversion, ConvertedModel, GroupSlots, Outputs, Program, TensorSpec
 from ringpass.graph import example_value, plain
+from ringpass.options import RingOptions
 
 FORMAT = "ringpass.converted-model"
 FORMAT_VERSION = 1
@@ -86,10 +87,10 @@ def load(path, *, group=None, device=None, checks: Optional[str] = None, timeout
         register_mask((_moved(program, torch.device(device)) if device is not None else program).module(), mask_id=mask_id)
     conversion = _conversion_from_json(meta["conversion"])
     module = exported.module()
-    options = conversion.options
-    return ConvertedModel(module.model, module, GroupSlots(module), conversion, group=group,
-                          checks=checks or options["checks"], timeout=timeout or options["timeout"],
-                          report=SavedReport(conversion.report_text, conversion.report_data))
+    given = {k: v for k, v in (("checks", checks), ("timeout", timeout)) if v is not None}
+    options = RingOptions.from_dict({**{k: conversion.options[k] for k in ("checks", "timeout")}, **given})
+    return ConvertedModel(module.model, module, GroupSlots(module), conversion, group=group, checks=options.checks,
+                          timeout=options.timeout, report=SavedReport(conversion.report_text, conversion.report_data))
 
 
 class SavedReport:
@@ -193,7 +194,7 @@ def _check_versions(meta: dict, ringpass_version: str) -> None:
 # ---- the conversion as JSON --------------------------------------------------------------------------------
 def _conversion_to_json(c: Conversion) -> dict:
     try:
-        arguments = [{"name": a.name, "how": a.how, "spec": pytree.treespec_dumps(a.spec),
+        arguments = [{"name": a.name, "spec": pytree.treespec_dumps(a.spec),
                       "leaves": [_leaf_to_json(leaf) for leaf in a.leaves]} for a in c.arguments]
         outputs = {"spec": pytree.treespec_dumps(c.outputs.spec), "leaves": [list(leaf) for leaf in c.outputs.leaves]}
     except Exception as error:
@@ -202,7 +203,8 @@ def _conversion_to_json(c: Conversion) -> dict:
                                 "serialized_type_name=...).") from None
     return {"world_size": c.world_size, "layout": c.layout, "seq_len": c.seq_len, "dynamic": c.dynamic,
             "options": c.options, "parameters": c.parameters, "arguments": arguments, "outputs": outputs,
-            "graph_hash": c.graph_hash, "report_text": c.report_text, "report_data": c.report_data, "masks": c.masks}
+            "graph_hash": c.graph_hash, "report_text": c.report_text, "report_data": c.report_data, "masks": c.masks,
+            "signature_text": c.signature_text, "shape_conditions": c.shape_conditions}
 
 
 def _leaf_to_json(leaf) -> Any:
@@ -213,13 +215,14 @@ def _leaf_to_json(leaf) -> Any:
 
 
 def _conversion_from_json(data: dict) -> Conversion:
-    arguments = [Argument(a["name"], a["how"], _spec(a["spec"]),
+    arguments = [Argument(a["name"], _spec(a["spec"]),
                           [TensorSpec(leaf["tensor"], leaf["name"], getattr(torch, leaf["dtype"]), leaf["shape"], leaf["sharded"])
                            if "tensor" in leaf else leaf["constant"] for leaf in a["leaves"]]) for a in data["arguments"]]
     outputs = Outputs(_spec(data["outputs"]["spec"]), [tuple(leaf) for leaf in data["outputs"]["leaves"]])
     return Conversion(data["world_size"], data["layout"], data["seq_len"], data["dynamic"], data["options"], arguments,
                       outputs, data["graph_hash"], data["report_text"], data["report_data"],
-                      parameters=[tuple(p) for p in data["parameters"]], masks=data["masks"])
+                      parameters=[tuple(p) for p in data["parameters"]], masks=data["masks"],
+                      signature_text=data["signature_text"], shape_conditions=data["shape_conditions"])
 
 
 def _spec(text: str) -> pytree.TreeSpec:

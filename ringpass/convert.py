@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect as pyinspect
 import keyword
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -44,16 +45,15 @@ from ringpass.passes.context import LOCAL, PassContext
 from ringpass.report import Report
 
 GROUP = "ringpass:converted-group"  # stands for the run-time process group's name in a converted graph
-NOT_CONVERT_OPTIONS = ("compiler", "report")  # a converted graph runs eagerly and reports once, at conversion
+NOT_CONVERT_OPTIONS = ("compiler", "report", "unsharded")  # eager; reported once; a model without attention is refused
 
 
 @dataclass
 class Argument:
-    """One argument of the converted call: its name, how it is passed (``positional`` / ``keyword``), the
-    pytree structure of its value, and its leaves: `TensorSpec` for tensors, plain values (baked in) else."""
+    """One argument of the converted call: its name, the pytree structure of its value, and its leaves:
+    `TensorSpec` for tensors, plain values (baked in) else."""
 
     name: str
-    how: str
     spec: pytree.TreeSpec
     leaves: list
 
@@ -93,8 +93,10 @@ class Conversion:
     graph_hash: str
     report_text: str
     report_data: dict
-    parameters: list[tuple[str, str]] = field(default_factory=list)  # the forward's (name, kind): how calls bind
+    parameters: list[tuple] = field(default_factory=list)  # the forward's (name, kind, default or NO_DEFAULT)
+    signature_text: str = ""  # the forward's signature as its code spells it, for messages
     masks: list[str] = field(default_factory=list)   # ids of the mask programs the graph's ring ops call
+    shape_conditions: Optional[dict] = None  # dynamic: what Dynamo assumed of the shapes (`_shape_conditions`)
 
     @property
     def tensor_inputs(self) -> list[TensorSpec]:
@@ -106,15 +108,16 @@ class Program(torch.nn.Module):
     Each graph input is read from the rebuilt arguments or from ``model`` by the path Dynamo recorded for
     it (``L['self']._modules['embed']._parameters['weight']``). This is the module `save` exports."""
 
-    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, paths: list[tuple[str, bool]], arguments: list[Argument]):
+    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, paths: list[tuple[str, bool]], arguments: list[Argument],
+                 global_scope: dict):
         super().__init__()
         self.model = model
         self.gm = gm
-        self.paths, self.arguments = paths, arguments
+        self.paths, self.arguments, self.global_scope = paths, arguments, global_scope
 
     def forward(self, *tensors):
         scope = {"self": self.model, **{a.name: _rebuild(a, tensors) for a in self.arguments}}
-        return tuple(self.gm(*(_read(path, scope, as_tensor) for path, as_tensor in self.paths)))
+        return tuple(self.gm(*(_read(path, scope, as_tensor, self.global_scope) for path, as_tensor in self.paths)))
 
 
 class ConvertedModel(torch.nn.Module):
@@ -123,8 +126,7 @@ class ConvertedModel(torch.nn.Module):
     (the original model, or the loaded artifact's)."""
 
     def __init__(self, model: torch.nn.Module, program: Callable, slots: GroupSlots, conversion: Conversion, *,
-                 group=None, checks: str, timeout: float, report=None, shape_check: Optional[Callable] = None,
-                 example: tuple = ()):
+                 group=None, checks: str, timeout: float, report=None, example: tuple = ()):
         super().__init__()
         self.model = model
         self.conversion = conversion
@@ -133,17 +135,18 @@ class ConvertedModel(torch.nn.Module):
         vars(self)["_program"] = program  # not a submodule: its parameters are `model`'s
         self._slots = slots
         self._group, self._checks, self._timeout = group, checks, timeout
-        self._shape_check = shape_check
         self._example = example  # the conversion's tensors, which `save` traces the program with
         self._guarded: Optional[GuardedGraph] = None
         self._signature = _signature_of(conversion.parameters)
+        self._defaults = {name: default for name, _, default in conversion.parameters if default != NO_DEFAULT}
 
     def forward(self, *args, **kwargs):
         c = self.conversion
-        call = _canonical_call(self._signature, args, kwargs, where="calling the converted model")
+        call = _canonical_call(self._signature, args, kwargs, where="calling the converted model",
+                               defaults=self._defaults, shown=c.signature_text)
         tensors = _flat_tensors(call, c.arguments)
-        if self._shape_check is not None:
-            self._shape_check(tensors)
+        if c.shape_conditions is not None:
+            _check_shapes(c.shape_conditions, tensors, c, self.model, getattr(self._program, "global_scope", {}))
         outputs = self._guarded_program()(*tensors, *self._module_state())
         leaves = [outputs[at] if kind == "graph" else tensors[at] if kind == "input" else at  # at: the constant
                   for kind, at in c.outputs.leaves]
@@ -203,13 +206,14 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
     ``options``: the backend's (layout, inputs, outputs, grads, masks, checks, timeout; docs/backend.md)."""
     for name in NOT_CONVERT_OPTIONS:
         if name in options:
-            raise InvalidInputError(f"convert: option `{name}` does not apply (a converted graph runs eagerly, and its "
-                                    "report is `converted.report`).")
+            raise InvalidInputError(f"convert: option `{name}` does not apply (a converted graph runs eagerly, its "
+                                    "report is `converted.report`, and a model without attention is refused).")
     world_size = _world_size(world_size, group)
     ring_options = RingOptions.from_dict({**options, "report": "off"})
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     signature = pyinspect.signature(model.forward)
-    call = _canonical_call(signature, *_as_call(example_inputs), where="convert")
+    defaults = {p.name: p.default for p in signature.parameters.values() if _plain(p.default)}
+    call = _distinct(_canonical_call(signature, *_as_call(example_inputs), where="convert", defaults=defaults))
     captured = _capture(model, call, ring_options, world_size, dynamic)
     gm, ctx = captured.gm, captured.ctx
     for node in gm.graph.nodes:  # torch.export keeps these as ops; it would drop an autograd.Function's backward
@@ -219,19 +223,20 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
     arguments, placeholders = _arguments(call, gm, ctx)
     conversion = Conversion(
         world_size=world_size, layout=ctx.layout_kind, seq_len=plain(ctx.global_seq_len), dynamic=dynamic,
-        options={k: v for k, v in vars(ring_options).items() if k not in ("group", "report")},
+        options={k: v for k, v in vars(ring_options).items() if k not in ("group", *NOT_CONVERT_OPTIONS)},
         arguments=arguments, outputs=_outputs(captured, call), graph_hash=graph_hash(ctx),
         report_text="", report_data={},
-        parameters=[(p.name, p.kind.name) for p in signature.parameters.values()],
+        parameters=[(p.name, p.kind.name, p.default if _plain(p.default) else NO_DEFAULT)
+                    for p in signature.parameters.values()],
+        signature_text=str(signature),
         masks=sorted({a for n in gm.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs))
                       if isinstance(a, str) and a.startswith("mask-")}))
     report = Inspection(world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.axes)], "convert")
     conversion.report_text, conversion.report_data = str(report), report.as_dict()
-    program = Program(model, gm, placeholders, arguments)
-    shape_check = _shape_check(conversion.tensor_inputs, gm, placeholders, program, dynamic)
+    conversion.shape_conditions = _shape_conditions(gm, placeholders, dynamic)
+    program = Program(model, gm, placeholders, arguments, captured.global_scope)
     converted = ConvertedModel(model, program, GroupSlots(gm), conversion, group=group, checks=ring_options.checks,
-                               timeout=ring_options.timeout, report=report, shape_check=shape_check,
-                               example=_flat_tensors(call, arguments))
+                               timeout=ring_options.timeout, report=report, example=_flat_tensors(call, arguments))
     return converted
 
 
@@ -255,6 +260,7 @@ class _Captured:
     ctx: PassContext
     graph_outputs: tuple = ()
     result: Any = None
+    global_scope: dict = field(default_factory=dict)  # the capture function's globals (Dynamo's G)
 
 
 def _capture(model, call: list, options: RingOptions, world_size: int, dynamic: bool) -> _Captured:
@@ -265,6 +271,13 @@ def _capture(model, call: list, options: RingOptions, world_size: int, dynamic: 
     def backend(gm: fx.GraphModule, graph_inputs: list, **_: Any):
         output = next(n for n in gm.graph.nodes if n.op == "output")
         like = fx.node.map_arg(output.args[0], example_value)
+        sizes = [v for v in pytree.tree_leaves(like) if isinstance(v, torch.SymInt) and not v.node.is_constant()]
+        if sizes:
+            found["error"] = NotSupportedError(
+                "convert: with dynamic=True the model returns a size computed from its inputs' shapes (a Python int); a "
+                "converted model would return the size it was converted with. Return a tensor, or compute the size "
+                "from the inputs outside the model.")
+            raise found["error"]
         ctx = PassContext(gm, graph_inputs, options, world_size, GROUP, Report(world_size=world_size))
         for node in gm.graph.nodes:  # where each input comes from (Dynamo drops its record after the compile)
             graph_arg = node.meta.get("grapharg")
@@ -293,12 +306,16 @@ def _capture(model, call: list, options: RingOptions, world_size: int, dynamic: 
     except Exception as error:
         if "error" in found:
             raise found["error"] from None
-        raise NotSupportedError(
-            f"convert: Dynamo could not capture the model's forward as one graph ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). A converted model is one graph: "
-            "remove the graph break (the cause's traceback shows where), or use torch.compile(model, backend='ring'), "
-            "which runs the code between graphs eagerly.") from error
+        first_line = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if isinstance(error, torch._dynamo.exc.Unsupported):
+            raise NotSupportedError(
+                f"convert: Dynamo could not capture the model's forward as one graph ({first_line}). A converted model "
+                "is one graph: remove the graph break (the cause's traceback shows where), or use "
+                "torch.compile(model, backend='ring'), which runs the code between graphs eagerly.") from error
+        raise InvalidInputError(f"convert: the model raised on the example inputs ({first_line}); the cause's "
+                                "traceback shows where. Check that the example inputs are what the model takes.") from error
     captured = found["captured"]
+    captured.global_scope = run_call.__globals__
     if captured.ctx.report.unchanged:
         raise NotSupportedError(
             "convert: no attention found in the model's graph, so there is nothing to run as a ring: the converted "
@@ -326,13 +343,16 @@ def _empty_like(value):
 
 
 # ---- the call's structure ---------------------------------------------------------------------------------
-def _canonical_call(signature: pyinspect.Signature, args: tuple, kwargs: dict, *, where: str) -> list:
+def _canonical_call(signature: pyinspect.Signature, args: tuple, kwargs: dict, *, where: str, defaults: dict,
+                    shown: Optional[str] = None) -> list:
     """The call as ``[(name, "positional" | "keyword", value)]`` in the order of the signature, however it was
-    spelled (``model(ids)`` and ``model(input_ids=ids)`` are the same call); ``**kwargs`` entries sorted."""
+    spelled (``model(ids)`` and ``model(input_ids=ids)`` are the same call); ``**kwargs`` entries sorted; an
+    argument passed as its own default (``attention_mask=None``) is left out, as if not passed."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as error:
-        raise InvalidInputError(f"{where}: the arguments do not fit the model's forward{signature}: {error}.") from None
+        raise InvalidInputError(f"{where}: the arguments do not fit the model's forward{shown or signature}: {error}.") from None
+    var_positional = any(p.kind == p.VAR_POSITIONAL and bound.arguments.get(p.name) for p in signature.parameters.values())
     call = []
     for name, parameter in signature.parameters.items():
         if name not in bound.arguments:
@@ -342,9 +362,11 @@ def _canonical_call(signature: pyinspect.Signature, args: tuple, kwargs: dict, *
             call += [(f"{name}_{i}", "positional", v) for i, v in enumerate(value)]
         elif parameter.kind == parameter.VAR_KEYWORD:
             call += [(key, "keyword", value[key]) for key in sorted(value)]
+        elif name in defaults and _same_plain(value, defaults[name]):
+            continue
         else:
-            positional = parameter.kind == parameter.POSITIONAL_ONLY or any(
-                p.kind == p.VAR_POSITIONAL and bound.arguments.get(p.name) for p in signature.parameters.values())
+            positional = parameter.kind == parameter.POSITIONAL_ONLY or (
+                parameter.kind == parameter.POSITIONAL_OR_KEYWORD and var_positional)
             call.append((name, "positional" if positional else "keyword", value))
     for name, _, _ in call:
         if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
@@ -352,13 +374,41 @@ def _canonical_call(signature: pyinspect.Signature, args: tuple, kwargs: dict, *
     return call
 
 
-def _signature_of(parameters: list[tuple[str, str]]) -> pyinspect.Signature:
-    """The model's forward signature from (name, kind) pairs, every parameter optional: binding then spells a
-    call as the forward would, and `_flat_tensors` reports what is missing against what was converted."""
+def _distinct(call: list) -> list:
+    """The call with a tensor passed under two names (``labels=ids``) copied for its second name: Dynamo would
+    make them one graph input, and a later call passing two different tensors would read only the first."""
+    seen: set[int] = set()
+
+    def own(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return [(name, how, pytree.tree_map(own, value)) for name, how, value in call]
+
+
+def _plain(value) -> bool:
+    return value is None or type(value) in (bool, int, float, str)
+
+
+def _same_plain(value, default) -> bool:
+    return _plain(value) and type(value) is type(default) and value == default
+
+
+NO_DEFAULT = "<no default>"
+
+
+def _signature_of(parameters: list[tuple]) -> pyinspect.Signature:
+    """The model's forward signature from (name, kind, default) triples, every parameter optional: binding
+    then spells a call as the forward would, and `_flat_tensors` reports what is missing against what was
+    converted."""
     return pyinspect.Signature([
         pyinspect.Parameter(name, getattr(pyinspect.Parameter, kind),
                             default=pyinspect.Parameter.empty if kind.startswith("VAR_") else _MISSING)
-        for name, kind in parameters])
+        for name, kind, _ in parameters])
 
 
 class _Missing:
@@ -395,7 +445,8 @@ def _flat_tensors(call: list, arguments: list[Argument]) -> tuple:
                 _check_tensor(leaf, converted_leaf)
                 tensors.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != converted_leaf:
-                raise InvalidInputError(f"Argument `{a.name}` is {leaf!r}; the model was converted with {converted_leaf!r}, "
+                given = f"a tensor {list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else repr(leaf)
+                raise InvalidInputError(f"Argument `{a.name}` is {given}; the model was converted with {converted_leaf!r}, "
                                         "which is baked into the converted graph. Convert again with this value.")
     return tuple(tensors)
 
@@ -418,14 +469,15 @@ def _arguments(call: list, gm: fx.GraphModule, ctx: PassContext) -> tuple[list[A
     by_object = {}  # id(tensor passed in the call) -> the placeholder Dynamo made of it
     scope = {"self": None, **{name: value for name, _, value in call}}
     for node, (path, _) in zip(placeholders, paths):
-        value = _read(path, scope, False) if not path.startswith("L['self']") else None
+        value = _read(path, scope, False, {}) if path.startswith("L[") and not path.startswith("L['self']") else None
         if isinstance(value, torch.Tensor):
             by_object[id(value)] = node
     arguments, index = [], 0
-    for name, how, value in call:
-        leaves, spec = pytree.tree_flatten(value)
+    for name, _, value in call:
+        keyed, spec = pytree.tree_flatten_with_path(value)
+        leaves = [leaf for _, leaf in keyed]
         converted = []
-        for position, leaf in enumerate(leaves):
+        for (key, _), leaf in zip(keyed, leaves):
             if not isinstance(leaf, torch.Tensor):
                 if not isinstance(leaf, (type(None), bool, int, float, str)):
                     raise InvalidInputError(f"convert: argument `{name}` holds a {type(leaf).__name__}; a converted call "
@@ -437,10 +489,10 @@ def _arguments(call: list, gm: fx.GraphModule, ctx: PassContext) -> tuple[list[A
             shape = [None if isinstance(s, torch.SymInt) and not s.node.is_constant() else plain(s) for s in like.shape]
             sharded = node is not None and ctx.options.inputs == "sharded" and (
                 ctx.placement.get(node) == LOCAL or node in ctx.gathered_inputs)
-            label = name if len(leaves) == 1 else f"{name}[{position}]"
+            label = name + pytree.keystr(key)  # input_ids, batch['rest'][0]
             converted.append(TensorSpec(index, label, leaf.dtype, shape, sharded))
             index += 1
-        arguments.append(Argument(name, how, spec, converted))
+        arguments.append(Argument(name, spec, converted))
     return arguments, paths
 
 
@@ -466,9 +518,10 @@ def _outputs(captured: _Captured, call: list) -> Outputs:
     return Outputs(spec, found)
 
 
-def _shape_check(specs: list[TensorSpec], gm, paths, program: Program, dynamic: bool) -> Optional[Callable]:
-    """For a dynamic conversion: a check that Dynamo's assumptions about the shapes (its shape guards, e.g.
-    a length of at least 2) hold for a call; static shapes are checked exactly by `_flat_tensors`."""
+def _shape_conditions(gm: fx.GraphModule, paths: list, dynamic: bool) -> Optional[dict]:
+    """For a dynamic conversion: Dynamo's assumptions about the shapes (its shape guards, e.g. a length of at
+    least 2) as an expression over the graph's inputs ``t0, t1, ...``, with the paths of the inputs it reads
+    (saved with the artifact: a loaded model checks them too). Static shapes are checked by `_flat_tensors`."""
     if not dynamic:
         return None
     placeholders = [example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
@@ -476,20 +529,27 @@ def _shape_check(specs: list[TensorSpec], gm, paths, program: Program, dynamic: 
     expression = shape_env.produce_guards_expression(placeholders, ignore_static=True)
     if not expression:
         return None
+    used = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", expression)})
+    return {"expression": expression, "inputs": len(placeholders),
+            "read": [[i, paths[i][0], paths[i][1]] for i in used]}
 
-    def check(tensors):
-        # contiguous: Dynamo also guards on strides, which eager ops do not need (they work or raise on their own)
-        tensors = tuple(t.contiguous() for t in tensors)
-        scope = {"self": program.model, **{a.name: _rebuild(a, tensors) for a in program.arguments}}
-        values = [_read(path, scope, as_tensor) for path, as_tensor in paths]
-        if not shape_env.evaluate_guards_expression(expression, values):
-            shapes = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(specs, tensors))
-            raise InvalidInputError(
-                f"The converted graph does not fit these inputs ({shapes}): Dynamo traced it with symbolic shapes under "
-                "conditions they break. Sizes 0 and 1 are specialized, so a dim converted at 2 or more must stay at 2 or "
-                "more (convert with batch 1 to run batch 1). The conditions, over the graph's inputs t0, t1, ...: "
-                f"{expression}.")
-    return check
+
+def _check_shapes(conditions: dict, tensors: tuple, c: Conversion, model, global_scope: dict) -> None:
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    # contiguous: Dynamo also guards on strides, which eager ops do not need (they work or raise on their own)
+    tensors = tuple(t.contiguous() for t in tensors)
+    scope = {"self": model, **{a.name: _rebuild(a, tensors) for a in c.arguments}}
+    values: list = [None] * conditions["inputs"]
+    for i, path, as_tensor in conditions["read"]:
+        values[i] = _read(path, scope, as_tensor, global_scope)
+    if not eval(conditions["expression"], SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(values)}}):
+        shapes = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(c.tensor_inputs, tensors))
+        raise InvalidInputError(
+            f"The converted graph does not fit these inputs ({shapes}): Dynamo traced it with symbolic shapes under "
+            "conditions they break. Sizes 0 and 1 are specialized, so a dim converted at 2 or more must stay at 2 or "
+            "more (convert with batch 1 to run batch 1). The conditions, over the graph's inputs t0, t1, ...: "
+            f"{conditions['expression']}.")
 
 
 # ---- reading the graph's inputs --------------------------------------------------------------------------
@@ -498,11 +558,12 @@ def _rebuild(argument: Argument, tensors: tuple):
     return pytree.tree_unflatten(leaves, argument.spec)
 
 
-def _read(path: str, scope: dict, as_tensor: bool):
-    """The value at a Dynamo source path (``L['input_ids'].size()[1]``) in ``scope``."""
+def _read(path: str, scope: dict, as_tensor: bool, global_scope: dict):
+    """The value at a Dynamo source path (``L['input_ids'].size()[1]``, ``G['scale']``) in ``scope`` (the call's
+    frame) and ``global_scope`` (its globals, where Dynamo puts the modules and globals the model reads)."""
     from torch._dynamo.guards import _get_closure_vars
 
-    value = eval(_compiled_path(path), {**_get_closure_vars(), "L": scope})  # Dynamo's paths, from our argument names
+    value = eval(_compiled_path(path), {**_get_closure_vars(), "L": scope, "G": global_scope})  # Dynamo's own paths
     return torch.as_tensor(value) if as_tensor else value
 
 

@@ -55,7 +55,8 @@ def train_and_compare(rank: int, world_size: int, name: str, seq_lens: list, pat
         converted = ringpass.convert(model, kwargs or args, world_size=world_size,
                                      dynamic=len(seq_lens) > 1)
         shared = all(a is b for a, b in zip(converted.parameters(), model.parameters())) and converted.model is model
-    optimizer = torch.optim.SGD(converted.parameters(), lr=1e-3)
+    # in memory: the optimizer on the model's own parameters, as a user's training loop has it
+    optimizer = torch.optim.SGD(converted.parameters() if path else model.parameters(), lr=1e-3)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
     result = {"steps": [], "shared": shared, "type": "", "names": sorted(n for n, _ in converted.model.named_parameters())
               == sorted(n for n, _ in reference.named_parameters())}
@@ -174,3 +175,38 @@ def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> 
 def _weights(expected) -> list:
     outputs = expected if isinstance(expected, tuple) else (expected,)
     return [torch.randn(e.shape, generator=torch.Generator().manual_seed(7)).to(e.dtype) for e in outputs]
+
+
+GLOBAL_SCALE = torch.tensor(0.5, dtype=torch.float64)  # a module-level tensor the model below reads (Dynamo's G)
+
+
+class ReadsAGlobal(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = models.Llama().double()
+
+    def forward(self, ids):
+        return self.inner(ids) * GLOBAL_SCALE
+
+
+def edge_calls(rank: int, world_size: int) -> dict:
+    """Conversions in the rank, each run against the model whole (fp64): {case: relative error}.
+    ``aliased``: converted with ``labels`` the very tensor of ``ids``, run with other labels; ``defaults``:
+    converted without ``keep``/``mask``, called passing them as None; ``global``: a model reading a module-level
+    tensor."""
+    ids = call("hand", 16)[0][0]
+    other = torch.randint(0, 61, ids.shape, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    with_loss = models.WithLoss(models.GPT()).double()
+    aliased = ringpass.convert(with_loss, (ids, ids), world_size=world_size)
+    found = {"aliased": rel_err(aliased(ids, other)[0].detach(), with_loss(ids, other)[0].detach())}  # the loss
+    torch.manual_seed(0)
+    encoder = models.Encoder().double()
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    converted = ringpass.convert(encoder, (x,), world_size=world_size)
+    found["defaults"] = max(rel_err(converted(x, keep=None)[0].detach(), encoder(x)[0].detach()),
+                            rel_err(converted(x, None, None)[1].detach(), encoder(x)[1].detach()))
+    torch.manual_seed(0)
+    reads = ReadsAGlobal()
+    found["global"] = rel_err(ringpass.convert(reads, (ids,), world_size=world_size)(ids).detach(), reads(ids).detach())
+    return found

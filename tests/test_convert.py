@@ -2,6 +2,7 @@
 run on P ranks with the unsharded model's numbers; clear errors for what a converted model cannot run."""
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -151,9 +152,21 @@ def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
     assert found["keyword"] == found["no_grad"] == found["inference_mode"] == "no error"
     assert "The ranks disagree before call" in found["disagree"] and "input `ids` holds different values" in found["disagree"]
     assert "Argument `ids` was given when the model was converted" in found["missing"]
-    assert "do not fit the model's forward(ids=<not given>): got an unexpected keyword argument 'mask'" in found["extra"]
+    assert "do not fit the model's forward(ids): got an unexpected keyword argument 'mask'" in found["extra"]
     assert "`use_cache` is True; the model was converted with False" in found["constant"]
     assert "Argument `attention_mask` was given when the model was converted" in found["unconverted_argument"]
+
+
+def test_a_loaded_dynamic_model_checks_the_shape_conditions_it_was_traced_under(artifacts):
+    loaded = ringpass.load(artifacts["dynamic"])  # batch 1, converted at length 16
+    assert loaded.conversion.shape_conditions is not None
+    with pytest.raises(ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[1, 1\]\)"):
+        loaded(convert_workers.call("hand-batch1", 1)[0][0])
+
+
+def test_aliased_inputs_defaults_passed_explicitly_and_globals():
+    for found in spawn_ranks(convert_workers.edge_calls, 2, (), timeout=TIMEOUT):
+        assert found["aliased"] < 1e-12 and found["defaults"] < 1e-12 and found["global"] < 1e-12, found
 
 
 def test_no_process_group_is_a_clear_error(artifacts):
@@ -189,8 +202,9 @@ def test_a_changed_or_foreign_artifact_is_refused(artifacts, tmp_path):
 def test_an_artifact_from_another_version_is_refused(artifacts, tmp_path, monkeypatch):
     import ringpass.artifact as artifact
 
+    written = re.escape(".".join(torch.__version__.split(".")[:2]))
     monkeypatch.setattr(torch, "__version__", "2.99.0")  # as if this process had another torch
-    with pytest.raises(ringpass.InvalidInputError, match=r"written with torch 2\.13.*this process has torch 2\.99"):
+    with pytest.raises(ringpass.InvalidInputError, match=rf"written with torch {written}.*this process has torch 2\.99"):
         artifact.load(artifacts["static"])
 
 
@@ -204,6 +218,19 @@ def test_convert_refuses_what_it_cannot_convert():
     dynamic = converted("hand", 2, 16, dynamic=True)  # checked before any process group is needed
     with pytest.raises(ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[2, 1\]\).*Sizes 0 and 1 are specialized"):
         dynamic(convert_workers.call("hand", 1)[0][0])
+    with pytest.raises(ringpass.InvalidInputError, match="the model raised on the example inputs"):
+        ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0][0].double(), world_size=2)
+
+    class ReturnsItsLength(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = convert_workers.build("hand")
+
+        def forward(self, ids):
+            return self.inner(ids), ids.shape[1]
+
+    with pytest.raises(ringpass.NotSupportedError, match="returns a size computed from its inputs' shapes"):
+        ringpass.convert(ReturnsItsLength(), convert_workers.call("hand", 16)[0], world_size=2, dynamic=True)
     model, inputs = inspect_targets.no_attention()
     with pytest.raises(ringpass.NotSupportedError, match="no attention found"):
         ringpass.convert(model, inputs, world_size=2)
