@@ -27,7 +27,7 @@ def _check(results, expected_mask, world_size=None):
             assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), (case, r["kv_exchanges"])
 
 
-@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), ("llama", 4),
+@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.heavy),
                                              pytest.param("gpt2", 4, marks=pytest.mark.heavy)])
 def test_training_matches_the_unsharded_model(name, world_size):
     cases = ["labels", "left-padded", "packed"] + (["rank-all-padding"] if name == "llama" else [])
@@ -40,7 +40,8 @@ def test_training_matches_the_unsharded_model(name, world_size):
 AVERAGES = "a query with every key hidden averages all keys, as eager (gradients to q, k, v)"
 
 
-@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), ("gpt2-eager", 2), ("biogpt-eager", 2),
+@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), pytest.param("gpt2-eager", 2, marks=pytest.mark.heavy),
+                                             ("biogpt-eager", 2),
                                              pytest.param("llama-eager", 4, marks=pytest.mark.heavy)])
 def test_eager_attention_trains_through_the_ring(name, world_size):
     """Hugging Face's written-out attention (matmul, additive mask, softmax in fp32, dropout p=0, cast,
