@@ -22,15 +22,17 @@ MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
 SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
               "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed")
 SHARDED_IO_DYNAMIC = ("llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
+FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
 SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
 
 
 def _cases(world_size: int) -> list:
     seq_len = 4 * world_size + 3  # padded by the layout: 2P does not divide it
     cases = []
-    for name in MODELS:  # float32 static on 2 ranks; dynamic shapes on 2 ranks, and for the GPT on 4
+    for name in MODELS:  # float32 static on 2 ranks for FLOAT32; dynamic shapes on 2 ranks, and for the GPT on 4
         for dynamic in (None, True) if world_size == 2 or name == "gpt" else (None,):
-            for dtype in (torch.float64, torch.float32) if world_size == 2 and not dynamic else (torch.float64,):
+            for dtype in (torch.float64, torch.float32) if world_size == 2 and not dynamic and name in FLOAT32 \
+                    else (torch.float64,):
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
                                             dynamic=dynamic, dtype=dtype)))

@@ -98,7 +98,7 @@ SCORE_MODELS = {  # name: {case: what the report says of its attention}
 }
 
 
-@pytest.mark.parametrize("name,world_size", [("bloom", 2), ("mpt", 2), ("gemma2", 2),
+@pytest.mark.parametrize("name,world_size", [("bloom", 2), pytest.param("mpt", 2, marks=pytest.mark.heavy), ("gemma2", 2),
                                              pytest.param("bloom", 4, marks=pytest.mark.heavy)])
 def test_score_modifiers_train_through_the_ring(name, world_size):
     """ALiBi (BLOOM: ``baddbmm`` over merged batch and heads, slopes times key positions, from the padding
@@ -111,7 +111,8 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
             assert words in results[case]["report"], (case, results[case]["report"])
 
 
-@pytest.mark.parametrize("name,world_size", [("mixtral", 2), ("llama4", 2), pytest.param("mixtral", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("name,world_size", [("mixtral", 2), pytest.param("llama4", 2, marks=pytest.mark.heavy),
+                                             pytest.param("mixtral", 4, marks=pytest.mark.heavy)])
 def test_mixture_of_experts_trains_through_the_ring(name, world_size):
     """Mixtral's grouped experts sort this rank's tokens by expert, count them per expert (segment offsets
     of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence.
