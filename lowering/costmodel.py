@@ -117,6 +117,23 @@ class RingCost:
             backward = (3 * q + 6 * kv) * s.itemsize + rows * a + q * a + 4 * kv * a + (q + 2 * kv) * s.itemsize
         return {"forward": forward, "backward": backward}
 
+    def working_memory(self) -> dict[str, int]:
+        """Bytes one rank needs beyond its inputs (q, k, v and the output gradient): what the algorithm
+        itself must hold, the yardstick ``ringpass bench`` puts next to measured memory. ``forward``: the
+        out and LSE accumulators and two KV blocks (the one in use and the one arriving); ``backward``
+        (the whole call's peak): the saved out and LSE, the dq accumulator, the dK/dV accumulator computed
+        and the one arriving, two KV blocks, and the returned dk, dv (and dq, out in the input dtype when
+        that is narrower than the accumulators)."""
+        s, a = self.shape, self.shape.accumulation_itemsize
+        n = self.layout.local_len
+        q = s.batch * s.query_heads * n * s.head_dim
+        kv = s.batch * s.kv_heads * n * s.head_dim
+        rows = s.batch * s.query_heads * n
+        narrow = q * s.itemsize if s.itemsize < a else 0  # the result cast to the input dtype
+        forward = q * a + rows * a + 2 * 2 * kv * s.itemsize + narrow
+        backward = q * s.itemsize + rows * a + q * a + 2 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
+        return {"forward": forward, "backward": backward}
+
     def _block_pairs(self, q_rank: int, kv_rank: int) -> int:
         return sum(
             _pairs(q.global_start, q.global_stop, k.global_start, k.global_stop, self.shape.is_causal, self.shape.window)
@@ -210,12 +227,18 @@ def predict(cost: RingCost, hardware: Hardware) -> Prediction:
     return Prediction(busiest, [t * BACKWARD_FLOPS_RATIO for t in busiest], hop, backward_hop)
 
 
-def all_gather_seconds(cost: RingCost, hardware: Hardware) -> float:
-    """Forward time of the all-gather alternative (each rank gathers every K/V block, then attends with its
-    own queries): the gather (P-1 blocks, not overlapped) and then this rank's whole compute."""
+def all_gather_seconds(cost: RingCost, hardware: Hardware, *, backward: bool = False) -> float:
+    """Time of the all-gather alternative (`lowering.all_gather`: each rank gathers every K/V block, then
+    attends with its own queries): the gather (P-1 blocks, not overlapped) and then this rank's whole
+    compute; ``backward=True``: the backward's time (gather again, compute, reduce-scatter the dK/dV of P-1
+    blocks)."""
     p = cost.layout.world_size
     gather = (p - 1) * (hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s)
-    return gather + max(sum(row) for row in cost.flops_forward) / hardware.flops_per_s
+    compute = max(sum(row) for row in cost.flops_forward) / hardware.flops_per_s
+    if not backward:
+        return gather + compute
+    scatter = (p - 1) * (hardware.link_latency_s + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s)
+    return gather + compute * BACKWARD_FLOPS_RATIO + scatter
 
 
 def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:

@@ -21,7 +21,8 @@ _recorders: list[tuple[list["RingEvent"], Optional[Callable]]] = []
 @dataclass(frozen=True)
 class RingEvent:
     """``kind`` is ``"exchange"`` (fields: payload, step, phase, bytes) or ``"block_forward"`` /
-    ``"block_backward"`` (fields: q_pos, kv_pos, causal)."""
+    ``"block_backward"`` (fields: q_pos, kv_pos, causal) or ``"span"`` (a ring step's post, compute or wait:
+    phase, step, part, message, start, seconds; see `lowering.ring`)."""
 
     kind: str
     fields: dict[str, Any] = field(default_factory=dict)

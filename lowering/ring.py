@@ -12,11 +12,14 @@ single-process simulation, which only changes how blocks move.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from lowering import events
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
 from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_
@@ -122,9 +125,24 @@ class _RankBackward:
         return dkv
 
 
-def _span(phase: str, step: int, part: str):
-    """A profiler range (``ringpass forward step 0: compute``): traces show where a step waits."""
-    return torch.profiler.record_function(f"ringpass {phase} step {step}: {part}")
+@contextmanager
+def _span(phase: str, step: int, part: str, message: str = ""):
+    """A profiler range (``ringpass forward step 0: compute``): traces show where a step waits. While ring
+    events are recorded, each range is also a ``span`` event with its ``start`` (``time.perf_counter``,
+    one clock for every process on a machine) and ``seconds`` of host wall time, and for a post or a wait
+    the ``message`` it sends or waits for (``"kv 0"``: the KV block its sender posted at step 0), so
+    ``ringpass bench`` can tell a transfer still in flight from a neighbour that posted late. (On CUDA
+    these are launch times, not kernel times.)"""
+    with torch.profiler.record_function(f"ringpass {phase} step {step}: {part}"):
+        if not events.recording():
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            events.emit("span", phase=phase, step=step, part=part, message=message, start=start,
+                        seconds=time.perf_counter() - start)
 
 
 def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
@@ -133,12 +151,14 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     state = _RankForward(q, spec, rank)
     kv = torch.stack((k, v))
     for step in range(p):
-        with _span("forward", step, "post"):
-            arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG) if step < p - 1 else None
+        arriving = None
+        if step < p - 1:
+            with _span("forward", step, "post", f"kv {step}"):
+                arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG)
         with _span("forward", step, "compute"):
             state.add_block(kv[0], kv[1], kv_source(rank, step, p))
         if arriving is not None:
-            with _span("forward", step, "wait"):
+            with _span("forward", step, "wait", f"kv {step}"):
                 kv = arriving.wait()
     return state.result()
 
@@ -150,19 +170,21 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     kv = torch.stack((k, v))
     dkv_arriving = None
     for step in range(p):
-        with _span("backward", step, "post"):
-            kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward") if step < p - 1 else None
+        kv_arriving = None
+        if step < p - 1:
+            with _span("backward", step, "post", f"kv {step}"):
+                kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward")
         with _span("backward", step, "compute"):
             dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
-        with _span("backward", step, "wait"):
-            if dkv_arriving is not None:
+        if dkv_arriving is not None:
+            with _span("backward", step, "wait", f"dkv {step - 1}"):
                 dkv += dkv_arriving.wait()
-        with _span("backward", step, "post"):
+        with _span("backward", step, "post", f"dkv {step}"):
             dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
         if kv_arriving is not None:
-            with _span("backward", step, "wait"):
+            with _span("backward", step, "wait", f"kv {step}"):
                 kv = kv_arriving.wait()
-    with _span("backward", p - 1, "wait"):
+    with _span("backward", p - 1, "wait", f"dkv {p - 1}"):
         dkv = dkv_arriving.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
     return state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)

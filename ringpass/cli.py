@@ -1,6 +1,6 @@
 """The ``ringpass`` command line: ``demo`` (the ring on CPU processes), ``inspect`` (what the pass does
-to a model, offline), ``convert`` (apply it once and save the result for ``ringpass.load``) and ``plan``
-(whether the ring pays on given hardware, predicted). Exit
+to a model, offline), ``convert`` (apply it once and save the result for ``ringpass.load``), ``plan``
+(whether the ring pays on given hardware, predicted) and ``bench`` (what it buys, measured). Exit
 status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention found, 1 a bad command line
 or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 anything else."""
 
@@ -42,14 +42,20 @@ def main(argv=None) -> int:
         description="Predict each ring step's compute and transfer for an attention's shape on a link and device "
                     "(presets or numbers), whether the transfer hides, memory per rank, the all-gather alternative, "
                     "and recommend ring, all-gather or no ring (decode)."))
+    _bench_arguments(commands.add_parser(
+        "bench", help="measure ring, all-gather and unsharded side by side: time, memory per rank, overlap",
+        description="Run one attention (--what attention) or a model's training step (--what model) by every method "
+                    "on fresh CPU processes (or under torchrun, on its ranks), and print median time, per-rank peak "
+                    "memory, parallel efficiency, hidden communication, work balance and the cost model's prediction "
+                    "(docs/performance.md)."))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
-    if args.command == "plan":
+    if args.command in ("plan", "bench"):
         try:
-            return _plan(args)
+            return _plan(args) if args.command == "plan" else _bench(args)
         except RingpassError as error:
-            print(f"ringpass plan: {error}", file=sys.stderr)
+            print(f"ringpass {args.command}: {error}", file=sys.stderr)
             return 1
     try:
         return _inspect(args) if args.command == "inspect" else _convert(args)
@@ -176,6 +182,7 @@ def _plan_arguments(p) -> None:
     p.add_argument("--latency", type=float, metavar="US", help="link latency per message (overrides --link)")
     p.add_argument("--device", choices=sorted(DEVICES), help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()))
     p.add_argument("--tflops", type=float, help="attention TFLOP/s one rank reaches (overrides --device)")
+    p.add_argument("--hardware", metavar="FILE", help="link and device from `ringpass bench --calibrate --json FILE`")
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
 
 
@@ -187,12 +194,83 @@ def _plan(args) -> int:
 
     shape = AttentionShape(args.batch, args.heads, args.kv_heads or args.heads, args.head_dim,
                            {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[args.dtype], is_causal=not args.bidirectional)
-    hw = hardware(args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
+    if args.hardware:
+        from ringpass.bench.results import load_hardware
+
+        hw = load_hardware(args.hardware)
+    else:
+        hw = hardware(args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
     plan = make_plan(shape, args.world_size, args.seq_len, hw, decode=args.decode, layout=args.layout)
     print(plan)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan.as_dict(), f, indent=1)
+    return 0
+
+
+def _bench_arguments(b) -> None:
+    from ringpass.bench import model
+
+    size = model.ModelSize()
+    b.add_argument("--what", choices=["attention", "model"], default="attention")
+    b.add_argument("--world-size", type=int, nargs="+", default=[2], help="ranks (one job per value)")
+    b.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="sequence lengths")
+    b.add_argument("--methods", nargs="+", help="attention: sdpa all-gather ring-contiguous ring-zigzag "
+                   "context-parallel (default: all); model: ring unsharded")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--heads", type=int, help="query heads (attention default 8, model %d)" % size.heads)
+    b.add_argument("--kv-heads", type=int, help="key/value heads (attention default 2, model %d)" % size.kv_heads)
+    b.add_argument("--head-dim", type=int, default=64, help="attention only")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="attention only")
+    b.add_argument("--bidirectional", action="store_true", help="attention without a causal mask")
+    b.add_argument("--hidden", type=int, default=size.hidden, help="model: hidden size")
+    b.add_argument("--layers", type=int, default=size.layers, help="model: decoder layers")
+    b.add_argument("--intermediate", type=int, default=size.intermediate, help="model: MLP width")
+    b.add_argument("--vocab", type=int, default=size.vocab, help="model: vocabulary")
+    b.add_argument("--hf-config", metavar="CONFIG", help="model: a Hugging Face config.json instead (random weights)")
+    b.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="inductor",
+                   help="model: what compiles both the ring's graph and the unsharded model")
+    b.add_argument("--repeats", type=int, default=5, help="measured calls per case")
+    b.add_argument("--warmup", type=int, default=1, help="unmeasured calls first")
+    b.add_argument("--threads-per-rank", type=int, default=0, help="default: cores // world size")
+    b.add_argument("--hardware", metavar="FILE", help="predict with this calibration (default: loopback + cpu presets)")
+    b.add_argument("--calibrate", action="store_true", help="measure this machine's link and kernel rate instead")
+    b.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    b.add_argument("--plot", metavar="FILE", help="write a PNG of time and memory per method and world size")
+    b.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace per method, size and rank")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--timeout", type=float, default=3600.0, help="seconds before a job's ranks are stopped")
+
+
+def _bench(args) -> int:
+    from ringpass import bench
+    from ringpass.bench import calibrate, model, results
+
+    if args.calibrate:
+        data = calibrate.calibrate(timeout=args.timeout)
+        print(calibrate.format_calibration(data))
+        if args.json:
+            results.write_json(data, args.json)
+        return 0
+    attention = args.what == "attention"
+    size = model.ModelSize(args.hidden, args.layers, args.heads or model.ModelSize.heads,
+                           args.kv_heads or model.ModelSize.kv_heads, args.intermediate, args.vocab)
+    config = bench.BenchConfig(
+        what=args.what, world_sizes=tuple(args.world_size), seq_lens=tuple(args.seq_len), batch=args.batch,
+        heads=args.heads or 8, kv_heads=args.kv_heads or 2, head_dim=args.head_dim, dtype=args.dtype,
+        causal=not args.bidirectional,
+        methods=tuple(args.methods or (bench.attention.METHODS if attention else model.METHODS)),
+        repeats=args.repeats, warmup=args.warmup, threads_per_rank=args.threads_per_rank, trace=args.trace,
+        progress=not args.no_progress, timeout=args.timeout, model=size, hf_config=args.hf_config,
+        compiler=args.compiler)
+    summary = bench.run_bench(config, results.load_hardware(args.hardware) if args.hardware else None)
+    if not summary:  # a torchrun rank other than 0
+        return 0
+    print(results.format_table(summary))
+    if args.json:
+        results.write_json(summary, args.json)
+    if args.plot:
+        results.plot(summary, args.plot)
     return 0
 
 

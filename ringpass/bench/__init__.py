@@ -1,0 +1,136 @@
+"""``ringpass bench``: what sequence parallelism buys on this hardware, measured side by side.
+
+    ringpass bench --world-size 2 --seq-len 8192 16384             # one attention, every method
+    ringpass bench --what model --world-size 2 --seq-len 16384     # a Llama-style training step
+    ringpass bench --calibrate --json hardware.json                # this machine's link and kernel rate
+    torchrun --nproc-per-node 8 -m ringpass.cli bench ...          # CUDA + NCCL: the launch's world size
+
+On CPU the benchmark spawns fresh processes for each world size (gloo on 127.0.0.1, ``cores // P``
+threads per rank unless ``--threads-per-rank``) and one process for each single-process baseline (one
+thread, and the threads the ranks had together). Under ``torchrun`` it runs in the launched ranks, on
+CUDA with NCCL where there is a GPU, and rank 0 runs the single-device baselines. Every case runs
+``--warmup`` calls, then ``--repeats`` measured ones; a case's time is the slowest rank's per repeat,
+reported as median and min..max. What each row reports (`results.summarise`) and how memory is measured
+(`measure`) is documented there and in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lowering.errors import InvalidInputError
+from ringpass.bench import attention, model, results
+from ringpass.bench.measure import MMAP_THRESHOLD
+from ringpass.launch import spawn_ranks
+
+WHAT = ("attention", "model")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    what: str = "attention"
+    world_sizes: tuple[int, ...] = (2,)
+    seq_lens: tuple[int, ...] = (4096,)
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    methods: tuple[str, ...] = attention.METHODS
+    repeats: int = 5
+    warmup: int = 1
+    seed: int = 0
+    threads_per_rank: int = 0  # 0: the machine's cores // P
+    trace: Optional[str] = None
+    progress: bool = True
+    timeout: float = 3600.0
+    model: model.ModelSize = model.ModelSize()
+    hf_config: Optional[str] = None
+    compiler: str = "aot_eager"
+
+    def __post_init__(self):
+        if self.what not in WHAT:
+            raise InvalidInputError(f"bench: --what {self.what!r} is not one of {', '.join(WHAT)}.")
+        known = attention.METHODS if self.what == "attention" else model.METHODS
+        unknown = [m for m in self.methods if m not in known]
+        if unknown:
+            raise InvalidInputError(f"bench: unknown method(s) {', '.join(unknown)} for --what {self.what}; "
+                                    f"the methods are {', '.join(known)}.")
+        if min(self.world_sizes) < 1 or min(self.seq_lens) < 1 or self.repeats < 1 or self.warmup < 0:
+            raise InvalidInputError("bench: world sizes, sequence lengths and repeats must be positive.")
+        if self.what == "attention" and self.dtype not in attention.DTYPES:
+            raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
+
+    def for_world_size(self, world_size: int) -> "BenchConfig":
+        """The config a ``world_size`` job runs with: threads per rank resolved."""
+        threads = self.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        return dataclasses.replace(self, threads_per_rank=threads)
+
+
+def run_bench(config: BenchConfig, hardware=None) -> dict:
+    """Run every case; the summary `results.summarise` makes of it (``rows``), with ``config`` and the
+    ``hardware`` its predictions used."""
+    hardware = hardware or results.default_hardware()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        records = _in_launched_ranks(config)
+        if records is None:
+            return {}
+    else:
+        records = _spawned(config)
+    return results.summarise(records, config, hardware)
+
+
+def _rank_function(config: BenchConfig):
+    return attention.attention_rank if config.what == "attention" else model.model_rank
+
+
+def _singles(config: BenchConfig) -> list[str]:
+    return [m for m in config.methods if m in ("sdpa", "unsharded")]
+
+
+def _spawned(config: BenchConfig) -> list[dict]:
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's malloc (measure.py)
+    distributed = [m for m in config.methods if m not in _singles(config)]
+    thread_counts = sorted({1} | {min(os.cpu_count() or 1, p * config.for_world_size(p).threads_per_rank)
+                                  for p in config.world_sizes if p > 1})
+    cases_per_len = len(distributed) * len([p for p in config.world_sizes if p > 1]) + \
+        len(_singles(config)) * len(thread_counts)
+    total, done, records = cases_per_len * len(config.seq_lens), 0, []
+    run = _rank_function(config)
+    for p in config.world_sizes:
+        if p == 1 or not distributed:
+            continue
+        job = config.for_world_size(p)
+        records += spawn_ranks(run, p, (job, distributed, done, total), timeout=config.timeout)[0]
+        done += len(distributed) * len(config.seq_lens)
+    for threads in thread_counts if _singles(config) else ():
+        job = dataclasses.replace(config, threads_per_rank=threads)
+        records += spawn_ranks(run, 1, (job, _singles(config), done, total), timeout=config.timeout)[0]
+        done += len(_singles(config)) * len(config.seq_lens)
+    return records
+
+
+def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
+    """Under torchrun: this launch's world size, then the single-device baselines on rank 0. Rank 0 gets
+    the records; the other ranks None."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    job = config.for_world_size(world_size) if not config.threads_per_rank else config
+    job = dataclasses.replace(job, world_sizes=(world_size,))
+    distributed = [m for m in config.methods if m not in _singles(config)]
+    total = len(config.seq_lens) * (len(distributed) + len(_singles(config)))
+    run = _rank_function(config)
+    records = run(rank, world_size, job, distributed, 0, total) if world_size > 1 else []
+    if rank == 0 and _singles(config):
+        records += run(0, 1, job, _singles(config), len(distributed) * len(config.seq_lens), total)
+    dist.barrier()
+    return records if rank == 0 else None

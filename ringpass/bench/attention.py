@@ -1,0 +1,252 @@
+"""``ringpass bench --what attention``: one attention, forward and forward+backward, by every method.
+
+Methods (`METHODS`): ``sdpa`` (``F.scaled_dot_product_attention`` on the whole sequence in one process,
+run once with one thread and once with as many threads as the ranks had together); ``all-gather``
+(`lowering.all_gather.gathered_attention`); ``ring-contiguous`` and ``ring-zigzag``
+(`lowering.ring_attention`); ``context-parallel`` (PyTorch's ``context_parallel``, which shards the
+buffers itself; where it cannot run the row says why). Every process builds the same full q, k, v and
+output gradient from one seed and takes its shard; each method's output is checked against fp32 SDPA on
+the whole sequence (the ``error`` column), so a wrong method shows as wrong, not as fast.
+
+Each rank returns, per method, sequence length and repeat: forward and forward+backward seconds, peak
+memory of the forward and of the whole call (`measure.PeakMemory`), its seconds computing blocks, and,
+from the ring's ``span`` events, when it posted each message and how long it waited for each
+(``all-gather``: compute is what its collectives leave). The standalone time of each message the ring
+sends (`message_seconds`, measured without compute) is what the waits are compared to.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lowering
+from lowering.all_gather import gathered_attention
+from lowering.comm import RingExchange
+from lowering.kernels import accumulation_dtype
+from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, synchronize
+
+METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
+DISTRIBUTED = METHODS[1:]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Inputs:
+    """The full q, k, v, output gradient (in the benchmark dtype) and fp32 SDPA's output on them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    reference: torch.Tensor
+
+
+def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
+    generator = torch.Generator().manual_seed(config.seed)
+    dtype = DTYPES[config.dtype]
+
+    def rand(heads):
+        return torch.randn(config.batch, heads, seq_len, config.head_dim, generator=generator).to(device, dtype)
+
+    q, k, v, dout = rand(config.heads), rand(config.kv_heads), rand(config.kv_heads), rand(config.heads)
+    with torch.no_grad():
+        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=config.causal,
+                                                   enable_gqa=True)
+    return Inputs(q, k, v, dout, reference)
+
+
+def _error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.float() - reference).abs().max() / reference.abs().max()).item()
+
+
+class _Unavailable(Exception):
+    """The method cannot run here; the message says why."""
+
+
+class _Step:
+    """One method ready to call on this rank: ``forward()`` gives (output, the reference's rows for it),
+    ``backward(out)`` runs the backward, ``communication`` the seconds of the last call in collectives
+    (all-gather only; the ring's waits come from its span events)."""
+
+    def __init__(self, method: str, inputs: Inputs, config, rank: int, world_size: int):
+        self.method, self.causal = method, config.causal
+        self.communication: dict = {}
+        if method == "sdpa":
+            self.layout, rows = None, (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
+        else:
+            kind = {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(
+                method, "zigzag" if config.causal else "contiguous")
+            self.layout = lowering.Layout(kind, world_size, inputs.q.size(2))
+            rows = tuple(self.layout.shard(t, 2, rank) for t in (inputs.q, inputs.k, inputs.v, inputs.reference,
+                                                                  inputs.dout))
+        self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])
+        self.reference, self.dout = rows[3], rows[4]
+
+    def reset(self) -> None:
+        """Free the previous call's gradients (before memory is measured: freeing them is not the call's)."""
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        self.communication.clear()
+
+    def forward(self):
+        if self.method == "sdpa":
+            out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal, enable_gqa=True)
+        elif self.method == "all-gather":
+            out = gathered_attention(self.q, self.k, self.v, layout=self.layout, is_causal=self.causal,
+                                     timings=self.communication)
+        else:
+            out = lowering.ring_attention(self.q, self.k, self.v, layout=self.layout, is_causal=self.causal)
+        return out, self.reference
+
+    def backward(self, out) -> None:
+        out.backward(self.dout)
+
+
+class _ContextParallelStep:
+    """PyTorch's ``context_parallel``: it shards full-length buffers in place on entering its context, so
+    every call starts from fresh full copies and runs inside the context."""
+
+    def __init__(self, inputs: Inputs, config, world_size: int):
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.experimental import context_parallel
+        except ImportError as error:
+            raise _Unavailable(f"this torch has no context_parallel ({error})") from None
+        self.inputs, self.causal, self.communication = inputs, config.causal, {}
+        self.mesh, self.context_parallel = init_device_mesh(inputs.q.device.type, (world_size,)), context_parallel
+
+    def reset(self) -> None:
+        pass
+
+    def forward(self):
+        buffers = [t.clone() for t in (self.inputs.q, self.inputs.k, self.inputs.v, self.inputs.dout, self.inputs.reference)]
+        self.context = self.context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[2] * len(buffers))
+        self.context.__enter__()
+        try:
+            q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+        except BaseException:
+            self.context.__exit__(None, None, None)
+            raise
+        self.dout = buffers[3]
+        return out, buffers[4]
+
+    def backward(self, out) -> None:
+        try:
+            out.backward(self.dout)
+        finally:
+            self.context.__exit__(None, None, None)
+
+
+def _run_once(step, memory: PeakMemory, device) -> dict:
+    """One measured forward+backward: seconds and peak bytes of the forward and of the whole call; the
+    ring's posts (``{"forward kv 0": start}``) and waits (``(message, start, seconds)``) for `results`."""
+    step.reset()
+    memory.start()
+    with lowering.record_ring_events() as events:
+        start = time.perf_counter()
+        out, reference = step.forward()
+        forward_s = seconds_since(start, device)
+        forward_bytes = memory.peak()
+        step.backward(out)
+        total_s = seconds_since(start, device)
+        total_bytes = memory.peak()
+    spans = [e.fields for e in events if e.kind == "span"]
+    compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
+    if "communication" in step.communication:
+        compute = total_s - step.communication["communication"]
+    return {"forward_s": forward_s, "total_s": total_s, "forward_bytes": forward_bytes, "total_bytes": total_bytes,
+            "compute_s": compute, "error": _error(out.detach(), reference),
+            "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
+            "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"]}
+
+
+def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: int, device) -> dict:
+    """This rank's measurements of ``method`` (``{"unavailable": reason}`` where it cannot run)."""
+    memory = PeakMemory(device)
+    try:
+        step = _ContextParallelStep(inputs, config, world_size) if method == "context-parallel" else \
+            _Step(method, inputs, config, rank, world_size)
+        for _ in range(config.warmup):
+            _run_once(step, memory, device)
+    except _Unavailable as error:
+        return {"unavailable": str(error)}
+    except (NotImplementedError, RuntimeError) as error:
+        if method != "context-parallel":
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return {"unavailable": f"{type(error).__name__}: {first_line}"}
+    samples = []
+    for _ in range(config.repeats):
+        if world_size > 1:
+            dist.barrier()
+        samples.append(_run_once(step, memory, device))
+    if config.trace:
+        _trace(step, memory, device, f"{method}-P{world_size}-N{inputs.q.size(2)}-rank{rank}", config.trace)
+    return {"samples": samples, "memory_note": memory.unavailable}
+
+
+def _trace(step, memory, device, name: str, trace_dir: str) -> None:
+    """One more call under ``torch.profiler``, written as a Chrome/Perfetto trace ``trace_dir/name.json``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(trace_dir, exist_ok=True)
+    with torch.profiler.profile(activities=activities) as profiler:
+        _run_once(step, memory, device)
+    profiler.export_chrome_trace(os.path.join(trace_dir, f"{name}.json"))
+
+
+def message_seconds(config, seq_len: int, world_size: int, device, repeats: int = 3) -> dict:
+    """Standalone seconds of one ring hop without compute: a KV block, and a dK/dV accumulator."""
+    if world_size == 1:
+        return {"kv": 0.0, "dkv": 0.0}
+    exchange = RingExchange(dist.group.WORLD)
+    local = lowering.Layout("contiguous", world_size, seq_len).local_len
+    shape = (2, config.batch, config.kv_heads, local, config.head_dim)
+    dtype = DTYPES[config.dtype]
+    result = {}
+    for name, dt in (("kv", dtype), ("dkv", accumulation_dtype(dtype))):
+        block = torch.zeros(shape, dtype=dt, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            exchange.start(block, payload=name, step=0, tag=0).wait()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        result[name] = sorted(times[1:])[len(times[1:]) // 2]
+    return result
+
+
+def attention_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:
+    """Every (sequence length, method) case on one rank of a ``world_size`` job; rank 0's list of records
+    (one per case, with every rank's measurements) is the result."""
+    device = bench_device()
+    if config.threads_per_rank and device.type == "cpu":
+        torch.set_num_threads(config.threads_per_rank)
+    progress = Progress(progress_total, progress_done, enabled=rank == 0 and config.progress)
+    records = []
+    for seq_len in config.seq_lens:
+        inputs = make_inputs(config, seq_len, device)
+        messages = message_seconds(config, seq_len, world_size, device) if world_size > 1 else None
+        for method in methods:
+            threads = torch.get_num_threads()
+            progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
+            mine = measure_method(method, inputs, config, rank, world_size, device)
+            ranks = [None] * world_size
+            if world_size > 1:
+                dist.all_gather_object(ranks, mine)
+            else:
+                ranks = [mine]
+            records.append({"method": method, "world_size": world_size, "seq_len": seq_len, "threads": threads,
+                            "device": device.type, "ranks": ranks, "messages": messages})
+        del inputs
+    return records
+

@@ -1,0 +1,92 @@
+"""``ringpass bench --calibrate``: this machine's link and attention rate, for `lowering.costmodel`.
+
+Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingExchange` (median of five
+after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
+(intercept) and the bandwidth (1 / slope). Device: one rank's attention kernel (the ring's block kernel
+on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
+threads a rank gets) gives useful FLOP/s as the cost model counts them. The result is the `Hardware` that
+``ringpass plan --hardware FILE`` and ``ringpass bench --hardware FILE`` read.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+from lowering.comm import RingExchange
+from lowering.costmodel import BACKWARD_FLOPS_RATIO
+from lowering.kernels import block_attention, block_attention_backward
+from ringpass.launch import spawn_ranks
+
+SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)  # bytes per message
+BLOCK = dict(batch=1, heads=8, kv_heads=2, tokens=2048, head_dim=64)
+
+
+def _link(rank: int) -> list[tuple[int, float]]:
+    exchange = RingExchange(dist.group.WORLD)
+    points = []
+    for size in SIZES:
+        block = torch.zeros(size // 4)
+        times = []
+        for _ in range(6):
+            dist.barrier()
+            start = time.perf_counter()
+            exchange.start(block, payload="calibration", step=0, tag=0).wait()
+            times.append(time.perf_counter() - start)
+        points.append((size, statistics.median(times[1:])))
+    return points
+
+
+def _device_rate() -> float:
+    b, h, hkv, n, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "tokens", "head_dim"))
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(b, h, n, d, generator=generator) for _ in range(2))
+    k, v = (torch.randn(b, hkv, n, d, generator=generator) for _ in range(2))
+    pos = torch.arange(n)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        out, lse = block_attention(q, k, v, pos, pos, backend="torch")
+        block_attention_backward(dout, q, k, v, out, lse, pos, pos, backend="torch")
+        times.append(time.perf_counter() - start)
+    flops = 4 * b * h * d * n * n * (1 + BACKWARD_FLOPS_RATIO)
+    return flops / statistics.median(times[1:])
+
+
+def _calibrate_rank(rank: int, world_size: int) -> dict:
+    points = _link(rank)
+    rate = _device_rate() if rank == 0 else None
+    return {"points": points, "flops_per_s": rate, "threads": torch.get_num_threads()}
+
+
+def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(bytes per second, seconds of latency) of the least-squares line seconds = latency + bytes / bandwidth."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return 1.0 / slope, max(0.0, my - slope * mx)
+
+
+def calibrate(timeout: float = 600.0) -> dict:
+    """Measure on two spawned ranks (one per half of the cores); the calibration file's contents."""
+    result = spawn_ranks(_calibrate_rank, 2, timeout=timeout)[0]
+    bandwidth, latency = fit_link(result["points"])
+    return {"link_bytes_per_s": bandwidth, "link_latency_s": latency, "flops_per_s": result["flops_per_s"],
+            "link": "calibrated", "device": "calibrated", "measured": date.today().isoformat(),
+            "threads_per_rank": result["threads"], "cores": os.cpu_count(),
+            "message_seconds": [{"bytes": b, "seconds": s} for b, s in result["points"]]}
+
+
+def format_calibration(data: dict) -> str:
+    lines = [f"ringpass bench --calibrate ({data['measured']}, {data['threads_per_rank']} thread(s) per rank, "
+             f"{data['cores']} cores)",
+             f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
+             f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs)",
+             "  message seconds: " + ", ".join(f"{m['bytes'] // 1024} KiB {m['seconds'] * 1e3:.2f} ms"
+                                               for m in data["message_seconds"])]
+    return "\n".join(lines)

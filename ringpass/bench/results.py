@@ -1,0 +1,266 @@
+"""What ``ringpass bench`` reports: per-case rows from every rank's measurements, the table, JSON and plot.
+
+A row (`summarise`) is one (method, world size P, sequence length N):
+
+- ``forward_s`` / ``total_s``: median, min and max over the repeats of the slowest rank's seconds
+  (forward; forward+backward, or the whole training step for a model).
+- ``forward_mib`` / ``total_mib``: per-rank peak memory above what the rank held before the call
+  (the largest rank, median over repeats; `measure.PeakMemory`). ``need_mib``: what the ring algorithm
+  itself must hold (`lowering.costmodel.RingCost.working_memory`).
+- ``efficiency``: parallel efficiency ``T_single / (W · T)``, with ``T_single`` the one-thread
+  single-process baseline's time at the same N and W the cores the method used (ranks x threads per rank).
+  ``vs_same_cores``: ``T_same / T``, with ``T_same`` the single-process baseline given the same number of
+  threads (above 1: faster than one process on the same cores).
+- ``hidden``: the fraction of communication time hidden behind compute, ``1 - exposed / communication``
+  (mean over ranks and repeats): ``communication`` is what the rank's messages take alone (measured
+  without compute: P-1 KV hops forward, P-1 KV and P dK/dV hops backward); ``exposed`` is its time
+  blocked in the ring's waits (span events) less, for each wait, the part before the sending neighbour
+  had posted that message (waiting for a slower rank is imbalance, not transfer: ``balance`` shows it).
+  The all-gather's collectives are never hidden (0). Not given on CUDA, where the spans time launches.
+- ``balance``: max / mean over ranks of the seconds spent computing blocks (1 = perfectly balanced).
+- ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
+  whether the transfer hides.
+- ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
+  ``loss_error``: |loss - unsharded loss| / |unsharded loss|, and ``exchanges`` (the ring ran: > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+
+from lowering.costmodel import DEVICES, LINKS, AttentionShape, Hardware, all_gather_seconds, predict, ring_cost
+from lowering.errors import InvalidInputError
+from lowering.layout import Layout
+
+MIB = 2**20
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def default_hardware() -> Hardware:
+    """This machine's presets: gloo on loopback and the CPU's measured attention rate."""
+    link, device = LINKS["loopback"], DEVICES["cpu"]
+    return Hardware(link[0], link[1], device[0], link="loopback", device="cpu")
+
+
+def load_hardware(path: str) -> Hardware:
+    """`Hardware` from a ``ringpass bench --calibrate --json FILE`` file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return Hardware(float(data["link_bytes_per_s"]), float(data["link_latency_s"]), float(data["flops_per_s"]),
+                        link=str(data.get("link", "calibrated")), device=str(data.get("device", "calibrated")))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise InvalidInputError(f"--hardware {path!r}: not a calibration file written by `ringpass bench --calibrate "
+                                f"--json FILE` ({type(error).__name__}: {error}).") from None
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _slowest(record: dict, key: str) -> list[float]:
+    """Per repeat, the slowest rank's ``key``."""
+    ranks = [r["samples"] for r in record["ranks"]]
+    return [max(samples[i][key] for samples in ranks) for i in range(len(ranks[0]))]
+
+
+def _peak_mib(record: dict, key: str):
+    values = [s[key] for r in record["ranks"] for s in r["samples"]]
+    if any(v is None for v in values):
+        return None
+    per_repeat = [max(r["samples"][i][key] for r in record["ranks"]) for i in range(len(record["ranks"][0]["samples"]))]
+    return statistics.median(per_repeat) / MIB
+
+
+def _layout_kind(method: str, causal: bool) -> str:
+    return {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(method, "zigzag" if causal else "contiguous")
+
+
+def _shape(config) -> AttentionShape:
+    return AttentionShape(config.batch, config.heads, config.kv_heads, config.head_dim, ITEMSIZE[config.dtype],
+                          is_causal=config.causal)
+
+
+def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
+    p, n, method = record["world_size"], record["seq_len"], record["method"]
+    row["error"] = max(s["error"] for r in record["ranks"] for s in r["samples"])
+    if p == 1:
+        return
+    cost = ring_cost(Layout(_layout_kind(method, config.causal), p, n), _shape(config))
+    if method.startswith("ring"):
+        prediction = predict(cost, hardware)
+        row["predicted"] = {"forward_s": prediction.forward_s, "total_s": prediction.forward_s + prediction.backward_s,
+                            "hides": prediction.hides}
+        row["need_mib"] = {k: v / MIB for k, v in cost.working_memory().items()}
+    elif method == "all-gather":
+        row["predicted"] = {"forward_s": all_gather_seconds(cost, hardware),
+                            "total_s": all_gather_seconds(cost, hardware) + all_gather_seconds(cost, hardware, backward=True),
+                            "hides": False}
+    compute = [statistics.median(s["compute_s"] for s in r["samples"]) for r in record["ranks"]]
+    row["balance"] = max(compute) / statistics.mean(compute) if statistics.mean(compute) > 0 else None
+    if record["device"] == "cuda":
+        row["hidden"] = None
+    elif method == "all-gather":
+        row["hidden"] = 0.0
+    elif method.startswith("ring") and record["messages"]:
+        m = record["messages"]
+        communication = 2 * (p - 1) * m["kv"] + p * m["dkv"]  # one rank's messages, each alone
+        exposed = statistics.mean(_exposed_seconds(record, rank, i) for rank in range(p)
+                                  for i in range(len(record["ranks"][0]["samples"])))
+        row["hidden"] = min(1.0, max(0.0, 1.0 - exposed / communication)) if communication > 0 else None
+
+
+def _exposed_seconds(record: dict, rank: int, repeat: int) -> float:
+    """Seconds rank ``rank`` waited for transfers still in flight in one call: each wait, less the part of it
+    before its sender (the previous rank) had even posted the message (a late neighbour, not the link)."""
+    p = record["world_size"]
+    mine, sender = record["ranks"][rank]["samples"][repeat], record["ranks"][(rank - 1) % p]["samples"][repeat]
+    exposed = 0.0
+    for message, start, seconds in mine["waits"]:
+        late = max(0.0, sender["posts"][message] - start)
+        exposed += max(0.0, seconds - late)
+    return exposed
+
+
+def _model_extras(row: dict, record: dict, config) -> None:
+    row["tokens_per_s"] = config.batch * record["seq_len"] / row["total_s"]["median"]
+    row["loss"] = statistics.median(s["loss"] for r in record["ranks"] for s in r["samples"])
+    row["exchanges"] = min(s["exchanges"] for r in record["ranks"] for s in r["samples"])
+
+
+def summarise(records: list[dict], config, hardware: Hardware) -> dict:
+    rows = []
+    for record in records:
+        row = {k: record[k] for k in ("method", "world_size", "seq_len", "threads", "device")}
+        unavailable = [r["unavailable"] for r in record["ranks"] if "unavailable" in r]
+        if unavailable:
+            rows.append({**row, "unavailable": unavailable[0]})
+            continue
+        row["forward_s"], row["total_s"] = _spread(_slowest(record, "forward_s")), _spread(_slowest(record, "total_s"))
+        row["forward_mib"], row["total_mib"] = _peak_mib(record, "forward_bytes"), _peak_mib(record, "total_bytes")
+        row["memory_note"] = record["ranks"][0].get("memory_note")
+        if config.what == "attention":
+            _attention_extras(row, record, config, hardware)
+        else:
+            _model_extras(row, record, config)
+        rows.append(row)
+    _relative(rows, config)
+    return {"config": _config_dict(config), "hardware": asdict(hardware), "rows": rows}
+
+
+def _relative(rows: list[dict], config) -> None:
+    """Efficiency against the single-process baselines, and a model's loss against the unsharded one's."""
+    single = "sdpa" if config.what == "attention" else "unsharded"
+    baselines = {(r["seq_len"], r["threads"]): r for r in rows if r["method"] == single and "total_s" in r}
+    for row in rows:
+        if "total_s" not in row:
+            continue
+        cores = row["world_size"] * row["threads"]
+        one = baselines.get((row["seq_len"], 1))
+        same = baselines.get((row["seq_len"], cores))
+        t = row["total_s"]["median"]
+        row["efficiency"] = one["total_s"]["median"] / (cores * t) if one else None
+        row["vs_same_cores"] = same["total_s"]["median"] / t if same and row["world_size"] > 1 else None
+        if one and config.what == "model":
+            row["loss_error"] = abs(row["loss"] - one["loss"]) / abs(one["loss"])
+            if one["total_mib"] and row["total_mib"] is not None:  # (tiny runs measure 0 MiB)
+                row["memory_vs_unsharded"] = row["total_mib"] / one["total_mib"]
+
+
+def _config_dict(config) -> dict:
+    data = asdict(config)
+    data["model"] = asdict(config.model)
+    return data
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def format_table(summary: dict) -> str:
+    c, h = summary["config"], summary["hardware"]
+    model = c["what"] == "model"
+    if model:
+        m = c["model"]
+        described = c["hf_config"] or (f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
+                                       f"{m['kv_heads']} KV heads, vocab {m['vocab']}")
+        title = f"ringpass bench --what model: {described}, batch {c['batch']}, one training step, compiler {c['compiler']}"
+    else:
+        title = (f"ringpass bench: {'causal' if c['causal'] else 'bidirectional'} attention, B={c['batch']} "
+                 f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, forward+backward")
+    lines = [title, f"  {c['warmup']} warm-up call(s), {c['repeats']} measured; times: median (min..max) of the slowest "
+             f"rank; memory: per-rank peak above the call's start; predicted on link {h['link']}, device {h['device']}",
+             ""]
+    head = (f"{'method':<17}{'P':>3}{'thr':>4}{'N':>7}{'fwd s':>9}{'fwd+bwd s (min..max)':>26}{'pred s':>8}"
+            f"{'MiB fwd/all':>13}{'need':>7}{'eff':>6}{'vs same':>8}")
+    head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'error':>9}"
+    lines.append(head)
+    for r in summary["rows"]:
+        start = f"{r['method']:<17}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>7}"
+        if "unavailable" in r:
+            lines.append(f"{start}  unavailable: {r['unavailable']}")
+            continue
+        t = r["total_s"]
+        total = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
+        memory = f"{_fmt(r['forward_mib'], '.0f')}/{_fmt(r['total_mib'], '.0f')}"
+        need = r.get("need_mib")
+        line = (f"{start}{r['forward_s']['median']:>9.3f}{total:>26}{_fmt(r.get('predicted', {}).get('total_s'), '.3f'):>8}"
+                f"{memory:>13}{_fmt(need and need['backward'], '.0f'):>7}{_fmt(r['efficiency'], '.2f'):>6}"
+                f"{_fmt(r['vs_same_cores'], '.2f'):>8}")
+        if model:
+            line += f"{r['tokens_per_s']:>9.0f}{_fmt(r.get('loss_error'), '.1e'):>9}"
+            if r["method"] == "ring" and not r["exchanges"]:
+                line += "  (no ring exchange: ran unsharded)"
+        else:
+            hidden = r.get("hidden")
+            line += f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}" \
+                    f"{_fmt(r.get('balance'), '.2f'):>6}{r['error']:>9.1e}"
+        lines.append(line)
+    notes = {r["memory_note"] for r in summary["rows"] if r.get("memory_note")}
+    lines += [f"  memory not measured: {note}" for note in notes]
+    lines.append("  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
+                 "working memory per rank (fwd+bwd)")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def plot(summary: dict, path: str) -> None:
+    """A PNG: forward+backward time (top) and per-rank peak memory (bottom) against N, a line per method
+    and world size."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise InvalidInputError("--plot needs matplotlib: pip install 'ringpass[viz]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_axis, memory_axis) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
+    series: dict = {}
+    for r in summary["rows"]:
+        if "total_s" in r:
+            label = f"{r['method']} P={r['world_size']}" if r["world_size"] > 1 else f"{r['method']} {r['threads']} thr"
+            series.setdefault(label, []).append(r)
+    for label, rows in sorted(series.items()):
+        rows.sort(key=lambda r: r["seq_len"])
+        n = [r["seq_len"] for r in rows]
+        time_axis.plot(n, [r["total_s"]["median"] for r in rows], marker="o", label=label)
+        if all(r["total_mib"] is not None for r in rows):
+            memory_axis.plot(n, [r["total_mib"] for r in rows], marker="o", label=label)
+    time_axis.set_ylabel("forward+backward s (median)" if summary["config"]["what"] == "attention" else "training step s")
+    memory_axis.set_ylabel("peak MiB per rank above start")
+    memory_axis.set_xlabel("sequence length N")
+    for axis in (time_axis, memory_axis):
+        axis.set_xscale("log", base=2)
+        axis.grid(True, alpha=0.3)
+    time_axis.legend(fontsize=8)
+    time_axis.set_title(format_table(summary).splitlines()[0][:90], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

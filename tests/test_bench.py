@@ -1,0 +1,113 @@
+"""``ringpass bench`` at tiny sizes: valid JSON, a PNG, traces with the ring's step ranges, a method that
+cannot run reported with its reason; the all-gather baseline against fp64 SDPA; how memory is measured;
+the calibration fit and the cost model's additions, against hand-computed cases."""
+
+import json
+
+import pytest
+
+import bench_workers
+from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, ring_cost
+from lowering.layout import Layout
+from ringpass import cli
+from ringpass.bench import calibrate
+from ringpass.bench.measure import MMAP_THRESHOLD
+from ringpass.launch import spawn_ranks
+
+
+@pytest.mark.parametrize("kind,causal", [("zigzag", True), ("contiguous", False)])
+def test_all_gather_baseline_is_exact_with_gradients(kind, causal):
+    for result in spawn_ranks(bench_workers.gathered_matches_fp64_sdpa, 2, (kind, causal), timeout=120):
+        assert max(result["errors"].values()) < 1e-5, result["errors"]
+        assert result["communication"] > 0  # its gather and reduce-scatter were timed
+
+
+def test_peak_memory_counts_what_the_call_held_not_what_was_freed_before(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
+    result = spawn_ranks(bench_workers.peak_of_a_freed_allocation, 1, timeout=60)[0]
+    assert result["unavailable"] is None
+    mib = 2**20  # the kernel's resident-set counters lag by up to 64 pages per thread: 1 MiB of slack
+    assert 63 * mib <= result["peak"] < 72 * mib  # the freed 128 MiB before it is not counted
+    assert 0.5 * mib <= result["small"] < 4 * mib  # nor the 64 MiB freed inside the previous call
+
+
+def test_working_memory_and_all_gather_time_by_hand():
+    """P=2, N=8, one head of dim 1, fp32: n=4 tokens per rank, q/out 16 B, one of k/v 16 B, lse 16 B."""
+    shape = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)
+    cost = ring_cost(Layout("contiguous", 2, 8), shape)
+    # forward: out acc 16 + lse 16 + two stacked KV blocks 2 x 32; backward: out 16 + lse 16 + dq 16 +
+    # two dK/dV accumulators 2 x 32 + two KV blocks 2 x 32 + returned dk, dv 32
+    assert cost.working_memory() == {"forward": 96, "backward": 208}
+    hw = Hardware(link_bytes_per_s=32, link_latency_s=0.0, flops_per_s=64)
+    # backward: gather one 32-byte block (1 s), 2 steps x 1 s x 2.5, reduce-scatter one fp32 block (1 s)
+    assert all_gather_seconds(cost, hw, backward=True) == 1.0 + 5.0 + 1.0
+
+
+def test_calibration_fits_latency_and_bandwidth():
+    points = [(b, 2e-4 + b / 1.5e9) for b in calibrate.SIZES]
+    bandwidth, latency = calibrate.fit_link(points)
+    assert bandwidth == pytest.approx(1.5e9, rel=1e-9) and latency == pytest.approx(2e-4, rel=1e-6)
+
+
+def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
+    out, png, traces = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "traces"
+    assert cli.main(["bench", "--world-size", "2", "--seq-len", "64", "--heads", "4", "--kv-heads", "2",
+                     "--head-dim", "8", "--repeats", "2", "--json", str(out), "--plot", str(png),
+                     "--trace", str(traces), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    rows = {(r["method"], r["world_size"], r["threads"]): r for r in summary["rows"]}
+    unavailable = rows[("context-parallel", 2, 1)]
+    assert "unavailable" in unavailable and unavailable["unavailable"]  # never a number, always a reason
+    assert "unavailable: " + unavailable["unavailable"] in table
+    for method in ("ring-zigzag", "ring-contiguous", "all-gather"):
+        row = rows[(method, 2, 1)]
+        assert row["error"] < 1e-5  # checked against SDPA on the whole sequence
+        assert row["total_s"]["min"] <= row["total_s"]["median"] <= row["total_s"]["max"]
+        assert row["forward_s"]["median"] < row["total_s"]["median"]
+        assert 0.0 <= row["hidden"] <= 1.0 and row["balance"] >= 1.0
+        assert row["predicted"]["total_s"] > 0 and row["efficiency"] > 0 and row["vs_same_cores"] > 0
+        assert row["total_mib"] is not None and row["total_mib"] >= 0
+    assert rows[("ring-zigzag", 2, 1)]["need_mib"]["backward"] > rows[("ring-zigzag", 2, 1)]["need_mib"]["forward"]
+    assert rows[("all-gather", 2, 1)]["hidden"] == 0.0
+    assert rows[("sdpa", 1, 1)]["efficiency"] == 1.0 and ("sdpa", 1, 2) in rows  # one thread, and the ranks' two
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for rank in (0, 1):
+        trace = json.loads((traces / f"ring-zigzag-P2-N64-rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        for part in ("post", "compute", "wait"):
+            assert f"ringpass forward step 0: {part}" in names and f"ringpass backward step 1: {part}" in names
+
+
+@pytest.mark.heavy  # two compiles on two ranks and two in one process: ~40 s
+def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    assert cli.main(["bench", "--what", "model", "--world-size", "2", "--seq-len", "32", "--hidden", "32",
+                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--vocab", "61",
+                     "--compiler", "aot_eager", "--repeats", "1", "--json", str(out), "--no-progress"]) == 0
+    rows = {(r["method"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
+    ring = rows[("ring", 1)]
+    assert ring["exchanges"] > 0  # the ring ran
+    assert ring["loss_error"] < 1e-5 and ring["tokens_per_s"] > 0
+    assert ("unsharded", 1) in rows and ("unsharded", 2) in rows
+    assert "ring" in capsys.readouterr().out
+
+
+def test_calibrate_then_plan_with_it(tmp_path, capsys):
+    hardware = tmp_path / "hardware.json"
+    assert cli.main(["bench", "--calibrate", "--json", str(hardware)]) == 0
+    data = json.loads(hardware.read_text())
+    assert data["link_bytes_per_s"] > 0 and data["flops_per_s"] > 0
+    assert cli.main(["plan", "--world-size", "2", "--seq-len", "16384", "--heads", "8", "--kv-heads", "2",
+                     "--head-dim", "64", "--dtype", "fp32", "--hardware", str(hardware)]) == 0
+    assert "link calibrated" in capsys.readouterr().out
+
+
+def test_bench_refuses_unknown_methods_and_bad_calibration_files(tmp_path, capsys):
+    assert cli.main(["bench", "--methods", "ring-spiral"]) == 1
+    assert "unknown method(s) ring-spiral" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["plan", "--world-size", "2", "--seq-len", "64", "--heads", "1", "--head-dim", "8",
+                     "--hardware", str(bad)]) == 1
+    assert "not a calibration file" in capsys.readouterr().err
