@@ -22,11 +22,15 @@ import torch
 from lowering import events
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
 from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
-from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_
+from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_, kernel_applies_window
 from lowering.layout import Layout
+from lowering import masks
 from lowering.masks import BlockMask, Tile, mask_tiles
 from lowering.schedule import kv_source, plan_block
 from lowering.scores import ScoreMod
+
+
+WORK_TILE_MIN = 512  # below this a kernel call's fixed costs start to show on the CPU
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,39 @@ class RingSpec:
     def __post_init__(self):
         check_fully_masked(self.fully_masked)
 
-    def tiles(self, q_rank: int, kv_rank: int, q, q_pos, kv_pos) -> list[Tile]:
+    def positions(self, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's global positions, (on the host, on ``device``): built once per call, so no ring step
+        copies positions to the device or reads them back."""
+        host = [self.layout.positions(r) for r in range(self.layout.world_size)]
+        return [(h, h.to(device)) for h in host]
+
+    def tiles(self, q_rank: int, kv_rank: int, q, positions) -> list[Tile]:
         """The kernel calls of rank ``q_rank`` against the KV block of ``kv_rank``: the planned tasks, cut
-        into evaluated tiles when a window, a mask program or a bias program is set (empty tiles left out)."""
+        into tiles where a window (unless the kernel applies it), a mask program or a bias program hides
+        part of them (`lowering.masks.mask_tiles`; empty tiles left out)."""
         block_mask = self.mask or BlockMask(self.is_causal)
+        (q_host, q_pos), (kv_host, kv_pos) = positions[q_rank], positions[kv_rank]
         return [
             tile
             for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
-            for tile in mask_tiles(task, q_pos, kv_pos, block_mask, q.size(0), q.size(1), split=self.scores.per_tile)
+            for tile in mask_tiles(task, q_host, kv_host, block_mask, q.size(0), q.size(1), q_pos=q_pos,
+                                   kv_pos=kv_pos, split=self.scores.per_tile, window_in_kernel=self._window_in_kernel(q),
+                                   work=self.work_tile)
         ]
+
+    @property
+    def work_tile(self) -> tuple[int, int]:
+        """(query rows, keys) one kernel call covers at most: an eighth of a rank's slots by half of them
+        (each at least `WORK_TILE_MIN`, a multiple of ``MASK_TILE``). A call's output and dq are then an
+        eighth of the accumulators and its dK/dV half a block's, which bounds what the ring holds beyond
+        its accumulators and blocks; calls stay large enough for the kernels' fixed costs not to show."""
+        def part(fraction: int) -> int:
+            slots = -(-self.layout.local_len // fraction)
+            return max(WORK_TILE_MIN, -(-slots // masks.MASK_TILE) * masks.MASK_TILE)
+        return part(8), part(2)
+
+    def _window_in_kernel(self, q) -> bool:
+        return self.mask is not None and self.mask.window is not None and kernel_applies_window(q)
 
     def kernel_options(self, tile: Tile, q, q_pos, kv_pos) -> dict:
         """What the block kernels take for one tile besides q, k, v and positions."""
@@ -62,7 +90,8 @@ class RingSpec:
         options = self.scores.kernel_options(rows, cols, q.size(0), q.size(1), q.device)
         if tile.bias is not None:  # an additive mask's bias adds to the bias program's
             options["bias"] = tile.bias if options["bias"] is None else options["bias"] + tile.bias
-        return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask, **options)
+        window = self.mask.window if self._window_in_kernel(q) else None
+        return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask, window=window, **options)
 
 
 class _RankForward:
@@ -70,18 +99,19 @@ class _RankForward:
 
     def __init__(self, q: torch.Tensor, spec: RingSpec, rank: int):
         self.q, self.spec, self.rank = q, spec, rank
-        self.q_pos = spec.layout.positions(rank).to(q.device)
+        self.positions = spec.positions(q.device)
+        self.q_pos = self.positions[rank][1]
         acc = accumulation_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         self.values = None  # the sum of every key's value, when fully masked rows average them
 
     def add_block(self, k: torch.Tensor, v: torch.Tensor, kv_rank: int) -> None:
-        kv_pos = self.spec.layout.positions(kv_rank).to(k.device)
+        kv_pos = self.positions[kv_rank][1]
         if self.spec.fully_masked != "zero":
             block_sum = value_sum(v, kv_pos, self.spec.layout.seq_len, self.out.dtype)
             self.values = block_sum if self.values is None else self.values + block_sum
-        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
+        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions):
             rows, cols = t.rows, t.cols
             block_attention_merge_(
                 self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
@@ -100,7 +130,8 @@ class _RankBackward:
     def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int):
         self.dout, self.q, self.out, self.lse, self.dlse = dout, q, out, lse, dlse
         self.spec, self.rank = spec, rank
-        self.q_pos = spec.layout.positions(rank).to(q.device)
+        self.positions = spec.positions(q.device)
+        self.q_pos = self.positions[rank][1]
         self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         self.fully_masked = FullyMaskedGrads(spec.fully_masked, lse, self.q_pos, spec.layout.seq_len)
 
@@ -108,8 +139,8 @@ class _RankBackward:
         """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype."""
         acc = self.dq.dtype
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        kv_pos = self.spec.layout.positions(kv_rank).to(k.device)
-        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.q_pos, kv_pos):
+        kv_pos = self.positions[kv_rank][1]
+        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions):
             rows, cols = t.rows, t.cols
             dq, dk, dv = block_attention_backward(
                 self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
+import lowering
 import ringpass
 from lowering import record_ring_events
 from reference import grad_error, rel_err
@@ -190,9 +191,11 @@ def generate_prefill(rank: int, world_size: int, name: str, seq_len: int) -> dic
     return {"logits": rel_err(got.logits, expected.logits), "cache": cache, "report": str(backend.reports[-1])}
 
 
-def mask_tiles(rank: int, world_size: int, seq_lens: list) -> dict:
+def mask_tiles(rank: int, world_size: int, seq_lens: list, tile: int, strip: int) -> dict:
     """Largest mask tensor the ring evaluates, and largest mask program input, per sequence length
-    (a left-padded Llama batch: the mask is a lifted program)."""
+    (a left-padded Llama batch: the mask is a lifted program), with tiles of ``tile`` x ``tile`` pairs
+    evaluated ``strip`` tiles at a time."""
+    lowering.masks.MASK_TILE, lowering.masks.MASK_STRIP = tile, strip
     largest = {}
     for seq_len in seq_lens:
         torch._dynamo.reset()

@@ -185,12 +185,11 @@ def test_use_cache_forward_in_eval_matches_the_unsharded_model(name, world_size)
 
 
 def test_mask_memory_does_not_grow_with_the_sequence():
-    """A layer's mask is evaluated in tiles: the largest mask tensor is the same at 600 and 1500 tokens
-    (one MASK_TILE x MASK_TILE tile per batch row), not S x S or S/P x S."""
+    """A layer's mask is evaluated in strips of tiles: the largest mask tensor is the same at 600 and 1500
+    tokens (one strip of 2 tiles of 64 x 64 per batch row), not S x S or S/P x S."""
     lengths = [600, 1500]
-    tile = lowering.masks.MASK_TILE
-    for largest in spawn_ranks(hf_workers.mask_tiles, 2, (lengths,), timeout=600):
-        assert largest[600] == largest[1500] == 2 * tile * tile, largest
+    for largest in spawn_ranks(hf_workers.mask_tiles, 2, (lengths, 64, 2), timeout=600):
+        assert largest[600] == largest[1500] == 2 * 64 * 2 * 64, largest
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])

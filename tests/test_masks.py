@@ -69,8 +69,11 @@ def test_fully_masked_rows_give_what_eager_attention_gives(monkeypatch, softcap,
     check_simulated_ring(Layout(kind, world_size, 43), hidden_heads(pos, pos, keep, heads), options, reference)
 
 
-def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
-    """The largest mask tensor the ring evaluates is one tile, at any sequence length (not S x S, not S/P x S)."""
+def test_mask_memory_is_bounded_by_the_tile_not_the_sequence(monkeypatch):
+    """The largest mask tensor the ring evaluates is one strip of tiles, at any sequence length (not S x S,
+    not S/P x S)."""
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 16)
+    monkeypatch.setattr(lowering.masks, "MASK_STRIP", 2)
     largest = {}
     for seq_len in (512, 2048):
         q, k, v = qkv_fp64(seq_len, heads=(2, 1))
@@ -80,7 +83,7 @@ def test_mask_memory_is_bounded_by_the_tile_not_the_sequence():
                           mask_inputs=[document])
         tiles = [e.fields["numel"] for e in events if e.kind == "mask_tile"]
         largest[seq_len] = max(tiles)
-    assert largest[512] == largest[2048] == lowering.masks.MASK_TILE ** 2
+    assert largest[512] == largest[2048] == 16 * 2 * 16
 
 
 def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
@@ -94,6 +97,35 @@ def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
     calls = [e for e in events if e.kind == "block_forward"]
     assert len(calls) == 4  # the four documents' diagonal tiles; every other tile is empty and skipped
     assert all(e.fields["causal"] and not e.fields["masked"] for e in calls)  # each one exactly causal: fused path
+
+
+def _calls(monkeypatch, **options):
+    """Kernel calls and mask evaluations of one simulated causal zigzag ring (P=2, N=128, tiles of 8)."""
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)
+    q, k, v = qkv_fp64(128, heads=(2, 1), batch=1)
+    with record_ring_events() as events:
+        simulate_ring(q, k, v, layout=Layout("zigzag", 2, 128), is_causal=True, **options)
+    return [e for e in events if e.kind == "block_forward"], [e for e in events if e.kind == "mask_tile"]
+
+
+def test_a_window_or_program_that_hides_nothing_keeps_each_task_whole(monkeypatch):
+    """No per-tile work where nothing is hidden: a window as long as the sequence and a program that
+    shows everything give the plain causal ring's kernel calls, the window without evaluating any mask."""
+    plain, _ = _calls(monkeypatch)
+    window, evaluated = _calls(monkeypatch, window=128)
+    assert len(window) == len(plain) and not evaluated and not any(e.fields["masked"] for e in window)
+    one_document, evaluated = _calls(monkeypatch, mask=packed_documents, mask_inputs=[torch.zeros(128, dtype=torch.long)])
+    assert len(one_document) == len(plain) and not any(e.fields["masked"] for e in one_document)
+    assert evaluated and max(e.fields["numel"] for e in evaluated) <= 8 * 8 * lowering.masks.MASK_STRIP
+
+
+def test_a_window_runs_its_fully_visible_tiles_as_one_call_per_row(monkeypatch):
+    """A window of 40 over tiles of 8: each row of tiles is at most one merged rectangle, one causal
+    diagonal tile and the partial tiles at the window's edge (two here) — never one call per tile."""
+    calls, _ = _calls(monkeypatch, window=40)
+    rows = 2 * 128 // 2 // 8  # two ranks' query tiles: forward calls per row of tiles, both steps together
+    assert len(calls) <= rows * 4
+    assert sum(e.fields["masked"] for e in calls) <= rows * 2
 
 
 def test_an_additive_mask_carrying_a_bias_applies_both():

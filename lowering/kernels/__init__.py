@@ -35,7 +35,8 @@ from lowering.kernels import torch_attention
 from lowering.kernels.torch_attention import accumulation_dtype, merge
 from lowering.scores import check_score_options
 
-__all__ = ["block_attention", "block_attention_backward", "block_attention_merge_", "accumulation_dtype", "merge"]
+__all__ = ["block_attention", "block_attention_backward", "block_attention_merge_", "accumulation_dtype", "merge",
+           "kernel_applies_window"]
 
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,6 +71,12 @@ def block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=No
     _record("block_backward", q_pos, kv_pos, is_causal, mask)
     options = _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound, softcap, alibi_slopes, bias)
     return impl.backward(dout, q, k, v, out, lse, q_pos, kv_pos, dlse=dlse, **options)
+
+
+def kernel_applies_window(q, backend: str = "auto") -> bool:
+    """The kernel that runs on ``q`` evaluates a sliding window itself (Triton does; the torch path takes
+    the window as tiles' masks)."""
+    return _implementation(q, backend) is not torch_attention
 
 
 def _implementation(q, backend: str):

@@ -61,11 +61,13 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
 def merge(out_acc, lse_acc, out_block, lse_block) -> None:
     """Fold a block's partial result into running accumulators, in place, exactly:
     lse = log(e^lse_acc + e^lse_block), out = (e^lse_acc out_acc + e^lse_block out_block) / e^lse.
-    Rows that have seen no visible key keep out 0 and lse -inf (never NaN)."""
+    Rows that have seen no visible key keep out 0 and lse -inf (never NaN). ``out_block`` is consumed: it
+    is scaled in place when it already has the accumulator's dtype (no temporary the size of the output)."""
     lse_new = torch.logaddexp(lse_acc, lse_block.to(lse_acc.dtype))
     shift = lse_new.masked_fill(torch.isneginf(lse_new), 0.0)
     out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
-    out_acc.add_(out_block.to(out_acc.dtype) * torch.exp(lse_block.to(lse_acc.dtype) - shift).unsqueeze(-1))
+    block = out_block.to(out_acc.dtype)
+    out_acc.add_(block.mul_(torch.exp(lse_block.to(lse_acc.dtype) - shift).unsqueeze(-1)))
     lse_acc.copy_(lse_new)
 
 

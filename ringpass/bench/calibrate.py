@@ -2,7 +2,7 @@
 
 Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingExchange` (median of five
 after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
-(intercept) and the bandwidth (1 / slope). Device: one rank's attention kernel (the ring's block kernel
+(intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's block kernel
 on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
 threads a rank gets) gives useful FLOP/s as the cost model counts them. The result is the `Hardware` that
 ``ringpass plan --hardware FILE`` and ``ringpass bench --hardware FILE`` read.
@@ -65,10 +65,15 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
 
 
 def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(bytes per second, seconds of latency) of the least-squares line seconds = latency + bytes / bandwidth."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    """(bytes per second, seconds of latency) of the line seconds = latency + bytes / bandwidth that fits
+    the points in relative error (least squares weighted by 1 / seconds², so a small message's latency
+    counts as much as a large one's bandwidth)."""
+    w = [1.0 / (y * y) for _, y in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / \
+        sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
     return 1.0 / slope, max(0.0, my - slope * mx)
 
 
