@@ -19,6 +19,7 @@ sequence length.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -83,24 +84,30 @@ class BlockMask:
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the
         additive bias an additive program carries on them, or None)."""
-        q, kv = q_pos.unsqueeze(-1), kv_pos.unsqueeze(0)
-        visible = torch.ones(len(q_pos), len(kv_pos), dtype=torch.bool, device=q_pos.device)
-        if self.is_causal:
-            visible &= kv <= q
-        if self.window is not None:
-            visible &= q - kv < self.window
-        visible, bias = visible[None, None], None
+        visible, bias = _positional(q_pos, kv_pos, self)[None, None], None
         if self.program is not None:
-            program_visible, bias = split_additive(self.program(q_pos, kv_pos, *self.inputs))
+            program_visible, bias = self.evaluate_program(q_pos, kv_pos, batch, heads)
             visible = visible & program_visible
-        if visible.dim() != 4 or visible.size(0) not in (1, batch) or visible.size(1) not in (1, heads):
+        elif events.recording():
+            events.emit("mask_tile", shape=tuple(visible.shape), numel=visible.numel())
+        return visible, bias
+
+    def evaluate_program(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
+        """The program alone on these positions: (bool visible, expanded to ``[B or 1, Hq or 1, n, m]``;
+        its additive bias or None), its shape checked."""
+        visible, bias = split_additive(self.program(q_pos, kv_pos, *self.inputs))
+        try:
+            shape = torch.broadcast_shapes(visible.shape, (1, 1, len(q_pos), len(kv_pos)))
+        except RuntimeError:
+            shape = None
+        if shape is None or len(shape) != 4 or shape[0] not in (1, batch) or shape[1] not in (1, heads):
             raise InvalidInputError(
                 f"The mask program returned shape {tuple(visible.shape)}; it must broadcast to "
                 f"[batch={batch} or 1, heads={heads} or 1, {len(q_pos)}, {len(kv_pos)}]."
             )
         if events.recording():
-            events.emit("mask_tile", shape=tuple(visible.shape), numel=visible.numel())
-        return visible, bias
+            events.emit("mask_tile", shape=tuple(shape), numel=math.prod(shape))
+        return visible.expand(shape), None if bias is None else bias.expand(shape)
 
 
 @dataclass(frozen=True)
@@ -155,25 +162,54 @@ def _tile_ranges(positions: torch.Tensor, tile: int) -> tuple[torch.Tensor, torc
 
 
 def _program_states(task, states, block_mask: BlockMask, q_pos, kv_pos, batch, heads):
-    """The program's verdict on every tile, evaluated strip by strip on the device: 0 nothing visible, 1
-    everything causality and the window leave visible stays visible, 2 some of it."""
+    """The program's verdict on every tile not already empty, evaluated a strip of tiles at a time on the
+    device: none visible → EMPTY; all that causality and the window leave visible → unchanged; else
+    PARTIAL. Only tiles causality or the window leave partly visible compare against them; for the rest
+    (fully visible so far) the program's own any / all decide."""
     tile, strip = MASK_TILE, MASK_TILE * MASK_STRIP
-    verdicts, biased = [], []
-    for row_start in range(task.q_start, task.q_stop, tile):
+    rows_count, cols_count = states.shape
+    any_visible = torch.zeros(rows_count, cols_count, dtype=torch.bool, device=q_pos.device)
+    all_visible = torch.zeros_like(any_visible)
+    biased = torch.zeros_like(any_visible)
+    for r, row_start in enumerate(range(task.q_start, task.q_stop, tile)):
         rows = slice(row_start, min(row_start + tile, task.q_stop))
-        for strip_start in range(task.kv_start, task.kv_stop, strip):
-            strip_cols = slice(strip_start, min(strip_start + strip, task.kv_stop))
-            visible, bias = block_mask.evaluate(q_pos[rows], kv_pos[strip_cols], batch, heads)
-            positional = _positional(q_pos[rows], kv_pos[strip_cols], block_mask)
-            for c in range(0, strip_cols.stop - strip_cols.start, tile):
-                seen, allowed = visible[..., c:c + tile], positional[..., c:c + tile]
-                verdicts.append(torch.where(~seen.any(), 0, torch.where((seen | ~allowed).all(), 1, 2)))
-                biased.append((bias[..., c:c + tile] != 0).any() if bias is not None else seen.new_zeros(()))
-    shape = states.shape
-    verdict = torch.stack(verdicts).view(shape).cpu()  # the task's one host sync
-    has_bias = torch.stack(biased).view(shape).cpu()
-    states = torch.where((states == EMPTY) | (verdict == 0), EMPTY, torch.where(verdict == 2, PARTIAL, states))
-    return states.to(torch.int8), has_bias & (states != EMPTY)
+        live = (states[r] != EMPTY).nonzero()
+        if len(live) == 0:
+            continue
+        first, last = int(live[0]), int(live[-1]) + 1  # evaluate only the tiles not already empty
+        for c0 in range(first, last, MASK_STRIP):
+            c1 = min(c0 + MASK_STRIP, last)
+            cols = slice(task.kv_start + c0 * tile, min(task.kv_start + c1 * tile, task.kv_stop))
+            seen, bias = block_mask.evaluate_program(q_pos[rows], kv_pos[cols], batch, heads)
+            if bias is not None:
+                biased[r, c0:c1] = _per_tile(bias != 0, tile, torch.any)
+            for c in range(c0, c1):  # tiles causality or the window cut: judged on the pairs they leave
+                if int(states[r, c]) in (CAUSAL, PARTIAL):
+                    part = slice((c - c0) * tile, (c - c0 + 1) * tile)
+                    allowed = _positional(q_pos[rows], kv_pos[cols][part], block_mask)
+                    any_visible[r, c] = (seen[..., part] & allowed).any()
+                    all_visible[r, c] = (seen[..., part] | ~allowed).all()
+            full = [c for c in range(c0, c1) if int(states[r, c]) == FULL]
+            if full:
+                any_strip, all_strip = _per_tile(seen, tile, torch.any), _per_tile(seen, tile, torch.all)
+                index = torch.tensor(full) - c0
+                any_visible[r, full] = any_strip[index]
+                all_visible[r, full] = all_strip[index]
+    any_visible, all_visible, biased = any_visible.cpu(), all_visible.cpu(), biased.cpu()  # the task's one sync
+    states = torch.where((states == EMPTY) | ~any_visible, EMPTY, torch.where(all_visible, states, PARTIAL))
+    return states.to(torch.int8), biased & (states != EMPTY)
+
+
+def _per_tile(values: torch.Tensor, tile: int, reduce) -> torch.Tensor:
+    """``reduce`` (torch.any / torch.all) of a strip's values ``[..., rows, cols]`` per tile of ``tile``
+    columns: one value per tile."""
+    flat = values.reshape(-1, values.size(-1)) if values.dim() > 1 else values[None]
+    flat = reduce(flat, dim=0) if flat.size(0) > 1 else flat[0]  # over leading dims and rows at once
+    whole = flat.size(0) // tile * tile
+    parts = [reduce(flat[:whole].view(-1, tile), dim=1)] if whole else []
+    if whole < flat.size(0):
+        parts.append(reduce(flat[whole:])[None])
+    return torch.cat(parts)
 
 
 def _positional(q_pos, kv_pos, block_mask: BlockMask) -> torch.Tensor:
