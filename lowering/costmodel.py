@@ -183,13 +183,14 @@ LINKS = {  # name: (bytes/s one way, latency per message in s, source)
     "nvlink": (450e9, 10e-6, "NVLink 4 (H100/H200 SXM): 900 GB/s both ways, nominal"),
     "infiniband": (50e9, 20e-6, "InfiniBand NDR, 400 Gb/s per port, nominal"),
     "pcie": (25e9, 15e-6, "PCIe 4.0 x16, ~25 GB/s achieved of 32 nominal"),
-    "loopback": (1.6e9, 0.8e-3, "gloo on 127.0.0.1 on the 2-core dev machine, batch_isend_irecv of 1-64 MiB, "
-                                "measured 2026-12-01"),
+    "loopback": (1.19e9, 0.25e-3, "gloo on 127.0.0.1 on the 2-core dev machine: `ringpass bench --calibrate`, "
+                                  "messages of 256 KiB-64 MiB, 2026-12-01"),
 }
 DEVICES = {  # name: (attention FLOP/s one rank reaches, source)
     "h100": (600e12, "H100/H200 SXM: 989 dense bf16 TFLOP/s peak, ~60% in flash attention"),
     "a100": (190e12, "A100: 312 dense bf16 TFLOP/s peak, ~60% in flash attention"),
-    "cpu": (88e9, "the 2-core dev machine, one thread per rank: ring forward+backward at N=16384 (issue 13)"),
+    "cpu": (78.5e9, "the 2-core dev machine, one thread per rank: the block kernel forward+backward, "
+                    "`ringpass bench --calibrate`, 2026-12-01"),
 }
 
 

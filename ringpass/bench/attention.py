@@ -173,8 +173,7 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
     try:
         step = _ContextParallelStep(inputs, config, world_size) if method == "context-parallel" else \
             _Step(method, inputs, config, rank, world_size)
-        for _ in range(config.warmup):
-            _run_once(step, memory, device)
+        warmups = [_run_once(step, memory, device) for _ in range(config.warmup)]
     except _Unavailable as error:
         return {"unavailable": str(error)}
     except (NotImplementedError, RuntimeError) as error:
@@ -189,7 +188,8 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
         samples.append(_run_once(step, memory, device))
     if config.trace:
         _trace(step, memory, device, f"{method}-P{world_size}-N{inputs.q.size(2)}-rank{rank}", config.trace)
-    return {"samples": samples, "memory_note": memory.unavailable}
+    return {"samples": samples, "memory_note": memory.unavailable,
+            "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
 
 
 def _trace(step, memory, device, name: str, trace_dir: str) -> None:

@@ -3,7 +3,8 @@
 The model is a Llama-style ``transformers.LlamaForCausalLM`` built from `ModelSize` with random weights
 (or any Hugging Face ``config.json``, ``--hf-config``). A step is forward with ``labels`` (the loss),
 then backward, with the parameters' gradients cleared before it. Methods (`METHODS`): ``ring``, the model
-compiled with ``backend="ring"`` (full token ids on every rank, ``compiler=`` the bench's compiler) on P
+compiled with ``backend="ring"`` (full token ids on every rank, ``compiler=`` the bench's compiler,
+``outputs="sharded"``: a training step needs the loss, which every rank gets, not the logits gathered) on P
 ranks, and ``unsharded``, the same model compiled the same way without the ring (``torch.compile`` with
 that compiler; ``eager``: not compiled) in one process. Each rank also records its loss (the summary
 compares the ring's to the unsharded model's) and how many KV blocks it exchanged (the ring ran).
@@ -55,7 +56,7 @@ def build_model(config, seq_len: int, device):
 def _compiled(model, method: str, compiler: str):
     torch._dynamo.reset()  # each method compiles from scratch, with nothing cached from the other
     if method == "ring":
-        return torch.compile(model, backend="ring", options={"compiler": compiler, "report": "off"})
+        return torch.compile(model, backend="ring", options={"compiler": compiler, "report": "off", "outputs": "sharded"})
     return model if compiler == "eager" else torch.compile(model, backend=compiler)
 
 
@@ -92,14 +93,14 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
             threads = torch.get_num_threads()
             progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
             compiled = _compiled(model, method, config.compiler)
-            for _ in range(config.warmup):
-                _step(compiled, model, ids, memory, device)
+            warmups = [_step(compiled, model, ids, memory, device) for _ in range(config.warmup)]
             samples = []
             for _ in range(config.repeats):
                 if world_size > 1:
                     dist.barrier()
                 samples.append(_step(compiled, model, ids, memory, device))
-            mine = {"samples": samples, "memory_note": memory.unavailable}
+            mine = {"samples": samples, "memory_note": memory.unavailable,
+                    "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
             ranks = [None] * world_size
             if world_size > 1:
                 dist.all_gather_object(ranks, mine)

@@ -6,7 +6,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   (forward; forward+backward, or the whole training step for a model).
 - ``forward_mib`` / ``total_mib``: per-rank peak memory above what the rank held before the call
   (the largest rank, median over repeats; `measure.PeakMemory`). ``need_mib``: what the ring algorithm
-  itself must hold (`lowering.costmodel.RingCost.working_memory`).
+  itself must hold (`lowering.costmodel.RingCost.working_memory`). ``first_call_mib``: the first
+  (warm-up) call's peak, which also pays for one-time set-up (compiles included, for a model).
 - ``efficiency``: parallel efficiency ``T_single / (W · T)``, with ``T_single`` the one-thread
   single-process baseline's time at the same N and W the cores the method used (ranks x threads per rank).
   ``vs_same_cores``: ``T_same / T``, with ``T_same`` the single-process baseline given the same number of
@@ -141,6 +142,8 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
         row["forward_s"], row["total_s"] = _spread(_slowest(record, "forward_s")), _spread(_slowest(record, "total_s"))
         row["forward_mib"], row["total_mib"] = _peak_mib(record, "forward_bytes"), _peak_mib(record, "total_bytes")
         row["memory_note"] = record["ranks"][0].get("memory_note")
+        first = [r.get("first_call_bytes") for r in record["ranks"]]
+        row["first_call_mib"] = max(first) / MIB if first and None not in first else None
         if config.what == "attention":
             _attention_extras(row, record, config, hardware)
         else:
