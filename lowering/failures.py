@@ -227,6 +227,8 @@ def ring_work(group_name: str):
     state = _process.state
     if not state.startswith(INSIDE):
         set_state(f"{INSIDE}: a ring call after call {_process.call}")
+    if group_name:  # this rank's heartbeat beats from its first ring call on: a peer waiting on it sees it alive
+        channel(group_name)
     try:
         yield
     except Exception as error:

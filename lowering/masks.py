@@ -9,11 +9,13 @@ padding mask: ``[B, S]``-sized, never ``S x S``). The compiler lifts such progra
 (see ``ringpass/passes/lift_masks.py``); they travel to the ring op by id (`register_mask`), since a
 custom op cannot take a function.
 
-The ring never evaluates a mask for a whole block: `mask_tiles` walks a planned block in tiles of at
-most ``MASK_TILE x MASK_TILE`` pairs, evaluates window and program there, skips tiles nothing is visible
-in, sends fully visible tiles (and exactly causal ones) to the kernels' position-based paths, and hands
-the rest their tile of the mask. Memory for masking is therefore bounded by the tile, whatever the
-sequence length.
+The ring never evaluates a mask for a whole block. `tile_states` classifies a planned task's tiles of
+``MASK_TILE x MASK_TILE`` pairs (empty, fully visible, exactly causal, partial): causality and the window in
+closed form from the tiles' position ranges, a program on the device a strip of ``MASK_STRIP`` tiles at a
+time, summarised there and read back once per task (no host sync per tile). `mask_tiles` then keeps the
+task whole where the mask hides nothing causality does not, else merges each row's fully visible tiles
+into large calls and evaluates the mask only on the partial tiles, which get their tile of it. Memory
+for masking is bounded by one strip, whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -166,7 +168,7 @@ def _program_states(task, states, block_mask: BlockMask, q_pos, kv_pos, batch, h
     device: none visible → EMPTY; all that causality and the window leave visible → unchanged; else
     PARTIAL. Only tiles causality or the window leave partly visible compare against them; for the rest
     (fully visible so far) the program's own any / all decide."""
-    tile, strip = MASK_TILE, MASK_TILE * MASK_STRIP
+    tile = MASK_TILE
     rows_count, cols_count = states.shape
     any_visible = torch.zeros(rows_count, cols_count, dtype=torch.bool, device=q_pos.device)
     all_visible = torch.zeros_like(any_visible)

@@ -9,6 +9,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 
 import models
 import ringpass
@@ -237,7 +238,6 @@ def out_of_step(rank: int, world_size: int) -> dict:
 def freeze_in_the_ring(rank: int, world_size: int, victim: int) -> dict:
     """After a clean step the victim stops itself (SIGSTOP) at its first forward exchange: alive to the
     operating system, silent to its peers. With dead_after=3 the others raise; then they kill it."""
-    import torch.distributed as dist
 
     from lowering import failures
 
@@ -255,3 +255,20 @@ def freeze_in_the_ring(rank: int, world_size: int, victim: int) -> dict:
         outcome = _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)
     os.kill(pids[victim], signal.SIGKILL)
     return outcome
+
+
+def slow_but_alive(rank: int, world_size: int, slow: int, seconds: float) -> dict:
+    """Plain `ring_attention` (no backend) where rank ``slow`` spends ``seconds`` (several times
+    ``dead_after``) inside the ring before its first exchange: its peers wait that long, alive and well."""
+    from lowering import Layout, failures, ring_attention
+
+    failures.configure(dist.group.WORLD.group_name, dead_after=1.0)
+    layout = Layout("zigzag", world_size, 32)
+    q, k, v = (torch.randn(1, 2, layout.local_len, 8) for _ in range(3))
+
+    def dawdle(event):
+        if rank == slow and event.kind == "exchange" and event.fields["step"] == 0:
+            time.sleep(seconds)
+
+    with record_ring_events(on_event=dawdle):
+        return _outcome(lambda: ring_attention(q, k, v, layout=layout, is_causal=True))

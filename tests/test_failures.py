@@ -108,6 +108,13 @@ def test_ranks_out_of_step_raise_at_the_timeout():
         assert 3 <= result["seconds"] < 3 + DETECTED_WITHIN, (rank, result)
 
 
+def test_a_slow_rank_is_not_taken_for_a_dead_one():
+    """A rank busy inside the ring three times ``dead_after`` (the slow rank of an unbalanced layout) beats
+    from its first ring call on: its peer waits for it and nobody raises."""
+    for result in spawn_ranks(failure_workers.slow_but_alive, 2, (1, 3.0), timeout=TIMEOUT):
+        assert result["error"] is None, result
+
+
 def test_a_frozen_rank_is_found_by_its_silent_heartbeat():
     results = spawn_ranks(failure_workers.freeze_in_the_ring, 2, (VICTIM,), timeout=TIMEOUT, may_die=[VICTIM])
     error, seconds = results[0]["error"], results[0]["seconds"]

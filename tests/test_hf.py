@@ -12,7 +12,6 @@ parameter gradient.
 import pytest
 
 import hf_workers
-import lowering.masks
 from ringpass.launch import spawn_ranks
 
 SEQ = 13  # not a multiple of 2P: zigzag padding is exercised at every world size
