@@ -42,6 +42,8 @@ def main() -> None:
     time_kernels()
     print(f"\n(kernel timings done at {time.time() - started:.0f} s)\n")
     time_simulated_ring()
+    print()
+    time_masks()
     print(f"\n(all done in {time.time() - started:.0f} s)")
 
 
@@ -147,6 +149,32 @@ def time_simulated_ring() -> None:
         print(f"| {n} | {p} | {ring:.2f} | {whole:.2f} | {(got - expected).abs().max().item():.1e} |")
     print("\n(one GPU runs every rank's blocks one after another: the ring's time here is the whole work plus the "
           "per-block overheads; on P GPUs each rank does 1/P of it.)")
+
+
+def _documents(q_pos, kv_pos, document):
+    return document[q_pos][:, None] == document[kv_pos][None, :]
+
+
+def time_masks() -> None:
+    """Issue 13, item 4: a window or a mask program that hides nothing must cost what plain causal costs."""
+    print("## Windows and mask programs in the simulated ring (zigzag, P=4, causal, bf16, H=16, D=128, forward)\n")
+    print("| case | ring fwd ms | vs plain causal |\n| --- | --- | --- |")
+    n = 256 if SMOKE else 16384
+    heads = 2 if SMOKE else 16
+    q, k, v = (torch.randn(1, heads, n, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    layout = Layout("zigzag", 4, n)
+    cases = {
+        "plain causal": {},
+        f"window={n} (hides nothing)": dict(window=n),
+        "one-document program (hides nothing)": dict(mask=_documents, mask_inputs=[torch.zeros(n, dtype=torch.long, device=DEVICE)]),
+        f"window={n // 4}": dict(window=n // 4),
+        "four packed documents": dict(mask=_documents, mask_inputs=[torch.arange(n, device=DEVICE) * 4 // n]),
+    }
+    plain = None
+    for name, options in cases.items():
+        ms = _timed(lambda: simulate_ring(q, k, v, layout=layout, is_causal=True, **options), 1 if SMOKE else 3)
+        plain = plain or ms
+        print(f"| {name} | {ms:.2f} | {100 * (ms / plain - 1):+.1f}% |")
 
 
 if __name__ == "__main__":

@@ -121,9 +121,11 @@ class RingCost:
         """Bytes one rank needs beyond its inputs (q, k, v and the output gradient): what the algorithm
         itself must hold, the yardstick ``ringpass bench`` puts next to measured memory. ``forward``: the
         out and LSE accumulators and two KV blocks (the one in use and the one arriving); ``backward``
-        (the whole call's peak): the saved out and LSE, the dq accumulator, the dK/dV accumulator computed
-        and the one arriving, two KV blocks, and the returned dk, dv (and dq, out in the input dtype when
-        that is narrower than the accumulators)."""
+        (the whole call's peak): the saved out and LSE, the dq accumulator, the dK/dV accumulators, two KV
+        blocks, and the returned dk, dv (and dq, out in the input dtype when
+        that is narrower than the accumulators). Three dK/dV accumulators: the one computed, the one
+        arriving and the one leaving (a send buffer stays intact until the neighbour has it), which an
+        overlapped backward holds at once."""
         s, a = self.shape, self.shape.accumulation_itemsize
         n = self.layout.local_len
         q = s.batch * s.query_heads * n * s.head_dim
@@ -131,7 +133,7 @@ class RingCost:
         rows = s.batch * s.query_heads * n
         narrow = q * s.itemsize if s.itemsize < a else 0  # the result cast to the input dtype
         forward = q * a + rows * a + 2 * 2 * kv * s.itemsize + narrow
-        backward = q * s.itemsize + rows * a + q * a + 2 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
+        backward = q * s.itemsize + rows * a + q * a + 3 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
         return {"forward": forward, "backward": backward}
 
     def _block_pairs(self, q_rank: int, kv_rank: int) -> int:
@@ -197,12 +199,14 @@ DEVICES = {  # name: (attention FLOP/s one rank reaches, source)
 @dataclass(frozen=True)
 class Prediction:
     """Per ring step of the busiest rank: ``compute`` and ``transfer`` seconds, forward and backward; the
-    totals with the transfer overlapped (a step lasts the longer of the two; the last step sends nothing)."""
+    totals with the transfer overlapped (a step lasts the longer of the two; the last step sends nothing
+    but, in the backward, the last dK/dV accumulator, ``final_hop``, whose trip home nothing can hide)."""
 
     compute_forward: list[float]
     compute_backward: list[float]
     transfer_forward: float
     transfer_backward: float
+    final_hop: float = 0.0
 
     @property
     def forward_s(self) -> float:
@@ -210,7 +214,7 @@ class Prediction:
 
     @property
     def backward_s(self) -> float:
-        return _overlapped(self.compute_backward, self.transfer_backward)
+        return _overlapped(self.compute_backward, self.transfer_backward) + self.final_hop
 
     @property
     def hides(self) -> bool:
@@ -225,7 +229,8 @@ def predict(cost: RingCost, hardware: Hardware) -> Prediction:
     busiest = [max(cost.flops_forward[r][step] for r in range(steps)) / hardware.flops_per_s for step in range(steps)]
     hop = hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s
     backward_hop = hop + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s  # a KV block and its dK/dV travel together
-    return Prediction(busiest, [t * BACKWARD_FLOPS_RATIO for t in busiest], hop, backward_hop)
+    final_hop = hardware.link_latency_s + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s if steps > 1 else 0.0
+    return Prediction(busiest, [t * BACKWARD_FLOPS_RATIO for t in busiest], hop, backward_hop, final_hop)
 
 
 def all_gather_seconds(cost: RingCost, hardware: Hardware, *, backward: bool = False) -> float:

@@ -36,8 +36,8 @@ def test_working_memory_and_all_gather_time_by_hand():
     shape = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)
     cost = ring_cost(Layout("contiguous", 2, 8), shape)
     # forward: out acc 16 + lse 16 + two stacked KV blocks 2 x 32; backward: out 16 + lse 16 + dq 16 +
-    # two dK/dV accumulators 2 x 32 + two KV blocks 2 x 32 + returned dk, dv 32
-    assert cost.working_memory() == {"forward": 96, "backward": 208}
+    # three dK/dV accumulators 3 x 32 + two KV blocks 2 x 32 + returned dk, dv 32
+    assert cost.working_memory() == {"forward": 96, "backward": 240}
     hw = Hardware(link_bytes_per_s=32, link_latency_s=0.0, flops_per_s=64)
     # backward: gather one 32-byte block (1 s), 2 steps x 1 s x 2.5, reduce-scatter one fp32 block (1 s)
     assert all_gather_seconds(cost, hw, backward=True) == 1.0 + 5.0 + 1.0

@@ -19,7 +19,8 @@ def test_a_hand_computed_ring():
     hw = Hardware(link_bytes_per_s=32, link_latency_s=0.0, flops_per_s=64)
     prediction = predict(ring_cost(Layout("contiguous", 2, 8), ONE), hw)
     assert prediction.compute_forward == [1.0, 1.0] and prediction.transfer_forward == 1.0
-    assert prediction.forward_s == 2.0 and prediction.backward_s == 2.5 + 2.5
+    # backward: two steps of 2.5 s, then the last dK/dV accumulator's trip home (32 fp32 bytes: 1 s)
+    assert prediction.forward_s == 2.0 and prediction.backward_s == 2.5 + 2.5 + 1.0
     assert prediction.transfer_backward == 1.0 + 1.0  # the dK/dV accumulators (fp32 here) travel too
     assert prediction.hides  # forward 1 s under 1 s of compute, backward 2 s under 2.5 s
     # all-gather: one block (1 s), then both steps' compute (2 s)
