@@ -81,16 +81,33 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
 
 @pytest.mark.heavy  # two compiles on two ranks and two in one process: ~40 s
 def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, capsys):
-    out = tmp_path / "model.json"
+    out, traces = tmp_path / "model.json", tmp_path / "traces"
     assert cli.main(["bench", "--what", "model", "--world-size", "2", "--seq-len", "32", "--hidden", "32",
                      "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--vocab", "61",
-                     "--compiler", "aot_eager", "--repeats", "1", "--json", str(out), "--no-progress"]) == 0
+                     "--compiler", "aot_eager", "--repeats", "1", "--json", str(out), "--trace", str(traces),
+                     "--no-progress"]) == 0
     rows = {(r["method"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
     ring = rows[("ring", 1)]
     assert ring["exchanges"] > 0  # the ring ran
     assert ring["loss_error"] < 1e-5 and ring["tokens_per_s"] > 0
     assert ("unsharded", 1) in rows and ("unsharded", 2) in rows
     assert "ring" in capsys.readouterr().out
+    names = {e.get("name") for e in json.loads((traces / "model-ring-P2-N32-rank1.json").read_text())["traceEvents"]}
+    assert "ringpass backward step 1: compute" in names
+
+
+@pytest.mark.heavy  # a compile on two ranks
+def test_bench_model_takes_a_hugging_face_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"]
+                             ).save_pretrained(tmp_path / "cfg")
+    out = tmp_path / "model.json"
+    assert cli.main(["bench", "--what", "model", "--hf-config", str(tmp_path / "cfg"), "--world-size", "2",
+                     "--seq-len", "32", "--methods", "ring", "--compiler", "aot_eager", "--repeats", "1",
+                     "--json", str(out), "--no-progress"]) == 0
+    (ring,) = json.loads(out.read_text())["rows"]
+    assert ring["exchanges"] > 0 and "cfg" in json.loads(out.read_text())["config"]["hf_config"]
 
 
 def test_calibrate_then_plan_with_it(tmp_path, capsys):

@@ -29,7 +29,7 @@ import lowering
 from lowering.all_gather import gathered_attention
 from lowering.comm import RingExchange
 from lowering.kernels import accumulation_dtype
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, synchronize
+from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, synchronize, write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
 DISTRIBUTED = METHODS[1:]
@@ -187,20 +187,10 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             dist.barrier()
         samples.append(_run_once(step, memory, device))
     if config.trace:
-        _trace(step, memory, device, f"{method}-P{world_size}-N{inputs.q.size(2)}-rank{rank}", config.trace)
+        write_trace(lambda: _run_once(step, memory, device), device,
+                    os.path.join(config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-rank{rank}.json"))
     return {"samples": samples, "memory_note": memory.unavailable,
             "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
-
-
-def _trace(step, memory, device, name: str, trace_dir: str) -> None:
-    """One more call under ``torch.profiler``, written as a Chrome/Perfetto trace ``trace_dir/name.json``."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    os.makedirs(trace_dir, exist_ok=True)
-    with torch.profiler.profile(activities=activities) as profiler:
-        _run_once(step, memory, device)
-    profiler.export_chrome_trace(os.path.join(trace_dir, f"{name}.json"))
 
 
 def message_seconds(config, seq_len: int, world_size: int, device, repeats: int = 3) -> dict:

@@ -96,3 +96,15 @@ class Progress:
 def seconds_since(start: float, device: torch.device) -> float:
     synchronize(device)
     return time.perf_counter() - start
+
+
+def write_trace(call, device: torch.device, path: str) -> None:
+    """Run ``call()`` once more under ``torch.profiler`` and write its Chrome/Perfetto trace to ``path``
+    (the ring's steps show as ``ringpass forward step 0: compute`` and so on)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with torch.profiler.profile(activities=activities) as profiler:
+        call()
+    profiler.export_chrome_trace(path)

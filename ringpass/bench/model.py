@@ -12,13 +12,15 @@ compares the ring's to the unsharded model's) and how many KV blocks it exchange
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 import lowering
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since
+from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, write_trace
 
 METHODS = ("ring", "unsharded")
 
@@ -99,6 +101,9 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
                 if world_size > 1:
                     dist.barrier()
                 samples.append(_step(compiled, model, ids, memory, device))
+            if config.trace:
+                write_trace(functools.partial(_step, compiled, model, ids, memory, device), device,
+                            os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-rank{rank}.json"))
             mine = {"samples": samples, "memory_note": memory.unavailable,
                     "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
             ranks = [None] * world_size
