@@ -14,7 +14,7 @@ DETECTED_WITHIN = 10.0  # seconds; measured 0.15-0.7 s (docs/reliability.md)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])  # P=4: -m heavy (suite time)
 @pytest.mark.parametrize("how,phase", [("raise", "forward"), ("kill", "forward"), ("kill", "backward")])
 def test_every_survivor_names_the_failed_rank(world_size, how, phase):
     results = spawn_ranks(failure_workers.fail_in_the_ring, world_size, (how, VICTIM, phase), timeout=TIMEOUT,
@@ -40,7 +40,7 @@ DISAGREEMENTS = {
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])  # P=4: -m heavy (suite time)
 def test_disagreeing_ranks_all_refuse_before_the_ring(world_size):
     results = spawn_ranks(failure_workers.disagree, world_size, (VICTIM,), timeout=TIMEOUT)
     others = "rank 0" if world_size == 2 else "ranks 0, 2, 3"

@@ -155,6 +155,7 @@ def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
         assert results["labels"]["saved_bytes"] < 0.8 * plain["labels"]["saved_bytes"], (results, plain)
 
 
+@pytest.mark.heavy  # ~25 s; test_backend's dynamic cases keep one-compile-many-lengths in the default suite
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
     # with dynamic shapes only tables computed from the length alone are read symbolically: HF's segment ids

@@ -7,7 +7,8 @@ compiled with ``backend="ring"`` (full token ids on every rank, ``compiler=`` th
 ``outputs="sharded"``: a training step needs the loss, which every rank gets, not the logits gathered) on P
 ranks, and ``unsharded``, the same model compiled the same way without the ring (``torch.compile`` with
 that compiler; ``eager``: not compiled) in one process. Each rank also records its loss (the summary
-compares the ring's to the unsharded model's) and how many KV blocks it exchanged (the ring ran).
+compares the ring's to the unsharded model's), how many KV blocks it exchanged (the ring ran) and the
+seconds it spent inside the ring's steps (the rest of the step is everything but attention).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def _step(compiled, model, ids, memory: PeakMemory, device) -> dict:
         total_s = seconds_since(start, device)
         total_bytes = memory.peak()
     exchanges = sum(1 for e in events if e.kind == "exchange")
+    ring_s = sum(e.fields["seconds"] for e in events if e.kind == "span")  # inside the ring's steps
     return {"forward_s": forward_s, "total_s": total_s, "forward_bytes": forward_bytes, "total_bytes": total_bytes,
-            "loss": loss.item(), "exchanges": exchanges}
+            "loss": loss.item(), "exchanges": exchanges, "ring_s": ring_s}
 
 
 def model_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:

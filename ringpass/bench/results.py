@@ -24,7 +24,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
 - ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
-  ``loss_error``: |loss - unsharded loss| / |unsharded loss|, and ``exchanges`` (the ring ran: > 0).
+  ``loss_error``: |loss - unsharded loss| / |unsharded loss|, ``exchanges`` (the ring ran: > 0) and
+  ``ring_s`` (the slowest rank's seconds inside the ring's steps: attention's share of the step).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def _model_extras(row: dict, record: dict, config) -> None:
     row["tokens_per_s"] = config.batch * record["seq_len"] / row["total_s"]["median"]
     row["loss"] = statistics.median(s["loss"] for r in record["ranks"] for s in r["samples"])
     row["exchanges"] = min(s["exchanges"] for r in record["ranks"] for s in r["samples"])
+    row["ring_s"] = statistics.median(max(r["samples"][i]["ring_s"] for r in record["ranks"])
+                                      for i in range(len(record["ranks"][0]["samples"])))
 
 
 def summarise(records: list[dict], config, hardware: Hardware) -> dict:
