@@ -133,12 +133,16 @@ def time_kernels() -> None:
     print("\nratio = SDPA time / our time (above 1: ours is faster).")
 
 
+def _ring_inputs():
+    """(N, bf16 q/k/v of B=1, H=16, D=128) for the simulated-ring tables (tiny in the smoke run)."""
+    n, heads = (256, 2) if SMOKE else (16384, 16)
+    return n, tuple(torch.randn(1, heads, n, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+
+
 def time_simulated_ring() -> None:
     print("## The ring simulated on one GPU (zigzag, causal, bf16, H=16, D=128) vs one full kernel call\n")
     print("| N | P | ring fwd ms | one call fwd ms | max abs difference |\n| --- | --- | --- | --- | --- |")
-    n = 256 if SMOKE else 16384
-    heads = 2 if SMOKE else 16
-    q, k, v = (torch.randn(1, heads, n, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    n, (q, k, v) = _ring_inputs()
     pos = torch.arange(n, device=DEVICE)
     whole = _timed(lambda: block_attention(q, k, v, pos, pos, is_causal=True, backend="triton"), 1 if SMOKE else 3)
     expected, _ = block_attention(q, k, v, pos, pos, is_causal=True, backend="triton")
@@ -159,9 +163,7 @@ def time_masks() -> None:
     """Issue 13, item 4: a window or a mask program that hides nothing must cost what plain causal costs."""
     print("## Windows and mask programs in the simulated ring (zigzag, P=4, causal, bf16, H=16, D=128, forward)\n")
     print("| case | ring fwd ms | vs plain causal |\n| --- | --- | --- |")
-    n = 256 if SMOKE else 16384
-    heads = 2 if SMOKE else 16
-    q, k, v = (torch.randn(1, heads, n, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    n, (q, k, v) = _ring_inputs()
     layout = Layout("zigzag", 4, n)
     cases = {
         "plain causal": {},

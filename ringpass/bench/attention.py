@@ -29,7 +29,8 @@ import lowering
 from lowering.all_gather import gathered_attention
 from lowering.comm import RingExchange
 from lowering.kernels import accumulation_dtype
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, synchronize, write_trace
+from ringpass.bench.measure import PeakMemory, Progress, bench_device, gather_record, seconds_since, synchronize, \
+    write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
 DISTRIBUTED = METHODS[1:]
@@ -230,13 +231,8 @@ def attention_rank(rank: int, world_size: int, config, methods, progress_done: i
             threads = torch.get_num_threads()
             progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
             mine = measure_method(method, inputs, config, rank, world_size, device)
-            ranks = [None] * world_size
-            if world_size > 1:
-                dist.all_gather_object(ranks, mine)
-            else:
-                ranks = [mine]
-            records.append({"method": method, "world_size": world_size, "seq_len": seq_len, "threads": threads,
-                            "device": device.type, "ranks": ranks, "messages": messages})
+            records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device,
+                                         messages=messages))
         del inputs
     return records
 

@@ -108,3 +108,16 @@ def write_trace(call, device: torch.device, path: str) -> None:
     with torch.profiler.profile(activities=activities) as profiler:
         call()
     profiler.export_chrome_trace(path)
+
+
+def gather_record(mine: dict, *, method: str, world_size: int, seq_len: int, device: torch.device,
+                  messages=None) -> dict:
+    """One case's record: every rank's measurements (``mine`` on this rank), gathered on every rank."""
+    ranks = [mine]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        ranks = [None] * world_size
+        dist.all_gather_object(ranks, mine)
+    return {"method": method, "world_size": world_size, "seq_len": seq_len, "threads": torch.get_num_threads(),
+            "device": device.type, "ranks": ranks, "messages": messages}

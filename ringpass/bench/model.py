@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import lowering
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, seconds_since, write_trace
+from ringpass.bench.measure import PeakMemory, Progress, bench_device, gather_record, seconds_since, write_trace
 
 METHODS = ("ring", "unsharded")
 
@@ -108,12 +108,6 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
                             os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-rank{rank}.json"))
             mine = {"samples": samples, "memory_note": memory.unavailable,
                     "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
-            ranks = [None] * world_size
-            if world_size > 1:
-                dist.all_gather_object(ranks, mine)
-            else:
-                ranks = [mine]
-            records.append({"method": method, "world_size": world_size, "seq_len": seq_len, "threads": threads,
-                            "device": device.type, "ranks": ranks, "messages": None})
+            records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
         del model
     return records
