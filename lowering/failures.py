@@ -26,6 +26,7 @@ destroy it (or let the launcher restart the job).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -63,6 +64,7 @@ class _Process:
     state: str = "starting"
     seen_failures: int = 0
     heartbeat: Optional[threading.Thread] = None
+    stop_beating: threading.Event = field(default_factory=threading.Event)
     waiter: Optional[ThreadPoolExecutor] = None
     settings: dict = field(default_factory=dict)  # group name -> (timeout, dead_after)
 
@@ -351,6 +353,15 @@ def _start_heartbeat(store, rank: int) -> None:
         return
     _process.heartbeat = threading.Thread(target=_beat, args=(store, rank), name="ringpass-heartbeat", daemon=True)
     _process.heartbeat.start()
+    atexit.register(_stop_heartbeat)
+
+
+def _stop_heartbeat() -> None:
+    """At interpreter exit: let the heartbeat finish its store call and end, before the interpreter tears
+    down under it (a daemon thread caught inside a TCPStore call at exit can abort the process)."""
+    _process.stop_beating.set()
+    if _process.heartbeat is not None:
+        _process.heartbeat.join(timeout=2.0)
 
 
 def _beat(store, rank: int) -> None:
@@ -359,12 +370,12 @@ def _beat(store, rank: int) -> None:
         if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
             store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
                                   timeout=timedelta(seconds=10))
-        while True:
+        while not _process.stop_beating.is_set():
             store.add(f"{PREFIX}alive/{rank}", 1)
             if _process.state != told:
                 told = _process.state
                 store.set(f"{PREFIX}state/{rank}", told)
-            time.sleep(BEAT)
+            _process.stop_beating.wait(BEAT)
     except Exception:  # the store went away: the job is over
         return
 
