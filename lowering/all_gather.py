@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
-from lowering.op import check_inputs, default_scale
+from lowering.op import _group_name, check_inputs, default_scale
 from lowering.ring import RingSpec, _RankBackward, _RankForward
 
 # torch 2.13 renamed the tensor collectives (the old names still work, with a warning)
@@ -32,10 +32,9 @@ def gathered_attention(q, k, v, *, layout: Layout, is_causal: bool = False, scal
     """This rank's rows of exact full-sequence attention, for shards in ``layout`` order (as
     `lowering.ring_attention` takes them), by gathering K/V instead of passing it around a ring."""
     check_inputs(q, k, v, layout)
-    group = group or dist.group.WORLD
-    if dist.get_world_size(group) != layout.world_size:
-        raise InvalidInputError(f"The layout is for {layout.world_size} ranks but the process group has "
-                         f"{dist.get_world_size(group)}.")
+    if not _group_name(group, layout):  # the same checks of group and layout as ring_attention's
+        raise InvalidInputError("gathered_attention needs an initialised process group (init_process_group).")
+    group = dist.group.WORLD if group is None else group
     spec = RingSpec(layout, bool(is_causal), default_scale(q) if scale is None else float(scale))
     return _GatheredAttention.apply(q, k, v, spec, group, timings if timings is not None else {})
 

@@ -105,10 +105,7 @@ class RingCost:
         """Bytes of attention state one rank holds, ``forward`` and ``backward`` (see the module's notes);
         ``unsharded=True``: the same attention run whole on one device (P = 1)."""
         s, a = self.shape, self.shape.accumulation_itemsize
-        n = self.layout.seq_len if unsharded else self.layout.local_len
-        q = s.batch * s.query_heads * n * s.head_dim
-        kv = s.batch * s.kv_heads * n * s.head_dim
-        rows = s.batch * s.query_heads * n
+        q, kv, rows = self._elements(self.layout.seq_len if unsharded else self.layout.local_len)
         if unsharded:
             forward = (2 * q + 2 * kv) * s.itemsize + rows * 4
             backward = forward + (2 * q + 2 * kv) * s.itemsize  # dout, dq, dk, dv
@@ -127,14 +124,16 @@ class RingCost:
         arriving and the one leaving (a send buffer stays intact until the neighbour has it), which an
         overlapped backward holds at once."""
         s, a = self.shape, self.shape.accumulation_itemsize
-        n = self.layout.local_len
-        q = s.batch * s.query_heads * n * s.head_dim
-        kv = s.batch * s.kv_heads * n * s.head_dim
-        rows = s.batch * s.query_heads * n
+        q, kv, rows = self._elements(self.layout.local_len)
         narrow = q * s.itemsize if s.itemsize < a else 0  # the result cast to the input dtype
         forward = q * a + rows * a + 2 * 2 * kv * s.itemsize + narrow
         backward = q * s.itemsize + rows * a + q * a + 3 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
         return {"forward": forward, "backward": backward}
+
+    def _elements(self, n: int) -> tuple[int, int, int]:
+        """Elements of q (and out), of one of k / v, and of the LSE, for ``n`` tokens."""
+        s = self.shape
+        return s.batch * s.query_heads * n * s.head_dim, s.batch * s.kv_heads * n * s.head_dim, s.batch * s.query_heads * n
 
     def _block_pairs(self, q_rank: int, kv_rank: int) -> int:
         return sum(

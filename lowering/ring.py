@@ -19,12 +19,11 @@ from typing import Optional
 
 import torch
 
-from lowering import events
+from lowering import events, masks
 from lowering.comm import DKV_TAG, KV_TAG, RingExchange
 from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_, kernel_applies_window
 from lowering.layout import Layout
-from lowering import masks
 from lowering.masks import BlockMask, Tile, mask_tiles
 from lowering.schedule import kv_source, plan_block
 from lowering.scores import ScoreMod

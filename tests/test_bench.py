@@ -123,6 +123,8 @@ def test_calibrate_then_plan_with_it(tmp_path, capsys):
 def test_bench_refuses_unknown_methods_and_bad_calibration_files(tmp_path, capsys):
     assert cli.main(["bench", "--methods", "ring-spiral"]) == 1
     assert "unknown method(s) ring-spiral" in capsys.readouterr().err
+    assert cli.main(["bench", "--world-size", "1"]) == 1  # a ring of one would run nothing distributed: refused
+    assert "world sizes must be at least 2" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert cli.main(["plan", "--world-size", "2", "--seq-len", "64", "--heads", "1", "--head-dim", "8",

@@ -63,8 +63,9 @@ class BenchConfig:
         if unknown:
             raise InvalidInputError(f"bench: unknown method(s) {', '.join(unknown)} for --what {self.what}; "
                                     f"the methods are {', '.join(known)}.")
-        if min(self.world_sizes) < 1 or min(self.seq_lens) < 1 or self.repeats < 1 or self.warmup < 0:
-            raise InvalidInputError("bench: world sizes, sequence lengths and repeats must be positive.")
+        if min(self.world_sizes) < 2 or min(self.seq_lens) < 1 or self.repeats < 1 or self.warmup < 0:
+            raise InvalidInputError("bench: world sizes must be at least 2 (the single-process baselines always run), "
+                                    "sequence lengths and repeats positive.")
         if self.what == "attention" and self.dtype not in attention.DTYPES:
             raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
 
@@ -92,20 +93,20 @@ def _rank_function(config: BenchConfig):
 
 
 def _singles(config: BenchConfig) -> list[str]:
-    return [m for m in config.methods if m in ("sdpa", "unsharded")]
+    return [m for m in config.methods if m == results.SINGLE_PROCESS[config.what]]
 
 
 def _spawned(config: BenchConfig) -> list[dict]:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's malloc (measure.py)
     distributed = [m for m in config.methods if m not in _singles(config)]
     thread_counts = sorted({1} | {min(os.cpu_count() or 1, p * config.for_world_size(p).threads_per_rank)
-                                  for p in config.world_sizes if p > 1})
-    cases_per_len = len(distributed) * len([p for p in config.world_sizes if p > 1]) + \
+                                  for p in config.world_sizes})
+    cases_per_len = len(distributed) * len(config.world_sizes) + \
         len(_singles(config)) * len(thread_counts)
     total, done, records = cases_per_len * len(config.seq_lens), 0, []
     run = _rank_function(config)
     for p in config.world_sizes:
-        if p == 1 or not distributed:
+        if not distributed:
             continue
         job = config.for_world_size(p)
         records += spawn_ranks(run, p, (job, distributed, done, total), timeout=config.timeout)[0]
@@ -124,12 +125,15 @@ def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    job = config.for_world_size(world_size) if not config.threads_per_rank else config
-    job = dataclasses.replace(job, world_sizes=(world_size,))
     distributed = [m for m in config.methods if m not in _singles(config)]
+    if world_size == 1 and distributed:
+        raise InvalidInputError(f"bench: torchrun started one process; {', '.join(distributed)} need at least 2 "
+                                "(--nproc-per-node 2 or more), or ask for --methods "
+                                f"{results.SINGLE_PROCESS[config.what]} only.")
+    job = dataclasses.replace(config.for_world_size(world_size), world_sizes=(world_size,))
     total = len(config.seq_lens) * (len(distributed) + len(_singles(config)))
     run = _rank_function(config)
-    records = run(rank, world_size, job, distributed, 0, total) if world_size > 1 else []
+    records = run(rank, world_size, job, distributed, 0, total) if distributed else []
     if rank == 0 and _singles(config):
         records += run(0, 1, job, _singles(config), len(distributed) * len(config.seq_lens), total)
     dist.barrier()

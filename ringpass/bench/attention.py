@@ -62,6 +62,11 @@ def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
     return Inputs(q, k, v, dout, reference)
 
 
+def layout_kind(method: str, causal: bool) -> str:
+    """The layout a distributed method shards in: its own for the rings, else zigzag under a causal mask."""
+    return {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(method, "zigzag" if causal else "contiguous")
+
+
 def _error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.float() - reference).abs().max() / reference.abs().max()).item()
 
@@ -81,9 +86,7 @@ class _Step:
         if method == "sdpa":
             self.layout, rows = None, (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
         else:
-            kind = {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(
-                method, "zigzag" if config.causal else "contiguous")
-            self.layout = lowering.Layout(kind, world_size, inputs.q.size(2))
+            self.layout = lowering.Layout(layout_kind(method, config.causal), world_size, inputs.q.size(2))
             rows = tuple(self.layout.shard(t, 2, rank) for t in (inputs.q, inputs.k, inputs.v, inputs.reference,
                                                                   inputs.dout))
         self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])

@@ -37,8 +37,10 @@ from dataclasses import asdict
 from lowering.costmodel import DEVICES, LINKS, AttentionShape, Hardware, all_gather_seconds, predict, ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
+from ringpass.bench.attention import layout_kind
 
 MIB = 2**20
+SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded"}  # each bench's one-process baseline
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -78,10 +80,6 @@ def _peak_mib(record: dict, key: str):
     return statistics.median(per_repeat) / MIB
 
 
-def _layout_kind(method: str, causal: bool) -> str:
-    return {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(method, "zigzag" if causal else "contiguous")
-
-
 def _shape(config) -> AttentionShape:
     return AttentionShape(config.batch, config.heads, config.kv_heads, config.head_dim, ITEMSIZE[config.dtype],
                           is_causal=config.causal)
@@ -92,7 +90,7 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
     row["error"] = max(s["error"] for r in record["ranks"] for s in r["samples"])
     if p == 1:
         return
-    cost = ring_cost(Layout(_layout_kind(method, config.causal), p, n), _shape(config))
+    cost = ring_cost(Layout(layout_kind(method, config.causal), p, n), _shape(config))
     if method.startswith("ring"):
         prediction = predict(cost, hardware)
         row["predicted"] = {"forward_s": prediction.forward_s, "total_s": prediction.forward_s + prediction.backward_s,
@@ -162,7 +160,7 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
 
 def _relative(rows: list[dict], config) -> None:
     """Efficiency against the single-process baselines, and a model's loss against the unsharded one's."""
-    single = "sdpa" if config.what == "attention" else "unsharded"
+    single = SINGLE_PROCESS[config.what]
     baselines = {(r["seq_len"], r["threads"]): r for r in rows if r["method"] == single and "total_s" in r}
     for row in rows:
         if "total_s" not in row:
