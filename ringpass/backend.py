@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from lowering import failures
-from lowering.errors import InvalidInputError, RingpassWarning
+from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
@@ -82,7 +82,31 @@ class RingBackend:
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             # the call this compile was for counts, as it does on the peers that compiled and called it
             failures.post_failure(group.group_name, error, call=failures.begin_call())
+            if isinstance(error, RingpassError):
+                raise _past_dynamo(error) from None
             raise
+
+
+def _past_dynamo(error: RingpassError) -> RingpassError:
+    """``error`` as its own type that Dynamo passes on as it is instead of wrapping it in
+    ``BackendCompilerFailed`` ("backend='<ringpass.backend.RingBackend object at 0x7f...>' raised: ..."):
+    a subclass of its type and of Dynamo's ``ShortenTraceback``, with its name, message and attributes, so
+    ``except ringpass.NotSupportedError`` catches it and the message reads as ringpass wrote it."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:  # another torch: the error arrives wrapped
+        return error
+    kind = type(error)
+    if kind not in _PASSING:
+        _PASSING[kind] = type(kind.__name__, (kind, ShortenTraceback), {"__module__": kind.__module__,
+                                                                     "__qualname__": kind.__qualname__})
+    passing = _PASSING[kind].__new__(_PASSING[kind], *error.args)
+    passing.args, passing.first_useful_frame = error.args, None
+    passing.__dict__.update(error.__dict__)
+    return passing.with_traceback(error.__traceback__)
+
+
+_PASSING: dict[type, type] = {}
 
 
 def backend(**options: Any) -> RingBackend:

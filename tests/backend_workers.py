@@ -3,6 +3,8 @@ same model run whole in one process (fp64, the same seed on every rank)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -159,6 +161,24 @@ def several_lengths(rank: int, world_size: int, name: str, lengths: tuple) -> di
     return {"errors": errors, "compiles": compiles}
 
 
+def changed_float_attribute(rank: int, world_size: int) -> dict:
+    """An SDPA whose scale is a float attribute of the model, compiled with dynamic=True (Dynamo passes the
+    float as an input; the ring compiles it as a number): errors against the whole model at two lengths,
+    then after the attribute changed, with the number of compiles."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = MaskedAttention(lambda m, s: None).double()
+    model.scale = 0.3
+    backend = ringpass.backend(compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    x = [torch.randn(2, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in (11, 13)]
+    result = {"errors": [rel_err(compiled(t), model(t)) for t in x], "compiles": [len(backend.reports)]}
+    model.scale = 0.9
+    result["changed"] = rel_err(compiled(x[0]), model(x[0]))
+    result["compiles"].append(len(backend.reports))
+    return result
+
+
 def by_registered_name(rank: int, world_size: int) -> dict:
     """``torch.compile(model, backend="ring", options=...)``, found through the entry point, with the
     process group given by name."""
@@ -236,6 +256,8 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             return self.op(y)
 
     after = {
+        "token_mixing_linear": lambda y, mix=nn.Linear(16, 16): mix(y.transpose(1, 2)),  # fails at the probe's length
+        "sequence_long_weight": lambda y: F.linear(y.transpose(1, 2), torch.ones(16, 16)),  # an [S, S] weight
         "sort": lambda y: torch.sort(y, dim=1).values,
         "max": lambda y: y.max(dim=1).values,
         "conv1d": lambda y: F.conv1d(y.transpose(1, 2), torch.ones(8, 1, 3), padding=1, groups=8),
@@ -243,26 +265,43 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     model = AfterAttention(after[case]) if case in after else {
         "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
         "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask, "flex": FlexAttention}[case]()
+    logged = _Records()  # what torch's fake tensors log while the backend probes the graph
+    logging.getLogger("torch._subclasses.fake_tensor").addHandler(logged)
     try:
         torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
-    except Exception as error:  # Dynamo wraps backend errors
-        return f"{type(error).__name__}: {error}"
+    except ringpass.RingpassError as error:  # as ringpass raised it, not wrapped by Dynamo
+        return f"{type(error).__name__}: {error}" + "".join(f"\nlogged: {r.getMessage()}" for r in logged.records)
+    except Exception as error:
+        return f"not a ringpass error: {type(error).__name__}: {error}"
     return "no error"
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 class MaskedAttention(torch.nn.Module):
-    """One SDPA whose mask comes from ``mask_fn(self, S)`` (the cases of `mask_readings`)."""
+    """One causal SDPA whose mask comes from ``mask_fn(self, S)`` (the cases of `mask_readings`), scaled by
+    ``self.scale`` (None: SDPA's default)."""
 
     def __init__(self, mask_fn):
         super().__init__()
-        self.mask_fn = mask_fn
+        self.mask_fn, self.scale = mask_fn, None
         self.proj = torch.nn.Linear(8, 24)
         self.register_buffer("modulo", torch.arange(128) % 40)  # equals arange below 40 only
+        self.register_buffer("causal", torch.ones(128, 128, dtype=torch.bool).tril())
 
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_fn(self, s)).transpose(1, 2).flatten(2)
+        mask = self.mask_fn(self, s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=self.scale).transpose(1, 2).flatten(2)
 
 
 def _positions(s):
@@ -275,22 +314,34 @@ MASK_READINGS = {  # masks a symbolic reading could get wrong: each must match e
     "negative_index": lambda m, s: torch.arange(s)[_positions(s)[1] - 1] <= torch.arange(s)[_positions(s)[0] - 1],
     "add_with_alpha": lambda m, s: torch.add(_positions(s)[1], 1, alpha=3) <= torch.add(_positions(s)[0], 1),
     "large_negative_additive": lambda m, s: ((_positions(s)[1] <= _positions(s)[0]).double() - 1) * 1e300,
+    # S x S tensors made from the length alone: with dynamic shapes read at several lengths
+    "square_subsequent_mask": lambda m, s: torch.nn.Transformer.generate_square_subsequent_mask(s, dtype=torch.float64),
+    "causal_buffer_prefix": lambda m, s: m.causal[:s, :s],
+    "window_from_sizes": lambda m, s: torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-5),
+    # the length in arithmetic: a window that grows with it, refused with dynamic shapes
+    "window_from_length": lambda m, s: torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-(s // 3)),
 }
 
 
 def mask_readings(rank: int, world_size: int, lengths: list) -> dict:
-    """Relative error per case and length; the first call compiles static, the next ones dynamic."""
-    errors = {}
+    """Per case: the relative error (or the error raised) per length, the first call compiling static and
+    the next ones dynamic, and the report of the last graph compiled."""
+    results = {}
     for name, mask_fn in MASK_READINGS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = MaskedAttention(mask_fn).double()
-        compiled = torch.compile(model, backend=ringpass.backend(compiler="aot_eager"), fullgraph=True)
-        errors[name] = []
+        backend = ringpass.backend(compiler="aot_eager")
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        results[name] = {"errors": []}
         for s in lengths:
             x = torch.randn(2, s, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
-            errors[name].append(rel_err(compiled(x), model(x)))
-    return errors
+            try:
+                results[name]["errors"].append(rel_err(compiled(x), model(x)))
+            except Exception as error:  # Dynamo wraps the backend's refusal
+                results[name]["errors"].append(str(error))
+        results[name]["report"] = str(backend.reports[-1])
+    return results
 
 
 class FlexModel(torch.nn.Module):

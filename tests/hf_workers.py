@@ -130,7 +130,6 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
     With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``;
     ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing;
     ``reference`` names the model run uncompiled when it is not ``name`` (the same weights)."""
-    torch._dynamo.config.specialize_float = True  # dynamic=True would trace HF's dropout_p as a value
     results = {}
     for case in cases:
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process

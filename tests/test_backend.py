@@ -21,7 +21,8 @@ MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
 # shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
 SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
               "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed")
-SHARDED_IO_DYNAMIC = ("llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
+SHARDED_IO_DYNAMIC = SHARDED_IO
+OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
 FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
 SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
 
@@ -49,6 +50,13 @@ def _cases(world_size: int) -> list:
         ("torch_layers", dict(name="torch_layers", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("llama_last_tokens", dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
+    ]
+    cases += [  # dynamic shapes: floats of the model (LayerNorm eps, nn.MultiheadAttention's dropout) traced as
+        # inputs, nn.Transformer's S x S causal mask, the last tokens picked, nested compile regions
+        (f"{name}-dynamic", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=True))
+        for name in OTHER_DYNAMIC if world_size == 2
+    ]
+    cases += [
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
         ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
@@ -136,6 +144,13 @@ def test_dynamic_compile_serves_other_lengths_without_recompiling():
         assert max(result["errors"]) <= 1e-10
 
 
+def test_a_float_attribute_changed_after_a_dynamic_compile_is_recompiled():
+    for result in spawn_ranks(backend_workers.changed_float_attribute, 2, timeout=TIMEOUT):
+        assert max(result["errors"]) <= 1e-10 and result["changed"] <= 1e-10, result
+        first, after_change = result["compiles"]
+        assert after_change > first, result  # the new value is compiled in, not the old one used
+
+
 def test_backend_by_its_registered_name_with_options():
     for result in spawn_ranks(backend_workers.by_registered_name, 2, timeout=TIMEOUT):
         assert result["error"] <= 1e-10
@@ -171,11 +186,20 @@ def test_two_data_parallel_replicas_of_two_rank_rings():
 
 
 def test_masks_that_only_look_causal_match_eager_at_every_length():
-    """Tables equal to arange only below some length, negative indices, alpha=, -1e300 fills: a
-    static compile at 10 tokens, then a dynamic one at 12 that must hold at 80 (automatic dynamic shapes)."""
-    for errors in spawn_ranks(backend_workers.mask_readings, 2, ([10, 12, 80],), timeout=TIMEOUT):
-        for name, per_length in errors.items():
-            assert max(per_length) <= 1e-10, (name, per_length)
+    """Tables equal to arange only below some length, negative indices, alpha=, -1e300 fills, S x S masks made
+    from the length alone (nn.Transformer's, a causal buffer's prefix, a band): a static compile at 10 tokens,
+    then a dynamic one at 12 that must hold at 80 (automatic dynamic shapes). A band whose width is computed
+    from the length is refused once the length is symbolic."""
+    for results in spawn_ranks(backend_workers.mask_readings, 2, ([10, 12, 80],), timeout=TIMEOUT):
+        for name, result in results.items():
+            if name == "window_from_length":
+                static, *dynamic = result["errors"]
+                assert static <= 1e-10 and all("compile with dynamic=False" in e for e in dynamic), result
+                continue
+            assert max(result["errors"]) <= 1e-10, (name, result)
+            assert "rewritten to ring attention over 2 ranks" in result["report"], (name, result["report"])
+        assert "sliding window 5" in results["window_from_sizes"]["report"]
+        assert "(causal" in results["square_subsequent_mask"]["report"], results["square_subsequent_mask"]["report"]
 
 
 @pytest.mark.parametrize("case,message", [
@@ -187,11 +211,14 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
     ("sort", r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence"),
     ("max", r"`max`.*`max` runs along the sequence"),
     ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
+    ("token_mixing_linear", r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim"),
+    ("sequence_long_weight", r"`linear` .* `linear` sums over the sequence"),
     ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
     ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
     ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
 ])
 def test_refusals_name_the_op_and_the_source_line(case, message):
     for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):
-        assert "NotSupportedError" in error
+        assert error.startswith("NotSupportedError: "), error  # ringpass's own type and message, unwrapped
         assert re.search(message, error, re.S), error
+        assert "logged:" not in error, error  # no fake-tensor tracebacks from the backend's probe

@@ -18,6 +18,7 @@ from ringpass.passes.invert_permutations import invert_permutations
 from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
+from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.reduce_grads import reduce_grads
 from ringpass.passes.rewrite_attention import rewrite_attention
@@ -27,6 +28,7 @@ from ringpass.report import Refusal
 
 PIPELINE = (
     inline_subgraphs,
+    pin_model_numbers,
     expand_multi_head_attention,
     devectorize_vmaps,
     find_attention,

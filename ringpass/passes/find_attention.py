@@ -218,9 +218,8 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     args = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs
     if isinstance(args.get("dropout_p"), fx.Node):
         raise refusal(
-            f"Attention {describe(node)} takes dropout_p from a traced value: with "
-            "dynamic=True Dynamo traces Python floats as inputs. Set torch._dynamo.config.specialize_float = True "
-            "so the dropout probability is a constant (it must be 0 for ring attention).", node
+            f"Attention {describe(node)} takes dropout_p from a value computed in the graph or passed to forward; "
+            "it must be the number 0 for ring attention: pass 0.0 (or set the model's attention dropout to 0).", node
         )
     if args.get("dropout_p", 0.0):
         raise refusal(

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ringpass.graph import describe, refusal
+from ringpass.graph import describe, example_value, refusal
 from ringpass.passes.context import PassContext
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
@@ -66,6 +66,8 @@ def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
                 name = _free_name(gm, f"{body_attr.target}_{node.target}")
                 setattr(gm, name, getattr(body, node.target))
                 env[node] = graph.get_attr(name)
+            elif _reads_a_number_passed_in(node, env):
+                env[node] = env[node.args[0]]
             elif node.op != "placeholder":
                 env[node] = graph.node_copy(node, env.__getitem__)
                 env[node].meta.update(tags)
@@ -80,6 +82,16 @@ def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
         graph.erase_node(body_attr)
         if not any(n.op == "get_attr" and n.target == body_attr.target for n in graph.nodes):
             delattr(gm, body_attr.target)
+
+
+def _reads_a_number_passed_in(node: fx.Node, env: dict) -> bool:
+    """``node`` is ``p.item()`` on a body placeholder whose caller passes a number, not a tensor. Dynamo does this
+    with a float attribute under ``dynamic=True`` (``nn.LayerNorm.eps`` unspecialized): the shared body reads it from
+    a 0-dim tensor, while a later call passes the ``.item()`` it already took."""
+    if node.op != "call_method" or node.target != "item" or node.args[0] not in env:
+        return False
+    passed = env[node.args[0]]
+    return not isinstance(example_value(passed) if isinstance(passed, fx.Node) else passed, torch.Tensor)
 
 
 def _calls_attention(body: fx.GraphModule) -> bool:

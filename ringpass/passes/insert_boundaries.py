@@ -190,8 +190,11 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     if isinstance(index, int):
         positions = [index]
     elif ctx.dynamic:
-        raise refusal(f"{describe(node)} picks a slice of tokens; with dynamic shapes only single positions "
-                      "(x[:, 0], x[:, -1]) are supported. Compile with dynamic=False.", node)
+        positions = _last_positions(index)
+        if positions is None:
+            raise refusal(f"{describe(node)} picks a slice of tokens whose length depends on the sequence length; "
+                          "with dynamic shapes only single positions (x[:, 0], x[:, -1]) and the last tokens "
+                          "(x[:, -4:]) are supported. Compile with dynamic=False.", node)
     else:
         positions = list(range(*index.indices(plain(ctx.global_seq_len))))
     graph = ctx.gm.graph
@@ -200,6 +203,16 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
         if isinstance(index, int):
             rows = graph.call_method("squeeze", (rows, dim))
         return _reduce(ctx, rows, node, f"the token(s) at position(s) {positions} picked by every rank", nbytes(example_value(node)))
+
+
+def _last_positions(index: slice):
+    """``x[:, -k:]`` (``-k:-j``, a positive step): the positions counted from the end, whatever the length;
+    else None."""
+    start, stop, step = index.start, index.stop, 1 if index.step is None else index.step
+    if not (isinstance(start, int) and start < 0 and (stop is None or isinstance(stop, int) and start <= stop < 0)
+            and isinstance(step, int) and step > 0):
+        return None
+    return list(range(start, 0 if stop is None else stop, step))
 
 
 def _pick_at_data_positions(ctx: PassContext, node: fx.Node, entry: int) -> fx.Node:

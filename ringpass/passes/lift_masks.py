@@ -15,7 +15,8 @@ Then, per attention, in this order:
    the ring per tile of (local query positions x arriving key positions);
 3. a mask that needs an ``S x S`` tensor (``tril(ones(S, S))``, a registered causal buffer, a mask input)
    is evaluated once when it depends on shapes only (up to ``MASK_LIMIT`` tokens) and accepted when
-   causal; otherwise it is refused, naming the node and source line, unless ``masks="materialize"``
+   causal or a sliding window (with dynamic shapes: at several lengths, when it reads the length only as
+   sizes of new tensors or ends of prefixes of module state); otherwise it is refused, naming the node and source line, unless ``masks="materialize"``
    lets every rank hold the tensor whole (then it is a program input like the others).
 
 Score modifiers of a hand-written attention (`lowering.scores`) join the plan: its soft-cap as a number,
@@ -211,8 +212,8 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     ctx.lifted.add(mask)
     n = example_value(match.output).shape[-2]
     if region.oversized:
-        dynamic = isinstance(n, torch.SymInt)  # one check at one length would not hold for the others
-        flags = None if dynamic else _shape_only_flags(ctx, mask, kind, n)
+        dynamic = isinstance(n, torch.SymInt)
+        flags = _causal_from_sizes_alone(ctx, region, kind, n) if dynamic else _shape_only_flags(ctx, mask, kind, n)
         if flags is not None:
             return MaskPlan(*flags)
         big = region.oversized[0]
@@ -221,9 +222,9 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
                 "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
-                "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a causal buffer is then "
-                "checked at each length)" if dynamic else "") + ", or allow holding it whole on every rank with "
-                "options={'masks': 'materialize'}." + _unreadable_state(ctx, mask) + _after_graph_break(ctx, big), big
+                "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a mask that computes with "
+                "the length is then checked at each length)" if dynamic else "")
+                + ", or allow holding it whole on every rank with options={'masks': 'materialize'}." + _unreadable_state(ctx, mask) + _after_graph_break(ctx, big), big
             )
         ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
     implied, exact = _read(ctx, region, kind, n)
@@ -632,11 +633,13 @@ def _unpassable(arg: fx.Node):
     )
 
 
-def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n) -> Optional[tuple[bool, Optional[int]]]:
-    """A mask from an S x S tensor that depends on shapes only, evaluated once: (True, None) when it is exactly
-    causal, (True, W) when it is causal within a band of W keys (a sliding-window buffer), else None."""
+def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n, resize: Optional[tuple] = None
+                      ) -> Optional[tuple[bool, Optional[int]]]:
+    """A mask from an S x S tensor that depends on shapes only, evaluated once (at length ``n``; see
+    `_evaluate` for ``resize``): (True, None) when it is exactly causal, (True, W) when it is causal within a
+    band of W keys (a sliding-window buffer), else None."""
     n = n.node.hint if isinstance(n, torch.SymInt) else n
-    values = _evaluate(ctx, mask) if n <= MASK_LIMIT else None
+    values = _evaluate(ctx, mask, resize) if n <= MASK_LIMIT else None
     if values is None or values.dim() < 2:
         return None
     grid = values.reshape(-1, *values.shape[-2:])[..., -n:, -n:]
@@ -656,6 +659,67 @@ def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n) -> Optional
         if window != 0 and bool((visible == band).all()):
             return True, window if window is not None and window < n else None
     return None
+
+
+def _causal_from_sizes_alone(ctx: PassContext, region: "_Region", kind: str, n: torch.SymInt
+                             ) -> Optional[tuple[bool, Optional[int]]]:
+    """With dynamic shapes, a mask from an S x S tensor that reads the sequence length only as the size of new
+    tensors (``triu(full((S, S), -inf), 1)``: ``nn.Transformer.generate_square_subsequent_mask``) or as the end
+    of a prefix of module state (a causal buffer ``self.bias[:, :, :S, :S]``), and is causal, or causal within
+    one band of W keys, at each of `CHECK_LENGTHS`, at the example's and at the buffer's whole length: (True,
+    None) or (True, W); else None. Such a mask is made of constants and of ops on positions, so a few lengths
+    show what it is at all. A length used in arithmetic (a window ``min(S, W)``, a slice ``x[1:S]``) could
+    change it at lengths not checked: not accepted."""
+    longest = [_prefix_limits(big) for big in region.oversized]
+    if any(limits is None for limits in longest):
+        return None
+    buffers = [x for limits in longest for x in limits]
+    limit = min(buffers, default=MASK_LIMIT)  # a buffer's length: the longest prefix it has
+    lengths = sorted(x for x in {*CHECK_LENGTHS, n.node.hint, *([limit] if buffers else [])} if x <= limit)
+    flags = {length: _shape_only_flags(ctx, region.mask[0], kind, length, resize=(n, length)) for length in lengths}
+    window = max((f[1] for f in flags.values() if f is not None and f[1] is not None), default=None)
+    band = {length: (True, window if window is not None and window < length else None) for length in lengths}
+    return (True, window) if flags == band else None
+
+
+CHECK_LENGTHS = (1, 2, 3, 5, 8, 13, 32, 67)
+FACTORIES = {torch.full, torch.ones, torch.zeros, torch.empty, torch.arange, "new_full", "new_ones", "new_zeros",
+             "new_empty"}
+
+
+def _prefix_limits(node: fx.Node) -> Optional[list[int]]:
+    """The lengths of the module state ``node`` reads prefixes of, when every symbolic size it is computed
+    from goes only into the sizes of tensor factories or the ends of such prefixes; else None."""
+    limits = []
+    for op in ancestors(node):
+        sizes = [a for a in op.all_input_nodes if isinstance(example_value(a), torch.SymInt)]
+        if not sizes or op.target == "size" or (op.target is operator.getitem
+                                                 and isinstance(example_value(op.args[0]), (torch.Size, tuple))):
+            continue
+        prefix = _prefix_of_state(op)
+        if prefix is not None:
+            limits += prefix
+            continue
+        full = op.target in (torch.full, "new_full")
+        fill_at = 1 if op.target is torch.full else 2
+        fill = op.kwargs.get("fill_value", op.args[fill_at] if full and len(op.args) > fill_at else None)
+        if op.target not in FACTORIES or fill in sizes:
+            return None
+    return limits
+
+
+def _prefix_of_state(op: fx.Node) -> Optional[list[int]]:
+    """``state[:, :S, :S]`` on a parameter or buffer (slices from 0 with step 1): the state's sizes along the
+    sliced dims; else None."""
+    state = op.args[0] if op.target is operator.getitem else None
+    if not isinstance(state, fx.Node) or not (state.op == "get_attr" or is_module_state(state)) \
+            or not isinstance(example_value(state), torch.Tensor):
+        return None
+    index = op.args[1] if isinstance(op.args[1], tuple) else (op.args[1],)
+    shape = example_value(state).shape
+    if not all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in index) or len(index) > len(shape):
+        return None
+    return [int(shape[d]) for d, i in enumerate(index) if i.stop is not None]
 
 
 def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:

@@ -91,9 +91,39 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return ("mixing", f"`{name}` normalises over the sequence") if trailing & seq_dims(first) else ("token", None)
     if not output_has_seq and name not in ("size", "dim", "numel", "getattr"):
         return "mixing", f"`{name}` reduces over the sequence"
+    if name in PER_TOKEN_LAYERS and _contracts_sequence(node, name, seq_dims):
+        return "mixing", f"`{name}` sums over the sequence (a weight as long as the sequence multiplies along it)"
     if name in REARRANGE or name in PER_TOKEN_LAYERS or _pointwise(name):
         return "token", None
     return "mixing", f"`{name}` is not known to act on each token separately"
+
+
+CONTRACTED = {  # the operands a matrix product sums over, and the dim it sums over in each
+    "linear": ((0, -1), (1, -1)), "matmul": ((0, -1), (1, -2)), "mm": ((0, -1), (1, -2)), "bmm": ((0, -1), (1, -2)),
+    "addmm": ((1, -1), (2, -2)), "baddbmm": ((1, -1), (2, -2)),
+}
+
+
+def _contracts_sequence(node: fx.Node, name: str, seq_dims) -> bool:
+    """A matrix product that sums over a sequence dim of an operand (``y.mT @ W`` with ``W`` [S, S]): its
+    output can keep a sequence axis (W's other dim), so losing one is not enough to tell. ``einsum``: a
+    letter of a sequence dim missing from the output."""
+    if name == "einsum" and isinstance(node.args[0], str):
+        inputs, _, output = node.args[0].replace(" ", "").partition("->")
+        tensors = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        for letters, tensor in zip(inputs.split(","), tensors):
+            if isinstance(tensor, fx.Node) and "." not in letters and \
+                    any(letters[d] not in output for d in seq_dims(tensor) if d < len(letters)):
+                return True
+        return False
+    for position, dim in CONTRACTED.get(name, ()):
+        operand = node.args[position] if position < len(node.args) else None
+        value = value_of(operand) if isinstance(operand, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            contracted = (dim if value.dim() >= 2 else -1) % value.dim()
+            if contracted in seq_dims(operand):
+                return True
+    return False
 
 
 def _custom_function(node: fx.Node) -> tuple[str, Optional[str]]:
