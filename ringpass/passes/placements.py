@@ -30,6 +30,8 @@ def decide_placements(ctx: PassContext) -> None:
     for node in _replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
         ctx.mixing.pop(node, None)
         ctx.axes.pop(node, None)
+    for match in ctx.attention:  # `probs @ v` sums over the keys: the ring does that
+        ctx.mixing.pop(match.output, None)
     needs_full = _needs_full(ctx)
     after_attention = _downstream_of([m.output for m in ctx.attention])
     for node in ctx.gm.graph.nodes:
