@@ -4,6 +4,10 @@ processes against the same model run whole, and writes the table in docs/models.
 
     python examples/model_coverage.py                     # every family, P=2, writes docs/models.md
     python examples/model_coverage.py llama gemma2 --world-size 4 --no-write
+    python examples/model_coverage.py --dynamic           # dynamic=True: writes docs/models-dynamic.md
+
+With ``--dynamic`` each family is compiled with ``dynamic=True`` and the compiled model also runs a forward
+at a second length (``SEQ + 6``) against the whole model: one compile serves both.
 
 Status per family: "rewritten" (every attention became ring attention; the errors are the largest
 relative errors of loss, logits and parameter gradients, fp32), "refused" (the backend's reason), "no
@@ -174,8 +178,9 @@ def build(family: str) -> torch.nn.Module:
     return model.train()
 
 
-def training_step(rank: int, world_size: int, family: str) -> dict:
-    """One step compiled with the ring against the model run whole: errors, the report, KV exchanges."""
+def training_step(rank: int, world_size: int, family: str, dynamic: bool = False) -> dict:
+    """One step compiled with the ring against the model run whole: errors, the report, KV exchanges (with
+    ``dynamic``, the logits at a second length too, from the same compile)."""
     model = build(family)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     kwargs = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
@@ -184,9 +189,18 @@ def training_step(rank: int, world_size: int, family: str) -> dict:
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     backend = ringpass.backend(compiler="aot_eager", report="off")
+    compiled = torch.compile(model, backend=backend, dynamic=True if dynamic else None)
     with record_ring_events() as events:
-        got = torch.compile(model, backend=backend)(**kwargs)
+        got = compiled(**kwargs)
         got.loss.backward()
+    other_length = []
+    if dynamic:
+        longer = torch.randint(0, VOCAB, (2, SEQ + 6), generator=torch.Generator().manual_seed(2))
+        graphs = len(backend.reports)
+        with torch.no_grad():
+            other_length = [(compiled(input_ids=longer, use_cache=False).logits, model(input_ids=longer, use_cache=False).logits)]
+        if len(backend.reports) != graphs:
+            raise RuntimeError(f"the dynamic compile did not serve {SEQ + 6} tokens: it compiled again")
 
     def err(a, b):
         return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
@@ -197,7 +211,8 @@ def training_step(rank: int, world_size: int, family: str) -> dict:
              for n, p in model.named_parameters() if n in expected_grads and p.grad is not None]
     return {
         "status": _status(backend.reports),
-        "error": max([err(got.loss, expected.loss), err(got.logits, expected.logits)] + grads),
+        "error": max([err(got.loss, expected.loss), err(got.logits, expected.logits)] + grads
+                     + [err(a, b) for a, b in other_length]),
         "attention": sorted({line.split(": ", 1)[1].split(" -> ")[0] for r in backend.reports for line in str(r).splitlines()
                              if "-> ringpass::ring_attention" in line}),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
@@ -212,9 +227,9 @@ def _status(reports) -> str:
     return "rewritten"
 
 
-def measure(family: str, world_size: int) -> dict:
+def measure(family: str, world_size: int, dynamic: bool = False) -> dict:
     try:
-        return spawn_ranks(training_step, world_size, (family,), timeout=600)[0]
+        return spawn_ranks(training_step, world_size, (family, dynamic), timeout=600)[0]
     except RankFailure as failure:
         text = str(failure)
         refused = re.search(r"NotSupportedError: (.*)", text)
@@ -224,12 +239,15 @@ def measure(family: str, world_size: int) -> dict:
         return {"status": "error", "why": last.strip()}
 
 
-def table(results: dict, world_size: int) -> str:
+def table(results: dict, world_size: int, dynamic: bool = False) -> str:
     lines = [
-        "# Hugging Face families through the ring",
+        "# Hugging Face families through the ring" + (", with dynamic shapes" if dynamic else ""),
         "",
         f"Measured {datetime.date.today()} with transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"on {world_size} gloo processes: `python examples/model_coverage.py`. Each family is built from a small "
+        f"on {world_size} gloo processes: `python examples/model_coverage.py{' --dynamic' if dynamic else ''}`. "
+        + (f"Compiled with `dynamic=True`; the same compile also runs a forward at {SEQ + 6} tokens, whose logits "
+           "count in the error (a second compile there is an error). " if dynamic else "")
+        + "Each family is built from a small "
         "config (2 layers, hidden 32, 4 heads, random weights), one training step (labels, loss, backward, fp32, "
         f"{SEQ} tokens, batch 2; a causal LM, or a masked LM for the encoders) compiled with `backend=\"ring\"` against the same model run whole. The error is the "
         "largest relative error of loss, logits and every parameter gradient (a gradient that is zero in exact "
@@ -255,17 +273,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", help=f"default: all of {', '.join(FAMILIES)}")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True, check a second length")
     parser.add_argument("--no-write", action="store_true", help="print the table instead of writing docs/models.md")
     args = parser.parse_args()
     results = {}
     for family in args.families or FAMILIES:
-        results[family] = measure(family, args.world_size)
+        results[family] = measure(family, args.world_size, args.dynamic)
         print(f"{family}: {results[family]['status']}", file=sys.stderr)
-    text = table(results, args.world_size)
+    text = table(results, args.world_size, args.dynamic)
     if args.no_write:
         print(text)
     else:
-        Path(__file__).resolve().parents[1].joinpath("docs", "models.md").write_text(text)
+        name = "models-dynamic.md" if args.dynamic else "models.md"
+        Path(__file__).resolve().parents[1].joinpath("docs", name).write_text(text)
     return 0
 
 
