@@ -72,8 +72,9 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
     assert rows[("all-gather", 2, 1)]["hidden"] == 0.0
     assert rows[("sdpa", 1, 1)]["efficiency"] == 1.0 and ("sdpa", 1, 2) in rows  # one thread, and the ranks' two
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"sdpa-P1-N64-T1-rank0.json", "sdpa-P1-N64-T2-rank0.json"} <= {p.name for p in traces.iterdir()}
     for rank in (0, 1):
-        trace = json.loads((traces / f"ring-zigzag-P2-N64-rank{rank}.json").read_text())
+        trace = json.loads((traces / f"ring-zigzag-P2-N64-T1-rank{rank}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         for part in ("post", "compute", "wait"):
             assert f"ringpass forward step 0: {part}" in names and f"ringpass backward step 1: {part}" in names
@@ -92,7 +93,7 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
     assert ring["loss_error"] < 1e-5 and ring["tokens_per_s"] > 0
     assert ("unsharded", 1) in rows and ("unsharded", 2) in rows
     assert "ring" in capsys.readouterr().out
-    names = {e.get("name") for e in json.loads((traces / "model-ring-P2-N32-rank1.json").read_text())["traceEvents"]}
+    names = {e.get("name") for e in json.loads((traces / "model-ring-P2-N32-T1-rank1.json").read_text())["traceEvents"]}
     assert "ringpass backward step 1: compute" in names
 
 

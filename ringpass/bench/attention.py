@@ -192,7 +192,7 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
         samples.append(_run_once(step, memory, device))
     if config.trace:
         write_trace(lambda: _run_once(step, memory, device), device,
-                    os.path.join(config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-rank{rank}.json"))
+                    os.path.join(config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-T{torch.get_num_threads()}-rank{rank}.json"))
     return {"samples": samples, "memory_note": memory.unavailable,
             "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
 

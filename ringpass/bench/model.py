@@ -105,7 +105,7 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
                 samples.append(_step(compiled, model, ids, memory, device))
             if config.trace:
                 write_trace(functools.partial(_step, compiled, model, ids, memory, device), device,
-                            os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-rank{rank}.json"))
+                            os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-T{threads}-rank{rank}.json"))
             mine = {"samples": samples, "memory_note": memory.unavailable,
                     "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
             records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
