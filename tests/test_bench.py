@@ -131,3 +131,24 @@ def test_bench_refuses_unknown_methods_and_bad_calibration_files(tmp_path, capsy
     assert cli.main(["plan", "--world-size", "2", "--seq-len", "64", "--heads", "1", "--head-dim", "8",
                      "--hardware", str(bad)]) == 1
     assert "not a calibration file" in capsys.readouterr().err
+
+
+@pytest.mark.heavy  # torchrun starts two processes: ~15 s
+def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
+    """Under torchrun the bench runs in the launched ranks (gloo on CPU here; NCCL on GPUs), the single-process
+    baseline on rank 0; peak memory needs MALLOC_MMAP_THRESHOLD_ exported, as the docs say."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ringpass.cli",
+         "bench", "--seq-len", "64", "--methods", "sdpa", "ring-zigzag", "--repeats", "1", "--json", str(out),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = {(r["method"], r["world_size"]): r for r in json.loads(out.read_text())["rows"]}
+    ring = rows[("ring-zigzag", 2)]
+    assert ring["error"] < 1e-5 and ring["total_mib"] is not None and ring["hidden"] is not None, ring
+    assert ("sdpa", 1) in rows

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,3 +49,18 @@ def test_convert_and_run_under_torchrun():
         assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
         assert float(grad_error) < 1e-4
     assert "rewritten to ring attention over 2 ranks" in output
+
+
+@pytest.mark.heavy  # four processes in turn: ~25 s
+def test_first_call_memory_is_a_one_time_import():
+    """docs/performance.md: the first ring call's one-time memory is paid by a 64-token call as well (an import,
+    not memory the long call needs), and kept; a later long call costs what every call costs."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "first_call_memory.py"), "--seq-len", "1024"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^(long first|long again|64 tokens first|then long)\s+(\S+)\s+(\S+)$", result.stdout, re.M)}
+    assert len(rows) == 4, result.stdout
+    one_time = rows["long first"][0] - rows["long again"][0]
+    assert one_time > 50, rows  # torch._dynamo's import: ~100 MiB
+    assert rows["64 tokens first"][1] > 0.5 * one_time and abs(rows["then long"][0] - rows["long again"][0]) < 0.2 * one_time, rows
