@@ -1,10 +1,12 @@
 """lowering: the runtime side of ringpass.
 
-Exact attention over a sequence sharded across processes (`ring_attention`), the layouts that say
+Exact attention over a sequence sharded across processes (`ring_attention`), decode steps against a KV
+cache that stays sharded (`decode_attention`), the layouts that say
 which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
 opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
 """
 
+from lowering.decode import decode_attention
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from lowering.events import RingEvent, record_ring_events
 from lowering.layout import Layout
@@ -20,6 +22,7 @@ __all__ = [
     "RingEvent",
     "RingpassError",
     "SimulatedRing",
+    "decode_attention",
     "plan_block",
     "record_ring_events",
     "ring_attention",
