@@ -197,8 +197,8 @@ def training_step(rank: int, world_size: int, family: str, dynamic: bool = False
     if dynamic:
         longer = torch.randint(0, VOCAB, (2, SEQ + 6), generator=torch.Generator().manual_seed(2))
         graphs = len(backend.reports)
-        with torch.no_grad():
-            other_length = [(compiled(input_ids=longer, use_cache=False).logits, model(input_ids=longer, use_cache=False).logits)]
+        call = {"input_ids": longer, "labels": longer.clone(), "use_cache": False}  # as the first call: no recompile
+        other_length = [(compiled(**call).logits.detach(), model(**call).logits.detach())]
         if len(backend.reports) != graphs:
             raise RuntimeError(f"the dynamic compile did not serve {SEQ + 6} tokens: it compiled again")
 
@@ -235,8 +235,9 @@ def measure(family: str, world_size: int, dynamic: bool = False) -> dict:
         refused = re.search(r"NotSupportedError: (.*)", text)
         if refused:
             return {"status": "refused", "why": refused.group(1).strip()}
-        last = [line for line in text.strip().splitlines() if line.strip()][-1]
-        return {"status": "error", "why": last.strip()}
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Failure): ", line)]
+        return {"status": "error", "why": (raised or lines)[-1]}  # the error itself, not Dynamo's hints after it
 
 
 def table(results: dict, world_size: int, dynamic: bool = False) -> str:
@@ -246,14 +247,17 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
         f"Measured {datetime.date.today()} with transformers {transformers.__version__}, torch {torch.__version__}, "
         f"on {world_size} gloo processes: `python examples/model_coverage.py{' --dynamic' if dynamic else ''}`. "
         + (f"Compiled with `dynamic=True`; the same compile also runs a forward at {SEQ + 6} tokens, whose logits "
-           "count in the error (a second compile there is an error). " if dynamic else "")
+           "count in the error (a second compile there is an error). \"2 graphs\" here is torch's own restart: "
+           "AOTAutograd specialises the model's float inputs and Dynamo traces the frame again "
+           "(`TensorifyScalarRestartAnalysis`), calling the backend twice with the same graph. " if dynamic else "")
         + "Each family is built from a small "
         "config (2 layers, hidden 32, 4 heads, random weights), one training step (labels, loss, backward, fp32, "
         f"{SEQ} tokens, batch 2; a causal LM, or a masked LM for the encoders) compiled with `backend=\"ring\"` against the same model run whole. The error is the "
         "largest relative error of loss, logits and every parameter gradient (a gradient that is zero in exact "
         "arithmetic, a key bias under softmax, is measured against 1e-6 of the largest gradient: OPT's and "
         "Megatron-BERT's worst are such, ~4e-11 absolute); KV hops counts the ring's KV "
-        "exchanges on rank 0 (forward and backward), which an unsharded run would not make.",
+        "exchanges on rank 0 (forward and backward), which an unsharded run would not make."
+        + ("" if dynamic else " With `dynamic=True`: `docs/models-dynamic.md` (`--dynamic`)."),
         "",
         "| family | attention | status | max rel. error | KV hops | notes |",
         "| --- | --- | --- | --- | --- | --- |",
