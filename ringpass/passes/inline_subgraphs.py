@@ -8,7 +8,8 @@ Matches the higher-order ops whose body is the user's own code run once, in plac
 - ``wrap(body, *args)``: Dynamo's plain wrapper.
 Writes each body's nodes into the graph in place of the call (its placeholders become the call's arguments,
 the ``getitem``s of its result the body's outputs; nested bodies come along and are opened in turn) and
-removes the body once no call uses it. Checkpointed nodes keep checkpointing's tags (``recompute =
+removes the body once no call uses it. A body's ``p.item()`` on an argument that a call passes as a number
+already (Dynamo's later calls of a shared body under ``dynamic=True``) reads that number. Checkpointed nodes keep checkpointing's tags (``recompute =
 PREFER_RECOMPUTE``, one ``ac_graph_id`` per region).
 
 The tags travel through AOTAutograd's tracing to the aten graph, whose partitioner recomputes the region
