@@ -121,8 +121,7 @@ def _check(q, k, v, q_pos, kv_pos, key_padding, window, is_causal) -> None:
         if t.requires_grad and torch.is_grad_enabled():
             raise InvalidInputError(f"{name} requires gradients: decode attention is for inference; run it under "
                                     "torch.no_grad() (training goes through ring_attention).")
-    if k.shape != v.shape or k.shape[:2] != (q.size(0), k.size(1)) or q.size(0) != k.size(0) \
-            or q.size(-1) != k.size(-1) or q.size(1) % k.size(1):
+    if k.shape != v.shape or q.size(0) != k.size(0) or q.size(-1) != k.size(-1) or q.size(1) % k.size(1):
         raise InvalidInputError(f"q {tuple(q.shape)} and the cache {tuple(k.shape)} / {tuple(v.shape)} do not fit: "
                                 "one batch and head dim, and query heads a multiple of KV heads.")
     if q_pos.shape != (q.size(2),) or kv_pos.shape != (k.size(2),):

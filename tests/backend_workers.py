@@ -176,6 +176,7 @@ def changed_float_attribute(rank: int, world_size: int) -> dict:
     model.scale = 0.9
     result["changed"] = rel_err(compiled(x[0]), model(x[0]))
     result["compiles"].append(len(backend.reports))
+    result["report"] = str(backend.reports[-1])
     return result
 
 

@@ -149,6 +149,7 @@ def test_a_float_attribute_changed_after_a_dynamic_compile_is_recompiled():
         assert max(result["errors"]) <= 1e-10 and result["changed"] <= 1e-10, result
         first, after_change = result["compiles"]
         assert after_change > first, result  # the new value is compiled in, not the old one used
+        assert "1 attention(s) rewritten to ring attention over 2 ranks" in result["report"], result["report"]
 
 
 def test_backend_by_its_registered_name_with_options():
