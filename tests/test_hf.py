@@ -167,6 +167,25 @@ def test_one_dynamic_compile_serves_two_lengths():
             assert r["longer"] <= 1e-4, (case, r)
 
 
+def test_dynamic_compile_across_a_graph_break():
+    """GPT-2 as shipped, ``dynamic=True``: its loss property logs (a graph break), so the resumed frame gets
+    ``logits_to_keep`` as a symbolic int that slices the sequence (read as its number, guarded), and its
+    Conv1D reshapes to ``x.size()[:-1] + (nf,)`` (a ``torch.Size`` of the symbolic length, made local)."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("gpt2_as_shipped", ["left-padded"], SEQ, True,
+                                                              "", "", False), timeout=600):
+        _check(results, {"left-padded": "lifted mask program + causal"}, 2)
+        for case, r in results.items():
+            assert r["longer"] <= 1e-4, (case, r)
+
+
+def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
+    """Each value of ``logits_to_keep`` after a ``dynamic=True`` compile gives the whole model's logits: the
+    number the slice was compiled for is guarded, so another one compiles again."""
+    for results in spawn_ranks(hf_workers.logits_to_keep, 2, ([0, 3, 0, 1],), timeout=300):
+        for value, error, length in results:
+            assert error <= 1e-4 and length == (value or 13), results
+
+
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]

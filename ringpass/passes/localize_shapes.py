@@ -5,7 +5,8 @@ tensors created with a size of the sequence length). With static shapes Dynamo w
 sequence length into them; writes the local length instead (a merged dimension such as batch x
 sequence is scaled, not replaced). With ``inputs="sharded"`` the graph already holds local sizes and
 nothing changes. With dynamic shapes the sizes are SymInt inputs instead: uses of the sequence-length
-input (and arithmetic on it) in local ops get the local length, computed in the graph.
+input (arithmetic on it, and ``torch.Size`` tuples of it such as ``x.size()[:-1] + (nf,)``) in local ops
+get the local length, computed in the graph.
 
 Also matches, with ``inputs="sharded"``, values kept whole on every rank that the graph creates from its
 (local) length: an ``arange(n)`` or a ``torch.ones(B, n)`` padding mask that a lifted mask program reads
@@ -56,11 +57,12 @@ def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
         return twins[node]
     twin = node
     value = node.meta.get("example_value")
-    if node.op == "call_function" and node.target in ARITHMETIC and isinstance(value, torch.SymInt):
-        args = [_local_twin(ctx, a, twins) if isinstance(a, fx.Node) else a for a in node.args]
-        if any(a is not b for a, b in zip(args, node.args)):
+    arithmetic = node.target in ARITHMETIC and isinstance(value, torch.SymInt)
+    if node.op == "call_function" and (arithmetic or node.target is torch.Size):  # n - 1; Size([B, n, H])
+        args = fx.node.map_arg(node.args, lambda a: _local_twin(ctx, a, twins))
+        if args != node.args:
             with ctx.gm.graph.inserting_after(node):
-                twin = ctx.gm.graph.call_function(node.target, tuple(args))
+                twin = ctx.gm.graph.call_function(node.target, args)
     twins[node] = twin
     return twin
 

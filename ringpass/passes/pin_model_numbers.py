@@ -1,4 +1,4 @@
-"""Read the model's own Python floats as the numbers they are.
+"""Read the model's own Python floats, and ints that cut the sequence, as the numbers they are.
 
 Matches ``x.item()`` on a graph input that Dynamo made from a Python float of the model: under
 ``dynamic=True`` (``torch._dynamo.config.specialize_float=False``) every float attribute of the model
@@ -12,13 +12,22 @@ Writes: each such ``.item()`` replaced by the value the input holds in this comp
 unused, and Dynamo guards its value (``remove_tensorify_specialized_graphargs``): a model whose attribute
 changes after compiling is compiled again, never run with the old number
 (``test_a_float_attribute_changed_after_a_dynamic_compile_is_recompiled``).
+
+Also matches an int argument that Dynamo made symbolic (under ``dynamic=True``, or once it changed
+between calls) and that a slice or an index of a tensor reads: Hugging Face's ``logits_to_keep`` in
+``hidden_states[:, -logits_to_keep:]`` when a graph break hands it to a resumed frame. Whether such a slice
+keeps the whole sequence, cuts it, or picks its last tokens depends on the number, so the rewrite needs
+it. Writes: the number, guarded (``guard_int``): a call with another value compiles again.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._guards import Source
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ringpass.passes.context import PassContext
 
@@ -26,6 +35,9 @@ from ringpass.passes.context import PassContext
 def pin_model_numbers(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        if _int_argument(node) and _cuts_a_tensor(node):
+            _replace_by_number(node, guard_int(node.meta["example_value"]))
+            continue
         value = _model_float(node)
         reads = [user for user in node.users if user.op == "call_method" and user.target == "item"]
         if value is None or not reads or len(reads) != len(node.users):
@@ -53,3 +65,39 @@ def _from_model(source: Source) -> bool:
     from torch._dynamo.source import AttrSource, GlobalSource
 
     return isinstance(source, (AttrSource, GlobalSource))
+
+
+def _int_argument(node: fx.Node) -> bool:
+    """A SymInt input that is a Python int of the call (or of the model), not a size of an input tensor."""
+    from torch._dynamo.source import TensorPropertySource
+
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return isinstance(node.meta.get("example_value"), torch.SymInt) and isinstance(source, Source) \
+        and not isinstance(source, TensorPropertySource)
+
+
+def _replace_by_number(node: fx.Node, number: int) -> None:
+    """Every use of ``node`` reads ``number``; int arithmetic on it (``-logits_to_keep``) is computed."""
+    for user in list(node.users):
+        user.replace_input_with(node, number)
+        if isinstance(user.meta.get("example_value"), torch.SymInt) and not user.all_input_nodes \
+                and user.op == "call_function" and not user.kwargs:
+            _replace_by_number(user, user.target(*user.args))
+    if node.op != "placeholder":
+        node.graph.erase_node(node)
+
+
+def _cuts_a_tensor(node: fx.Node) -> bool:
+    """``node``, or int arithmetic on it, is a bound of a slice or an index in ``tensor[...]``."""
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target is operator.getitem and isinstance(user.args[0].meta.get("example_value"), torch.Tensor):
+                return True
+            if isinstance(user.meta.get("example_value"), torch.SymInt):
+                todo.append(user)
+    return False
