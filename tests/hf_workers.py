@@ -84,6 +84,12 @@ def build(name: str):
             max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             attn_implementation=implementation)
         return transformers.BioGptForCausalLM(config)
+    if name == "roformer":  # a masked LM: rotary positions, token type ids made by torch.zeros(input_ids.size())
+        config = transformers.RoFormerConfig(
+            vocab_size=VOCAB, hidden_size=32, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+        return transformers.RoFormerForMaskedLM(config)
     if name == "codegen":  # eager only: (q kᵀ + mask) / scale, the scale outside the mask
         config = transformers.CodeGenConfig(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, n_ctx=256, n_inner=64,
@@ -141,7 +147,7 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         unsharded = build(reference) if reference else model
         expected = unsharded(**kwargs)
         expected.loss.backward()
-        expected_grads = {n: p.grad.clone() for n, p in unsharded.named_parameters()}
+        expected_grads = {n: p.grad.clone() for n, p in unsharded.named_parameters() if p.grad is not None}
         unsharded.zero_grad()
         backend = ringpass.backend(compiler="aot_eager")
         compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
@@ -174,6 +180,11 @@ def _saved_for_backward(compiled, kwargs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         compiled(**kwargs)
     return sum(saved)
+
+
+def training_steps(rank: int, world_size: int, runs: dict) -> dict:
+    """`training_step` for each family of ``runs`` (name -> its arguments after ``name``), in one process."""
+    return {name: training_step(rank, world_size, name, *args) for name, args in runs.items()}
 
 
 def logits_to_keep(rank: int, world_size: int, values: list) -> list:

@@ -167,15 +167,18 @@ def test_one_dynamic_compile_serves_two_lengths():
             assert r["longer"] <= 1e-4, (case, r)
 
 
-def test_dynamic_compile_across_a_graph_break():
-    """GPT-2 as shipped, ``dynamic=True``: its loss property logs (a graph break), so the resumed frame gets
-    ``logits_to_keep`` as a symbolic int that slices the sequence (read as its number, guarded), and its
-    Conv1D reshapes to ``x.size()[:-1] + (nf,)`` (a ``torch.Size`` of the symbolic length, made local)."""
-    for results in spawn_ranks(hf_workers.training_step, 2, ("gpt2_as_shipped", ["left-padded"], SEQ, True,
-                                                              "", "", False), timeout=600):
-        _check(results, {"left-padded": "lifted mask program + causal"}, 2)
-        for case, r in results.items():
-            assert r["longer"] <= 1e-4, (case, r)
+def test_dynamic_shapes_in_families_that_spell_sizes_their_own_way():
+    """``dynamic=True``, one compile serving two lengths: GPT-2 as shipped, whose loss property logs (a graph
+    break), so the resumed frame gets ``logits_to_keep`` as a symbolic int that slices the sequence (read as
+    its number, guarded), and whose Conv1D reshapes to ``x.size()[:-1] + (nf,)`` (a ``torch.Size`` of the
+    length); BLOOM's merged batch x heads with ALiBi slopes; RoFormer's ``torch.zeros(input_ids.size())``."""
+    runs = {"gpt2_as_shipped": (["left-padded"], SEQ, True, "", "", False), "bloom": (["labels"], SEQ, True),
+            "roformer": (["left-padded"], SEQ, True)}
+    expected = {"gpt2_as_shipped": "lifted mask program + causal", "bloom": "ALiBi slopes", "roformer": "lifted mask program"}
+    for by_family in spawn_ranks(hf_workers.training_steps, 2, (runs,), timeout=600):
+        for name, results in by_family.items():
+            _check(results, {case: expected[name] for case in results}, 2)
+            assert all(r["longer"] <= 1e-4 for r in results.values()), (name, results)
 
 
 def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():

@@ -147,12 +147,15 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
 
 def _to_4d(match, value):
     """How a bias of ``value``'s shape becomes ``[B or 1, H or 1, n, m]`` for the ring: a 3-D bias of merged
-    batch and heads is unflattened, one of single-head 3-D attention gains a head axis."""
+    batch and heads is unflattened (by its head count, a number also under dynamic shapes), one of single-head
+    3-D attention gains a head axis."""
     if value.dim() != 3 or example_value(match.query).dim() != 3:
         return None
     if match.batch is None:
         return ("unsqueeze", 1)
-    return ("unsqueeze", 0) if same(value.shape[0], 1) else ("unflatten", 0, (match.batch, -1))
+    if same(value.shape[0], 1):
+        return ("unsqueeze", 0)
+    return ("unflatten", 0, (-1, _query_heads(match)))
 
 
 def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
@@ -182,7 +185,7 @@ def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
 def _query_heads(match) -> int:
     """The query heads of the ring call this attention becomes."""
     q = example_value(match.query)
-    return int(q.shape[1]) if q.dim() == 4 else (1 if match.batch is None else int(q.shape[0]) // match.batch)
+    return int(q.shape[1]) if q.dim() == 4 else (1 if match.batch is None else int(q.shape[0] // match.batch))
 
 
 def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> MaskPlan:

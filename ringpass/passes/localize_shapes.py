@@ -20,6 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ringpass.graph import example_value
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.sequence_axes import is_size_op, resize_size_args
 
@@ -79,11 +80,17 @@ def _globalize_whole_sources(ctx: PassContext) -> None:
 
 
 def _created_args(ctx: PassContext, node, local):
-    """``torch.zeros(B, N, H)`` / ``x.new_zeros((B, N, H))`` with N at a sequence dim -> the local length."""
+    """``torch.zeros(B, N, H)`` / ``x.new_zeros((B, N, H))`` / ``torch.zeros(ids.size())`` with N at a sequence
+    dim -> the local length."""
     seq_dims = {a.dim for a in ctx.axes[node]}
     first = 1 if node.op == "call_method" else 0  # x.new_zeros(...) carries the tensor first
     args = list(node.args)
-    if isinstance(args[first], (list, tuple)):  # zeros((B, N, H)), full((B, N), value)
+    if isinstance(args[first], fx.Node):  # zeros(ids.size()): the size's other entries read from it
+        size, rank = args[first], example_value(node).dim()
+        with ctx.gm.graph.inserting_before(node):
+            args[first] = tuple(local if d in seq_dims else ctx.gm.graph.call_function(operator.getitem, (size, d))
+                                for d in range(rank))
+    elif isinstance(args[first], (list, tuple)):  # zeros((B, N, H)), full((B, N), value)
         sizes = list(args[first])
         for d in seq_dims:
             sizes[d] = local

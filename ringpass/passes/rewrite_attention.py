@@ -99,12 +99,13 @@ def _mask_inputs(plan) -> list[str]:
 def _record(match, plan, scale: float) -> AttentionRecord:
     q, k = example_value(match.query), example_value(match.key)
     heads = (plain(q.shape[1]), plain(k.shape[1]) // match.kv_groups) if q.dim() == 4 else (1, 1)
-    if match.batch is not None:
-        heads = (plain(q.shape[0]) // match.batch, plain(k.shape[0]) // match.batch)
+    batch = plain(q.shape[0]) if match.batch is None else plain(match.batch)
+    if match.batch is not None:  # merged batch x heads
+        heads = (plain(q.shape[0]) // batch, plain(k.shape[0]) // batch)
     return AttentionRecord(
         module=module_path(match.output), source=source_line(match.output), spelling=match.spelling,
         mask=plan.describe(), is_causal=plan.is_causal, window=plan.window,
-        mask_inputs=_mask_inputs(plan), batch=plain(q.shape[0]) if match.batch is None else match.batch,
+        mask_inputs=_mask_inputs(plan), batch=batch,
         query_heads=heads[0],
         kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
         itemsize=q.element_size(), scale=float(scale), score_mods=plan.score_mods(), fully_masked=plan.fully_masked,
