@@ -3,6 +3,7 @@ and the names a user knows it by (argument names, module paths, source lines; ne
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 
@@ -118,10 +119,19 @@ def is_vmap_bookkeeping(node: fx.Node) -> bool:
 
 
 def remove_dead_code(graph: fx.Graph) -> None:
-    """FX's dead-code elimination, keeping in-place method calls (``x[..., :8].copy_(y)``, ``m.scatter_(...)``)
-    whose results nobody reads: FX counts every method call as pure."""
-    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or (
-        node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")))
+    """FX's dead-code elimination of tensors nobody reads, keeping what may change something: in-place
+    method calls (``x[..., :8].copy_(y)``, ``m.scatter_(...)``: FX counts every method call as pure),
+    ``setitem``, functions torch marks impure, and every call that returns no tensor (``vmap``'s nesting
+    counters, whose results are unused but whose calls open and close a level)."""
+    graph.eliminate_dead_code(is_impure_node=_may_change_something)
+
+
+def _may_change_something(node: fx.Node) -> bool:
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        return True
+    if node.target is operator.setitem or not isinstance(example_value(node), torch.Tensor):
+        return True
+    return node.is_impure()
 
 
 def placeholders_of(node: fx.Node) -> list[fx.Node]:

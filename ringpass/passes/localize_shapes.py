@@ -85,7 +85,7 @@ def _created_args(ctx: PassContext, node, local):
     seq_dims = {a.dim for a in ctx.axes[node]}
     first = 1 if node.op == "call_method" else 0  # x.new_zeros(...) carries the tensor first
     args = list(node.args)
-    if isinstance(args[first], fx.Node):  # zeros(ids.size()): the size's other entries read from it
+    if isinstance(args[first], fx.Node) and isinstance(example_value(args[first]), tuple):  # zeros(ids.size())
         size, rank = args[first], example_value(node).dim()
         with ctx.gm.graph.inserting_before(node):
             args[first] = tuple(local if d in seq_dims else ctx.gm.graph.call_function(operator.getitem, (size, d))

@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, is_module_state, refusal
+from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
 from ringpass.passes.context import PassContext, SeqDim
 from ringpass.passes.token_ops import classify, custom_forward, value_of
 
@@ -73,6 +73,7 @@ class _Probe:
         self.n = ctx.seq_len
         self.probe_len = ctx.seq_len + 1
         self.values: dict[fx.Node, object] = {}
+        self.open_vmap_levels = 0  # vmap levels the probe opened and has not closed yet
         self.inner_by_size: dict[object, int] = {_key(self.n): 1}
         self.attention_outputs = {m.output: m for m in ctx.attention}
         self.inside_attention = {n for m in ctx.attention for n in m.internal if n is not m.output}
@@ -98,6 +99,8 @@ class _Probe:
                     self._record_role(node)
         finally:
             fake_log.setLevel(level)
+            for _ in range(self.open_vmap_levels):  # a refusal inside a vmap nest: close its levels
+                torch._C._functorch._vmap_decrement_nesting()
 
     # ---- one node -------------------------------------------------------------------------------
     def _probe(self, node: fx.Node):
@@ -116,7 +119,9 @@ class _Probe:
         if node.op == "call_method" and node.target in CREATORS and self._source_kind(node, original):
             self.ctx.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
             return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
-        if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
+        if _opens_or_closes_a_vmap_level(node):  # functorch's global state: run whatever the inputs
+            self.open_vmap_levels += 1 if node.target.__name__ == "_vmap_increment_nesting" else -1
+        elif not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
             if source is not None:
                 self.ctx.sources[node] = source
@@ -240,6 +245,10 @@ class _Probe:
             self.ctx.mixing.setdefault(node, why)
         elif role != "token":
             self.ctx.reductions[node] = role
+
+
+def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:
+    return is_vmap_bookkeeping(node) and node.target.__name__ in ("_vmap_increment_nesting", "_vmap_decrement_nesting")
 
 
 def is_size_op(node: fx.Node) -> bool:
