@@ -246,6 +246,12 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             i = torch.arange(x.shape[1])
             return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] <= i[:, None]).to(x.dtype))
 
+    class VmapBeforeAttention(nn.Module):
+        def forward(self, x):  # vmap over the tokens (as Jamba's scan); with dynamic shapes the probe runs the nest
+            x = torch.vmap(lambda token: torch.tanh(token) * token, in_dims=1, out_dims=1)(x)
+            q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
     class AfterAttention(nn.Module):
         def __init__(self, op):
             super().__init__()
@@ -265,13 +271,17 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     }
     model = AfterAttention(after[case]) if case in after else {
         "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
-        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask, "flex": FlexAttention}[case]()
+        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask, "flex": FlexAttention,
+        "vmap_dynamic": VmapBeforeAttention}[case]()
     logged = _Records()  # what torch's fake tensors log while the backend probes the graph
     logging.getLogger("torch._subclasses.fake_tensor").addHandler(logged)
     try:
-        torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True)(torch.randn(1, 16, 8))
+        torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True,
+                      dynamic=True if case.endswith("dynamic") else None)(torch.randn(1, 16, 8))
     except ringpass.RingpassError as error:  # as ringpass raised it, not wrapped by Dynamo
-        return f"{type(error).__name__}: {error}" + "".join(f"\nlogged: {r.getMessage()}" for r in logged.records)
+        left_open = torch._C._functorch.maybe_current_level()  # a vmap level the backend opened and did not close
+        return f"{type(error).__name__}: {error}" + "".join(f"\nlogged: {r.getMessage()}" for r in logged.records) \
+            + (f"\nvmap level {left_open} left open" if left_open is not None else "")
     except Exception as error:
         return f"not a ringpass error: {type(error).__name__}: {error}"
     return "no error"

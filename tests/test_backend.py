@@ -214,6 +214,7 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
     ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
     ("token_mixing_linear", r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim"),
     ("sequence_long_weight", r"`linear` .* `linear` sums over the sequence"),
+    ("vmap_dynamic", r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid"),
     ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
     ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
     ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
@@ -223,3 +224,4 @@ def test_refusals_name_the_op_and_the_source_line(case, message):
         assert error.startswith("NotSupportedError: "), error  # ringpass's own type and message, unwrapped
         assert re.search(message, error, re.S), error
         assert "logged:" not in error, error  # no fake-tensor tracebacks from the backend's probe
+        assert "left open" not in error, error  # the probe closes the vmap levels it opens (Jamba's scan)

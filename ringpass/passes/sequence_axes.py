@@ -183,7 +183,7 @@ class _Probe:
         args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         kwargs = map_aggregate(node.kwargs, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         if is_size_op(node):
-            resized = resize_size_args(node, self.ctx.axes[node.args[0]], self.probe_len, self.n)
+            resized = resize_size_args(node, self.ctx.axes.get(node.args[0], ()), self.probe_len, self.n)
             args = map_aggregate(resized, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         return args, kwargs
 
