@@ -121,15 +121,15 @@ def is_vmap_bookkeeping(node: fx.Node) -> bool:
 def remove_dead_code(graph: fx.Graph) -> None:
     """FX's dead-code elimination of tensors nobody reads, keeping what may change something: in-place
     method calls (``x[..., :8].copy_(y)``, ``m.scatter_(...)``: FX counts every method call as pure),
-    ``setitem``, functions torch marks impure, and every call that returns no tensor (``vmap``'s nesting
-    counters, whose results are unused but whose calls open and close a level)."""
+    ``setitem``, functions torch marks impure, every call that returns no tensor, and ``vmap``'s bookkeeping
+    (its nesting counters open and close a level; an unused batch dim still belongs to its nest)."""
     graph.eliminate_dead_code(is_impure_node=_may_change_something)
 
 
 def _may_change_something(node: fx.Node) -> bool:
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
         return True
-    if node.target is operator.setitem or not isinstance(example_value(node), torch.Tensor):
+    if node.target is operator.setitem or not isinstance(example_value(node), torch.Tensor) or is_vmap_bookkeeping(node):
         return True
     return node.is_impure()
 
