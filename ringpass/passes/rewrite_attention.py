@@ -16,6 +16,7 @@ import math
 import operator
 
 import torch
+import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, plain, refusal,
@@ -39,10 +40,9 @@ def rewrite_attention(ctx: PassContext) -> None:
         plan = ctx.masks[match.output]
         with graph.inserting_before(match.output):
             operands = [match.query, match.key, match.value]
-            to_4d, back = (("unsqueeze", 1), ("squeeze", 1)) if match.batch is None else \
-                (("unflatten", 0, (match.batch, -1)), ("flatten", 0, 1))
+            back = ("squeeze", 1) if match.batch is None else ("flatten", 0, 1)
             if q.dim() == 3:
-                operands = [graph.call_method(to_4d[0], (t, *to_4d[1:])) for t in operands]
+                operands = [graph.call_method(*_to_4d(match, t)) for t in operands]
             if match.kv_groups > 1:  # heads repeated in groups (Falcon): one head of each group travels
                 heads = (slice(None), slice(None, None, match.kv_groups))
                 operands[1:] = [graph.call_function(operator.getitem, (t, heads)) for t in operands[1:]]
@@ -87,6 +87,14 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     ctx.placement[out] = LOCAL
     ctx.axes[out] = ctx.axes[match.output]
     match.output.replace_all_uses_with(out)
+
+
+def _to_4d(match, t: fx.Node) -> tuple:
+    """The method call making 3-D ``t`` ``[B, H, S, D]``: merged batch x heads unflattened by its head count (a
+    number, also when the batch is symbolic), single-head attention given a head axis."""
+    if match.batch is None:
+        return "unsqueeze", (t, 1)
+    return "unflatten", (t, 0, (-1, int(example_value(t).shape[0] // match.batch)))
 
 
 def _mask_inputs(plan) -> list[str]:
