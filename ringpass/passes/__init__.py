@@ -10,7 +10,6 @@ from ringpass.graph import example_value, nbytes, op_label, plain, short_source
 from ringpass.graph_view import op_chain
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
-from ringpass.passes.drop_unused_values import drop_unused_values
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_subgraphs import inline_subgraphs
@@ -28,7 +27,6 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.report import Refusal
 
 PIPELINE = (
-    drop_unused_values,
     inline_subgraphs,
     pin_model_numbers,
     expand_multi_head_attention,
