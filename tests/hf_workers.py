@@ -189,16 +189,18 @@ def training_steps(rank: int, world_size: int, runs: dict) -> dict:
 
 def logits_to_keep(rank: int, world_size: int, values: list) -> list:
     """GPT-2 compiled with ``dynamic=True`` and called with each ``logits_to_keep`` in turn (a symbolic int
-    argument that slices the sequence): (value, logits' error against the whole model, logits' length)."""
+    argument that slices the sequence): (value, logits' error against the whole model, logits' length, the
+    ring's KV exchanges in that call)."""
     model = build("gpt2").eval()
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend=ringpass.backend(compiler="aot_eager"), fullgraph=True, dynamic=True)
     results = []
     with torch.no_grad():
         for value in values:
-            got = compiled(input_ids=ids, logits_to_keep=value, use_cache=False).logits
+            with record_ring_events() as events:
+                got = compiled(input_ids=ids, logits_to_keep=value, use_cache=False).logits
             results.append((value, rel_err(got, model(input_ids=ids, logits_to_keep=value, use_cache=False).logits),
-                            got.shape[1]))
+                            got.shape[1], sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events)))
     return results
 
 

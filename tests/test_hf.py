@@ -186,8 +186,9 @@ def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
     """Each value of ``logits_to_keep`` after a ``dynamic=True`` compile gives the whole model's logits: the
     number the slice was compiled for is guarded, so another one compiles again."""
     for results in spawn_ranks(hf_workers.logits_to_keep, 2, ([0, 3, 0, 1],), timeout=300):
-        for value, error, length in results:
+        for value, error, length, kv_exchanges in results:
             assert error <= 1e-4 and length == (value or 13), results
+            assert kv_exchanges == 2, results  # the ring ran: 2 layers x 1 KV hop at P=2, forward only
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
