@@ -1,7 +1,7 @@
 """lowering: the runtime side of ringpass.
 
 Exact attention over a sequence sharded across processes (`ring_attention`), decode steps against a KV
-cache that stays sharded (`decode_attention`), the layouts that say
+cache that stays sharded (`decode_attention`; the cache's slots: `lowering.sharded_cache`), the layouts that say
 which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
 opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
 """
@@ -12,6 +12,7 @@ from lowering.events import RingEvent, record_ring_events
 from lowering.layout import Layout
 from lowering.op import ring_attention
 from lowering.schedule import BlockTask, plan_block, schedule_table
+from lowering.sharded_cache import append_slots, decode_over_slots, prompt_slots, whole_cache
 from lowering.simulate import SimulatedRing, simulate_ring
 
 __all__ = [
@@ -21,11 +22,15 @@ __all__ = [
     "NotSupportedError",
     "RingEvent",
     "RingpassError",
+    "append_slots",
     "SimulatedRing",
     "decode_attention",
+    "decode_over_slots",
     "plan_block",
+    "prompt_slots",
     "record_ring_events",
     "ring_attention",
     "schedule_table",
     "simulate_ring",
+    "whole_cache",
 ]

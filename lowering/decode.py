@@ -13,7 +13,8 @@ length. No key or value leaves its rank.
   (0 too). Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 - ``q_pos`` ``[t]`` and ``kv_pos`` ``[m]``: int64 global positions of the queries and of this rank's slots.
 - ``is_causal``: a key is visible iff ``kv_pos <= q_pos``; ``window=W`` also needs ``q_pos - kv_pos < W``;
-  ``key_padding`` bool ``[B, m]`` (True = a real token): left padding of the prompt, per row.
+  ``key_padding`` bool ``[B, m]`` (True = a real token): left padding of the prompt, per row; ``mask``
+  bool ``[B or 1, Hq or 1, t, m]`` (True = visible): any other mask, already read at this rank's slots.
 
 A query that sees no key on any rank gets 0 (as the ring gives). Inference only: inputs that require
 gradients are refused.
@@ -40,24 +41,24 @@ from lowering.kernels import accumulation_dtype, block_attention
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, q_pos: torch.Tensor,
                      kv_pos: torch.Tensor, is_causal: bool = True, window: Optional[int] = None,
-                     key_padding: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                     group=None) -> torch.Tensor:
+                     key_padding: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                     scale: Optional[float] = None, group=None) -> torch.Tensor:
     """Exact attention of the replicated queries ``q`` over the cache every rank holds a part of (module
     docstring); the same ``[B, Hq, t, D]`` result on every rank of ``group`` (default: the whole world)."""
-    _check(q, k_cache, v_cache, q_pos, kv_pos, key_padding, window, is_causal)
+    _check(q, k_cache, v_cache, q_pos, kv_pos, key_padding, mask, window, is_causal)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     group_name = ""
     if dist.is_available() and dist.is_initialized():
         group_name = (dist.group.WORLD if group is None else group).group_name
-    return torch.ops.ringpass.decode_attention(q, k_cache, v_cache, q_pos, kv_pos, key_padding, bool(is_causal),
-                                               window, scale, group_name)
+    return torch.ops.ringpass.decode_attention(q, k_cache, v_cache, q_pos, kv_pos, key_padding, mask,
+                                               bool(is_causal), window, scale, group_name)
 
 
 @torch.library.custom_op("ringpass::decode_attention", mutates_args=())
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-                      key_padding: Optional[torch.Tensor], is_causal: bool, window: Optional[int], scale: float,
-                      group_name: str) -> torch.Tensor:
-    out, lse = _local(q, k, v, q_pos, kv_pos, key_padding, is_causal, window, scale)
+                      key_padding: Optional[torch.Tensor], mask: Optional[torch.Tensor], is_causal: bool,
+                      window: Optional[int], scale: float, group_name: str) -> torch.Tensor:
+    out, lse = _local(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale)
     if group_name:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -73,17 +74,18 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
 
 @_decode_attention.register_fake
-def _(q, k, v, q_pos, kv_pos, key_padding, is_causal, window, scale, group_name):
+def _(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale, group_name):
     return torch.empty_like(q)
 
 
-def _local(q, k, v, q_pos, kv_pos, key_padding, is_causal, window, scale):
+def _local(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale):
     """This rank's (out, lse) over its own slots, in the accumulation dtype; (0, -inf) for no slots."""
     dtype = accumulation_dtype(q.dtype)
     if k.size(2) == 0:
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
         return torch.zeros(q.shape, dtype=dtype, device=q.device), lse
-    mask = None if key_padding is None else key_padding[:, None, None, :]
+    if key_padding is not None:
+        mask = key_padding[:, None, None, :] if mask is None else mask & key_padding[:, None, None, :]
     return block_attention(q, k, v, q_pos, kv_pos, scale=scale, is_causal=is_causal, window=window, mask=mask,
                            backend="torch")
 
@@ -113,7 +115,7 @@ def append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_pos: torch.
             torch.cat((kv_pos, new_pos.to(kv_pos.device)[mine])))
 
 
-def _check(q, k, v, q_pos, kv_pos, key_padding, window, is_causal) -> None:
+def _check(q, k, v, q_pos, kv_pos, key_padding, mask, window, is_causal) -> None:
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InvalidInputError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], got "
@@ -129,5 +131,9 @@ def _check(q, k, v, q_pos, kv_pos, key_padding, window, is_causal) -> None:
                                 f"token), got {tuple(q_pos.shape)} and {tuple(kv_pos.shape)}.")
     if key_padding is not None and (key_padding.dtype != torch.bool or key_padding.shape != (k.size(0), k.size(2))):
         raise InvalidInputError(f"key_padding must be bool [{k.size(0)}, {k.size(2)}] (True = a real token).")
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[2:] != (q.size(2), k.size(2))
+                             or mask.size(0) not in (1, q.size(0)) or mask.size(1) not in (1, q.size(1))):
+        raise InvalidInputError(f"mask must be bool [{q.size(0)} or 1, {q.size(1)} or 1, {q.size(2)}, {k.size(2)}] "
+                                f"(True = visible), got {mask.dtype} {tuple(mask.shape)}.")
     if window is not None and not is_causal:
         raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")

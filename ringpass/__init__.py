@@ -5,8 +5,9 @@
 `backend(**options)` returns a configured backend, `last_report()` what the last compile did,
 `inspect(model, inputs, world_size=P)` what the pass will do to a model, offline; `shard(x, dim)` /
 `unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout; `convert(model,
-inputs, world_size=P)` applies the pass once and gives a module that runs eagerly, `save`s and `load`s. The
-runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
+inputs, world_size=P)` applies the pass once and gives a module that runs eagerly, `save`s and `load`s;
+`generate(model, input_ids, max_new_tokens=...)` and `ShardedCache` generate from a long prompt with the KV
+cache kept sharded (Hugging Face models; imported on first use). The runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
 """
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
@@ -20,4 +21,12 @@ from ringpass.sharding import shard, unshard
 __version__ = "0.1.0"
 __all__ = ["ConvertedModel", "Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend",
            "RingpassError", "RingpassWarning", "__version__", "backend", "convert", "inspect", "last_report", "load",
-           "shard", "unshard"]
+           "shard", "unshard", "ShardedCache", "generate"]
+
+
+def __getattr__(name: str):
+    if name in ("ShardedCache", "generate"):  # they need transformers: imported when first asked for
+        from ringpass import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'ringpass' has no attribute {name!r}")

@@ -17,6 +17,7 @@ CHOICES = {
     "report": ("summary", "off"),
     "checks": ("first", "every", "off"),
     "unsharded": ("warn", "error"),
+    "cache": ("sharded", "gathered"),
 }
 
 
@@ -40,7 +41,11 @@ class RingOptions:
     call) or ``off`` (no agreement; see docs/reliability.md). ``timeout``: seconds a wait may last while
     every peer waits inside ringpass too (a deadlock) before every rank raises.
     ``unsharded``: a graph that runs unsharded on a multi-rank job (no attention found, or no process group
-    under a multi-process launch) gives a `RingpassWarning` (``warn``) or an error (``error``)."""
+    under a multi-process launch) gives a `RingpassWarning` (``warn``) or an error (``error``).
+    ``cache``: ``sharded`` (a `ringpass.ShardedCache` keeps the prefill's keys and values on the ranks that
+    hold their tokens and decode steps attend to every rank's part; a decode step against a cache held
+    whole on every rank is refused) or ``gathered`` (caches are gathered whole and decode steps run
+    unsharded on every rank, as the model does on one device)."""
 
     group: Any = None
     layout: str = "auto"
@@ -53,6 +58,7 @@ class RingOptions:
     checks: str = "first"
     timeout: float = 30.0
     unsharded: str = "warn"
+    cache: str = "sharded"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "RingOptions":

@@ -99,6 +99,8 @@ class Report:
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
     refusal: Optional[Refusal] = None
     unchanged: str = ""    # why the graph runs unchanged (one rank, no attention)
+    decode: int = 0        # decode attentions rewritten to attend to a sharded KV cache where it lies
+    cache: str = ""        # what became of the KV cache in this graph
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -106,7 +108,7 @@ class Report:
         """"rewritten", "refused", "no attention" or "unchanged" (one rank)."""
         if self.refusal is not None:
             return "refused"
-        if self.attention:
+        if self.attention or self.decode:
             return "rewritten"
         return "no attention" if self.world_size > 1 else "unchanged"
 
@@ -136,7 +138,10 @@ class Report:
             blocking = f" at {self.refusal.op} ({self.refusal.source})" if self.refusal.op else ""
             return f"{head} REFUSED{blocking}: the ring backend raises NotSupportedError (reason below)"
         if self.status != "rewritten":
-            return f"{head} {self.unchanged or 'no attention found'}: the graph runs unchanged (replicated) on every rank"
+            return f"{head} {self.unchanged or self.cache or 'no attention found'}: the graph runs unchanged (replicated) on every rank"
+        if self.decode:
+            return (f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
+                    f"({self.cache}), {_size(self.gathered_bytes())} all-gathered per call")
         return (f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {self.world_size} ranks, "
                 f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call")
 
@@ -156,6 +161,7 @@ class Report:
         for title, placement in (("outputs gathered", "gathered"), ("outputs left sharded", "sharded"),
                                  ("outputs replicated", "replicated")):
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])
+        lines += _section("KV cache", [self.cache] if self.cache else [])
         lines += _section("collectives inserted (per call)", _collectives_text(self.collectives))
         if self.gradients == "local":
             lines += _section("gradients", ["local: each rank keeps its share (an outer DDP / FSDP sums them); "

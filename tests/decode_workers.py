@@ -3,15 +3,20 @@ appended by the ownership rule, then a decode step against fp64 attention over t
 
 from __future__ import annotations
 
-import torch
+import warnings
 
-from lowering import Layout, record_ring_events
+import torch
+import torch.distributed as dist
+
+from lowering import Layout, append_slots, decode_over_slots, prompt_slots, record_ring_events, whole_cache
 from lowering.decode import append_to_cache, decode_attention
+from lowering.errors import RingpassWarning
+from lowering.sharded_cache import slot_count
 
 B, HQ, HKV, D = 2, 4, 2, 8
 
 
-def whole_cache(prompt_len: int, generated: int, seed: int = 0):
+def cache_of(prompt_len: int, generated: int, seed: int = 0):
     """(k, v) of every position, (prompt and generated), and a left-padding mask [B, positions]: row 1's first
     three prompt tokens are padding."""
     generator = torch.Generator().manual_seed(seed)
@@ -37,7 +42,7 @@ def decode_step(rank: int, world_size: int, cases: list) -> dict:
     merges recorded and their bytes, and this rank's cache positions."""
     results = {}
     for prompt_len, generated, t, window in cases:
-        k, v, real = whole_cache(prompt_len, generated)
+        k, v, real = cache_of(prompt_len, generated)
         layout = Layout("zigzag", world_size, prompt_len)
         slots = layout.positions(rank)[: layout.valid_len(rank)]
         k_mine, v_mine, pos_mine = k[:, :, slots], v[:, :, slots], slots
@@ -53,8 +58,32 @@ def decode_step(rank: int, world_size: int, cases: list) -> dict:
                                    key_padding=real[:, pos_mine])
         want = reference(q, k, v, q_pos, torch.arange(n), real, window)
         merges = [e for e in events if e.kind == "decode_merge"]
+        slots_out, whole = _through_slots(q, k, v, q_pos, real, window, prompt_len, generated)
         results[(prompt_len, generated, t, window)] = {
             "error": ((out - want).abs().max() / want.abs().max()).item(),
+            "slots_error": ((slots_out - want).abs().max() / want.abs().max()).item(),
+            "whole_cache_exact": torch.equal(whole, k),
             "merges": len(merges), "bytes": [e.fields["bytes"] for e in merges],
             "kv_exchanges": sum(e.kind == "exchange" for e in events), "positions": pos_mine.tolist()}
     return results
+
+
+def _through_slots(q, k, v, q_pos, real, window, prompt_len: int, generated: int):
+    """The same step through `lowering.sharded_cache`: the prompt's slots from the whole prompt, generated keys
+    appended one position at a time, decode over the slots with the mask written over global positions;
+    and the whole cache read back from every rank's slots."""
+    group = dist.group.WORLD.group_name
+    capacity = slot_count(prompt_len, generated, dist.get_world_size())
+    k_slots, v_slots, slot_pos = prompt_slots(k[:, :, :prompt_len], v[:, :, :prompt_len], capacity, prompt_len,
+                                              "zigzag", False, group)
+    for p in range(prompt_len, prompt_len + generated):
+        append_slots(k_slots, v_slots, slot_pos, k[:, :, p:p + 1], v[:, :, p:p + 1], p, prompt_len, group)
+    kv_pos = torch.arange(prompt_len + generated)
+    visible = (kv_pos[None, :] <= q_pos[:, None])[None, None] & real[:, None, None, :]
+    if window is not None:
+        visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)[None, None]
+    with torch.no_grad():
+        out = decode_over_slots(q, k_slots, v_slots, slot_pos, visible, None, group)
+    with warnings.catch_warnings():  # reading the whole cache warns that it moves it: here that is the point
+        warnings.simplefilter("ignore", RingpassWarning)
+        return out, whole_cache(k_slots, slot_pos, prompt_len + generated, group)

@@ -1,6 +1,7 @@
 """lowering.decode_attention: new queries against a KV cache that stays sharded, at 2 and 4 gloo ranks,
 against fp64 attention over the whole cache (left padding, sliding windows, GQA, prompts that 2P does not
-divide); the cache's ownership rule; one small all-gather per call and no KV traffic."""
+divide); the cache's ownership rule; one small all-gather per call and no KV traffic. The same steps through
+`lowering.sharded_cache`'s slots (prompt slots, appends, the model's mask over global positions)."""
 
 from functools import lru_cache
 
@@ -27,6 +28,7 @@ def test_decode_matches_fp64_attention_over_the_whole_cache(world_size):
     for rank, per_rank in enumerate(results(world_size)):
         for case, r in per_rank.items():
             assert r["error"] <= 1e-12, (rank, case, r)
+            assert r["slots_error"] <= 1e-12 and r["whole_cache_exact"], (rank, case, r)  # lowering.sharded_cache
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])

@@ -1,6 +1,8 @@
 """The ring backend's passes, in the order they run. Each is one file and one function
 ``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs
-them for every front end (the backend, `ringpass.inspect`)."""
+them for every front end (the backend, `ringpass.inspect`). A graph of decode steps (fewer queries than
+keys: against a KV cache) goes from `find_attention` to `rewrite_decode_attention`, and nothing else in it
+is sharded."""
 
 import torch
 
@@ -15,12 +17,14 @@ from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.invert_permutations import invert_permutations
+from ringpass.passes.keep_cache_sharded import keep_cache_sharded
 from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.reduce_grads import reduce_grads
+from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_attention import rewrite_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
@@ -37,6 +41,7 @@ PIPELINE = (
     find_sequence_axes,
     find_local_permutations,
     decide_placements,
+    keep_cache_sharded,
     rewrite_positions,
     localize_shapes,
     rewrite_attention,
@@ -56,6 +61,9 @@ def run_pipeline(ctx: PassContext) -> None:
             if run_pass is find_attention and not ctx.attention:
                 report.unchanged = "no attention found"
                 report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
+                return
+            if run_pass is find_attention and any(is_decode_step(m) for m in ctx.attention):
+                rewrite_decode_attention(ctx)
                 return
     except NotSupportedError as error:
         node = getattr(error, "node", None)

@@ -54,6 +54,8 @@ class PassContext:
     gathered_inputs: set = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole
     # insert_boundaries: all-reduced totals of partial sums (their gradient must be made whole)
     totals: set = field(default_factory=set)
+    # rewrite_decode_attention: inputs every rank holds its own of (a sharded KV cache's slots)
+    rank_own_inputs: set = field(default_factory=set)
 
     length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
     _graph_lengths: dict = field(default_factory=dict)

@@ -25,7 +25,7 @@ K/V whose heads are proven to repeat in groups after further per-head-uniform op
 of each group.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
-`lift_masks`. Refuses dropout inside attention, query and key lengths that differ, PyTorch's fused
+`lift_masks` (or, with fewer queries than keys, to `rewrite_decode_attention`). Refuses dropout inside attention, PyTorch's fused
 Transformer fast path, and a graph whose only attention is one it does not recognise (a softmax whose
 probabilities multiply values, or whose scores are a product of two activations).
 """
@@ -117,14 +117,6 @@ def find_attention(ctx: PassContext) -> None:
     if not ctx.attention:
         _refuse_unrecognised_attention(ctx.gm)
     ctx.attention[:] = [_with_kv_groups(match) for match in ctx.attention]
-    for match in ctx.attention:
-        q, k = example_value(match.query), example_value(match.key)
-        if q.shape[-2] != k.shape[-2]:
-            raise refusal(
-                f"Attention {describe(match.output)} has {q.shape[-2]} queries but {k.shape[-2]} keys; ring "
-                "attention shards queries and keys the same way, so they must have one length (a KV cache "
-                "concatenated before attention is not supported: compile with use_cache=False).", match.output
-            )
 
 
 def _with_kv_groups(match: AttentionMatch) -> AttentionMatch:

@@ -2,7 +2,8 @@
 
 Matches: the sequence length N is the attentions' query length (all must agree). Sources of the
 sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
-(positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables). Every
+(positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables); the
+slots of a `ringpass.ShardedCache` (``ringpass::prompt_slots``) have none, whatever the prompt's length. Every
 other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
 whose size moved are its sequence axes. The nodes inside a hand-written attention (scores, soft-cap, bias,
 probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v. Ops that spell sizes literally (``view``, ``reshape``,
@@ -48,6 +49,7 @@ def _pad(x, pad, mode="constant", value=None):
 
 
 PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
+PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)
 
 
 def find_sequence_axes(ctx: PassContext) -> None:
@@ -107,8 +109,8 @@ class _Probe:
         original = example_value(node)
         if node.op == "placeholder":
             return self._probe_placeholder(node, original)
-        if node.op == "get_attr" or node in self.inside_attention:
-            return original
+        if node.op == "get_attr" or node in self.inside_attention or node.target in PROMPT_SLOTS:
+            return original  # a KV cache's slots are this rank's, whatever the prompt's length
         if node in self.attention_outputs:  # out: q's leading dims and v's head dim (flex: and an LSE)
             match = self.attention_outputs[node]
             q, v = self.values[match.query], self.values[match.value]

@@ -68,6 +68,8 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     first = next((a for a in _tensor_args(node) if seq_dims(a)), None)
     if name == "autograd_function_apply":
         return _custom_function(node)
+    if node.target in (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default):
+        return "token", None  # every rank keeps its own tokens' keys (keep_cache_sharded)
     if name == "getitem":
         return _getitem(node, seq_dims, output_has_seq)
     if name == "cross_entropy":
