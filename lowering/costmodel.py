@@ -9,7 +9,9 @@ from global positions (`Layout.segments`), independently of the planner's rectan
 On given `Hardware` (a link's bandwidth and latency, the FLOP rate one rank's kernel reaches; presets
 `LINKS`, `DEVICES`), `predict` gives each step's compute and transfer time and whether the transfer hides,
 `hiding_slice` the fewest tokens per rank at which it does, and `all_gather_seconds` the alternative's
-forward time (`ringpass plan` prints them and recommends).
+forward time (`ringpass plan` prints them and recommends). A decode step (`DecodeCost`, `decode_seconds`):
+every rank reads its part of the cache (memory-bound: `MEMORY` presets) and the ranks merge their out and
+LSE in one small all-gather.
 
 Conventions (docs/inspect.md):
 - FLOPs are useful FLOPs: ``4 · B · Hq · D`` per visible (query, key) pair forward (q·kᵀ and p·v, a
@@ -178,6 +180,7 @@ class Hardware:
     flops_per_s: float
     link: str = "custom"
     device: str = "custom"
+    memory_bytes_per_s: Optional[float] = None  # how fast one rank reads its memory (a decode step's bound)
 
 
 LINKS = {  # name: (bytes/s one way, latency per message in s, source)
@@ -192,6 +195,14 @@ DEVICES = {  # name: (attention FLOP/s one rank reaches, source)
     "a100": (190e12, "A100: 312 dense bf16 TFLOP/s peak, ~60% in flash attention"),
     "cpu": (78.5e9, "the 2-core dev machine, one thread per rank: the block kernel forward+backward, "
                     "`ringpass bench --calibrate`, 2026-12-01"),
+}
+
+
+MEMORY = {  # name: (bytes/s one rank reads from its memory, source)
+    "h100": (3.35e12, "H100 SXM HBM3, nominal (H200: 4.8e12)"),
+    "a100": (2.0e12, "A100 80GB HBM2e, nominal"),
+    "cpu": (3.8e9, "the 2-core dev machine, one thread: SDPA of one query over a 64 and a 256 MiB fp32 cache "
+                   "(3.79, 3.84 GB/s), `ringpass bench --what decode`, 2026-12-02"),
 }
 
 
@@ -258,3 +269,49 @@ def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:
 
 def _overlapped(compute: list[float], transfer: float) -> float:
     return sum(max(c, transfer) for c in compute[:-1]) + compute[-1]
+
+
+# ---- decode: a few new queries against a KV cache ---------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeCost:
+    """One decode attention: ``queries`` new tokens (replicated) against a cache of ``cache_len`` positions
+    that ``world_size`` ranks hold a part of each (``slots``: ceil(cache_len / P), the busiest rank), as
+    `lowering.decode_attention` runs it; ``world_size=1``: the whole cache on one device (unsharded, or every
+    rank holding all of it)."""
+
+    shape: AttentionShape
+    cache_len: int
+    world_size: int
+    queries: int = 1
+
+    @property
+    def slots(self) -> int:
+        return -(-self.cache_len // self.world_size)
+
+    @property
+    def flops(self) -> int:
+        """The busiest rank's FLOPs: every query against each of its slots."""
+        return 4 * self.shape.batch * self.shape.query_heads * self.shape.head_dim * self.queries * self.slots
+
+    @property
+    def cache_bytes(self) -> int:
+        """Keys and values one rank holds, and reads once per step."""
+        return 2 * self.shape.batch * self.shape.kv_heads * self.slots * self.shape.head_dim * self.shape.itemsize
+
+    @property
+    def merge_bytes(self) -> int:
+        """Each rank's out and LSE in the merge's all-gather, ``B·Hq·t·(D+1)`` in the accumulation dtype."""
+        s = self.shape
+        return s.batch * s.query_heads * self.queries * (s.head_dim + 1) * s.accumulation_itemsize
+
+
+def decode_seconds(cost: DecodeCost, hardware: Hardware) -> dict:
+    """A decode attention's time on ``hardware``: ``compute`` (the slower of its FLOPs at the kernel's rate
+    and reading its cache at the memory's rate, when that is known), ``merge`` (the all-gather: P - 1
+    messages of every rank's out and LSE, one after another) and their sum, ``total``."""
+    compute = cost.flops / hardware.flops_per_s
+    if hardware.memory_bytes_per_s:
+        compute = max(compute, cost.cache_bytes / hardware.memory_bytes_per_s)
+    p = cost.world_size
+    merge = (p - 1) * (hardware.link_latency_s + cost.merge_bytes / hardware.link_bytes_per_s) if p > 1 else 0.0
+    return {"compute": compute, "merge": merge, "total": compute + merge}

@@ -7,6 +7,7 @@ or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
                     "and recommend ring, all-gather or no ring (decode)."))
     _bench_arguments(commands.add_parser(
         "bench", help="measure ring, all-gather and unsharded side by side: time, memory per rank, overlap",
-        description="Run one attention (--what attention) or a model's training step (--what model) by every method "
+        description="Run one attention (--what attention), a model's training step (--what model) or one decode "
+                    "step against a KV cache (--what decode) by every method "
                     "on fresh CPU processes (or under torchrun, on its ranks), and print median time, per-rank peak "
                     "memory, parallel efficiency, hidden communication, work balance and the cost model's prediction "
                     "(docs/performance.md)."))
@@ -212,16 +214,17 @@ def _bench_arguments(b) -> None:
     from ringpass.bench import model
 
     size = model.ModelSize()
-    b.add_argument("--what", choices=["attention", "model"], default="attention")
+    b.add_argument("--what", choices=["attention", "model", "decode"], default="attention")
     b.add_argument("--world-size", type=int, nargs="+", default=[2], help="ranks (one job per value)")
     b.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="sequence lengths")
     b.add_argument("--methods", nargs="+", help="attention: sdpa all-gather ring-contiguous ring-zigzag "
-                   "context-parallel (default: all); model: ring unsharded")
+                   "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered")
+    b.add_argument("--new-tokens", type=int, default=1, help="decode: queries per step (--seq-len: the cache length)")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--heads", type=int, help="query heads (attention default 8, model %d)" % size.heads)
     b.add_argument("--kv-heads", type=int, help="key/value heads (attention default 2, model %d)" % size.kv_heads)
-    b.add_argument("--head-dim", type=int, default=64, help="attention only")
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="attention only")
+    b.add_argument("--head-dim", type=int, default=64, help="attention and decode")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="attention and decode")
     b.add_argument("--bidirectional", action="store_true", help="attention without a causal mask")
     b.add_argument("--hidden", type=int, default=size.hidden, help="model: hidden size")
     b.add_argument("--layers", type=int, default=size.layers, help="model: decoder layers")
@@ -252,25 +255,25 @@ def _bench(args) -> int:
         if args.json:
             results.write_json(data, args.json)
         return 0
-    attention = args.what == "attention"
     size = model.ModelSize(args.hidden, args.layers, args.heads or model.ModelSize.heads,
                            args.kv_heads or model.ModelSize.kv_heads, args.intermediate, args.vocab)
     config = bench.BenchConfig(
         what=args.what, world_sizes=tuple(args.world_size), seq_lens=tuple(args.seq_len), batch=args.batch,
         heads=args.heads or 8, kv_heads=args.kv_heads or 2, head_dim=args.head_dim, dtype=args.dtype,
         causal=not args.bidirectional,
-        methods=tuple(args.methods or (bench.attention.METHODS if attention else model.METHODS)),
+        methods=tuple(args.methods or bench.METHODS[args.what]),
         repeats=args.repeats, warmup=args.warmup, threads_per_rank=args.threads_per_rank, trace=args.trace,
         progress=not args.no_progress, timeout=args.timeout, model=size, hf_config=args.hf_config,
-        compiler=args.compiler)
+        compiler=args.compiler, new_tokens=args.new_tokens)
     summary = bench.run_bench(config, results.load_hardware(args.hardware) if args.hardware else None)
-    if not summary:  # a torchrun rank other than 0
-        return 0
-    print(results.format_table(summary))
-    if args.json:
-        results.write_json(summary, args.json)
-    if args.plot:
-        results.plot(summary, args.plot)
+    if summary:  # not a torchrun rank other than 0
+        print(results.format_table(summary))
+        if args.json:
+            results.write_json(summary, args.json)
+        if args.plot:
+            results.plot(summary, args.plot)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        bench.end_launched_rank()
     return 0
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowering.costmodel import DEVICES, LINKS, AttentionShape, Hardware, Prediction, all_gather_seconds, hiding_slice, \
-    predict, ring_cost
+from lowering.costmodel import DEVICES, LINKS, MEMORY, AttentionShape, DecodeCost, Hardware, Prediction, \
+    all_gather_seconds, decode_seconds, hiding_slice, predict, ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 
@@ -33,6 +33,7 @@ class Plan:
     memory: dict
     memory_unsharded: dict
     recommendation: str
+    decode: dict | None = None  # with decode: seconds of one decode attention, cache sharded / whole
 
     def as_dict(self) -> dict:
         p = self.prediction
@@ -44,7 +45,7 @@ class Plan:
             "compute_backward_s": p.compute_backward, "transfer_backward_s": p.transfer_backward,
             "all_gather_forward_s": self.all_gather_forward_s, "hiding_tokens_per_rank": self.hiding_tokens,
             "memory_per_rank": self.memory, "memory_unsharded": self.memory_unsharded,
-            "recommendation": self.recommendation,
+            "recommendation": self.recommendation, "decode_s": self.decode,
         }
 
     def __str__(self) -> str:
@@ -88,7 +89,8 @@ def hardware(link: str | None = None, device: str | None = None, *, bandwidth_gb
         link_bytes_per_s=bandwidth_gb_s * 1e9 if bandwidth_gb_s is not None else bandwidth,
         link_latency_s=latency_us * 1e-6 if latency_us is not None else latency,
         flops_per_s=tflops * 1e12 if tflops is not None else rate,
-        link=link or "custom", device=device or "custom")
+        link=link or "custom", device=device or "custom",
+        memory_bytes_per_s=MEMORY[device][0] if device and tflops is None else None)
 
 
 def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware, *, decode: bool = False,
@@ -101,10 +103,17 @@ def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware
     prediction = predict(cost, hw)
     gather = all_gather_seconds(cost, hw)
     tokens = hiding_slice(shape, hw)
+    decode_times = None
     if decode:
+        sharded = decode_seconds(DecodeCost(shape, seq_len, world_size), hw)
+        whole = decode_seconds(DecodeCost(shape, seq_len, 1), hw)
+        decode_times = {"sharded": sharded, "whole": whole}
         advice = ("no ring: a decode step has one query per sequence, so each hop moves a whole KV block for almost "
-                  "no compute. Keep the KV cache sharded where it is and merge each rank's partial (out, LSE) in one "
-                  "small collective, or run decode without sequence parallelism.")
+                  "no compute. Keep the KV cache sharded where it is (ringpass.ShardedCache) and merge each rank's "
+                  f"partial (out, LSE) in one small all-gather: predicted {sharded['total'] * 1e3:.3g} ms per "
+                  f"attention ({sharded['compute'] * 1e3:.3g} ms reading 1/{world_size} of the cache, "
+                  f"{sharded['merge'] * 1e3:.3g} ms merging) against {whole['total'] * 1e3:.3g} ms with the whole cache "
+                  "on one device (or gathered onto every rank).")
     elif world_size == 1:
         advice = "one rank: no sequence parallelism."
     elif prediction.hides:
@@ -119,7 +128,7 @@ def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware
                   + f"Gathering K/V instead (predicted {gather * 1e3:.3g} ms forward) moves the same bytes without "
                   "hiding them and holds the whole K/V on every rank.")
     return Plan(world_size, seq_len, layout, shape, hw, prediction, gather, tokens, cost.memory(),
-                cost.memory(unsharded=True), advice)
+                cost.memory(unsharded=True), advice, decode_times)
 
 
 def _ms(seconds: list[float]) -> str:

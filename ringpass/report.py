@@ -211,6 +211,8 @@ class Report:
             "activations": self.activation_bytes or None,
             "ring": [ring_dict(indices, cost) for indices, cost in self.ring_costs()],
             "refusal": asdict(self.refusal) if self.refusal else None,
+            "decode_attentions": self.decode,
+            "cache": self.cache or None,
             "warnings": self.warnings,
             "differs": self.differs,
         }

@@ -3,6 +3,7 @@ and the KV cache kept sharded (`ringpass.ShardedCache`), against the same model 
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
@@ -64,6 +65,7 @@ def hf_generate(rank: int, world_size: int, cases: list) -> list:
         results.append({
             "same_tokens": torch.equal(got.sequences, expected.sequences),
             "logits": max(rel_err(g, e) for g, e in zip(got.logits, expected.logits)),
+            "logits_bits": [hashlib.sha256(g.numpy().tobytes()).hexdigest() for g in got.logits],  # every rank's?
             "steps": len(got.logits), "layers": len(cache.layers),
             "events": _counts(events), "compiles": len(backend.reports),
             "statuses": [r.status for r in backend.reports], "decode": [r.decode for r in backend.reports],

@@ -97,6 +97,19 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
     assert "ringpass backward step 1: compute" in names
 
 
+def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "--what", "decode", "--world-size", "2", "--seq-len", "64", "--repeats", "2",
+                     "--json", str(out), "--no-progress"]) == 0
+    rows = {(r["method"], r["world_size"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
+    sharded, gathered, whole = rows[("sharded", 2, 1)], rows[("gathered", 2, 1)], rows[("sdpa", 1, 1)]
+    assert all(r["error"] < 1e-5 for r in rows.values())
+    assert sharded["merges"] == 1 and sharded["kv_exchanges"] == 0 and gathered["merges"] == 0
+    assert sharded["cache_mib"] == pytest.approx(whole["cache_mib"] / 2) and gathered["cache_mib"] == whole["cache_mib"]
+    assert sharded["predicted"]["merge_s"] > 0 and whole["predicted"]["merge_s"] == 0
+    assert "ringpass bench --what decode" in capsys.readouterr().out
+
+
 @pytest.mark.heavy  # a compile on two ranks
 def test_bench_model_takes_a_hugging_face_config(tmp_path):
     transformers = pytest.importorskip("transformers")

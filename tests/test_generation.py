@@ -5,8 +5,13 @@ and proof that the ring ran, the cache is sharded and no key or value was gather
 from functools import lru_cache
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import generation_workers
+import hf_workers
+import ringpass
+from lowering import whole_cache
 from lowering.sharded_cache import slot_count
 from ringpass.launch import spawn_ranks
 
@@ -36,6 +41,7 @@ def check_generated(world_size: int, per_rank: list, cases) -> None:
             # one prefill, then decode graphs: compiled again once when the cache length first changes
             assert result["statuses"] == ["rewritten"] * 3 and result["decode"] == [0, layers, layers], result
             assert result["slots_hold_cache"]
+        assert all(r["logits_bits"] == results[0]["logits_bits"] for r in results)  # bit for bit on every rank
         for layer in range(results[0]["layers"]):  # every position on exactly one rank
             held = [p for result in results for p in result["held"][layer]]
             assert sorted(held) == list(range(prompt_len + new - 1)), held
@@ -79,3 +85,73 @@ def test_cache_options_without_the_ring_gathered_and_a_dynamic_cache_refused():
         assert any("cache='gathered'" in line for line in result["gathered_reports"])
         assert "ringpass.ShardedCache" in result["sharded_dynamic_cache"]
         assert "options={'cache': 'gathered'}" in result["sharded_dynamic_cache"]
+
+
+# ---- without processes: what one rank's cache does, and what the pass refuses (ringpass.inspect, offline) ----
+def test_one_process_generates_with_a_sharded_cache_and_refuses_what_it_cannot_hold():
+    model = hf_workers.build("llama").eval()
+    ids = torch.randint(1, hf_workers.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = ringpass.ShardedCache(model.config, max_new_tokens=4)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **options), model.generate(ids, **options))
+    held = [p for p in cache.layers[0].slot_pos.tolist() if p >= 0]
+    assert held == list(range(10))  # one rank holds every position the steps attended to
+    with pytest.raises(ringpass.InvalidInputError, match="The sharded KV cache is full"):
+        model.generate(ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=2), **options)
+    with pytest.raises(ringpass.NotSupportedError, match="beam search"):
+        model.generate(ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=4), num_beams=2,
+                       **options)
+    with pytest.raises(ringpass.NotSupportedError, match="cannot be cropped"):
+        cache.crop(3)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"cache": "gathered"}, "cache='gathered'; drop the option or pass a DynamicCache"),
+    ({"inputs": "sharded"}, "takes the whole prompt"),
+])
+def test_a_sharded_cache_prefill_is_refused_where_it_cannot_stay_sharded(options, message):
+    model = hf_workers.build("llama").eval()
+    ids = torch.randint(1, hf_workers.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = ringpass.ShardedCache(model.config, max_new_tokens=4)
+    found = ringpass.inspect(model, {"input_ids": ids, "past_key_values": cache}, world_size=2, **options)
+    assert found.status == "refused" and message in found.reports[0].refusal.message
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decode attention over a sharded cache's whole view, spelled as a model might."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k_slots, v_slots, slot_pos, k_whole, v_whole):
+        if self.spelling == "plain cache":  # a cache held whole: keys concatenated, as a DynamicCache does
+            return F.scaled_dot_product_attention(q, k_whole, v_whole, enable_gqa=True)
+        keys, values = (whole_cache(s, slot_pos, k_whole.size(2), "") for s in (k_slots, v_slots))
+        if self.spelling == "is_causal":
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        if self.spelling == "float mask":
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=q.new_zeros(1, 1, 1, k_whole.size(2)),
+                                                  enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+
+@pytest.mark.parametrize("spelling, options, status, message", [
+    ("plain cache", {}, "refused", "pass past_key_values=ringpass.ShardedCache"),
+    ("plain cache", {"cache": "gathered"}, "no attention", ""),
+    ("is_causal", {}, "refused", "is_causal=True"),
+    ("float mask", {}, "refused", "float mask"),
+    ("no mask", {}, "rewritten", ""),
+])
+def test_decode_steps_are_recognised_from_the_graph(spelling, options, status, message):
+    q, slots, slot_pos, whole = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.arange(6), torch.randn(1, 2, 6, 8)
+    found = ringpass.inspect(_DecodeStep(spelling), (q, slots, slots, slot_pos, whole, whole), world_size=2, **options)
+    report = found.reports[0]
+    assert found.status == status, str(report)
+    if status == "refused":
+        assert message in report.refusal.message
+    elif status == "rewritten":  # the attention reads this rank's slots: one merge, no gather of the cache
+        assert report.decode == 1 and [c.what for c in report.collectives] == ["decode attention's out and LSE"]
+        assert "whole_cache" not in found.graphs[0].gm.code and "decode_over_slots" in found.graphs[0].gm.code
+    else:
+        assert "cache='gathered'" in report.summary()

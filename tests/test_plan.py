@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, hiding_slice, predict, ring_cost
+from lowering.costmodel import AttentionShape, DecodeCost, Hardware, all_gather_seconds, decode_seconds, hiding_slice, \
+    predict, ring_cost
 from lowering.layout import Layout
 from ringpass.plan import hardware, make_plan
 
@@ -25,6 +26,19 @@ def test_a_hand_computed_ring():
     assert prediction.hides  # forward 1 s under 1 s of compute, backward 2 s under 2.5 s
     # all-gather: one block (1 s), then both steps' compute (2 s)
     assert all_gather_seconds(ring_cost(Layout("contiguous", 2, 8), ONE), hw) == 3.0
+
+
+def test_a_hand_computed_decode_step():
+    """One query against 8 positions on P=2: each rank 4 slots, 4 x 4 = 16 FLOPs (1 s at 16 FLOP/s), reading
+    4 x 8 = 32 bytes (0.5 s at 64 B/s: the FLOPs bound it); the merge sends out and LSE, (1 + 1) fp32 numbers
+    = 8 bytes (0.25 s at 32 B/s) after 0.5 s of latency. Whole on one device: 2 s of FLOPs."""
+    hw = Hardware(link_bytes_per_s=32, link_latency_s=0.5, flops_per_s=16, memory_bytes_per_s=64)
+    sharded = DecodeCost(ONE, cache_len=8, world_size=2)
+    assert (sharded.slots, sharded.flops, sharded.cache_bytes, sharded.merge_bytes) == (4, 16, 32, 8)
+    assert decode_seconds(sharded, hw) == {"compute": 1.0, "merge": 0.75, "total": 1.75}
+    assert decode_seconds(DecodeCost(ONE, cache_len=8, world_size=1), hw) == {"compute": 2.0, "merge": 0.0, "total": 2.0}
+    slow_memory = Hardware(link_bytes_per_s=32, link_latency_s=0.5, flops_per_s=16, memory_bytes_per_s=8)
+    assert decode_seconds(sharded, slow_memory)["compute"] == 4.0  # 32 bytes at 8 B/s: memory-bound
 
 
 def test_the_hiding_slice_is_where_a_step_covers_its_hop():
@@ -60,7 +74,9 @@ def test_a_longer_slice_hides_better_and_a_slower_link_worse():
 def test_recommendations():
     shape = AttentionShape(batch=1, query_heads=32, kv_heads=8, head_dim=128, itemsize=2, is_causal=True)
     assert make_plan(shape, 8, 131072, hardware("nvlink", "h100")).recommendation.startswith("ring, layout zigzag")
-    assert make_plan(shape, 8, 131072, hardware("nvlink", "h100"), decode=True).recommendation.startswith("no ring")
+    decode = make_plan(shape, 8, 131072, hardware("nvlink", "h100"), decode=True)
+    assert decode.recommendation.startswith("no ring") and "ringpass.ShardedCache" in decode.recommendation
+    assert decode.decode["sharded"]["total"] < decode.decode["whole"]["total"]  # 1/8 of the cache, one small merge
     short = make_plan(shape, 8, 2048, hardware("loopback", "h100"))  # 256 tokens per rank on a slow link
     assert not short.prediction.hides and "No sequence parallelism pays on time here" in short.recommendation
     fewer = make_plan(shape, 16, 2**21, hardware("loopback", "h100"))  # 131072 per rank: too few for that link

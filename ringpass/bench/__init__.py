@@ -2,6 +2,7 @@
 
     ringpass bench --world-size 2 --seq-len 8192 16384             # one attention, every method
     ringpass bench --what model --world-size 2 --seq-len 16384     # a Llama-style training step
+    ringpass bench --what decode --world-size 2 --seq-len 65536     # one decode step against a KV cache
     ringpass bench --calibrate --json hardware.json                # this machine's link and kernel rate
     torchrun --nproc-per-node 8 -m ringpass.cli bench ...          # CUDA + NCCL: the launch's world size
 
@@ -25,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from lowering.errors import InvalidInputError
-from ringpass.bench import attention, model, results
+from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
 from ringpass.launch import spawn_ranks
 
-WHAT = ("attention", "model")
+WHAT = ("attention", "model", "decode")
+RANK_FUNCTIONS = {"attention": attention.attention_rank, "model": model.model_rank, "decode": decode.decode_rank}
+METHODS = {"attention": attention.METHODS, "model": model.METHODS, "decode": decode.METHODS}
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,12 @@ class BenchConfig:
     model: model.ModelSize = model.ModelSize()
     hf_config: Optional[str] = None
     compiler: str = "aot_eager"
+    new_tokens: int = 1  # decode: queries per step
 
     def __post_init__(self):
         if self.what not in WHAT:
             raise InvalidInputError(f"bench: --what {self.what!r} is not one of {', '.join(WHAT)}.")
-        known = attention.METHODS if self.what == "attention" else model.METHODS
+        known = METHODS[self.what]
         unknown = [m for m in self.methods if m not in known]
         if unknown:
             raise InvalidInputError(f"bench: unknown method(s) {', '.join(unknown)} for --what {self.what}; "
@@ -66,7 +70,9 @@ class BenchConfig:
         if min(self.world_sizes) < 2 or min(self.seq_lens) < 1 or self.repeats < 1 or self.warmup < 0:
             raise InvalidInputError("bench: world sizes must be at least 2 (the single-process baselines always run), "
                                     "sequence lengths and repeats positive.")
-        if self.what == "attention" and self.dtype not in attention.DTYPES:
+        if self.what == "decode" and not 1 <= self.new_tokens <= min(self.seq_lens):
+            raise InvalidInputError(f"bench: --new-tokens {self.new_tokens} must be between 1 and the cache length.")
+        if self.what != "model" and self.dtype not in attention.DTYPES:
             raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
 
     def for_world_size(self, world_size: int) -> "BenchConfig":
@@ -89,7 +95,7 @@ def run_bench(config: BenchConfig, hardware=None) -> dict:
 
 
 def _rank_function(config: BenchConfig):
-    return attention.attention_rank if config.what == "attention" else model.model_rank
+    return RANK_FUNCTIONS[config.what]
 
 
 def _singles(config: BenchConfig) -> list[str]:
@@ -124,6 +130,7 @@ def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
+        _GROUPS_STARTED.append(dist.group.WORLD)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     distributed = [m for m in config.methods if m not in _singles(config)]
     if world_size == 1 and distributed:
@@ -138,3 +145,19 @@ def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
         records += run(0, 1, job, _singles(config), len(distributed) * len(config.seq_lens), total)
     dist.barrier()
     return records if rank == 0 else None
+
+
+_GROUPS_STARTED: list = []  # the process group the bench started in a torchrun rank, to end it there
+
+
+def end_launched_rank() -> None:
+    """End a torchrun rank after the bench (the command line's last step): destroy the process group the
+    bench started and leave at once, since gloo's threads can abort the interpreter's own exit ("terminate
+    called without an active exception") after the results are written."""
+    import sys
+
+    if _GROUPS_STARTED and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -29,8 +29,7 @@ import lowering
 from lowering.all_gather import gathered_attention
 from lowering.comm import RingExchange
 from lowering.kernels import accumulation_dtype
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, gather_record, seconds_since, synchronize, \
-    write_trace
+from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
 DISTRIBUTED = METHODS[1:]
@@ -222,10 +221,7 @@ def message_seconds(config, seq_len: int, world_size: int, device, repeats: int 
 def attention_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:
     """Every (sequence length, method) case on one rank of a ``world_size`` job; rank 0's list of records
     (one per case, with every rank's measurements) is the result."""
-    device = bench_device()
-    if config.threads_per_rank and device.type == "cpu":
-        torch.set_num_threads(config.threads_per_rank)
-    progress = Progress(progress_total, progress_done, enabled=rank == 0 and config.progress)
+    device, progress = start_rank(rank, config, progress_done, progress_total)
     records = []
     for seq_len in config.seq_lens:
         inputs = make_inputs(config, seq_len, device)

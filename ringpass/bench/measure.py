@@ -110,6 +110,15 @@ def write_trace(call, device: torch.device, path: str) -> None:
     profiler.export_chrome_trace(path)
 
 
+def start_rank(rank: int, config, progress_done: int, progress_total: int):
+    """(this rank's device, its progress bar: rank 0's only) for a bench job, the CPU thread count set from
+    ``config.threads_per_rank``."""
+    device = bench_device()
+    if config.threads_per_rank and device.type == "cpu":
+        torch.set_num_threads(config.threads_per_rank)
+    return device, Progress(progress_total, progress_done, enabled=rank == 0 and config.progress)
+
+
 def gather_record(mine: dict, *, method: str, world_size: int, seq_len: int, device: torch.device,
                   messages=None) -> dict:
     """One case's record: every rank's measurements (``mine`` on this rank), gathered on every rank."""

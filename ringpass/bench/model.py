@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import lowering
-from ringpass.bench.measure import PeakMemory, Progress, bench_device, gather_record, seconds_since, write_trace
+from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, write_trace
 
 METHODS = ("ring", "unsharded")
 
@@ -84,10 +84,7 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
     """Every (sequence length, method) case on one rank; rank 0's list of records is the result."""
     import torch.distributed as dist
 
-    device = bench_device()
-    if config.threads_per_rank and device.type == "cpu":
-        torch.set_num_threads(config.threads_per_rank)
-    progress = Progress(progress_total, progress_done, enabled=rank == 0 and config.progress)
+    device, progress = start_rank(rank, config, progress_done, progress_total)
     memory, records = PeakMemory(device), []
     for seq_len in config.seq_lens:
         model, vocab = build_model(config, seq_len, device)

@@ -34,20 +34,21 @@ import json
 import statistics
 from dataclasses import asdict
 
-from lowering.costmodel import DEVICES, LINKS, AttentionShape, Hardware, all_gather_seconds, predict, ring_cost
+from lowering.costmodel import DEVICES, LINKS, MEMORY, AttentionShape, DecodeCost, Hardware, all_gather_seconds, \
+    decode_seconds, predict, ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass.bench.attention import layout_kind
 
 MIB = 2**20
-SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded"}  # each bench's one-process baseline
+SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded", "decode": "sdpa"}  # each bench's one-process baseline
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def default_hardware() -> Hardware:
     """This machine's presets: gloo on loopback and the CPU's measured attention rate."""
     link, device = LINKS["loopback"], DEVICES["cpu"]
-    return Hardware(link[0], link[1], device[0], link="loopback", device="cpu")
+    return Hardware(link[0], link[1], device[0], link="loopback", device="cpu", memory_bytes_per_s=MEMORY["cpu"][0])
 
 
 def load_hardware(path: str) -> Hardware:
@@ -128,6 +129,20 @@ def _exposed_seconds(record: dict, rank: int, repeat: int) -> float:
     return exposed
 
 
+def _decode_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
+    """A decode step's error, the cache one rank holds, the merges it made and the cost model's time."""
+    samples = [s for r in record["ranks"] for s in r["samples"]]
+    row["error"] = max(s["error"] for s in samples)
+    row["cache_mib"] = max(r["cache_bytes"] for r in record["ranks"]) / MIB
+    row["merges"] = min(s["merges"] for s in samples)
+    row["kv_exchanges"] = max(s["kv_exchanges"] for s in samples)
+    ranks = record["world_size"] if record["method"] == "sharded" else 1
+    cost = DecodeCost(_shape(config), record["seq_len"], ranks, config.new_tokens)
+    predicted = decode_seconds(cost, hardware)
+    row["predicted"] = {"forward_s": predicted["total"], "total_s": predicted["total"], "hides": False,
+                        "compute_s": predicted["compute"], "merge_s": predicted["merge"]}
+
+
 def _model_extras(row: dict, record: dict, config) -> None:
     row["tokens_per_s"] = config.batch * record["seq_len"] / row["total_s"]["median"]
     row["loss"] = statistics.median(s["loss"] for r in record["ranks"] for s in r["samples"])
@@ -151,6 +166,8 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
         row["first_call_mib"] = max(first) / MIB if first and None not in first else None
         if config.what == "attention":
             _attention_extras(row, record, config, hardware)
+        elif config.what == "decode":
+            _decode_extras(row, record, config, hardware)
         else:
             _model_extras(row, record, config)
         rows.append(row)
@@ -190,6 +207,8 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def format_table(summary: dict) -> str:
     c, h = summary["config"], summary["hardware"]
+    if c["what"] == "decode":
+        return _decode_table(summary)
     model = c["what"] == "model"
     if model:
         m = c["model"]
@@ -231,6 +250,28 @@ def format_table(summary: dict) -> str:
     lines += [f"  memory not measured: {note}" for note in notes]
     lines.append("  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
                  "working memory per rank (fwd+bwd)")
+    return "\n".join(lines)
+
+
+def _decode_table(summary: dict) -> str:
+    c, h = summary["config"], summary["hardware"]
+    lines = [f"ringpass bench --what decode: {c['new_tokens']} new token(s) against a KV cache of N positions, B={c['batch']} "
+             f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, causal, one attention",
+             f"  {c['warmup']} warm-up call(s), {c['repeats']} measured; per-step time: median (min..max) of the slowest "
+             f"rank; cache: what one rank holds; peak: what the call adds; predicted on link {h['link']}, device "
+             f"{h['device']}", "",
+             f"{'method':<10}{'P':>3}{'thr':>4}{'N':>9}{'step ms (min..max)':>24}{'pred ms':>9}{'cache MiB':>11}"
+             f"{'peak MiB':>10}{'eff':>6}{'vs same':>8}{'merges':>7}{'error':>9}"]
+    for r in summary["rows"]:
+        start = f"{r['method']:<10}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>9}"
+        t = {k: v * 1e3 for k, v in r["total_s"].items()}
+        step = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
+        lines.append(f"{start}{step:>24}{r['predicted']['total_s'] * 1e3:>9.3f}{r['cache_mib']:>11.1f}"
+                     f"{_fmt(r['total_mib'], '.1f'):>10}{_fmt(r['efficiency'], '.2f'):>6}{_fmt(r['vs_same_cores'], '.2f'):>8}"
+                     f"{r['merges']:>7}{r['error']:>9.1e}")
+    lines.append("  sharded: every rank reads its slots and the ranks merge out and LSE (one all-gather); gathered: every "
+                 "rank holds and reads the whole cache; eff: T(1 thread, 1 process) / (cores x T); vs same: "
+                 "T(1 process, same cores) / T")
     return "\n".join(lines)
 
 
