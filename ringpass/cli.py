@@ -45,8 +45,8 @@ def main(argv=None) -> int:
                     "and recommend ring, all-gather or no ring (decode)."))
     _bench_arguments(commands.add_parser(
         "bench", help="measure ring, all-gather and unsharded side by side: time, memory per rank, overlap",
-        description="Run one attention (--what attention), a model's training step (--what model) or one decode "
-                    "step against a KV cache (--what decode) by every method "
+        description="Run one attention (--what attention), a model's training step (--what model), one decode "
+                    "step against a KV cache (--what decode) or a model's decode steps (--what generate) by every method "
                     "on fresh CPU processes (or under torchrun, on its ranks), and print median time, per-rank peak "
                     "memory, parallel efficiency, hidden communication, work balance and the cost model's prediction "
                     "(docs/performance.md)."))
@@ -214,11 +214,12 @@ def _bench_arguments(b) -> None:
     from ringpass.bench import model
 
     size = model.ModelSize()
-    b.add_argument("--what", choices=["attention", "model", "decode"], default="attention")
+    b.add_argument("--what", choices=["attention", "model", "decode", "generate"], default="attention")
     b.add_argument("--world-size", type=int, nargs="+", default=[2], help="ranks (one job per value)")
     b.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="sequence lengths")
     b.add_argument("--methods", nargs="+", help="attention: sdpa all-gather ring-contiguous ring-zigzag "
-                   "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered")
+                   "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered; generate: unsharded "
+                   "sharded gathered")
     b.add_argument("--new-tokens", type=int, default=1, help="decode: queries per step (--seq-len: the cache length)")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--heads", type=int, help="query heads (attention default 8, model %d)" % size.heads)

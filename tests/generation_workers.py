@@ -182,3 +182,14 @@ def own_cache_generate(rank: int, world_size: int, prompt_len: int, new: int) ->
     return {"same_tokens": same, "logits": max(errors), "events": _counts(events), "statuses": [r.status for r in backend.reports],
             "decode": [r.decode for r in backend.reports], "held": [sorted(p for p in s[2].tolist() if p != FREE)
                                                                     for s in cache.slots]}
+
+
+def hf_generate_as_documented(rank: int, world_size: int) -> dict:
+    """``ringpass.generate(model, ...)`` with nothing else said: backend "ring", Inductor compiling."""
+    model = build("llama").eval()
+    ids, mask = _prompt(2, 13, True)
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+    expected = model.generate(ids, **options)
+    with record_ring_events() as events:
+        got = ringpass.generate(model, ids, **options)
+    return {"same_tokens": torch.equal(got, expected), "events": _counts(events)}

@@ -110,6 +110,22 @@ def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_pa
     assert "ringpass bench --what decode" in capsys.readouterr().out
 
 
+@pytest.mark.heavy  # compiles a prefill and decode steps by three methods (~45 s)
+def test_bench_generate_keeps_the_cache_sharded_and_the_tokens_the_model_s(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    assert cli.main(["bench", "--what", "generate", "--world-size", "2", "--seq-len", "40", "--hidden", "32",
+                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--vocab", "61",
+                     "--compiler", "aot_eager", "--repeats", "2", "--warmup", "3", "--json", str(out),
+                     "--no-progress"]) == 0
+    rows = {(r["method"], r["world_size"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
+    sharded, gathered = rows[("sharded", 2, 1)], rows[("gathered", 2, 1)]
+    for row in (sharded, gathered):
+        assert row["same_tokens"] and row["same_on_every_rank"], row
+    assert sharded["merges"] == 5 and sharded["cache_gathers"] == 0 and gathered["merges"] == 0  # 1 layer, 5 steps
+    assert sharded["cache_mib"] < gathered["cache_mib"] == rows[("unsharded", 1, 1)]["cache_mib"]
+    assert "ringpass bench --what generate" in capsys.readouterr().out
+
+
 @pytest.mark.heavy  # a compile on two ranks
 def test_bench_model_takes_a_hugging_face_config(tmp_path):
     transformers = pytest.importorskip("transformers")

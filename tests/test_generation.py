@@ -155,3 +155,10 @@ def test_decode_steps_are_recognised_from_the_graph(spelling, options, status, m
         assert "whole_cache" not in found.graphs[0].gm.code and "decode_over_slots" in found.graphs[0].gm.code
     else:
         assert "cache='gathered'" in report.summary()
+
+
+@pytest.mark.heavy  # Inductor compiles three graphs on two ranks (~50 s)
+def test_generate_as_documented_with_the_default_backend_and_inductor():
+    for result in spawn_ranks(generation_workers.hf_generate_as_documented, 2, timeout=600):
+        assert result["same_tokens"], result
+        assert result["events"].get("decode_merge") == 2 * 4 and "cache_gather" not in result["events"], result

@@ -3,6 +3,7 @@
     ringpass bench --world-size 2 --seq-len 8192 16384             # one attention, every method
     ringpass bench --what model --world-size 2 --seq-len 16384     # a Llama-style training step
     ringpass bench --what decode --world-size 2 --seq-len 65536     # one decode step against a KV cache
+    ringpass bench --what generate --world-size 2 --seq-len 8192    # a model's decode steps after a prompt
     ringpass bench --calibrate --json hardware.json                # this machine's link and kernel rate
     torchrun --nproc-per-node 8 -m ringpass.cli bench ...          # CUDA + NCCL: the launch's world size
 
@@ -30,9 +31,11 @@ from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
 from ringpass.launch import spawn_ranks
 
-WHAT = ("attention", "model", "decode")
-RANK_FUNCTIONS = {"attention": attention.attention_rank, "model": model.model_rank, "decode": decode.decode_rank}
-METHODS = {"attention": attention.METHODS, "model": model.METHODS, "decode": decode.METHODS}
+WHAT = ("attention", "model", "decode", "generate")
+RANK_FUNCTIONS = {"attention": attention.attention_rank, "model": model.model_rank, "decode": decode.decode_rank,
+                  "generate": decode.generate_rank}
+METHODS = {"attention": attention.METHODS, "model": model.METHODS, "decode": decode.METHODS,
+           "generate": decode.GENERATE_METHODS}
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class BenchConfig:
                                     "sequence lengths and repeats positive.")
         if self.what == "decode" and not 1 <= self.new_tokens <= min(self.seq_lens):
             raise InvalidInputError(f"bench: --new-tokens {self.new_tokens} must be between 1 and the cache length.")
-        if self.what != "model" and self.dtype not in attention.DTYPES:
+        if self.what in ("attention", "decode") and self.dtype not in attention.DTYPES:
             raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
 
     def for_world_size(self, world_size: int) -> "BenchConfig":

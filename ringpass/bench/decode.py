@@ -1,4 +1,5 @@
-"""``ringpass bench --what decode``: one decode step's attention, the cache sharded, whole, or gathered.
+"""``ringpass bench --what decode``: one decode step's attention, the cache sharded, whole, or gathered;
+``--what generate``: a whole model's decode steps after a prompt, per token.
 
 A step is ``--new-tokens`` queries (one by default) against a KV cache of ``--seq-len`` positions (causal:
 the queries are the newest positions). Methods (`METHODS`): ``sdpa``, the whole cache in one process
@@ -9,10 +10,20 @@ all-gather; ``gathered``, every one of P ranks holding the whole cache and atten
 cache gathered after the prefill, ``cache="gathered"``). The cache is in memory before the call: ``cache_mib``
 is what a rank holds of it, the peak columns what the call adds. Every output is checked against fp32
 SDPA over the whole cache (``error``). Times are per step: the per-token latency of this attention.
+
+``--what generate`` (`GENERATE_METHODS`): the Llama-style bench model (`model.build_model`, in eval) is given
+a prompt of ``--seq-len`` tokens, then generates greedily; each measured repeat is one decode step (the first
+``--warmup`` steps, which compile, are not measured). ``sharded``: ``model.forward`` compiled with the ring
+backend and a `ringpass.ShardedCache` (the prefill through the ring, the cache kept sharded); ``gathered``:
+the same with ``cache="gathered"`` and Hugging Face's ``DynamicCache`` (the prefill's cache gathered onto
+every rank, decode steps replicated); ``unsharded``: the model compiled with the same compiler in one process.
+``cache_mib``: the KV cache one rank holds after the steps; ``tokens``: the tokens generated, compared with
+the unsharded model's (``same_tokens``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -25,6 +36,7 @@ from ringpass.bench.attention import DTYPES
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank
 
 METHODS = ("sdpa", "sharded", "gathered")
+GENERATE_METHODS = ("unsharded", "sharded", "gathered")
 
 
 def _cache(config, seq_len: int, device):
@@ -97,4 +109,68 @@ def decode_rank(rank: int, world_size: int, config, methods, progress_done: int,
                     "cache_bytes": cache_bytes}
             records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
             del run, reference
+    return records
+
+
+def _generator(method: str, model, compiler: str, steps: int):
+    """(the forward to call, a fresh cache) for one generation by ``method``."""
+    import ringpass
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()  # each method compiles from scratch
+    if method == "unsharded":
+        forward = model if compiler == "eager" else torch.compile(model, backend=compiler)
+        return forward, DynamicCache(config=model.config)
+    cache = "sharded" if method == "sharded" else "gathered"
+    forward = torch.compile(model.__class__.forward.__get__(model),
+                            backend=ringpass.backend(compiler=compiler, report="off", cache=cache))
+    if method == "sharded":
+        return forward, ringpass.ShardedCache(model.config, max_new_tokens=steps)
+    return forward, DynamicCache(config=model.config)
+
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "slot_bytes"):
+        return cache.slot_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def generate_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:
+    """Every (prompt length, method) case on one rank: the prefill, then ``warmup + repeats`` decode steps,
+    each step timed; rank 0's list of records is the result."""
+    from ringpass.bench.model import build_model
+
+    device, progress = start_rank(rank, config, progress_done, progress_total)
+    memory, records = PeakMemory(device), []
+    steps = config.warmup + config.repeats
+    for seq_len in config.seq_lens:
+        model, vocab = build_model(dataclasses.replace(config, seq_lens=(seq_len + steps,)), seq_len, device)
+        model.eval()
+        ids = torch.randint(vocab, (config.batch, seq_len), generator=torch.Generator().manual_seed(config.seed))
+        for method in methods:
+            threads = torch.get_num_threads()
+            progress.advance(f"{method} P={world_size} prompt {seq_len} ({threads} thread{'s' * (threads > 1)})")
+            forward, cache = _generator(method, model, config.compiler, steps)
+            samples, tokens = [], []
+            with torch.no_grad(), lowering.record_ring_events() as events:
+                step = forward(input_ids=ids.to(device), past_key_values=cache, use_cache=True).logits[:, -1:]
+                for i in range(steps):
+                    token = step.argmax(-1)
+                    tokens.append(token.flatten().tolist())
+                    if world_size > 1:
+                        dist.barrier()
+                    memory.start()
+                    start = time.perf_counter()
+                    step = forward(input_ids=token, past_key_values=cache, use_cache=True).logits
+                    seconds = seconds_since(start, device)
+                    if i >= config.warmup:
+                        peak = memory.peak()
+                        samples.append({"forward_s": seconds, "total_s": seconds, "forward_bytes": peak,
+                                        "total_bytes": peak})
+            merges = sum(1 for e in events if e.kind == "decode_merge")
+            mine = {"samples": samples, "memory_note": memory.unavailable, "first_call_bytes": None,
+                    "cache_bytes": _cache_bytes(cache), "tokens": tokens, "merges": merges,
+                    "cache_gathers": sum(1 for e in events if e.kind == "cache_gather")}
+            records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
+        del model
     return records

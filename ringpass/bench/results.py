@@ -41,7 +41,7 @@ from lowering.layout import Layout
 from ringpass.bench.attention import layout_kind
 
 MIB = 2**20
-SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded", "decode": "sdpa"}  # each bench's one-process baseline
+SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded", "decode": "sdpa", "generate": "unsharded"}  # baselines
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -143,6 +143,15 @@ def _decode_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
                         "compute_s": predicted["compute"], "merge_s": predicted["merge"]}
 
 
+def _generate_extras(row: dict, record: dict) -> None:
+    """A generation's cache per rank, its merges and gathers, and its tokens (compared in `_relative`)."""
+    row["cache_mib"] = max(r["cache_bytes"] for r in record["ranks"]) / MIB
+    row["merges"] = min(r["merges"] for r in record["ranks"])
+    row["cache_gathers"] = max(r["cache_gathers"] for r in record["ranks"])
+    row["tokens"] = record["ranks"][0]["tokens"]
+    row["same_on_every_rank"] = all(r["tokens"] == row["tokens"] for r in record["ranks"])
+
+
 def _model_extras(row: dict, record: dict, config) -> None:
     row["tokens_per_s"] = config.batch * record["seq_len"] / row["total_s"]["median"]
     row["loss"] = statistics.median(s["loss"] for r in record["ranks"] for s in r["samples"])
@@ -168,6 +177,8 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
             _attention_extras(row, record, config, hardware)
         elif config.what == "decode":
             _decode_extras(row, record, config, hardware)
+        elif config.what == "generate":
+            _generate_extras(row, record)
         else:
             _model_extras(row, record, config)
         rows.append(row)
@@ -188,6 +199,8 @@ def _relative(rows: list[dict], config) -> None:
         t = row["total_s"]["median"]
         row["efficiency"] = one["total_s"]["median"] / (cores * t) if one else None
         row["vs_same_cores"] = same["total_s"]["median"] / t if same and row["world_size"] > 1 else None
+        if one and config.what == "generate":
+            row["same_tokens"] = row["tokens"] == one["tokens"]
         if one and config.what == "model":
             row["loss_error"] = abs(row["loss"] - one["loss"]) / abs(one["loss"])
             if one["total_mib"] and row["total_mib"] is not None:  # (tiny runs measure 0 MiB)
@@ -207,7 +220,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def format_table(summary: dict) -> str:
     c, h = summary["config"], summary["hardware"]
-    if c["what"] == "decode":
+    if c["what"] in ("decode", "generate"):
         return _decode_table(summary)
     model = c["what"] == "model"
     if model:
@@ -254,24 +267,40 @@ def format_table(summary: dict) -> str:
 
 
 def _decode_table(summary: dict) -> str:
+    """The table of ``--what decode`` (one attention) and ``--what generate`` (a model's decode steps)."""
     c, h = summary["config"], summary["hardware"]
-    lines = [f"ringpass bench --what decode: {c['new_tokens']} new token(s) against a KV cache of N positions, B={c['batch']} "
-             f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, causal, one attention",
-             f"  {c['warmup']} warm-up call(s), {c['repeats']} measured; per-step time: median (min..max) of the slowest "
-             f"rank; cache: what one rank holds; peak: what the call adds; predicted on link {h['link']}, device "
-             f"{h['device']}", "",
+    generate = c["what"] == "generate"
+    if generate:
+        m = c["model"]
+        described = c["hf_config"] or (f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
+                                       f"{m['kv_heads']} KV heads")
+        title = (f"ringpass bench --what generate: {described}, batch {c['batch']}, a prompt of N tokens, then one "
+                 f"token per step, compiler {c['compiler']}")
+    else:
+        title = (f"ringpass bench --what decode: {c['new_tokens']} new token(s) against a KV cache of N positions, "
+                 f"B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, causal, one attention")
+    lines = [title, f"  {c['warmup']} warm-up step(s), {c['repeats']} measured; per-step time: median (min..max) of the "
+             f"slowest rank; cache: what one rank holds; peak: what the step adds" +
+             ("" if generate else f"; predicted on link {h['link']}, device {h['device']}"), "",
              f"{'method':<10}{'P':>3}{'thr':>4}{'N':>9}{'step ms (min..max)':>24}{'pred ms':>9}{'cache MiB':>11}"
-             f"{'peak MiB':>10}{'eff':>6}{'vs same':>8}{'merges':>7}{'error':>9}"]
+             f"{'peak MiB':>10}{'eff':>6}{'vs same':>8}{'merges':>7}" + (f"{'tokens':>8}" if generate else f"{'error':>9}")]
     for r in summary["rows"]:
         start = f"{r['method']:<10}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>9}"
         t = {k: v * 1e3 for k, v in r["total_s"].items()}
         step = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
-        lines.append(f"{start}{step:>24}{r['predicted']['total_s'] * 1e3:>9.3f}{r['cache_mib']:>11.1f}"
-                     f"{_fmt(r['total_mib'], '.1f'):>10}{_fmt(r['efficiency'], '.2f'):>6}{_fmt(r['vs_same_cores'], '.2f'):>8}"
-                     f"{r['merges']:>7}{r['error']:>9.1e}")
+        predicted = r.get("predicted", {}).get("total_s")
+        line = (f"{start}{step:>24}{_fmt(predicted and predicted * 1e3, '.3f'):>9}{r['cache_mib']:>11.1f}"
+                f"{_fmt(r['total_mib'], '.1f'):>10}{_fmt(r['efficiency'], '.2f'):>6}{_fmt(r['vs_same_cores'], '.2f'):>8}"
+                f"{r['merges']:>7}")
+        if generate:
+            same = r.get("same_tokens")
+            line += f"{'-' if same is None else ('same' if same and r['same_on_every_rank'] else 'DIFFER'):>8}"
+        else:
+            line += f"{r['error']:>9.1e}"
+        lines.append(line)
     lines.append("  sharded: every rank reads its slots and the ranks merge out and LSE (one all-gather); gathered: every "
                  "rank holds and reads the whole cache; eff: T(1 thread, 1 process) / (cores x T); vs same: "
-                 "T(1 process, same cores) / T")
+                 "T(1 process, same cores) / T" + ("; tokens: the same as the unsharded model's" if generate else ""))
     return "\n".join(lines)
 
 
