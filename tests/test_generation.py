@@ -130,6 +130,12 @@ class _DecodeStep(torch.nn.Module):
         keys, values = (whole_cache(s, slot_pos, k_whole.size(2), "") for s in (k_slots, v_slots))
         if self.spelling == "is_causal":
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        if self.spelling == "soft-cap":  # Gemma 2's written-out attention: c·tanh(scores / c)
+            scores = torch.tanh(q @ keys.repeat_interleave(2, dim=1).mT * 8 ** -0.5 / 50.0) * 50.0
+            return torch.softmax(scores, dim=-1) @ values.repeat_interleave(2, dim=1)
+        if self.spelling == "with a prompt":  # a chunk of prompt attending to itself next to a decode step
+            return F.scaled_dot_product_attention(q, q, q) + F.scaled_dot_product_attention(q, keys, values,
+                                                                                              enable_gqa=True)
         if self.spelling == "float mask":
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=q.new_zeros(1, 1, 1, k_whole.size(2)),
                                                   enable_gqa=True)
@@ -141,6 +147,8 @@ class _DecodeStep(torch.nn.Module):
     ("plain cache", {"cache": "gathered"}, "no attention", ""),
     ("is_causal", {}, "refused", "is_causal=True"),
     ("float mask", {}, "refused", "float mask"),
+    ("soft-cap", {}, "refused", "modifies its scores"),
+    ("with a prompt", {}, "refused", "one per graph"),
     ("no mask", {}, "rewritten", ""),
 ])
 def test_decode_steps_are_recognised_from_the_graph(spelling, options, status, message):
