@@ -107,16 +107,16 @@ class ShardedCache(Cache):
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, backend: Any = "ring",
-             group: Any = None, **generate_kwargs: Any) -> torch.Tensor:
+             group: Any = None, dynamic: Optional[bool] = None, **generate_kwargs: Any) -> torch.Tensor:
     """``model.generate(input_ids, max_new_tokens=..., **generate_kwargs)`` with ``model.forward`` compiled with
-    ``backend`` (once: later calls reuse it) and a fresh `ShardedCache`; returns what ``generate`` returns.
-    ``model`` may be the module or what ``torch.compile(module)`` returned."""
+    ``backend`` (and ``torch.compile``'s ``dynamic``; once: later calls reuse it) and a fresh `ShardedCache`;
+    returns what ``generate`` returns. ``model`` may be the module or what ``torch.compile(module)`` returned."""
     model = getattr(model, "_orig_mod", model)
     if "past_key_values" in generate_kwargs:
         raise InvalidInputError("ringpass.generate makes its own ShardedCache; call model.generate to pass your own cache.")
-    if getattr(model.forward, "_ringpass_backend", None) is not backend:
-        compiled = torch.compile(model.__class__.forward.__get__(model), backend=backend)
-        compiled._ringpass_backend = backend
+    if getattr(model.forward, "_ringpass_compile", None) != (backend, dynamic):
+        compiled = torch.compile(model.__class__.forward.__get__(model), backend=backend, dynamic=dynamic)
+        compiled._ringpass_compile = (backend, dynamic)
         model.forward = compiled
     cache = ShardedCache(model.config, max_new_tokens=max_new_tokens, group=group)
     return model.generate(input_ids, max_new_tokens=max_new_tokens, past_key_values=cache, **generate_kwargs)

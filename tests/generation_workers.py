@@ -185,11 +185,22 @@ def own_cache_generate(rank: int, world_size: int, prompt_len: int, new: int) ->
 
 
 def hf_generate_as_documented(rank: int, world_size: int) -> dict:
-    """``ringpass.generate(model, ...)`` with nothing else said: backend "ring", Inductor compiling."""
+    """``ringpass.generate(model, ...)`` with nothing else said (backend "ring", Inductor compiling), then with
+    ``dynamic=True`` (aot_eager) for two prompt lengths: tokens, events, compiles."""
     model = build("llama").eval()
-    ids, mask = _prompt(2, 13, True)
-    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
-    expected = model.generate(ids, **options)
-    with record_ring_events() as events:
-        got = ringpass.generate(model, ids, **options)
-    return {"same_tokens": torch.equal(got, expected), "events": _counts(events)}
+    results = {}
+    for name, prompt_len, options in (("default", 13, {}),
+                                      ("dynamic", 13, {"dynamic": True, "backend": ringpass.backend(compiler="aot_eager")}),
+                                      ("dynamic again", 17, {})):
+        ids, mask = _prompt(2, prompt_len, True)
+        generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+        expected = model.generate(ids, **generate)
+        options = options or results["dynamic"]["options"]
+        before = len(options["backend"].reports) if "backend" in options else 0
+        with record_ring_events() as events:
+            got = ringpass.generate(model, ids, **options, **generate)
+        results[name] = {"same_tokens": torch.equal(got, expected), "events": _counts(events), "options": options,
+                         "compiles": len(options["backend"].reports) - before if "backend" in options else None}
+    for result in results.values():
+        result.pop("options")
+    return results

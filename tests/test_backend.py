@@ -21,13 +21,22 @@ MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
 # shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
 SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
               "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed")
-SHARDED_IO_DYNAMIC = SHARDED_IO
+SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed")  # the rest: HEAVY_CASES (-m heavy)
 OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
 FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
 SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
 
 
+def _heavy_cases() -> list:
+    """The other families' dynamic shapes with sharded inputs and outputs, on 2 ranks (a spawn of its own)."""
+    return [(f"{name}-sharded_io-dynamic", dict(name=name, seq_len=8, dynamic=True,
+                                                options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}))
+            for name in SHARDED_IO if name not in SHARDED_IO_DYNAMIC]
+
+
 def _cases(world_size: int) -> list:
+    if world_size == "heavy":
+        return _heavy_cases()
     seq_len = 4 * world_size + 3  # padded by the layout: 2P does not divide it
     cases = []
     for name in MODELS:  # float32 static on 2 ranks for FLOAT32; dynamic shapes on 2 ranks, and for the GPT on 4
@@ -77,12 +86,15 @@ def _cases(world_size: int) -> list:
 
 
 @lru_cache(maxsize=None)
-def results(world_size: int) -> list[dict]:
-    return spawn_ranks(backend_workers.run_cases, world_size, (_cases(world_size),), timeout=TIMEOUT)
+def results(world_size) -> list[dict]:
+    """Every rank's results of ``_cases(world_size)``; ``"heavy"``: the heavy cases, on 2 ranks."""
+    ranks = 2 if world_size == "heavy" else world_size
+    return spawn_ranks(backend_workers.run_cases, ranks, (_cases(world_size),), timeout=TIMEOUT)
 
 
 def _params():
-    return [pytest.param(p, case_id, id=f"P{p}-{case_id}") for p in (2, 4) for case_id, _ in _cases(p)]
+    return [pytest.param(p, case_id, id=f"P{p}-{case_id}") for p in (2, 4) for case_id, _ in _cases(p)] + \
+        [pytest.param("heavy", case_id, id=f"P2-{case_id}", marks=pytest.mark.heavy) for case_id, _ in _heavy_cases()]
 
 
 @pytest.mark.timeout(TIMEOUT + 60)  # the first case of each world size runs every case's spawn
@@ -95,7 +107,7 @@ def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
         assert result["grads"] <= bound, f"rank {rank}: gradients {result['grads']:.2e}"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param("heavy", marks=pytest.mark.heavy)])
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
     for case_id, _ in _cases(world_size):
         ops = results(world_size)[0][case_id]["ops"]
