@@ -35,8 +35,10 @@ import torch.distributed as dist
 
 from lowering import events
 from lowering.errors import InvalidInputError
+from lowering.comm import world_of
 from lowering.failures import wait_collective
 from lowering.kernels import accumulation_dtype, block_attention
+from lowering.kernels.torch_attention import visible_pairs
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -62,9 +64,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                       window: Optional[int], scale: float, group_name: str) -> torch.Tensor:
     out, lse = _local(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale)
     if group_name:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group_name)
+        _, _, group = world_of(group_name)
         packed = torch.cat((out, lse.unsqueeze(-1)), dim=-1).contiguous()
         parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
         work = dist.all_gather(parts, packed, group=group, async_op=True)
@@ -97,22 +97,12 @@ def _local(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale):
             mask = mask.repeat(1, 1, groups, 1) if mask.size(1) == 1 else mask.reshape(mask.size(0), k.size(1),
                                                                                        groups * t, -1)
     if q.device.type == "cpu":
-        out, lse = _fused_local(q, k, v, _visible(q_pos, kv_pos, is_causal, window, mask), scale)
+        visible = visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device)
+        out, lse = _fused_local(q, k, v, None if visible is None or bool(visible.all()) else visible, scale)
     else:
         out, lse = block_attention(q, k, v, q_pos, kv_pos, scale=scale, is_causal=is_causal, window=window,
                                    mask=mask, backend="torch")
     return out.reshape(batch, heads, t, -1), lse.reshape(batch, heads, t)
-
-
-def _visible(q_pos, kv_pos, is_causal, window, mask) -> Optional[torch.Tensor]:
-    """bool ``[B|1, H|1, n, m]``: the (query, slot) pairs the positions and the mask leave visible; None: all."""
-    visible = mask
-    if is_causal:
-        seen = kv_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            seen = seen & (q_pos[:, None] - kv_pos[None, :] < window)
-        visible = seen[None, None] if visible is None else visible & seen
-    return None if visible is None or bool(visible.all()) else visible
 
 
 def _fused_local(q, k, v, visible: Optional[torch.Tensor], scale: float):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lowering import events
+from lowering.comm import world_of
 from lowering.errors import InvalidInputError, RingpassWarning
 from lowering.failures import wait_collective
 from lowering.layout import Layout, local_length
@@ -49,29 +50,19 @@ def slot_count(prompt_len: int, max_new_tokens: int, world_size: int) -> int:
     return prompt_slot_count(prompt_len, world_size) + -(-max_new_tokens // world_size)
 
 
-def _world(group_name: str) -> tuple[int, int, Optional[dist.ProcessGroup]]:
-    if not group_name:
-        return 1, 0, None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
-    return dist.get_world_size(group), dist.get_rank(group), group
-
-
 @torch.library.custom_op("ringpass::prompt_slots", mutates_args=())
 def prompt_slots(k: torch.Tensor, v: torch.Tensor, capacity: int, prompt_len: int, layout: str, sharded: bool,
                  group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_slots, v_slots, slot_pos) of ``capacity`` slots for the prompt's keys and values ``[B, Hkv, ·, D]``:
     the whole prompt of ``prompt_len`` tokens, or with ``sharded`` this rank's ``layout`` shard of it."""
-    world_size, rank, _ = _world(group_name)
+    world_size, rank, _ = world_of(group_name)
     ring = Layout(layout, world_size, prompt_len)
     if capacity < ring.local_len:
         raise InvalidInputError(f"prompt_slots: {capacity} slots cannot hold this rank's {ring.local_len} prompt slots.")
-    expected = ring.local_len if sharded else prompt_len
+    expected, what = (ring.local_len, "this rank's shard") if sharded else (prompt_len, "the whole prompt")
     if k.size(2) != expected or v.shape[:3] != k.shape[:3]:
         raise InvalidInputError(f"prompt_slots: keys {tuple(k.shape)} / values {tuple(v.shape)} along dim 2 must hold "
-                                f"{expected} tokens ({'this rank' + chr(39) + 's shard' if sharded else 'the whole prompt'} "
-                                f"of {prompt_len} under {ring}).")
+                                f"{expected} tokens ({what} of {prompt_len} under {ring}).")
     slot_pos = torch.full((capacity,), FREE, dtype=torch.int64, device=k.device)
     positions = ring.positions(rank).to(k.device)
     slot_pos[:ring.local_len] = torch.where(positions < prompt_len, positions, FREE)
@@ -95,7 +86,7 @@ def append_slots(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_pos: torch.T
                  v_new: torch.Tensor, position: int, prompt_len: int, group_name: str) -> None:
     """Writes the keys and values ``[B, Hkv, t, D]`` of positions ``position .. position + t - 1`` into the
     slots of those this rank owns (module docstring)."""
-    world_size, rank, _ = _world(group_name)
+    world_size, rank, _ = world_of(group_name)
     if position < prompt_len:
         raise InvalidInputError(f"append_slots: position {position} is inside the prompt ({prompt_len} tokens); a "
                                 "prompt is written once, by the prefill.")
@@ -122,7 +113,7 @@ def _(k_slots, v_slots, slot_pos, k_new, v_new, position, prompt_len, group_name
 @torch.library.custom_op("ringpass::whole_cache", mutates_args=())
 def whole_cache(slots: torch.Tensor, slot_pos: torch.Tensor, length: int, group_name: str) -> torch.Tensor:
     """Every rank's ``slots`` ``[B, H, C, D]`` placed at their positions: ``[B, H, length, D]`` (all-gather)."""
-    world_size, _, group = _world(group_name)
+    world_size, _, group = world_of(group_name)
     every_slots, every_pos = [slots], [slot_pos]
     if world_size > 1:
         _warn_gathering_once()

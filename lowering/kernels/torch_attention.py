@@ -33,7 +33,7 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias):
         return _fused(q, k, v, 0.0, is_causal, scale=scale)
     scores, _ = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
-    probs, lse = _probabilities(scores, _visible(q_pos, kv_pos, is_causal, window, mask, q.device))
+    probs, lse = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device))
     return probs @ _repeat_heads(v, q.size(1)), lse
 
 
@@ -44,7 +44,7 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse):
         return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
     scores, capped = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
-    probs, _ = _probabilities(scores, _visible(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
+    probs, _ = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
     k_rep, v_rep = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
     delta = (dout * out).sum(-1)
     if dlse is not None:
@@ -79,7 +79,7 @@ def _fused_applies(q, q_pos, kv_pos, is_causal: bool, *options) -> bool:
     return not is_causal or aligned(q_pos, kv_pos)
 
 
-def _visible(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[torch.Tensor]:
+def visible_pairs(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[torch.Tensor]:
     """bool, broadcastable to the scores: which pairs the positions, the window and the mask leave visible
     (None: all of them)."""
     q_pos, kv_pos = q_pos.to(device).unsqueeze(1), kv_pos.to(device).unsqueeze(0)

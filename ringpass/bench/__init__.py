@@ -31,9 +31,9 @@ from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
 from ringpass.launch import spawn_ranks
 
-WHAT = ("attention", "model", "decode", "generate")
 RANK_FUNCTIONS = {"attention": attention.attention_rank, "model": model.model_rank, "decode": decode.decode_rank,
                   "generate": decode.generate_rank}
+WHAT = tuple(RANK_FUNCTIONS)
 METHODS = {"attention": attention.METHODS, "model": model.METHODS, "decode": decode.METHODS,
            "generate": decode.GENERATE_METHODS}
 

@@ -62,18 +62,15 @@ def _step(method: str, config, seq_len: int, rank: int, world_size: int, device)
         mine = lowering.Layout("zigzag", world_size, seq_len).positions(rank)
         mine = mine[mine < seq_len].to(device)
         k, v = k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
-        held = (k, v)
 
         def run():
             return decode_attention(q, k, v, q_pos=q_pos, kv_pos=mine, is_causal=True)
     else:
-        held = (k, v)
-
         mask = None if bool(visible.all()) else visible  # one new token sees every key: no mask, as models pass
 
         def run():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return run, reference, sum(t.numel() * t.element_size() for t in held)
+    return run, reference, sum(t.numel() * t.element_size() for t in (k, v))
 
 
 def _once(run, reference, memory: PeakMemory, device) -> dict:

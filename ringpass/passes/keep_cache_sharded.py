@@ -10,12 +10,11 @@ kept whole on every rank stay as they are (the call takes this rank's shard of t
 
 from __future__ import annotations
 
-import torch
 
 from ringpass.graph import describe, example_value, nbytes, plain, refusal
 from ringpass.passes.context import LOCAL, PassContext
+from ringpass.passes.token_ops import PROMPT_SLOTS
 
-PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)
 
 
 def keep_cache_sharded(ctx: PassContext) -> None:

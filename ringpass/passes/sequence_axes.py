@@ -32,7 +32,7 @@ from torch.fx.node import map_aggregate
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
 from ringpass.passes.context import PassContext, SeqDim
-from ringpass.passes.token_ops import classify, custom_forward, value_of
+from ringpass.passes.token_ops import PROMPT_SLOTS, classify, custom_forward, value_of
 
 VIEWS = ("view", "reshape", torch.reshape)
 EXPANDS = ("expand", "repeat", torch.broadcast_to)
@@ -49,7 +49,6 @@ def _pad(x, pad, mode="constant", value=None):
 
 
 PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
-PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)
 
 
 def find_sequence_axes(ctx: PassContext) -> None:

@@ -51,6 +51,9 @@ OPERATOR_NAMES = {
 }
 
 
+PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)  # a ShardedCache's prefill
+
+
 def op_name(node: fx.Node) -> str:
     if node.op == "call_method":
         if node.target.startswith("__") and node.target.endswith("__"):  # x.__and__(y): as operator.and_
@@ -68,7 +71,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
     first = next((a for a in _tensor_args(node) if seq_dims(a)), None)
     if name == "autograd_function_apply":
         return _custom_function(node)
-    if node.target in (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default):
+    if node.target in PROMPT_SLOTS:
         return "token", None  # every rank keeps its own tokens' keys (keep_cache_sharded)
     if name == "getitem":
         return _getitem(node, seq_dims, output_has_seq)
