@@ -22,7 +22,10 @@ _recorders: list[tuple[list["RingEvent"], Optional[Callable]]] = []
 class RingEvent:
     """``kind`` is ``"exchange"`` (fields: payload, step, phase, bytes) or ``"block_forward"`` /
     ``"block_backward"`` (fields: q_pos, kv_pos, causal) or ``"span"`` (a ring step's post, compute or wait:
-    phase, step, part, message, start, seconds; see `lowering.ring`)."""
+    phase, step, part, message, start, seconds; see `lowering.ring`) or ``"all_reduce"`` (a sum over the
+    ring's ranks: a partial total in the forward, a gradient in the backward; fields: bytes, shape) or
+    ``"heads_exchange"`` (Ulysses' all-to-all over heads; fields: direction, bytes) or one of the
+    decode events (``decode_merge``, ``cache_gather``) and mask / bias tile events."""
 
     kind: str
     fields: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from lowering import events
 from lowering.failures import wait_collective
 from lowering.layout import Layout, local_length
 
@@ -108,6 +109,8 @@ def _(x, dim, kind, world_size, seq_len, group_name):
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     total = x.clone()
     if group_name:
+        if events.recording():
+            events.emit("all_reduce", bytes=total.numel() * total.element_size(), shape=tuple(total.shape))
         work = dist.all_reduce(total, group=_group(group_name), async_op=True)
         wait_collective(work, total, group_name, f"all-reducing a {tuple(total.shape)} partial sum")
     return total

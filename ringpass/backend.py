@@ -1,7 +1,7 @@
 """The ``ring`` torch.compile backend.
 
     model = torch.compile(model, backend="ring")                          # default options
-    model = torch.compile(model, backend="ring", options={"grads": "local"})
+    model = torch.compile(model, backend="ring", options={"layout": "zigzag"})
     model = torch.compile(model, backend=ringpass.backend(layout="zigzag"))
 
 Dynamo hands over each captured graph; the passes (`ringpass.passes.PIPELINE`) rewrite it so that every
@@ -32,6 +32,7 @@ from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.context import PassContext
 from ringpass.report import Report
+from ringpass.wrappers import find_wrapper, gradient_mode
 
 _reports: deque[Report] = deque(maxlen=100)  # the latest graphs of every backend (bounded: recompiles add more)
 
@@ -68,6 +69,7 @@ class RingBackend:
         failures.set_state(f"compiling graph {index}")
         try:
             try:
+                ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 run_pipeline(ctx)
                 gm.graph.lint()
                 gm.recompile()

@@ -12,7 +12,7 @@ CHOICES = {
     "inputs": ("full", "sharded"),
     "outputs": ("gathered", "sharded"),
     "compiler": ("inductor", "aot_eager", "eager"),
-    "grads": ("reduced", "local"),
+    "grads": ("auto", "reduced", "mean", "local"),
     "masks": ("lift", "materialize"),
     "report": ("summary", "off"),
     "checks": ("first", "every", "off"),
@@ -29,8 +29,10 @@ class RingOptions:
     ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard,
     made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs).
     ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
-    ``compiler``: what compiles the rewritten graph. ``grads``: ``reduced`` (every rank ends with the
-    unsharded model's gradient) or ``local`` (each rank's partial sum over its own tokens).
+    ``compiler``: what compiles the rewritten graph. ``grads``: ``auto`` (``mean`` under an FSDP2 / DDP whose
+    ranks include the ring's, else ``reduced``; `ringpass.wrappers`), ``reduced`` (every rank ends with the
+    unsharded model's gradient: the ring all-reduces), ``mean`` (each rank's share times P, for an outer mean
+    over the ring's ranks) or ``local`` (each rank's share, for an outer sum).
     ``masks``: ``lift`` (masks are evaluated per tile from per-token vectors; a mask that needs a
     sequence x sequence tensor is refused) or ``materialize`` (such a tensor is allowed: every rank
     holds it whole, S x S memory, and the ring reads its tiles).
@@ -52,7 +54,7 @@ class RingOptions:
     inputs: str = "full"
     outputs: str = "gathered"
     compiler: str = "inductor"
-    grads: str = "reduced"
+    grads: str = "auto"
     masks: str = "lift"
     report: str = "summary"
     checks: str = "first"

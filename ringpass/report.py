@@ -93,7 +93,8 @@ class Report:
     outputs: list[ValueRecord] = field(default_factory=list)
     computed_whole: list[str] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
-    gradients: str = ""    # "reduced" | "local"
+    gradients: str = ""    # "reduced" | "mean" | "local"
+    gradients_why: str = ""  # the wrapper grads="auto" found, or why the choice costs traffic
     activation_bytes: dict = field(default_factory=dict)  # {"per_rank": .., "unsharded": .., "whole": ..}
     warnings: list[str] = field(default_factory=list)
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
@@ -163,9 +164,8 @@ class Report:
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])
         lines += _section("KV cache", [self.cache] if self.cache else [])
         lines += _section("collectives inserted (per call)", _collectives_text(self.collectives))
-        if self.gradients == "local":
-            lines += _section("gradients", ["local: each rank keeps its share (an outer DDP / FSDP sums them); "
-                                            "replicated gradients are scaled by 1/P"])
+        if self.gradients_why or self.gradients in ("local", "mean"):
+            lines += _section("gradients", [self.gradients_why or GRADIENTS_TEXT[self.gradients]])
         if self.activation_bytes:
             a = self.activation_bytes
             lines += _section("sequence-sharded activations", [
@@ -208,6 +208,7 @@ class Report:
             "computed_whole": self.computed_whole,
             "collectives": [asdict(c) for c in self.collectives],
             "gradients": self.gradients or None,
+            "gradients_why": self.gradients_why or None,
             "activations": self.activation_bytes or None,
             "ring": [ring_dict(indices, cost) for indices, cost in self.ring_costs()],
             "refusal": asdict(self.refusal) if self.refusal else None,
@@ -277,6 +278,9 @@ SCHEDULE_ROWS_SHOWN = 32  # larger rings are summarised (the JSON has every bloc
 _LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
 
 
+GRADIENTS_TEXT = {"local": "local: each rank keeps its share (a sum over the ring's ranks completes them); replicated "
+                           "gradients are scaled by 1/P",
+                  "mean": "mean: each rank's parameter gradient is its share x P, for an outer mean over the ring's ranks"}
 FULLY_MASKED_TEXT = {"uniform": "a query with every key hidden averages all keys, as eager (gradients to q, k, v)",
                      "uniform_values": "a query with every key hidden averages all keys, as eager (gradients to v)"}
 

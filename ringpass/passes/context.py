@@ -56,6 +56,8 @@ class PassContext:
     totals: set = field(default_factory=set)
     # rewrite_decode_attention: inputs every rank holds its own of (a sharded KV cache's slots)
     rank_own_inputs: set = field(default_factory=set)
+    # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
+    gradients: Any = None
 
     length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
     _graph_lengths: dict = field(default_factory=dict)

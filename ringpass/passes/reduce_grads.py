@@ -5,49 +5,68 @@ the graph (local activations, partial sums) is *partial*: this rank's share. One
 through replicated values (which every rank computes identically) is *whole*. Matches every replicated
 value that needs a gradient and classifies it from its users (in reverse order):
 
-- ``grads="reduced"`` (every rank ends with the unsharded model's gradient): a partial leaf (parameter,
-  input) is wrapped once in `reduce_grad` (the backward all-reduces it); a value whose gradient is
-  partial along some uses and whole along others has each partial use wrapped;
-- ``grads="local"`` (each rank keeps its share; an outer DDP/FSDP sums over ranks): whole uses are
-  wrapped in `scale_grad(1/P)` instead, so that the sum over ranks is the full gradient.
+- ``reduced`` (every rank ends with the unsharded model's gradient): a partial leaf (parameter, input) is
+  wrapped once in `reduce_grad` (the backward all-reduces it); a value whose gradient is partial along some
+  uses and whole along others has each partial use wrapped;
+- ``mean`` (an outer FSDP2 / DDP averages over the ring's ranks, `ringpass.wrappers`): the same places are
+  wrapped in `scale_grad(P)` instead when every input their gradient reaches is a parameter, so that the
+  wrapper's mean is the full gradient and the wrapper's reduction is the only one; other inputs' gradients
+  (bound for the graph that computed them) are still reduced;
+- ``local`` (each rank keeps its share; a hand-written sum over the ring's ranks completes it): whole uses
+  are wrapped in `scale_grad(1/P)` instead, so that the sum over ranks is the full gradient.
 
-Each all-reduce is recorded in the report with its size. An all-reduced total (``x.sum(1)`` over the sequence) that feeds per-token ops again is treated like a
-leaf whose partial uses are always reduced: its gradient flows back into every rank's tokens.
+``grads="auto"`` is one of these, chosen by the backend from the wrapper it finds (``ctx.gradients``).
+Each all-reduce is recorded in the report with its size. An all-reduced total (``x.sum(1)`` over the
+sequence) that feeds per-token ops again is treated like a leaf whose partial uses are always reduced: its
+gradient flows back into every rank's tokens.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
 from ringpass.graph import copy_origin, example_value, nbytes, user_name
 from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.report import CollectiveRecord
+from ringpass.wrappers import GradientMode
 
 PART, WHOLE = "partial", "whole"
+REDUCE = "all-reduce"
 
 
 def reduce_grads(ctx: PassContext) -> None:
     graph = ctx.gm.graph
+    plan = ctx.gradients or GradientMode("reduced" if ctx.options.grads == "auto" else ctx.options.grads, ctx.world_size)
     kinds: dict[fx.Node, set[str]] = {}
+    only_parameters: dict[fx.Node, bool] = {}
     for node in reversed(list(graph.nodes)):
         value = example_value(node)
         if ctx.placement.get(node, NOSEQ) != NOSEQ or not getattr(value, "requires_grad", False):
             continue
         uses = {user: _use_kind(ctx, user, kinds) for user in node.users}
         kind = set(uses.values()) - {None}
-        # A total's gradient flows back into every rank's tokens: it must be whole in either mode.
+        # A total's gradient flows back into every rank's tokens: it must be whole in every mode.
         leaf = node.op == "placeholder" or node in ctx.totals
-        wrap_kind = PART if ctx.options.grads == "reduced" or node in ctx.totals else WHOLE
+        wrap_kind = WHOLE if plan.mode == "local" and node not in ctx.totals else PART
         if kind == {wrap_kind} and leaf:
-            _wrap(ctx, node, list(node.users), wrap_kind)
-            kinds[node] = {WHOLE if wrap_kind == PART else PART}
+            wrapped = list(node.users)
         elif len(kind) == 2:
-            _wrap(ctx, node, [u for u, k in uses.items() if k == wrap_kind], wrap_kind)
-            kinds[node] = {WHOLE if wrap_kind == PART else PART}
+            wrapped = [u for u, k in uses.items() if k == wrap_kind]
         else:
             kinds[node] = kind
-    ctx.report.gradients = ctx.options.grads
+            continue
+        if wrap_kind == WHOLE:
+            action = 1.0 / ctx.world_size
+        elif plan.mode == "mean" and node not in ctx.totals and _from_parameters(node, only_parameters):
+            action = plan.scale  # the outer wrapper's mean over the ring's ranks sums the scaled shares
+        else:
+            action = REDUCE
+        _wrap(ctx, node, wrapped, action)
+        kinds[node] = {WHOLE if wrap_kind == PART else PART}
+    ctx.report.gradients = plan.mode
+    ctx.report.gradients_why = plan.why
 
 
 def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
@@ -63,15 +82,32 @@ def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
     return PART if found == {PART} else WHOLE
 
 
-def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], kind: str) -> None:
+def _from_parameters(node: fx.Node, memo: dict) -> bool:
+    """Whether every input that ``node``'s gradient reaches is a parameter (another input's gradient goes on to
+    the graph that computed it, which expects it whole)."""
+    if node not in memo:
+        if node.op == "placeholder":
+            memo[node] = _is_parameter(node) or not getattr(example_value(node), "requires_grad", False)
+        else:
+            memo[node] = all(_from_parameters(n, memo) for n in node.all_input_nodes)
+    return memo[node]
+
+
+def _is_parameter(node: fx.Node) -> bool:
+    example = getattr(node.meta.get("grapharg"), "example", None)
+    return isinstance(example if example is not None else example_value(node), torch.nn.Parameter)
+
+
+def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], action) -> None:
+    """Route ``users``' gradients into ``node`` through an all-reduce (``REDUCE``) or a scaling by ``action``."""
     graph = ctx.gm.graph
     with graph.inserting_before(node.next):
-        if kind == PART:
+        if action is REDUCE:
             wrapped = graph.call_function(reduce_grad, (node, ctx.group_name))
             ctx.report.collectives.append(CollectiveRecord(
                 "all-reduce", "backward", f"the gradient of {user_name(node)}", "", nbytes(example_value(node))))
         else:
-            wrapped = graph.call_function(scale_grad, (node, 1.0 / ctx.world_size))
+            wrapped = graph.call_function(scale_grad, (node, action))
     copy_origin(wrapped, node)
     ctx.placement[wrapped] = NOSEQ
     for user in users:

@@ -1,0 +1,118 @@
+"""What each rank runs in the composition tests: the ring under FSDP2 / DDP / tensor parallel / Ulysses on a
+DeviceMesh, one training step against the unsharded model on the whole global batch in one process (fp32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hf_workers
+import models
+import ringpass
+from lowering import record_ring_events
+from reference import grad_error, rel_err
+
+SEQ_LEN, ROWS = 12, 2  # tokens per sequence; rows of the batch on each data-parallel replica
+
+
+def mesh_2d(dp: int, cp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def global_batch(dp: int, vocab: int = 61) -> torch.Tensor:
+    return torch.randint(0, vocab, (dp * ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+
+
+def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str = "auto", family: str = "llama",
+                 optimize_ddp: bool = False) -> dict:
+    """One step of ``family`` (tests.models' Llama with its loss, or ``hf_llama``) wrapped as ``wrapper`` says,
+    the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
+
+    - ``fsdp2``: ``fully_shard`` on every block and the root over the data x ring ranks flattened
+      (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only;
+    - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only.
+
+    Returns the loss and gradient errors against the unsharded model on the global batch, the ring's KV
+    exchanges, ringpass's all-reduces in the backward and the collectives CommDebugMode saw there."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = mesh_2d(dp, world_size // dp)
+    everyone = mesh["dp", "cp"]._flatten("dp_cp")
+    model, reference = _model(family), _model(family)
+    ids = global_batch(dp)
+    expected = _loss(reference, ids)
+    expected.backward()
+    expected_grads = {n: p.grad for n, p in reference.named_parameters()}
+
+    replica = mesh.get_local_rank("dp")
+    mine = ids[replica * ROWS:(replica + 1) * ROWS]
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp  # Dynamo's DDP graph splitting: the ring refuses it
+    if wrapper in ("fsdp2", "fsdp2_root"):
+        if wrapper == "fsdp2":
+            for block in _blocks(model):
+                fully_shard(block, mesh=everyone)
+        wrapped = fully_shard(model, mesh=everyone)
+    elif wrapper in ("ddp", "ddp_dp"):
+        group = everyone.get_group() if wrapper == "ddp" else mesh["dp"].get_group()
+        wrapped = DistributedDataParallel(model, process_group=group)
+    else:
+        raise ValueError(wrapper)
+    backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"], grads=grads, unsharded="warn")
+    compiled = torch.compile(wrapped, backend=backend)
+    with record_ring_events() as forward:
+        loss = _loss(compiled, mine)
+    with record_ring_events() as backward, CommDebugMode() as comm:
+        loss.backward()
+    grads_now = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    loss_all = loss.detach().clone()
+    dist.all_reduce(loss_all, group=mesh["dp"].get_group())  # the global batch's loss: the replicas' mean
+    return {
+        "loss": rel_err(loss_all / dp, expected.detach()),
+        "grads": grad_error(grads_now, expected_grads),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in forward),
+        "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
+        "collectives": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+        "gradients": [r.gradients for r in backend.reports if r.gradients],
+        "why": [r.gradients_why for r in backend.reports if r.gradients_why],
+    }
+
+
+def refused(rank: int, world_size: int, wrapper: str, grads: str = "auto", optimize_ddp: bool = False) -> str:
+    """The error a combination that would give wrong gradients (or cut the ring's graph) raises."""
+    try:
+        wrapped_step(rank, world_size, wrapper, 1, grads, optimize_ddp=optimize_ddp)
+    except ringpass.RingpassError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def runs(rank: int, world_size: int, calls: list) -> list:
+    """Several of this module's functions in one process: ``calls`` is a list of (name, args)."""
+    return [globals()[name](rank, world_size, *args) for name, args in calls]
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    if family == "hf_llama":
+        return hf_workers.build("llama")
+    return models.WithLoss(models.Llama())
+
+
+def _blocks(model):
+    return model.model.layers if hasattr(model, "model") else model.body.blocks
+
+
+def _loss(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False) if _is_hf(model) else model(ids, ids)
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def _is_hf(model) -> bool:
+    inner = getattr(model, "_orig_mod", model)
+    inner = getattr(inner, "module", inner)
+    return hasattr(inner, "config")

@@ -1,0 +1,73 @@
+"""The ring composed with the rest of the parallelism stack on a DeviceMesh (gloo, CPU): FSDP2 and DDP
+(gradients exact with the wrapper's reduction as the only one), tensor parallel and Ulysses x ring. Each
+case: loss and every parameter gradient of one step against the unsharded model on the global batch, proof
+that the ring ran, and the gradient collectives counted."""
+
+from functools import lru_cache
+
+import pytest
+
+import composition_workers
+from ringpass.launch import spawn_ranks
+
+TWO_RANKS = [("wrapped_step", ("fsdp2", 1)), ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
+             ("wrapped_step", ("fsdp2", 1, "reduced")), ("refused", ("fsdp2", "local")),
+             ("refused", ("ddp", "auto", True))]
+FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wrapped_step", ("ddp_dp", 2))]
+
+
+@lru_cache(maxsize=None)
+def results(world_size: int) -> list:
+    calls = TWO_RANKS if world_size == 2 else FOUR_RANKS
+    return spawn_ranks(composition_workers.runs, world_size, (calls,), timeout=600)
+
+
+def check_exact(result: dict) -> None:
+    assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
+    assert result["kv_exchanges"] > 0, result  # the ring ran
+
+
+def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
+    """fully_shard on every block and the root over the ring's 2 ranks (grads="auto"): each rank's gradient is its
+    share x 2, FSDP2's reduce-scatters are the only gradient collectives; a graph per block (FSDP2's hooks break
+    the graph), and the root only (one graph, a Hugging Face Llama)."""
+    for rank in results(2):
+        for result in rank[:2]:
+            check_exact(result)
+            assert result["gradients"] and set(result["gradients"]) == {"mean"}, result
+            assert "FSDP2 over ranks 0, 1" in result["why"][0], result
+            assert result["ringpass_all_reduces"] == 0, result
+            assert set(result["collectives"]) <= {"_reduce_scatter_base_", "_allgather_base_"}, result
+            assert result["collectives"]["_reduce_scatter_base_"] >= 1, result
+
+
+def test_an_explicit_grads_reduced_under_fsdp2_is_exact_and_says_what_it_costs():
+    for rank in results(2):
+        result = rank[2]
+        check_exact(result)
+        assert result["ringpass_all_reduces"] > 0 and "reduces it again" in result["why"][0], result
+
+
+def test_combinations_that_would_be_wrong_are_refused():
+    for rank in results(2):
+        assert "grads='local'" in rank[3] and "1/2 of the truth" in rank[3], rank[3]
+        assert "optimize_ddp = False" in rank[4], rank[4]
+
+
+def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
+    """A 2 x 2 mesh (dp, cp): FSDP2 / DDP over the four ranks flattened, each replica its own rows; the mean of
+    the scaled shares is the gradient of the global batch, the wrapper's reduction the only one."""
+    for rank in results(4):
+        for result, kind in zip(rank[:2], ("FSDP2", "DDP")):
+            check_exact(result)
+            assert result["gradients"] == ["mean"] and f"{kind} over ranks 0-3" in result["why"][0], result
+            assert result["ringpass_all_reduces"] == 0, result
+        assert rank[1]["collectives"] == {"allreduce_": 1}, rank[1]  # DDP's one bucket
+
+
+def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():
+    for rank in results(4):
+        result = rank[2]
+        check_exact(result)
+        assert result["gradients"] == ["reduced"] and "data-parallel ranks only" in result["why"][0], result
+        assert result["ringpass_all_reduces"] > 0 and result["collectives"] == {"allreduce_": 1}, result
