@@ -1,7 +1,8 @@
 """lowering: the runtime side of ringpass.
 
 Exact attention over a sequence sharded across processes (`ring_attention`), decode steps against a KV
-cache that stays sharded (`decode_attention`; the cache's slots: `lowering.sharded_cache`), the layouts that say
+cache that stays sharded (`decode_attention`; the cache's slots: `lowering.sharded_cache`), Ulysses x ring
+(`ulysses_attention`: all-to-all over heads inside groups, the ring across them), the layouts that say
 which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
 opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
 """
@@ -14,6 +15,7 @@ from lowering.op import ring_attention
 from lowering.schedule import BlockTask, plan_block, schedule_table
 from lowering.sharded_cache import append_slots, decode_over_slots, prompt_slots, whole_cache
 from lowering.simulate import SimulatedRing, simulate_ring
+from lowering.ulysses import ulysses_attention
 
 __all__ = [
     "BlockTask",
@@ -32,5 +34,6 @@ __all__ = [
     "ring_attention",
     "schedule_table",
     "simulate_ring",
+    "ulysses_attention",
     "whole_cache",
 ]

@@ -26,6 +26,7 @@ from lowering.layout import Layout
 from lowering.masks import BlockMask, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
 from lowering.scores import ScoreMod, check_score_options
+from lowering.ulysses import group_layout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -177,12 +178,13 @@ def _group_name(group, layout: Layout) -> str:
 
 
 @lru_cache(maxsize=64)
-def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
-    return Layout(kind, world_size, seq_len)
+def _layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1):
+    """The layout the ring runs over: the sequence's, or with Ulysses groups the groups' (`lowering.ulysses`)."""
+    return Layout(kind, world_size, seq_len) if ulysses == 1 else group_layout(kind, world_size, seq_len, ulysses)
 
 
 def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap, alibi_slopes,
-          bias_id, bias_inputs, fully_masked) -> RingSpec:
+          bias_id, bias_inputs, fully_masked, ulysses=1) -> RingSpec:
     if window is not None and not is_causal:
         raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")
     mask = None
@@ -190,7 +192,7 @@ def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inp
         mask = BlockMask(is_causal, window, mask_program(mask_id) if mask_id else None, tuple(mask_inputs or ()))
     scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(alibi_slopes),
                       mask_program(bias_id) if bias_id else None, tuple(bias_inputs or ()))
-    return RingSpec(_layout(kind, world_size, seq_len), is_causal, scale, mask, scores, fully_masked)
+    return RingSpec(_layout(kind, world_size, seq_len, ulysses), is_causal, scale, mask, scores, fully_masked)
 
 
 def _exchange(group_name: str) -> RingExchange:
@@ -206,25 +208,25 @@ def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
     seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str,
+    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                     alibi_slopes, bias_id, bias_inputs, fully_masked)
+                     alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses)
         check_inputs(q, k, v, spec.layout)
         exchange = _exchange(group_name)
-        if exchange.world_size != world_size:
+        if exchange.world_size != spec.layout.world_size:
             raise InvalidInputError(
-                f"The layout is for {world_size} ranks but process group {group_name!r} has {exchange.world_size}."
+                f"The layout is for {spec.layout.world_size} ranks but process group {group_name!r} has {exchange.world_size}."
             )
         return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
 
 
 @_ring_attention_op.register_fake
 def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs, softcap,
-      alibi_slopes, bias_id, bias_inputs, fully_masked):
+      alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses=1):
     if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
-        check_inputs(q, k, v, Layout(layout_kind, world_size, seq_len))
+        check_inputs(q, k, v, _layout(layout_kind, world_size, seq_len, ulysses))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
 
 
@@ -234,11 +236,11 @@ def _ring_attention_backward_op(
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
     is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str,
+    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                     alibi_slopes, bias_id, bias_inputs, fully_masked)
+                     alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses)
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
         return ring_backward(
@@ -249,7 +251,7 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked):
+      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses=1):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 

@@ -116,3 +116,35 @@ def _is_hf(model) -> bool:
     inner = getattr(model, "_orig_mod", model)
     inner = getattr(inner, "module", inner)
     return hasattr(inner, "config")
+
+
+def ulysses_by_hand(rank: int, world_size: int, cases: list) -> list:
+    """`lowering.ulysses_attention` on a (ring, ulysses) mesh of ``world_size`` ranks against fp64 attention of the
+    whole sequence: per case (seq_len, q heads, kv heads, causal, kind), the output and q/k/v gradients' errors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lowering import Layout, ulysses_attention
+    from reference import attention_fp64
+
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("ring", "ulysses"))
+    results = []
+    for seq_len, heads, kv_heads, causal, kind in cases:
+        generator = torch.Generator().manual_seed(seq_len + heads + kv_heads)
+        q, k, v = (torch.randn(2, h, seq_len, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+                   for h in (heads, kv_heads, kv_heads))
+        expected = attention_fp64(q, k, v, is_causal=causal)[0]
+        dout = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), dout)
+        layout = Layout(kind, world_size, seq_len)
+        mine = [layout.shard(t.detach(), 2, rank).requires_grad_() for t in (q, k, v)]
+        with record_ring_events() as events:
+            out = ulysses_attention(*mine, layout=layout, ring_group=mesh["ring"].get_group(),
+                                    ulysses_group=mesh["ulysses"].get_group(), is_causal=causal)
+            grads = torch.autograd.grad(out, mine, layout.shard(dout, 2, rank))
+        results.append({
+            "out": rel_err(out, layout.shard(expected.detach(), 2, rank)),
+            "grads": max(rel_err(g, layout.shard(e, 2, rank)) for g, e in zip(grads, expected_grads)),
+            "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+            "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
+        })
+    return results

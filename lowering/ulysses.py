@@ -1,0 +1,188 @@
+"""Ulysses x ring (2-D attention): all-to-all over heads inside groups of U ranks, the ring across the groups.
+
+The sequence is laid out over all P = R x U ranks as usual (`Layout`: rank ``c = g·U + u`` holds its chunks).
+Before attention each rank of Ulysses group ``g`` trades heads for tokens with its U - 1 peers (one
+all-to-all): it gives away all but its share of the heads and receives that share of the heads for every
+token the group holds. The ring then runs over the R groups (ring rank ``g``) on U times longer blocks with
+1/U of the heads, and a second all-to-all gives the output back to the ranks that hold its tokens. The
+all-to-all runs over the fast links (inside a node), the ring over the slow ones; each ring step computes
+U² times more per byte it moves than a P-rank ring's step, so its transfers hide sooner.
+
+`GroupLayout` is the ring's view of the tokens: group ``g`` holds the union of its ranks' positions, in
+increasing order (the received tokens are put in that order), so real slots lead and padding trails, as
+`lowering.schedule` expects of a layout. Zigzag over P ranks keeps the groups' causal work equal too (each
+group holds U early and U mirrored late chunks).
+
+GQA: keys and values need ``Hkv`` divisible by U, or U divisible by ``Hkv`` (then each KV head is repeated
+U / Hkv times first, so every rank gets the one KV head its query heads read); the query heads need U to divide them.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property, lru_cache
+
+import torch
+import torch.distributed as dist
+
+from lowering import events
+from lowering.comm import world_of
+from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.failures import wait_collective
+from lowering.layout import Layout, Segment
+
+
+class GroupLayout:
+    """The layout the ring runs over with Ulysses groups of ``ulysses`` ranks: ``world_size`` groups, each
+    holding its ranks' tokens of ``base`` in increasing position order. Answers what `lowering.ring` and
+    `lowering.schedule` ask of a `Layout` (positions, segments, valid and local lengths)."""
+
+    def __init__(self, base: Layout, ulysses: int):
+        if base.world_size % ulysses:
+            raise InvalidInputError(f"Ulysses groups of {ulysses} ranks do not divide the {base.world_size} ranks of the sequence.")
+        self.base, self.ulysses = base, ulysses
+        self.kind, self.seq_len = base.kind, base.seq_len
+        self.world_size = base.world_size // ulysses
+        self.local_len = base.local_len * ulysses
+
+    def members(self, group: int) -> range:
+        return range(group * self.ulysses, (group + 1) * self.ulysses)
+
+    def order(self, group: int) -> torch.Tensor:
+        """Indices that put the group's tokens, as received (rank by rank), in increasing position order."""
+        return self._orders[group][0]
+
+    def inverse_order(self, group: int) -> torch.Tensor:
+        return self._orders[group][1]
+
+    def positions(self, group: int) -> torch.Tensor:
+        return self._orders[group][2].clone()
+
+    def segments(self, group: int) -> tuple[Segment, ...]:
+        runs = sorted((s.global_start, s.length) for r in self.members(group) for s in self.base.segments(r))
+        segments: list[Segment] = []
+        for start, length in runs:
+            last = segments[-1] if segments else None
+            if last is not None and last.global_stop == start:
+                segments[-1] = Segment(last.local_start, last.global_start, last.length + length)
+            else:
+                segments.append(Segment(last.local_start + last.length if last else 0, start, length))
+        return tuple(segments)
+
+    def valid_len(self, group: int) -> int:
+        return sum(self.base.valid_len(r) for r in self.members(group))
+
+    @cached_property
+    def _orders(self):
+        result = []
+        for group in range(self.world_size):
+            received = torch.cat([self.base.positions(r) for r in self.members(group)])
+            sorted_positions, order = torch.sort(received)
+            result.append((order, torch.argsort(order), sorted_positions))
+        return result
+
+    def __repr__(self) -> str:
+        return f"GroupLayout({self.base}, ulysses={self.ulysses})"
+
+
+@lru_cache(maxsize=64)
+def group_layout(kind: str, world_size: int, seq_len: int, ulysses: int) -> GroupLayout:
+    return GroupLayout(Layout(kind, world_size, seq_len), ulysses)
+
+
+def check_heads(q_heads: int, kv_heads: int, ulysses: int) -> int:
+    """How many times each KV head is repeated before the all-to-all (1: none); refuses head counts U cannot split."""
+    if q_heads % ulysses:
+        raise NotSupportedError(f"Ulysses groups of {ulysses} ranks split the query heads, but there are {q_heads}: "
+                                "use a group size that divides the heads.")
+    if kv_heads % ulysses == 0:
+        return 1
+    if ulysses % kv_heads == 0:
+        return ulysses // kv_heads
+    raise NotSupportedError(f"Ulysses groups of {ulysses} ranks cannot share {kv_heads} key/value heads (neither divides "
+                            "the other): use a group size that divides the KV heads or a multiple of them.")
+
+
+def _all_to_all(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
+    """``x[j]`` goes to rank j of the group; returns what every rank j sent this one, stacked the same way."""
+    x = x.contiguous()
+    received = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: it keeps x's strides
+    _, _, group = world_of(group_name)
+    if events.recording():
+        events.emit("heads_exchange", direction=what, bytes=x.numel() * x.element_size())
+    work = dist.all_to_all_single(received, x, group=group, async_op=True)
+    wait_collective(work, received, group_name, f"the Ulysses all-to-all of {what}")
+    return received
+
+
+@torch.library.custom_op("ringpass::ulysses_heads_to_tokens", mutates_args=())
+def heads_to_tokens(x: torch.Tensor, layout_kind: str, world_size: int, seq_len: int, ulysses: int,
+                    group_name: str, ring_group_name: str) -> torch.Tensor:
+    """``x`` ``[B, H, n, ...]``, this rank's tokens with every head, becomes ``[B, H/U, U·n, ...]``: this rank's
+    share of the heads for every token of its Ulysses group (``group_name``; the group's rank in the ring across
+    groups is this rank's in ``ring_group_name``), in position order."""
+    b, h, n = x.shape[:3]
+    rest = x.shape[3:]
+    parts = x.reshape(b, ulysses, h // ulysses, n, *rest).movedim(1, 0)
+    received = _all_to_all(parts, group_name, "heads to tokens")  # [U (sender), B, H/U, n, ...]
+    tokens = received.movedim(0, 2).reshape(b, h // ulysses, ulysses * n, *rest)
+    order = group_layout(layout_kind, world_size, seq_len, ulysses).order(world_of(ring_group_name)[1]).to(x.device)
+    return tokens.index_select(2, order)
+
+
+@heads_to_tokens.register_fake
+def _(x, layout_kind, world_size, seq_len, ulysses, group_name, ring_group_name):
+    b, h, n = x.shape[:3]
+    return x.new_empty((b, h // ulysses, n * ulysses, *x.shape[3:]))
+
+
+@torch.library.custom_op("ringpass::ulysses_tokens_to_heads", mutates_args=())
+def tokens_to_heads(x: torch.Tensor, layout_kind: str, world_size: int, seq_len: int, ulysses: int,
+                    group_name: str, ring_group_name: str) -> torch.Tensor:
+    """The inverse of `heads_to_tokens`: ``[B, H/U, U·n, ...]`` back to this rank's ``[B, H, n, ...]``."""
+    b, h_share, total = x.shape[:3]
+    rest, n = x.shape[3:], total // ulysses
+    inverse = group_layout(layout_kind, world_size, seq_len, ulysses).inverse_order(world_of(ring_group_name)[1])
+    inverse = inverse.to(x.device)
+    by_rank = x.index_select(2, inverse).reshape(b, h_share, ulysses, n, *rest).movedim(2, 0)
+    received = _all_to_all(by_rank, group_name, "tokens to heads")  # [U (head share), B, H/U, n, ...]
+    return received.movedim(0, 1).reshape(b, h_share * ulysses, n, *rest)
+
+
+@tokens_to_heads.register_fake
+def _(x, layout_kind, world_size, seq_len, ulysses, group_name, ring_group_name):
+    b, h_share, total = x.shape[:3]
+    return x.new_empty((b, h_share * ulysses, total // ulysses, *x.shape[3:]))
+
+
+def _setup(ctx, inputs, output):
+    ctx.config = inputs[1:]
+
+
+heads_to_tokens.register_autograd(lambda ctx, grad: (tokens_to_heads(grad, *ctx.config), *[None] * 6), setup_context=_setup)
+tokens_to_heads.register_autograd(lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * 6), setup_context=_setup)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, ring_group, ulysses_group,
+                      is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Exact attention over a sequence laid out by ``layout`` over the ranks of both groups (rank
+    ``ring_rank · U + ulysses_rank``): q ``[B, Hq, n, D]``, k/v ``[B, Hkv, n, D]``, this rank's shard
+    (``layout.shard(x, 2, rank)``). All-to-all over heads within ``ulysses_group`` (U ranks), the ring across
+    ``ring_group`` (P / U ranks), all-to-all back. Differentiable in q, k, v."""
+    from lowering.op import check_inputs, default_scale
+
+    check_inputs(q, k, v, layout)
+    ulysses = dist.get_world_size(ulysses_group)
+    ring_size = dist.get_world_size(ring_group)
+    if ring_size * ulysses != layout.world_size:
+        raise InvalidInputError(f"The layout spans {layout.world_size} ranks but the ring ({ring_size}) x Ulysses ({ulysses}) "
+                                f"groups have {ring_size * ulysses}.")
+    repeat = check_heads(q.size(1), k.size(1), ulysses)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    args = (layout.kind, layout.world_size, layout.seq_len, ulysses, ulysses_group.group_name, ring_group.group_name)
+    q2, k2, v2 = (heads_to_tokens(t, *args) for t in (q, k, v))
+    out, _ = torch.ops.ringpass.ring_attention(
+        q2, k2, v2, layout.kind, layout.world_size, layout.seq_len, bool(is_causal),
+        default_scale(q) if scale is None else float(scale), ring_group.group_name, None, "", [], None, None, "", [],
+        "zero", ulysses)
+    return tokens_to_heads(out, *args)
