@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import deque
+from functools import lru_cache
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -64,7 +65,8 @@ class RingBackend:
                                     "the ring has one rank and the graph runs unsharded on every process. Call "
                                     "torch.distributed.init_process_group() before the first forward.")
             return _inner_compile(options.compiler, gm, example_inputs)
-        ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report)
+        ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report,
+                          ulysses=ulysses_groups(options.group, options.ulysses))
         failures.configure(group.group_name, timeout=options.timeout)
         failures.set_state(f"compiling graph {index}")
         try:
@@ -137,6 +139,8 @@ def _as_dict(options: RingOptions) -> dict:
 
 
 def _resolve_group(group):
+    """The process group of the whole sequence: ``group`` itself, the default group for None, or a DeviceMesh's
+    (a 2-D mesh's dimensions flattened: ring x Ulysses)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if group is None:
@@ -146,10 +150,45 @@ def _resolve_group(group):
 
         return _resolve_process_group(group)
     if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim == 2:
+            return group._flatten().get_group()
         if group.ndim != 1:
-            raise InvalidInputError(f"group: pass one dimension of the DeviceMesh (mesh['cp']), not a {group.ndim}-D mesh.")
+            raise InvalidInputError(f"group: pass one dimension of the DeviceMesh (mesh['cp']), or two (mesh['cp', 'sp']: "
+                                    f"the ring, then Ulysses), not a {group.ndim}-D mesh.")
         return group.get_group()
     return group
+
+
+def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
+    """(U, the Ulysses group's name, the ring's group name) for Ulysses x ring, or None for a plain ring.
+    ``group`` a 2-D DeviceMesh: the ring over its first dimension, all-to-all inside its second; ``ulysses=U``
+    with the default group: a (P / U, U) mesh of consecutive ranks (Ulysses groups of neighbours)."""
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
+        raise InvalidInputError(f"Ring backend option ulysses={ulysses!r} must be a positive int (the ranks of a Ulysses group).")
+    mesh = group if hasattr(group, "get_group") and group.ndim == 2 else None
+    if mesh is None and ulysses == 1:
+        return None
+    if mesh is None:
+        if group is not None and group != dist.group.WORLD:
+            raise InvalidInputError(
+                f"ulysses={ulysses} with a sub-group: pass the ring and Ulysses dimensions as a 2-D DeviceMesh instead, "
+                "group=mesh['cp', 'sp'] (the ring over 'cp', all-to-all inside 'sp').")
+        world = dist.get_world_size()
+        if world % ulysses:
+            raise InvalidInputError(f"ulysses={ulysses} does not divide the {world} ranks.")
+        mesh = _default_mesh(world // ulysses, ulysses)
+    elif ulysses not in (1, mesh.size(1)):
+        raise InvalidInputError(f"ulysses={ulysses} but the mesh's Ulysses dimension has {mesh.size(1)} ranks.")
+    ring, inner = mesh.get_group(0), mesh.get_group(1)
+    return mesh.size(1), inner.group_name, ring.group_name
+
+
+@lru_cache(maxsize=None)
+def _default_mesh(ring: int, ulysses: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    return init_device_mesh(device, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
 def _inner_compile(compiler: str, gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -105,7 +105,11 @@ def guard_graph(compiled, ctx: PassContext, index: int):
 def graph_hash(ctx: PassContext) -> str:
     """What the ranks compare to know they run the same graph: its code and the options that shaped it."""
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
-    return hashlib.sha1(f"{_canonical(ctx.gm.code)}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
+    code = _canonical(ctx.gm.code)
+    if ctx.ulysses:  # each rank's Ulysses and ring groups have their own names
+        for name, role in zip(ctx.ulysses[1:], ("<ulysses group>", "<ring group>")):
+            code = re.sub(rf"'{re.escape(name)}'", role, code)
+    return hashlib.sha1(f"{code}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
 
 
 def _canonical(code: str) -> str:

@@ -23,7 +23,9 @@ CHOICES = {
 
 @dataclass(frozen=True)
 class RingOptions:
-    """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group).
+    """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group); a
+    2-D mesh (``mesh["cp", "sp"]``) runs Ulysses x ring: the ring over its first dimension, all-to-all over heads
+    inside its second. ``ulysses``: U, for Ulysses x ring over the default group (groups of U consecutive ranks).
     ``layout``: ``auto`` = zigzag when any attention is causal or masked, or the inputs are sharded, else
     contiguous (the report's summary line names the layout).
     ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard,
@@ -61,6 +63,7 @@ class RingOptions:
     timeout: float = 30.0
     unsharded: str = "warn"
     cache: str = "sharded"
+    ulysses: int = 1
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "RingOptions":

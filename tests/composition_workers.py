@@ -148,3 +148,29 @@ def ulysses_by_hand(rank: int, world_size: int, cases: list) -> list:
             "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
         })
     return results
+
+
+def ulysses_step(rank: int, world_size: int, family: str, how: str) -> dict:
+    """One training step of ``family`` compiled with Ulysses x ring, U = 2: ``how`` = "mesh" (group = a 2-D
+    (ring, ulysses) DeviceMesh) or "option" (options={"ulysses": 2} over the default group)."""
+    torch._dynamo.reset()
+    model, reference = _model(family), _model(family)
+    ids = global_batch(1)
+    expected = _loss(reference, ids)
+    expected.backward()
+    if how == "mesh":
+        options = {"group": mesh_2d(world_size // 2, 2)}
+    else:
+        options = {"ulysses": 2}
+    backend = ringpass.backend(compiler="aot_eager", report="off", **options)
+    with record_ring_events() as events:
+        loss = _loss(torch.compile(model, backend=backend, fullgraph=True), ids)
+        loss.backward()
+    return {
+        "loss": rel_err(loss.detach(), expected.detach()),
+        "grads": grad_error({n: p.grad for n, p in model.named_parameters()},
+                            {n: p.grad for n, p in reference.named_parameters()}),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
+        "report": str(backend.reports[-1]),
+    }

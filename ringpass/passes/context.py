@@ -35,6 +35,7 @@ class PassContext:
     group_name: str
     report: Report = field(default_factory=Report)
     host_values: dict = field(default_factory=dict)  # id(meta tensor of module state) -> its real value (inspect)
+    ulysses: Any = None  # Ulysses x ring: (U, the Ulysses group's name, the ring's group name)
     # find_attention
     attention: list = field(default_factory=list)
     # lift_masks

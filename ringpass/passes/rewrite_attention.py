@@ -8,6 +8,8 @@ removes the SDPA call or the hand-written attention's nodes. Values with a small
 (MLA) are padded with zero columns to the key head dim and the output's extra columns cut off. 3-D single-head attention gains a head axis
 around the call; 3-D attention over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to
 ``[B, H, S, D]`` around it. The score modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan.
+With Ulysses x ring (``ctx.ulysses``), q, k, v go through ``ringpass::ulysses_heads_to_tokens`` first, the
+ring runs over the ring group, and its output through ``ringpass::ulysses_tokens_to_heads`` (`lowering.ulysses`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lowering.errors import NotSupportedError
+from lowering.ulysses import check_heads
 from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, plain, refusal,
                             remove_dead_code, source_line)
 from ringpass.report import AttentionRecord
@@ -49,10 +53,13 @@ def rewrite_attention(ctx: PassContext) -> None:
             narrower = example_value(match.key).shape[-1] - example_value(match.value).shape[-1]
             if narrower:  # MLA: values narrower than keys travel padded with zeros to the key head dim
                 operands[2] = graph.call_function(torch.nn.functional.pad, (operands[2], (0, narrower)))
+            ring_group = ctx.group_name
+            if ctx.ulysses:
+                operands, ring_group = _ulysses_operands(ctx, match, plan, operands)
             ring = graph.call_function(
                 torch.ops.ringpass.ring_attention.default,
                 (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
-                 ctx.group_name, *plan.op_args()),
+                 ring_group, *plan.op_args(), *([ctx.ulysses[0]] if ctx.ulysses else [])),
             )
             copy_origin(ring, match.output)
             ctx.placement[ring] = LOCAL
@@ -79,6 +86,9 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     graph = ctx.gm.graph
     out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
     out.meta.update({key: ring.meta[key] for key in ("recompute", "ac_graph_id") if key in ring.meta})
+    if ctx.ulysses:  # the output goes back to the ranks that hold its tokens, with every head
+        ctx.placement[out] = LOCAL
+        out = copy_origin(graph.call_function(torch.ops.ringpass.ulysses_tokens_to_heads.default, (out, *_ulysses_args(ctx))), match.output)
     if narrower:
         out = graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, -narrower))))
     if back is not None:
@@ -87,6 +97,34 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     ctx.placement[out] = LOCAL
     ctx.axes[out] = ctx.axes[match.output]
     match.output.replace_all_uses_with(out)
+
+
+def _ulysses_args(ctx: PassContext) -> tuple:
+    u, ulysses_group, ring_group = ctx.ulysses
+    return (ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), u, ulysses_group, ring_group)
+
+
+def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[list, str]:
+    """Ulysses x ring: q, k, v trade heads for the Ulysses group's tokens (KV heads repeated first when there are
+    fewer than U); the ring runs across the groups. Returns the new operands and the ring's group name."""
+    graph = ctx.gm.graph
+    if match.flex is not None or plan.slopes is not None or plan.bias_id:
+        what = "flex_attention" if match.flex is not None else "ALiBi slopes or a score bias"
+        raise refusal(f"Attention {describe(match.output)}: {what} with Ulysses x ring is not supported yet (the heads "
+                      "are split across the Ulysses group); use a plain ring (ulysses=1).", match.output)
+    heads = [example_value(t).shape[1] if example_value(t).dim() == 4 else 1 for t in (match.query, match.key)]
+    kv_heads = heads[1] // match.kv_groups
+    try:
+        repeat = check_heads(int(heads[0]), int(kv_heads), ctx.ulysses[0])
+    except NotSupportedError as error:
+        raise refusal(f"Attention {describe(match.output)}: {error}", match.output) from None
+    if repeat > 1:
+        operands[1:] = [graph.call_method("repeat_interleave", (t, repeat, 1)) for t in operands[1:]]
+    exchanged = [graph.call_function(torch.ops.ringpass.ulysses_heads_to_tokens.default, (t, *_ulysses_args(ctx))) for t in operands]
+    for node in exchanged + [t for t in operands if t.op == "call_method" and t.target == "repeat_interleave"]:
+        copy_origin(node, match.output)
+        ctx.placement[node] = LOCAL
+    return exchanged, ctx.ulysses[2]
 
 
 def _to_4d(match, t: fx.Node) -> tuple:
