@@ -9,7 +9,8 @@ from global positions (`Layout.segments`), independently of the planner's rectan
 On given `Hardware` (a link's bandwidth and latency, the FLOP rate one rank's kernel reaches; presets
 `LINKS`, `DEVICES`), `predict` gives each step's compute and transfer time and whether the transfer hides,
 `hiding_slice` the fewest tokens per rank at which it does, and `all_gather_seconds` the alternative's
-forward time (`ringpass plan` prints them and recommends). A decode step (`DecodeCost`, `decode_seconds`):
+forward time (`ringpass plan` prints them and recommends); `ulysses_seconds` the same attention as Ulysses x
+ring (all-to-all over heads on the fast links inside groups, the ring over the slow ones). A decode step (`DecodeCost`, `decode_seconds`):
 every rank reads its part of the cache (memory-bound: `MEMORY` presets) and the ranks merge their out and
 LSE in one small all-gather.
 
@@ -265,6 +266,26 @@ def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:
     a = visible * 4 * shape.batch * shape.query_heads * shape.head_dim / hardware.flops_per_s
     b = 2 * shape.batch * shape.kv_heads * shape.head_dim * shape.itemsize / hardware.link_bytes_per_s
     return math.ceil((b + math.sqrt(b * b + 4 * a * hardware.link_latency_s)) / (2 * a))
+
+
+def ulysses_seconds(shape: AttentionShape, layout: Layout, ulysses: int, ring_link: Hardware,
+                    fast_link: Hardware) -> dict:
+    """Ulysses x ring (`lowering.ulysses`) with groups of ``ulysses`` ranks over ``fast_link``, the ring across the
+    groups over ``ring_link``: forward and backward seconds of the all-to-alls (q, k, v and the output forward;
+    their gradients backward; each moves (U-1)/U of a rank's tensor, not overlapped) and of the ring (R = P/U
+    steps of U-times longer blocks with 1/U of the heads, `predict`). KV heads fewer than U are repeated to U."""
+    from lowering.ulysses import GroupLayout, check_heads
+
+    repeat = check_heads(shape.query_heads, shape.kv_heads, ulysses)
+    per_rank = AttentionShape(shape.batch, shape.query_heads // ulysses, shape.kv_heads * repeat // ulysses,
+                              shape.head_dim, shape.itemsize, shape.is_causal, shape.window)
+    ring = predict(ring_cost(GroupLayout(layout, ulysses), per_rank), ring_link)
+    elements = shape.batch * layout.local_len * shape.head_dim * (2 * shape.query_heads + 2 * shape.kv_heads * repeat)
+    moved = elements * shape.itemsize * (ulysses - 1) / ulysses
+    exchange = 4 * fast_link.link_latency_s + moved / fast_link.link_bytes_per_s
+    return {"all_to_all_forward": exchange, "all_to_all_backward": exchange, "ring_forward": ring.forward_s,
+            "ring_backward": ring.backward_s, "forward": exchange + ring.forward_s,
+            "backward": exchange + ring.backward_s, "hides": ring.hides}
 
 
 def _overlapped(compute: list[float], transfer: float) -> float:

@@ -98,7 +98,7 @@ def ring_attention(
     out, lse = torch.ops.ringpass.ring_attention(
         q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name,
         window, mask_id, list(mask_inputs), None if softcap is None else float(softcap), slopes,
-        register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked,
+        register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked, 1,
     )
     return (out, lse) if return_lse else out
 
@@ -208,7 +208,7 @@ def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
     seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int = 1,
+    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
@@ -224,7 +224,7 @@ def _ring_attention_op(
 
 @_ring_attention_op.register_fake
 def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs, softcap,
-      alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses=1):
+      alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses):
     if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
         check_inputs(q, k, v, _layout(layout_kind, world_size, seq_len, ulysses))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
@@ -236,7 +236,7 @@ def _ring_attention_backward_op(
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
     is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int = 1,
+    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
@@ -251,7 +251,7 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses=1):
+      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 

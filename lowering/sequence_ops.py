@@ -231,7 +231,19 @@ class _GradientOnly(torch.autograd.Function):
 
 def reduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """``x``, whose gradient is summed over the group in the backward (a partial gradient made whole)."""
-    return _GradientOnly.apply(x, lambda grad: all_reduce_sum(grad, group_name))
+    return _GradientOnly.apply(x, lambda grad: _on_local(grad, lambda local: all_reduce_sum(local, group_name)))
+
+
+def _on_local(x: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` applied to ``x``, or to a DTensor's local shard (tensor parallel's parameters: the ring's sum runs
+    over other ranks than its mesh, so each shard is summed as it is)."""
+    to_local = getattr(x, "to_local", None)
+    if to_local is None:
+        return fn(x)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(fn(to_local()), x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=x.stride())
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:

@@ -179,6 +179,9 @@ def _plan_arguments(p) -> None:
     p.add_argument("--bidirectional", action="store_true", help="no causal mask")
     p.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default="auto")
     p.add_argument("--decode", action="store_true", help="one query per step against a cache")
+    p.add_argument("--ulysses", type=int, metavar="U", help="also predict Ulysses x ring: all-to-all inside groups of U "
+                                                            "ranks over --ulysses-link, the ring across groups over --link")
+    p.add_argument("--ulysses-link", choices=sorted(LINKS), default="nvlink", help="the links inside a Ulysses group")
     p.add_argument("--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()))
     p.add_argument("--bandwidth", type=float, metavar="GB/S", help="link bandwidth one way (overrides --link)")
     p.add_argument("--latency", type=float, metavar="US", help="link latency per message (overrides --link)")
@@ -202,7 +205,8 @@ def _plan(args) -> int:
         hw = load_hardware(args.hardware)
     else:
         hw = hardware(args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
-    plan = make_plan(shape, args.world_size, args.seq_len, hw, decode=args.decode, layout=args.layout)
+    plan = make_plan(shape, args.world_size, args.seq_len, hw, decode=args.decode, layout=args.layout,
+                     ulysses=args.ulysses, ulysses_link=hardware(args.ulysses_link, tflops=1.0) if args.ulysses else None)
     print(plan)
     if args.json:
         with open(args.json, "w") as f:

@@ -129,11 +129,13 @@ def _shape(value):
 
 def _checksums(tensors: list[torch.Tensor], module_state: list[bool]) -> list[str]:
     """Two sums per tensor, computed on its device and read back at once: plain and absolute sums for
-    parameters and buffers; plain and position-weighted sums for inputs (a reordered batch differs)."""
+    parameters and buffers; plain and position-weighted sums for inputs (a reordered batch differs). A DTensor
+    (tensor parallel) is summed on its local shard: the ranks of one ring hold the same shard."""
     if not tensors:
         return []
     sums = []
     for t, state in zip(tensors, module_state):
+        t = t.to_local() if hasattr(t, "to_local") else t
         flat = t.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)

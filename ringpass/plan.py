@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowering.costmodel import DEVICES, LINKS, MEMORY, AttentionShape, DecodeCost, Hardware, Prediction, \
-    all_gather_seconds, decode_seconds, hiding_slice, predict, ring_cost
+    all_gather_seconds, decode_seconds, hiding_slice, predict, ring_cost, ulysses_seconds
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 
@@ -34,6 +34,7 @@ class Plan:
     memory_unsharded: dict
     recommendation: str
     decode: dict | None = None  # with decode: seconds of one decode attention, cache sharded / whole
+    ulysses: dict | None = None  # with ulysses=U: `lowering.costmodel.ulysses_seconds` and U
 
     def as_dict(self) -> dict:
         p = self.prediction
@@ -45,7 +46,7 @@ class Plan:
             "compute_backward_s": p.compute_backward, "transfer_backward_s": p.transfer_backward,
             "all_gather_forward_s": self.all_gather_forward_s, "hiding_tokens_per_rank": self.hiding_tokens,
             "memory_per_rank": self.memory, "memory_unsharded": self.memory_unsharded,
-            "recommendation": self.recommendation, "decode_s": self.decode,
+            "recommendation": self.recommendation, "decode_s": self.decode, "ulysses": self.ulysses,
         }
 
     def __str__(self) -> str:
@@ -69,6 +70,12 @@ class Plan:
             "device",
             f"  recommendation: {self.recommendation}",
         ]
+        if self.ulysses:
+            u = self.ulysses
+            lines.insert(-1, f"  Ulysses x ring (groups of {u['ulysses']} over {u['link']}, the ring over "
+                             f"{self.world_size // u['ulysses']} groups): {u['forward'] * 1e3:.3g} ms forward "
+                             f"({u['all_to_all_forward'] * 1e3:.3g} ms all-to-all), {u['backward'] * 1e3:.3g} ms backward; "
+                             f"ring transfers hidden: {'yes' if u['hides'] else 'no'}")
         return "\n".join(lines)
 
 
@@ -94,7 +101,7 @@ def hardware(link: str | None = None, device: str | None = None, *, bandwidth_gb
 
 
 def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware, *, decode: bool = False,
-              layout: str = "auto") -> Plan:
+              layout: str = "auto", ulysses: int | None = None, ulysses_link: Hardware | None = None) -> Plan:
     """Predict the ring for ``shape`` over ``world_size`` ranks on ``hw`` and recommend (module docstring)."""
     if world_size < 1 or seq_len < 1:
         raise InvalidInputError(f"plan: world size and sequence length must be positive, got {world_size}, {seq_len}.")
@@ -127,8 +134,18 @@ def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware
                      f"device (it then holds 1/{world_size} of it). ")
                   + f"Gathering K/V instead (predicted {gather * 1e3:.3g} ms forward) moves the same bytes without "
                   "hiding them and holds the whole K/V on every rank.")
+    two_d = None
+    if ulysses and ulysses > 1:
+        if world_size % ulysses:
+            raise InvalidInputError(f"plan: --ulysses {ulysses} does not divide --world-size {world_size}.")
+        two_d = {"ulysses": ulysses, "link": ulysses_link.link,
+                 **ulysses_seconds(shape, Layout(layout, world_size, seq_len), ulysses, hw, ulysses_link)}
+        faster = two_d["forward"] + two_d["backward"] < prediction.forward_s + prediction.backward_s
+        advice += (f" Ulysses x ring (groups of {ulysses}) is predicted {'faster' if faster else 'slower'}: "
+                   f"{(two_d['forward'] + two_d['backward']) * 1e3:.3g} ms vs {(prediction.forward_s + prediction.backward_s) * 1e3:.3g} ms "
+                   "forward + backward.")
     return Plan(world_size, seq_len, layout, shape, hw, prediction, gather, tokens, cost.memory(),
-                cost.memory(unsharded=True), advice, decode_times)
+                cost.memory(unsharded=True), advice, decode_times, two_d)
 
 
 def _ms(seconds: list[float]) -> str:

@@ -95,6 +95,7 @@ class Report:
     collectives: list[CollectiveRecord] = field(default_factory=list)
     gradients: str = ""    # "reduced" | "mean" | "local"
     gradients_why: str = ""  # the wrapper grads="auto" found, or why the choice costs traffic
+    ulysses: int = 1  # Ulysses x ring: the ranks of each all-to-all group
     activation_bytes: dict = field(default_factory=dict)  # {"per_rank": .., "unsharded": .., "whole": ..}
     warnings: list[str] = field(default_factory=list)
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
@@ -143,7 +144,10 @@ class Report:
         if self.decode:
             return (f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
                     f"({self.cache}), {_size(self.gathered_bytes())} all-gathered per call")
-        return (f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {self.world_size} ranks, "
+        over = f"{self.world_size} ranks" if self.ulysses == 1 else \
+            f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, the ring over " \
+            f"{self.world_size // self.ulysses} groups)"
+        return (f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {over}, "
                 f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call")
 
     def __str__(self) -> str:
@@ -209,6 +213,7 @@ class Report:
             "collectives": [asdict(c) for c in self.collectives],
             "gradients": self.gradients or None,
             "gradients_why": self.gradients_why or None,
+            "ulysses": self.ulysses,
             "activations": self.activation_bytes or None,
             "ring": [ring_dict(indices, cost) for indices, cost in self.ring_costs()],
             "refusal": asdict(self.refusal) if self.refusal else None,

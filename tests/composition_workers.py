@@ -174,3 +174,36 @@ def ulysses_step(rank: int, world_size: int, family: str, how: str) -> dict:
         "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
         "report": str(backend.reports[-1]),
     }
+
+
+def tensor_parallel_step(rank: int, world_size: int) -> dict:
+    """A Hugging Face Llama with attention and MLP sharded over the mesh's ``tp`` dimension (DTensor,
+    ``parallelize_module``: q/k/v and gate/up column-wise, o and down row-wise), the ring over ``cp``: one
+    training step against the unsharded model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("cp", "tp"))
+    model, reference = _model("hf_llama"), _model("hf_llama")
+    ids = global_batch(1)
+    expected = _loss(reference, ids)
+    expected.backward()
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"])
+    with record_ring_events() as events:
+        loss = _loss(torch.compile(model, backend=backend), ids)
+        loss.backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    return {
+        "loss": rel_err(loss.detach(), expected.detach()),
+        "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "kv_bytes": sorted({e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"}),
+        "reports": [str(r)[:300] for r in backend.reports],
+    }
+

@@ -190,7 +190,7 @@ def opcheck_on_ranks(rank: int, world_size: int) -> dict:
         "non-contiguous": [torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2)],
     }.items():
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", world_size, 40, True, 0.35,
-                dist.group.WORLD.group_name, None, "", [], None, None, "", [], "zero")
+                dist.group.WORLD.group_name, None, "", [], None, None, "", [], "zero", 1)
         checks = torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
         out, lse = torch.ops.ringpass.ring_attention(*args)
         backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),

@@ -8,12 +8,18 @@ from functools import lru_cache
 import pytest
 
 import composition_workers
+from lowering.errors import NotSupportedError
+from lowering.ulysses import check_heads
 from ringpass.launch import spawn_ranks
 
 TWO_RANKS = [("wrapped_step", ("fsdp2", 1)), ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
              ("wrapped_step", ("fsdp2", 1, "reduced")), ("refused", ("fsdp2", "local")),
              ("refused", ("ddp", "auto", True))]
-FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wrapped_step", ("ddp_dp", 2))]
+FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wrapped_step", ("ddp_dp", 2)),
+              ("tensor_parallel_step", ()), ("ulysses_step", ("llama", "option")), ("ulysses_step", ("hf_llama", "mesh")),
+              # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
+              ("ulysses_by_hand", ([(16, 4, 2, True, "zigzag"), (13, 4, 1, True, "zigzag"), (16, 4, 4, False, "contiguous"),
+                                    (11, 8, 2, True, "contiguous")],))]
 
 
 @lru_cache(maxsize=None)
@@ -71,3 +77,38 @@ def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():
         check_exact(result)
         assert result["gradients"] == ["reduced"] and "data-parallel ranks only" in result["why"][0], result
         assert result["ringpass_all_reduces"] > 0 and result["collectives"] == {"allreduce_": 1}, result
+
+
+def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
+    """A Hugging Face Llama with q/k/v, gate/up column-wise and o, down row-wise over ``tp`` (parallelize_module),
+    the ring over ``cp`` on a 2 x 2 mesh: exact, and each KV block on the wire holds this rank's one KV head of
+    two (2 x batch 2 x 1 head x 6 slots x head dim 8 x 4 bytes)."""
+    for rank in results(4):
+        result = rank[3]
+        check_exact(result)
+        assert result["kv_bytes"] == [2 * 2 * 1 * 6 * 8 * 4], result
+        assert "2 query / 1 key-value heads" in result["reports"][0], result
+
+
+def test_ulysses_x_ring_trains_exactly():
+    """U = 2 on 4 ranks, by option (groups of neighbours) and by a 2-D mesh: the ring runs over 2 groups (one
+    KV exchange per layer forward and one backward, not three), four all-to-alls per layer forward and four back."""
+    for rank in results(4):
+        for result in rank[4:6]:
+            check_exact(result)
+            assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
+            assert "Ulysses x ring: all-to-all over heads in groups of 2" in result["report"], result["report"]
+
+
+def test_ulysses_attention_by_hand_is_exact_in_fp64():
+    for rank in results(4):
+        for case in rank[6]:
+            assert case["out"] < 1e-12 and case["grads"] < 1e-12, case
+            assert case["kv_exchanges"] == 2 and case["all_to_alls"] == 8, case
+
+
+def test_ulysses_refuses_head_counts_it_cannot_split():
+    for heads, kv_heads in ((3, 3), (6, 3)):  # query heads U does not divide; KV heads neither divides
+        with pytest.raises(NotSupportedError, match="Ulysses groups of 2 ranks"):
+            check_heads(heads, kv_heads, 2)
+    assert check_heads(4, 2, 2) == 1 and check_heads(8, 1, 4) == 4  # split as they are; one KV head repeated per rank

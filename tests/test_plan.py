@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from lowering.costmodel import AttentionShape, DecodeCost, Hardware, all_gather_seconds, decode_seconds, hiding_slice, \
-    predict, ring_cost
+    predict, ring_cost, ulysses_seconds
 from lowering.layout import Layout
 from ringpass.plan import hardware, make_plan
 
@@ -39,6 +39,23 @@ def test_a_hand_computed_decode_step():
     assert decode_seconds(DecodeCost(ONE, cache_len=8, world_size=1), hw) == {"compute": 2.0, "merge": 0.0, "total": 2.0}
     slow_memory = Hardware(link_bytes_per_s=32, link_latency_s=0.5, flops_per_s=16, memory_bytes_per_s=8)
     assert decode_seconds(sharded, slow_memory)["compute"] == 4.0  # 32 bytes at 8 B/s: memory-bound
+
+
+def test_a_hand_computed_ulysses_x_ring():
+    """P=4 in Ulysses groups of U=2, N=16 bidirectional, 2 query heads / 2 KV heads: each rank holds 4 tokens; the
+    all-to-all moves half of q, k, v and out, 4 x 4 tokens x 2 heads x 4 bytes / 2 = 64 bytes (1 s at 64 B/s, no
+    latency). The ring runs over 2 groups with 8 tokens and 1 head each: a step scores 8 x 8 = 64 pairs = 256 FLOPs
+    (1 s at 256 FLOP/s) and a hop moves K and V of 8 tokens x 1 head, 64 bytes (2 s at 32 B/s)."""
+    shape = AttentionShape(batch=1, query_heads=2, kv_heads=2, head_dim=1, itemsize=4)
+    ring_link = Hardware(link_bytes_per_s=32, link_latency_s=0.0, flops_per_s=256)
+    fast = Hardware(link_bytes_per_s=64, link_latency_s=0.0, flops_per_s=1)
+    times = ulysses_seconds(shape, Layout("contiguous", 4, 16), 2, ring_link, fast)
+    assert times["all_to_all_forward"] == 1.0 and times["all_to_all_backward"] == 1.0
+    assert times["ring_forward"] == 2.0 + 1.0 and not times["hides"]  # the first step waits for its 2 s hop
+    assert times["forward"] == 1.0 + 3.0
+    # fewer KV heads than U: the one KV head is repeated to two before the all-to-all, so the bytes are as above
+    one_kv = AttentionShape(batch=1, query_heads=2, kv_heads=1, head_dim=1, itemsize=4)
+    assert ulysses_seconds(one_kv, Layout("contiguous", 4, 16), 2, ring_link, fast) == times
 
 
 def test_the_hiding_slice_is_where_a_step_covers_its_hop():

@@ -59,7 +59,7 @@ def rewrite_attention(ctx: PassContext) -> None:
             ring = graph.call_function(
                 torch.ops.ringpass.ring_attention.default,
                 (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
-                 ring_group, *plan.op_args(), *([ctx.ulysses[0]] if ctx.ulysses else [])),
+                 ring_group, *plan.op_args(), ctx.ulysses[0] if ctx.ulysses else 1),
             )
             copy_origin(ring, match.output)
             ctx.placement[ring] = LOCAL
@@ -77,6 +77,7 @@ def rewrite_attention(ctx: PassContext) -> None:
             if not node.users:
                 graph.erase_node(node)
         ctx.report.attention.append(_record(match, plan, scale))
+        ctx.report.ulysses = ctx.ulysses[0] if ctx.ulysses else 1
     remove_dead_code(graph)  # the rest of hand-written attentions
 
 

@@ -98,9 +98,30 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return "mixing", f"`{name}` reduces over the sequence"
     if name in PER_TOKEN_LAYERS and _contracts_sequence(node, name, seq_dims):
         return "mixing", f"`{name}` sums over the sequence (a weight as long as the sequence multiplies along it)"
+    if name in DTENSOR_CONVERSIONS:
+        return _dtensor_conversion(node, first, seq_dims)
     if name in REARRANGE or name in PER_TOKEN_LAYERS or _pointwise(name):
         return "token", None
     return "mixing", f"`{name}` is not known to act on each token separately"
+
+
+DTENSOR_CONVERSIONS = {"to_local", "from_local", "redistribute"}  # tensor parallel's (parallelize_module)
+
+
+def _dtensor_conversion(node: fx.Node, first, seq_dims) -> tuple[str, Optional[str]]:
+    """A DTensor made from a local tensor, turned back into one, or redistributed over another mesh (tensor
+    parallel): per token unless a placement shards the sequence dim (sequence parallel, which the ring
+    replaces)."""
+    placements = list(node.kwargs.get("placements") or ())
+    placements += [a for arg in node.args if isinstance(arg, (list, tuple)) for a in arg]
+    for value in (value_of(first), example_value(node)):
+        placements += list(getattr(value, "placements", ()))
+    dims = seq_dims(first) if first is not None else set()
+    rank = value_of(first).dim() if first is not None else 0
+    if any(getattr(p, "dim", None) is not None and p.dim % max(rank, 1) in dims for p in placements):
+        return "mixing", ("a DTensor placement shards the sequence dim (sequence parallel); the ring shards the "
+                          "sequence already: keep tensor parallel's activations replicated along it")
+    return "token", None
 
 
 CONTRACTED = {  # the operands a matrix product sums over, and the dim it sums over in each
