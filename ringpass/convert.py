@@ -210,6 +210,9 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
                                     "report is `converted.report`, and a model without attention is refused).")
     world_size = _world_size(world_size, group)
     ring_options = RingOptions.from_dict({**options, "report": "off"})
+    if ring_options.ulysses != 1 or getattr(group, "ndim", 1) == 2:
+        raise NotSupportedError("convert: Ulysses x ring is not built for converted models yet; compile with "
+                                "backend='ring' for it, or convert a plain ring (ulysses=1, a 1-D group).")
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     signature = pyinspect.signature(model.forward)
     defaults = {p.name: p.default for p in signature.parameters.values() if _plain(p.default)}

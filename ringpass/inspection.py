@@ -134,6 +134,9 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     ring_options = RingOptions.from_dict({**options, "report": "off"})
     if ring_options.group is not None:
         raise InvalidInputError("inspect: `group` has no meaning offline; pass world_size instead.")
+    if ring_options.ulysses != 1:
+        raise NotSupportedError("inspect: Ulysses x ring is not described offline yet; inspect the plain ring "
+                                "(ulysses=1), and see `ringpass plan --ulysses U` for its cost.")
     args, kwargs = _as_call(example_inputs)
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     twin, host_values = meta_twin(model)

@@ -112,3 +112,16 @@ def test_ulysses_refuses_head_counts_it_cannot_split():
         with pytest.raises(NotSupportedError, match="Ulysses groups of 2 ranks"):
             check_heads(heads, kv_heads, 2)
     assert check_heads(4, 2, 2) == 1 and check_heads(8, 1, 4) == 4  # split as they are; one KV head repeated per rank
+
+
+def test_inspect_and_convert_refuse_ulysses_until_they_describe_it():
+    import torch
+
+    import models
+    import ringpass
+
+    ids = torch.randint(0, 61, (1, 16))
+    with pytest.raises(NotSupportedError, match="inspect: Ulysses x ring is not described offline yet"):
+        ringpass.inspect(models.Llama(), ids, world_size=4, ulysses=2)
+    with pytest.raises(NotSupportedError, match="convert: Ulysses x ring is not built for converted models yet"):
+        ringpass.convert(models.Llama(), ids, world_size=4, ulysses=2)

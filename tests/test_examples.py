@@ -1,4 +1,4 @@
-"""The examples run as a user runs them (torchrun on 2 CPU processes), with a timeout."""
+"""The examples run as a user runs them (torchrun on 2 CPU processes, 4 for the 2 x 2 mesh), with a timeout."""
 
 import re
 import subprocess
@@ -10,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(script: str, timeout: float) -> str:
+def _torchrun(script: str, timeout: float, processes: int = 2) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
          str(ROOT / "examples" / script)],
         capture_output=True, text=True, timeout=timeout,
     )
@@ -64,3 +64,12 @@ def test_first_call_memory_is_a_one_time_import():
     one_time = rows["long first"][0] - rows["long again"][0]
     assert one_time > 50, rows  # torch._dynamo's import: ~100 MiB
     assert rows["64 tokens first"][1] > 0.5 * one_time and abs(rows["then long"][0] - rows["long again"][0]) < 0.2 * one_time, rows
+
+
+def test_fsdp_and_tensor_parallel_with_the_ring_under_torchrun():
+    output = _torchrun("fsdp_tp_ring.py", timeout=400, processes=4)
+    found = re.findall(r"(.+ x ring): loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output)
+    assert [name for name, *_ in found] == ["FSDP2 x ring", "tensor parallel x ring"], output
+    for _, loss, unsharded, grad_error in found:
+        assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded)) and float(grad_error) < 1e-4, output
+    assert output.count("rewritten to ring attention over 2 ranks") == 2, output
