@@ -31,7 +31,8 @@ def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str =
     the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
 
     - ``fsdp2``: ``fully_shard`` on every block and the root over the data x ring ranks flattened
-      (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only;
+      (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only; ``hsdp``: every block and the root
+      on the 2-D mesh (replicated over dp, sharded over cp);
     - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only.
 
     Returns the loss and gradient errors against the unsharded model on the global batch, the ring's KV
@@ -52,11 +53,15 @@ def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str =
     mine = ids[replica * ROWS:(replica + 1) * ROWS]
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp  # Dynamo's DDP graph splitting: the ring refuses it
-    if wrapper in ("fsdp2", "fsdp2_root"):
-        if wrapper == "fsdp2":
+    units = 0  # FSDP2 units: one reduce-scatter each in the backward
+    if wrapper in ("fsdp2", "fsdp2_root", "hsdp"):
+        over = mesh if wrapper == "hsdp" else everyone  # HSDP: replicated over dp, sharded over cp
+        if wrapper != "fsdp2_root":
             for block in _blocks(model):
-                fully_shard(block, mesh=everyone)
-        wrapped = fully_shard(model, mesh=everyone)
+                fully_shard(block, mesh=over)
+                units += 1
+        wrapped = fully_shard(model, mesh=over)
+        units += 1
     elif wrapper in ("ddp", "ddp_dp"):
         group = everyone.get_group() if wrapper == "ddp" else mesh["dp"].get_group()
         wrapped = DistributedDataParallel(model, process_group=group)
@@ -77,6 +82,7 @@ def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str =
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in forward),
         "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
         "collectives": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+        "fsdp_units": units,
         "gradients": [r.gradients for r in backend.reports if r.gradients],
         "why": [r.gradients_why for r in backend.reports if r.gradients_why],
     }

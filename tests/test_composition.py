@@ -19,7 +19,8 @@ FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wr
               ("tensor_parallel_step", ()), ("ulysses_step", ("llama", "option")), ("ulysses_step", ("hf_llama", "mesh")),
               # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
               ("ulysses_by_hand", ([(16, 4, 2, True, "zigzag"), (13, 4, 1, True, "zigzag"), (16, 4, 4, False, "contiguous"),
-                                    (11, 8, 2, True, "contiguous")],))]
+                                    (11, 8, 2, True, "contiguous")],)),
+              ("wrapped_step", ("hsdp", 2))]
 
 
 @lru_cache(maxsize=None)
@@ -43,8 +44,9 @@ def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
             assert result["gradients"] and set(result["gradients"]) == {"mean"}, result
             assert "FSDP2 over ranks 0, 1" in result["why"][0], result
             assert result["ringpass_all_reduces"] == 0, result
+            # one reduce-scatter per FSDP2 unit; the all-gathers re-gather resharded blocks' parameters
             assert set(result["collectives"]) <= {"_reduce_scatter_base_", "_allgather_base_"}, result
-            assert result["collectives"]["_reduce_scatter_base_"] >= 1, result
+            assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
 
 
 def test_an_explicit_grads_reduced_under_fsdp2_is_exact_and_says_what_it_costs():
@@ -68,7 +70,19 @@ def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
             check_exact(result)
             assert result["gradients"] == ["mean"] and f"{kind} over ranks 0-3" in result["why"][0], result
             assert result["ringpass_all_reduces"] == 0, result
+        assert rank[0]["collectives"]["_reduce_scatter_base_"] == rank[0]["fsdp_units"], rank[0]
         assert rank[1]["collectives"] == {"allreduce_": 1}, rank[1]  # DDP's one bucket
+
+
+def test_hsdp_replicated_over_data_sharded_over_the_ring():
+    """fully_shard on the 2-D (dp, cp) mesh: FSDP2 reduce-scatters over cp and all-reduces over dp, a mean over
+    all four ranks; the ring adds nothing."""
+    for rank in results(4):
+        result = rank[7]
+        check_exact(result)
+        assert result["gradients"] == ["mean"] and "FSDP2 over ranks 0-3" in result["why"][0], result
+        assert result["ringpass_all_reduces"] == 0, result
+        assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
 
 
 def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():

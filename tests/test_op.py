@@ -40,7 +40,7 @@ def test_opcheck(contiguous, scores):
     modifiers = (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)],
                  "uniform") if scores else (None, None, "", [], "zero")
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [],
-            *modifiers)
+            *modifiers, 1)
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
 
 
