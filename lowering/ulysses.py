@@ -145,7 +145,7 @@ def tokens_to_heads(x: torch.Tensor, layout_kind: str, world_size: int, seq_len:
     inverse = inverse.to(x.device)
     by_rank = x.index_select(2, inverse).reshape(b, h_share, ulysses, n, *rest).movedim(2, 0)
     received = _all_to_all(by_rank, group_name, "tokens to heads")  # [U (head share), B, H/U, n, ...]
-    return received.movedim(0, 1).reshape(b, h_share * ulysses, n, *rest)
+    return received.movedim(0, 1).reshape(b, h_share * ulysses, n, *rest).contiguous()  # as the fake
 
 
 @tokens_to_heads.register_fake

@@ -147,6 +147,13 @@ def ulysses_by_hand(rank: int, world_size: int, cases: list) -> list:
             out = ulysses_attention(*mine, layout=layout, ring_group=mesh["ring"].get_group(),
                                     ulysses_group=mesh["ulysses"].get_group(), is_causal=causal)
             grads = torch.autograd.grad(out, mine, layout.shard(dout, 2, rank))
+        if not results:  # the all-to-all ops' schemas, fakes (strides included) and autograd against their real calls
+            args = (kind, world_size, seq_len, 2, mesh["ulysses"].get_group().group_name, mesh["ring"].get_group().group_name)
+            torch.library.opcheck(torch.ops.ringpass.ulysses_heads_to_tokens.default, (mine[0].detach().requires_grad_(), *args))
+            exchanged = torch.ops.ringpass.ulysses_heads_to_tokens(mine[0].detach(), *args).requires_grad_()
+            torch.library.opcheck(torch.ops.ringpass.ulysses_tokens_to_heads.default, (exchanged, *args))
+            kv_share = torch.ops.ringpass.ulysses_heads_to_tokens(mine[1].detach(), *args).requires_grad_()
+            torch.library.opcheck(torch.ops.ringpass.ulysses_tokens_to_heads.default, (kv_share, *args))  # one head each
         results.append({
             "out": rel_err(out, layout.shard(expected.detach(), 2, rank)),
             "grads": max(rel_err(g, layout.shard(e, 2, rank)) for g, e in zip(grads, expected_grads)),
@@ -156,7 +163,7 @@ def ulysses_by_hand(rank: int, world_size: int, cases: list) -> list:
     return results
 
 
-def ulysses_step(rank: int, world_size: int, family: str, how: str) -> dict:
+def ulysses_step(rank: int, world_size: int, family: str, how: str, compiler: str = "aot_eager") -> dict:
     """One training step of ``family`` compiled with Ulysses x ring, U = 2: ``how`` = "mesh" (group = a 2-D
     (ring, ulysses) DeviceMesh) or "option" (options={"ulysses": 2} over the default group)."""
     torch._dynamo.reset()
@@ -168,11 +175,15 @@ def ulysses_step(rank: int, world_size: int, family: str, how: str) -> dict:
         options = {"group": mesh_2d(world_size // 2, 2)}
     else:
         options = {"ulysses": 2}
-    backend = ringpass.backend(compiler="aot_eager", report="off", **options)
+    backend = ringpass.backend(compiler=compiler, report="off", **options)
     with record_ring_events() as events:
         loss = _loss(torch.compile(model, backend=backend, fullgraph=True), ids)
+    with record_ring_events() as backward:
         loss.backward()
+    events += backward
     return {
+        "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
+        "parameters": len(list(model.parameters())),
         "loss": rel_err(loss.detach(), expected.detach()),
         "grads": grad_error({n: p.grad for n, p in model.named_parameters()},
                             {n: p.grad for n, p in reference.named_parameters()}),
@@ -203,9 +214,13 @@ def tensor_parallel_step(rank: int, world_size: int) -> dict:
     backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"])
     with record_ring_events() as events:
         loss = _loss(torch.compile(model, backend=backend), ids)
+    with record_ring_events() as backward:
         loss.backward()
+    events += backward
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
     return {
+        "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
+        "parameters": len(list(model.parameters())),
         "loss": rel_err(loss.detach(), expected.detach()),
         "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),

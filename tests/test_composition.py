@@ -1,7 +1,8 @@
 """The ring composed with the rest of the parallelism stack on a DeviceMesh (gloo, CPU): FSDP2 and DDP
 (gradients exact with the wrapper's reduction as the only one), tensor parallel and Ulysses x ring. Each
 case: loss and every parameter gradient of one step against the unsharded model on the global batch, proof
-that the ring ran, and the gradient collectives counted."""
+that the ring ran, and the gradient collectives counted. The 2-rank cases run in the default suite; the 2 x 2
+meshes (one 4-rank spawn) with ``-m heavy``."""
 
 from functools import lru_cache
 
@@ -20,7 +21,7 @@ FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wr
               # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
               ("ulysses_by_hand", ([(16, 4, 2, True, "zigzag"), (13, 4, 1, True, "zigzag"), (16, 4, 4, False, "contiguous"),
                                     (11, 8, 2, True, "contiguous")],)),
-              ("wrapped_step", ("hsdp", 2))]
+              ("wrapped_step", ("hsdp", 2)), ("ulysses_step", ("hf_llama", "mesh", "inductor"))]
 
 
 @lru_cache(maxsize=None)
@@ -62,6 +63,7 @@ def test_combinations_that_would_be_wrong_are_refused():
         assert "optimize_ddp = False" in rank[4], rank[4]
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
     """A 2 x 2 mesh (dp, cp): FSDP2 / DDP over the four ranks flattened, each replica its own rows; the mean of
     the scaled shares is the gradient of the global batch, the wrapper's reduction the only one."""
@@ -74,6 +76,7 @@ def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
         assert rank[1]["collectives"] == {"allreduce_": 1}, rank[1]  # DDP's one bucket
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_hsdp_replicated_over_data_sharded_over_the_ring():
     """fully_shard on the 2-D (dp, cp) mesh: FSDP2 reduce-scatters over cp and all-reduces over dp, a mean over
     all four ranks; the ring adds nothing."""
@@ -85,6 +88,7 @@ def test_hsdp_replicated_over_data_sharded_over_the_ring():
         assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():
     for rank in results(4):
         result = rank[2]
@@ -93,6 +97,7 @@ def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():
         assert result["ringpass_all_reduces"] > 0 and result["collectives"] == {"allreduce_": 1}, result
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
     """A Hugging Face Llama with q/k/v, gate/up column-wise and o, down row-wise over ``tp`` (parallelize_module),
     the ring over ``cp`` on a 2 x 2 mesh: exact, and each KV block on the wire holds this rank's one KV head of
@@ -101,19 +106,24 @@ def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
         result = rank[3]
         check_exact(result)
         assert result["kv_bytes"] == [2 * 2 * 1 * 6 * 8 * 4], result
+        # no wrapper: the ring all-reduces each parameter's gradient (a DTensor's local shard) once over cp
+        assert result["ringpass_all_reduces"] == result["parameters"], result
         assert "2 query / 1 key-value heads" in result["reports"][0], result
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ulysses_x_ring_trains_exactly():
     """U = 2 on 4 ranks, by option (groups of neighbours) and by a 2-D mesh: the ring runs over 2 groups (one
     KV exchange per layer forward and one backward, not three), four all-to-alls per layer forward and four back."""
     for rank in results(4):
-        for result in rank[4:6]:
+        for result in rank[4:6] + rank[8:9]:  # and the mesh case compiled by Inductor
             check_exact(result)
             assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
+            assert result["ringpass_all_reduces"] == result["parameters"], result  # each gradient once, over all 4
             assert "Ulysses x ring: all-to-all over heads in groups of 2" in result["report"], result["report"]
 
 
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ulysses_attention_by_hand_is_exact_in_fp64():
     for rank in results(4):
         for case in rank[6]:

@@ -66,6 +66,7 @@ def test_first_call_memory_is_a_one_time_import():
     assert rows["64 tokens first"][1] > 0.5 * one_time and abs(rows["then long"][0] - rows["long again"][0]) < 0.2 * one_time, rows
 
 
+@pytest.mark.heavy  # 4 processes (~40 s)
 def test_fsdp_and_tensor_parallel_with_the_ring_under_torchrun():
     output = _torchrun("fsdp_tp_ring.py", timeout=400, processes=4)
     found = re.findall(r"(.+ x ring): loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output)
