@@ -112,13 +112,13 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
         "ops": _op_counts(graphs[-1]) if graphs else {},
         "inner": inner,
     }
-    if options.get("grads", "reduced") == "local":  # the sum over the ring of local gradients is the gradient
-        summed = {}
+    if options.get("grads") in ("local", "mean"):  # the sum (local) or the mean (mean) over the ring is the gradient
+        combined = {}
         for k, g in grads.items():
             g = g.clone()
             dist.all_reduce(g, group=ring_group)
-            summed[k] = g
-        result["grads"] = grad_error(summed, expected_grads)
+            combined[k] = g / ring_world if options["grads"] == "mean" else g
+        result["grads"] = grad_error(combined, expected_grads)
     else:
         result["grads"] = grad_error(grads, expected_grads)
     return result

@@ -67,6 +67,9 @@ def _cases(world_size: int) -> list:
     ]
     cases += [
         ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
+        # shares x P for an outer mean; a total fed back into every token (always reduced) and a sliced table
+        ("position_table_pooling-grads_mean", dict(name="position_table_pooling", seq_len=seq_len,
+                                                   options={"compiler": "aot_eager", "grads": "mean"}, dynamic=None)),
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
         ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
                                                 options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),

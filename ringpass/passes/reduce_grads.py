@@ -84,13 +84,27 @@ def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
 
 def _from_parameters(node: fx.Node, memo: dict) -> bool:
     """Whether every input that ``node``'s gradient reaches is a parameter (another input's gradient goes on to
-    the graph that computed it, which expects it whole)."""
-    if node not in memo:
-        if node.op == "placeholder":
-            memo[node] = _is_parameter(node) or not getattr(example_value(node), "requires_grad", False)
+    the graph that computed it, which expects it whole). Walks the ancestors without recursion (a model's
+    graph is thousands of nodes deep); ``memo`` keeps the answers between calls."""
+    order, stack, seen = [], [node], set()
+    while stack:  # every ancestor not answered yet
+        current = stack.pop()
+        if current in memo or current in seen:
+            continue
+        seen.add(current)
+        order.append(current)
+        stack.extend(n for n in current.all_input_nodes if n not in memo)
+    for current in sorted(order, key=_position(node.graph)):  # graph order: inputs before their users
+        if current.op == "placeholder":
+            memo[current] = _is_parameter(current) or not getattr(example_value(current), "requires_grad", False)
         else:
-            memo[node] = all(_from_parameters(n, memo) for n in node.all_input_nodes)
+            memo[current] = all(memo[n] for n in current.all_input_nodes)
     return memo[node]
+
+
+def _position(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
 
 
 def _is_parameter(node: fx.Node) -> bool:
