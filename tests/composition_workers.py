@@ -228,3 +228,33 @@ def tensor_parallel_step(rank: int, world_size: int) -> dict:
         "reports": [str(r)[:300] for r in backend.reports],
     }
 
+
+
+def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
+    """A Hugging Face Llama with Ulysses x ring (U = 2) per batch case of `hf_workers.batch` (left padding, packed
+    documents), compiled once with dynamic shapes and run at two lengths: loss, logits and gradients at the
+    first, logits at the second."""
+    results = {}
+    for case in cases:
+        torch._dynamo.reset()
+        model = hf_workers.build("llama")
+        kwargs = hf_workers.batch(case, SEQ_LEN + 1)
+        expected = model(**kwargs)
+        expected.loss.backward()
+        expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        backend = ringpass.backend(compiler="aot_eager", report="off", ulysses=2)
+        compiled = torch.compile(model, backend=backend, dynamic=True)
+        with record_ring_events() as events:
+            got = compiled(**kwargs)
+            got.loss.backward()
+        first_compiles = len(backend.reports)
+        longer = hf_workers.batch(case, SEQ_LEN + 7)
+        results[case] = {
+            "loss": rel_err(got.loss, expected.loss), "logits": rel_err(got.logits, expected.logits),
+            "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
+            "longer": rel_err(compiled(**longer).logits, model(**longer).logits),
+            "all_to_alls": sum(e.kind == "heads_exchange" for e in events), "first_compiles": first_compiles,
+            "later_compiles": len(backend.reports) - first_compiles,
+        }
+    return results

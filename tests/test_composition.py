@@ -21,7 +21,8 @@ FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wr
               # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
               ("ulysses_by_hand", ([(16, 4, 2, True, "zigzag"), (13, 4, 1, True, "zigzag"), (16, 4, 4, False, "contiguous"),
                                     (11, 8, 2, True, "contiguous")],)),
-              ("wrapped_step", ("hsdp", 2)), ("ulysses_step", ("hf_llama", "mesh", "inductor"))]
+              ("wrapped_step", ("hsdp", 2)), ("ulysses_step", ("hf_llama", "mesh", "inductor")),
+              ("ulysses_hf_modes", (["left-padded", "packed"],))]
 
 
 @lru_cache(maxsize=None)
@@ -121,6 +122,16 @@ def test_ulysses_x_ring_trains_exactly():
             assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
             assert result["ringpass_all_reduces"] == result["parameters"], result  # each gradient once, over all 4
             assert "Ulysses x ring: all-to-all over heads in groups of 2" in result["report"], result["report"]
+
+
+@pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
+def test_ulysses_with_padding_packed_documents_and_dynamic_shapes():
+    """Hugging Face Llama, left-padded and packed batches (lifted masks on the groups' positions), one dynamic
+    compile serving two lengths."""
+    for rank in results(4):
+        for case, result in rank[9].items():
+            assert max(result["loss"], result["logits"], result["grads"], result["longer"]) <= 1e-4, (case, result)
+            assert result["all_to_alls"] == 2 * 8 and result["later_compiles"] == 0, (case, result)
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
