@@ -274,18 +274,26 @@ def ulysses_seconds(shape: AttentionShape, layout: Layout, ulysses: int, ring_li
     groups over ``ring_link``: forward and backward seconds of the all-to-alls (q, k, v and the output forward;
     their gradients backward; each moves (U-1)/U of a rank's tensor, not overlapped) and of the ring (R = P/U
     steps of U-times longer blocks with 1/U of the heads, `predict`). KV heads fewer than U are repeated to U."""
-    from lowering.ulysses import GroupLayout, check_heads
+    from lowering.ulysses import GroupLayout
 
-    repeat = check_heads(shape.query_heads, shape.kv_heads, ulysses)
-    per_rank = AttentionShape(shape.batch, shape.query_heads // ulysses, shape.kv_heads * repeat // ulysses,
-                              shape.head_dim, shape.itemsize, shape.is_causal, shape.window)
+    per_rank = ulysses_shape(shape, ulysses)
     ring = predict(ring_cost(GroupLayout(layout, ulysses), per_rank), ring_link)
-    elements = shape.batch * layout.local_len * shape.head_dim * (2 * shape.query_heads + 2 * shape.kv_heads * repeat)
+    elements = shape.batch * layout.local_len * shape.head_dim * 2 * (per_rank.query_heads + per_rank.kv_heads) * ulysses
     moved = elements * shape.itemsize * (ulysses - 1) / ulysses
     exchange = 4 * fast_link.link_latency_s + moved / fast_link.link_bytes_per_s
     return {"all_to_all_forward": exchange, "all_to_all_backward": exchange, "ring_forward": ring.forward_s,
             "ring_backward": ring.backward_s, "forward": exchange + ring.forward_s,
             "backward": exchange + ring.backward_s, "hides": ring.hides}
+
+
+def ulysses_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
+    """What one rank's ring runs on with Ulysses groups of ``ulysses`` ranks: 1/U of the query heads, and of the
+    KV heads after those fewer than U are repeated (`lowering.ulysses.check_heads`)."""
+    from lowering.ulysses import check_heads
+
+    repeat = check_heads(shape.query_heads, shape.kv_heads, ulysses)
+    return AttentionShape(shape.batch, shape.query_heads // ulysses, shape.kv_heads * repeat // ulysses,
+                          shape.head_dim, shape.itemsize, shape.is_causal, shape.window)
 
 
 def _overlapped(compute: list[float], transfer: float) -> float:

@@ -158,8 +158,10 @@ def _setup(ctx, inputs, output):
     ctx.config = inputs[1:]
 
 
-heads_to_tokens.register_autograd(lambda ctx, grad: (tokens_to_heads(grad, *ctx.config), *[None] * 6), setup_context=_setup)
-tokens_to_heads.register_autograd(lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * 6), setup_context=_setup)
+heads_to_tokens.register_autograd(lambda ctx, grad: (tokens_to_heads(grad, *ctx.config), *[None] * len(ctx.config)),
+                                  setup_context=_setup)
+tokens_to_heads.register_autograd(lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * len(ctx.config)),
+                                  setup_context=_setup)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, ring_group, ulysses_group,

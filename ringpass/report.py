@@ -12,8 +12,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost
+from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
 from lowering.layout import Layout
+from lowering.ulysses import GroupLayout
 
 logger = logging.getLogger("ringpass")
 summary_logger = logging.getLogger("ringpass.summary")
@@ -121,11 +122,15 @@ class Report:
         return Layout(self.layout, self.world_size, self.seq_len)
 
     def ring_costs(self) -> list[tuple[list[int], RingCost]]:
-        """(indices of the attentions, their cost) for each distinct attention shape."""
+        """(indices of the attentions, their cost) for each distinct attention shape; with Ulysses x ring, the
+        ring across the groups on each rank's share of the heads."""
         layout = self.layout_object
+        if layout is not None and self.ulysses > 1:
+            layout = GroupLayout(layout, self.ulysses)
         groups: dict[AttentionShape, list[int]] = {}
         for i, a in enumerate(self.attention):
-            groups.setdefault(a.shape(), []).append(i)
+            shape = a.shape() if self.ulysses == 1 else ulysses_shape(a.shape(), self.ulysses)
+            groups.setdefault(shape, []).append(i)
         return [] if layout is None else [(idx, ring_cost(layout, shape)) for shape, idx in groups.items()]
 
     def gathered_bytes(self) -> int:
@@ -176,7 +181,8 @@ class Report:
                 f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
                 f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"])
         for indices, cost in self.ring_costs():
-            lines += _section(f"ring, per call of each of attention(s) {_ranges(indices)}", ring_text(cost))
+            across = "" if self.ulysses == 1 else f" (across the Ulysses groups, as ranks; 1/{self.ulysses} of the heads each)"
+            lines += _section(f"ring, per call of each of attention(s) {_ranges(indices)}{across}", ring_text(cost))
         lines += _section("where the results can differ from the model's", self.differs)
         lines += _section("warnings", self.warnings)
         return "\n".join(lines)
@@ -270,7 +276,7 @@ def ring_text(cost: RingCost) -> list[str]:
     else:
         words = [w for row in cost.schedule for w in row]
         lines.append("  " + ", ".join(f"{words.count(w)} {w}" for w in _LETTER) + f" blocks over {p} ranks x {p} steps")
-    if cost.layout.kind != "contiguous" and s.is_causal:
+    if isinstance(cost.layout, Layout) and cost.layout.kind != "contiguous" and s.is_causal:
         other = ring_cost(Layout("contiguous", p, cost.layout.seq_len), s)
         skipped = sum(row.count("skipped") for row in other.schedule)
         worst = max(sum(row) for row in other.flops_forward)

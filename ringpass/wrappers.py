@@ -145,9 +145,7 @@ def _refuse_graph_splitting() -> None:
 
 
 def _global_ranks(group) -> list[int]:
-    if group is None or group == dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return dist.get_process_group_ranks(group)
+    return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
 
 
 def _ranks_text(ranks) -> str:
