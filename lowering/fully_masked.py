@@ -21,6 +21,8 @@ slots of the layout (positions ``>= seq_len``) are neither averaged nor rewritte
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from lowering import masks
@@ -60,12 +62,15 @@ class FullyMaskedGrads:
     of each KV block's gradients as autograd computes them through the uniform softmax of ``mode``."""
 
     def __init__(self, mode: str, lse: torch.Tensor, q_pos: torch.Tensor, seq_len: int):
-        self.mode, self.seq_len = mode, seq_len
+        self.mode, self.seq_len, self.q_pos = mode, seq_len, q_pos
         self.rows = fully_masked_rows(lse, q_pos, seq_len) if mode != "zero" else None
         self.local = self.rows.any(0).any(0).nonzero().squeeze(1) if self.rows is not None else None  # in some b, h
 
-    def add_(self, dout, q, k, v, out, kv_pos, scale: float, softcap, dq: torch.Tensor, dkv: torch.Tensor) -> None:
-        """Into ``dq`` (``[B, Hq, n, D]``) and ``dkv`` (``stack((dk, dv))`` of the block, accumulation dtype)."""
+    def add_(self, dout, q, k, v, out, kv_pos, scale: float, softcap, dq: torch.Tensor, dkv: torch.Tensor,
+             program_grads: Sequence = ()) -> None:
+        """Into ``dq`` (``[B, Hq, n, D]``) and ``dkv`` (``stack((dk, dv))`` of the block, accumulation dtype);
+        the scores' gradient also into the trained inputs of score programs (`lowering.program_grads`): a
+        bias added to such a row's scores receives it, as in eager attention."""
         if self.local is None or self.local.numel() == 0:
             return
         acc, groups, tile, n = dq.dtype, q.size(1) // k.size(1), masks.MASK_TILE, self.seq_len
@@ -87,6 +92,8 @@ class FullyMaskedGrads:
                 cols = slice(c, c + tile)
                 k_c, v_c = (t[:, :, cols].to(acc).repeat_interleave(groups, dim=1) for t in (k, v))
                 ds = (weighted @ v_c.transpose(-1, -2) - delta) * real[cols]  # p (dp - delta) with p = 1/N
+                for grads in program_grads:  # (padding keys, ds 0, read as the last real one)
+                    grads.add_(self.q_pos[r], kv_pos[cols].clamp(max=n - 1), ds)
                 if softcap is not None:
                     ds = ds * (1 - torch.tanh(q_r @ k_c.transpose(-1, -2) * (scale / softcap)) ** 2)
                 dq[:, :, r] += scale * (ds @ k_c)

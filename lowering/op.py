@@ -70,6 +70,9 @@ def ring_attention(
     the kernels; ``bias(q_pos, kv_pos, *bias_inputs) -> float`` (broadcastable to ``[B, Hq, n, m]``) is added
     after the soft-cap, evaluated per tile like ``mask``.
 
+    Differentiable in ``mask_inputs`` and ``bias_inputs`` too: a program that reads a trainable tensor (a
+    learned bias table) gives it its gradient, accumulated tile by tile (`lowering.program_grads`).
+
     ``fully_masked``: what a query whose keys are all hidden gives (`lowering.fully_masked`): ``"zero"``
     (as SDPA with a bool mask), ``"uniform"`` (the mean of every key's value, with the gradients eager
     attention adding a finite mask such as ``finfo.min`` computes), ``"uniform_values"`` (that mean with
@@ -236,43 +239,59 @@ def _ring_attention_backward_op(
     lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
     is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
     mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int, trained: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, the gradients of the program inputs ``trained`` numbers: mask inputs, then bias inputs,
+    counted together; this rank's queries' share of each)."""
     with ring_work(group_name):
         spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
                      alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses)
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
+        first = len(mask_inputs)
+        per_program = [[i in trained for i in range(first)], [first + i in trained for i in range(len(bias_inputs))]]
         return ring_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-            None if dlse is None else dlse.contiguous(), spec, _exchange(group_name),
+            None if dlse is None else dlse.contiguous(), spec, _exchange(group_name), per_program,
         )
 
 
 @_ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses, trained):
+    program_inputs = [*mask_inputs, *bias_inputs]
+    return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)),
+            [torch.empty_like(program_inputs[i]) for i in trained])
 
 
-# Where the op's two lists of program inputs (mask_inputs, bias_inputs) sit among its arguments after q, k, v.
-_PROGRAM_INPUTS = (8, 12)
+# The ring op's lists of tensors its mask and bias programs read: differentiable like q, k, v.
+PROGRAM_INPUTS = ("mask_inputs", "bias_inputs")
+
+
+def program_input_positions() -> tuple[int, ...]:
+    """Where `PROGRAM_INPUTS` sit among ``ringpass::ring_attention``'s arguments (q is 0)."""
+    names = [argument.name for argument in torch.ops.ringpass.ring_attention.default._schema.arguments]
+    return tuple(names.index(name) for name in PROGRAM_INPUTS)
 
 
 def _setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse and the program inputs; the other arguments are plain values."""
     q, k, v, *ctx.config = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *(t for i in _PROGRAM_INPUTS for t in ctx.config[i]))
+    ctx.save_for_backward(q, k, v, out, lse, *(t for i in _CONFIG_PROGRAM_INPUTS for t in ctx.config[i]))
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
     config = list(ctx.config)
-    for i in _PROGRAM_INPUTS:  # the program inputs as autograd unpacks them
+    for i in _CONFIG_PROGRAM_INPUTS:  # the program inputs as autograd unpacks them
         config[i], saved = list(saved[:len(config[i])]), saved[len(config[i]):]
-    dq, dk, dv = torch.ops.ringpass.ring_attention_backward(dout, q, k, v, out, lse, dlse, *config)
-    return (dq, dk, dv, *([None] * len(arg) if i in _PROGRAM_INPUTS else None for i, arg in enumerate(config)))
+    needs = [need for i in _CONFIG_PROGRAM_INPUTS for need in ctx.needs_input_grad[3 + i]]
+    dq, dk, dv, program_grads = torch.ops.ringpass.ring_attention_backward(
+        dout, q, k, v, out, lse, dlse, *config, [i for i, need in enumerate(needs) if need])
+    trained = iter(program_grads)
+    return (dq, dk, dv, *([next(trained) if ctx.needs_input_grad[3 + i][j] else None for j in range(len(arg))]
+                          if i in _CONFIG_PROGRAM_INPUTS else None for i, arg in enumerate(config)))
 
 
 def _no_double_backward(ctx, *grads):
@@ -299,5 +318,6 @@ _autocast_library = torch.library.Library("ringpass", "IMPL")
 for _device_type in ("cpu", "cuda"):
     _autocast_library.impl("ring_attention", _autocast_kernel(_device_type),
                            "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
+_CONFIG_PROGRAM_INPUTS = tuple(i - 3 for i in program_input_positions())  # after q, k, v
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 _ring_attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_ful
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_, kernel_applies_window
 from lowering.layout import Layout
 from lowering.masks import BlockMask, Tile, mask_tiles
+from lowering.program_grads import ProgramGrads
 from lowering.schedule import kv_source, plan_block
 from lowering.scores import ScoreMod
 
@@ -55,19 +56,26 @@ class RingSpec:
         host = [self.layout.positions(r) for r in range(self.layout.world_size)]
         return [(h, h.to(device)) for h in host]
 
-    def tiles(self, q_rank: int, kv_rank: int, q, positions) -> list[Tile]:
+    def tiles(self, q_rank: int, kv_rank: int, q, positions, split: bool = False) -> list[Tile]:
         """The kernel calls of rank ``q_rank`` against the KV block of ``kv_rank``: the planned tasks, cut
         into tiles where a window (unless the kernel applies it), a mask program or a bias program hides
-        part of them (`lowering.masks.mask_tiles`; empty tiles left out)."""
+        part of them (`lowering.masks.mask_tiles`; empty tiles left out). ``split``: every tile its own
+        call, as with a bias program (a backward that trains a program's inputs takes each tile's ``ds``)."""
         block_mask = self.mask or BlockMask(self.is_causal)
         (q_host, q_pos), (kv_host, kv_pos) = positions[q_rank], positions[kv_rank]
         return [
             tile
             for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
             for tile in mask_tiles(task, q_host, kv_host, block_mask, q.size(0), q.size(1), q_pos=q_pos,
-                                   kv_pos=kv_pos, split=self.scores.per_tile, window_in_kernel=self._window_in_kernel(q),
-                                   work=self.work_tile)
+                                   kv_pos=kv_pos, split=split or self.scores.per_tile,
+                                   window_in_kernel=self._window_in_kernel(q), work=self.work_tile)
         ]
+
+    def programs(self) -> list[tuple]:
+        """(program, inputs) of the mask program and the bias program, in the ring op's argument order
+        (absent ones as (None, ())): the values whose inputs a backward may train."""
+        mask = self.mask or BlockMask(self.is_causal)
+        return [(mask.program, mask.inputs), (self.scores.bias, self.scores.bias_inputs)]
 
     @property
     def work_tile(self) -> tuple[int, int]:
@@ -126,33 +134,45 @@ class _RankForward:
 class _RankBackward:
     """One rank's dq, and the dk/dv contribution of its queries to each KV block it sees."""
 
-    def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int):
+    def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int,
+                 trained: Sequence[Sequence[bool]] = ()):
         self.dout, self.q, self.out, self.lse, self.dlse = dout, q, out, lse, dlse
         self.spec, self.rank = spec, rank
         self.positions = spec.positions(q.device)
         self.q_pos = self.positions[rank][1]
         self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         self.fully_masked = FullyMaskedGrads(spec.fully_masked, lse, self.q_pos, spec.layout.seq_len)
+        # the mask and bias programs whose inputs this backward trains (``trained``: per program, per input)
+        self.program_grads = [ProgramGrads(program, inputs, needs)
+                              for (program, inputs), needs in zip(spec.programs(), trained) if any(needs)]
 
     def block_grads(self, k, v, kv_rank: int) -> torch.Tensor:
-        """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype."""
+        """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype; the
+        trained programs' inputs get this block's share of their gradients."""
         acc = self.dq.dtype
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         kv_pos = self.positions[kv_rank][1]
-        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions):
+        train = bool(self.program_grads)
+        for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions, split=train):
             rows, cols = t.rows, t.cols
-            dq, dk, dv = block_attention_backward(
+            dq, dk, dv, *ds = block_attention_backward(
                 self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],
                 self.out[:, :, rows], self.lse[:, :, rows], self.q_pos[rows], kv_pos[cols],
                 **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
-                dlse=None if self.dlse is None else self.dlse[:, :, rows],
+                dlse=None if self.dlse is None else self.dlse[:, :, rows], score_grads=train,
             )
             self.dq[:, :, rows] += dq.to(acc)
             dkv[0, :, :, cols] += dk.to(acc)
             dkv[1, :, :, cols] += dv.to(acc)
+            for grads in self.program_grads:
+                grads.add_(self.q_pos[rows], kv_pos[cols], ds[0])
         self.fully_masked.add_(self.dout, self.q, k, v, self.out, kv_pos, self.spec.scale, self.spec.scores.softcap,
-                               self.dq, dkv)
+                               self.dq, dkv, self.program_grads)
         return dkv
+
+    def program_results(self) -> list[torch.Tensor]:
+        """The trained programs' input gradients (this rank's queries' share), mask program's first."""
+        return [g for grads in self.program_grads for g in grads.result()]
 
 
 @contextmanager
@@ -193,10 +213,13 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     return state.result()
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingExchange):
-    """This rank's (dq, dk, dv), given the forward's final out and lse."""
+def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingExchange,
+                  trained: Sequence[Sequence[bool]] = ()):
+    """This rank's (dq, dk, dv, the trained program inputs' gradients), given the forward's final out and
+    lse. ``trained``: per program of `RingSpec.programs`, which of its inputs need a gradient; each gets
+    this rank's queries' share of it."""
     rank, p = exchange.rank, exchange.world_size
-    state = _RankBackward(dout, q, out, lse, dlse, spec, rank)
+    state = _RankBackward(dout, q, out, lse, dlse, spec, rank, trained)
     kv = torch.stack((k, v))
     dkv_arriving = None
     for step in range(p):
@@ -217,4 +240,5 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     with _span("backward", p - 1, "wait", f"dkv {p - 1}"):
         dkv = dkv_arriving.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
-    return state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    return (state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True),
+            state.program_results())

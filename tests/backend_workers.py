@@ -26,6 +26,8 @@ MODELS = {
     "encoder_padded": lambda: models.Encoder(),
     "encoder_mask_input": lambda: models.Encoder(),
     "hand_written_packed": lambda: models.HandWritten(),
+    "learned_bias": lambda: models.LearnedBias(),
+    "learned_bias_padded": lambda: models.LearnedBias(causal=False),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
     "llama_last_tokens": lambda: models.LastTokens(models.Llama()),
     **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},
@@ -46,7 +48,7 @@ def _inputs(name: str, seq_len: int, batch: int, seed: int):
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
     if name == "hand_written_packed":  # documents of random lengths packed into each row
         return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)
-    if name == "torch_layers":  # a key padding mask; every query keeps its first key
+    if name in ("torch_layers", "learned_bias_padded"):  # a key padding mask; every query keeps its first key
         keep = torch.rand(batch, seq_len, generator=generator) > 0.3
         keep[:, 0] = True
         return ids, keep

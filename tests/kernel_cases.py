@@ -77,19 +77,25 @@ def _reference_scores(options: dict, q_pos, kv_pos) -> dict:
     return dict(softcap=options.get("softcap"), bias=bias)
 
 
-def check_case(case: str, dtype: torch.dtype, device: str = "cpu", backend: str = "triton") -> dict:
-    """Run one case with ``backend`` on ``device``; returns the relative errors and asserts them."""
+def case_inputs(case: str, dtype: torch.dtype) -> tuple:
+    """(q, k, v, q_pos, kv_pos, the kernels' options, the dense visibility, the fp64 reference's score
+    modifiers) of one case."""
     n, m, heads, d, q_pos, kv_pos, options = CASES[case]
     options = _materialised(options, n, m, heads)
     visibility = {key: options[key] for key in ("is_causal", "window", "mask", "seq_bound") if key in options}
-    scores = _reference_scores(options, q_pos, kv_pos)
-    q, k, v = inputs(n, m, heads, d, dtype)
+    return (*inputs(n, m, heads, d, dtype), q_pos, kv_pos, options, visible(q_pos, kv_pos, **visibility),
+            _reference_scores(options, q_pos, kv_pos))
+
+
+def check_case(case: str, dtype: torch.dtype, device: str = "cpu", backend: str = "triton") -> dict:
+    """Run one case with ``backend`` on ``device``; returns the relative errors and asserts them."""
+    q, k, v, q_pos, kv_pos, options, seen, scores = case_inputs(case, dtype)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = masked_attention_fp64(*leaves, visible(q_pos, kv_pos, **visibility), **scores)
+    expected = masked_attention_fp64(*leaves, seen, **scores)
     on_device = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in options.items()}
     args = [t.to(device) for t in (q, k, v, q_pos, kv_pos)]
     out, lse = block_attention(*args, backend=backend, **on_device)
-    expected_lse = masked_lse_fp64(q, k, visible(q_pos, kv_pos, **visibility), **scores)
+    expected_lse = masked_lse_fp64(q, k, seen, **scores)
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == lse.dtype == accumulation_dtype(dtype)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # rows without keys: -inf

@@ -137,6 +137,37 @@ class HandWritten(nn.Module):
         return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
 
 
+class LearnedBias(nn.Module):
+    """Attention written out with learned score biases, both trained through the ring: a T5-style table of
+    relative-position buckets per head (``table[bucket(k - q)]``, ``permute``d to heads first) plus learned
+    per-head slopes times the distance (ALiBi with trainable slopes). Causal, or bidirectional with an additive
+    padding mask from ``keep [B, N]`` (``finfo.min`` on hidden keys, as Hugging Face adds it)."""
+
+    def __init__(self, vocab=61, dim=32, heads=4, buckets=8, causal=True):
+        super().__init__()
+        self.heads, self.buckets, self.causal = heads, buckets, causal
+        self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        self.table = nn.Embedding(buckets, heads)
+        self.slopes = nn.Parameter(torch.linspace(-0.5, -0.05, heads))
+
+    def forward(self, ids, keep=None):
+        b, n = ids.shape
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        idx = torch.arange(n, device=ids.device)
+        distance = idx[None, :] - idx[:, None]
+        half = self.buckets // 2
+        bias = self.table(distance.clamp(-half, half - 1) + half).permute(2, 0, 1).unsqueeze(0)
+        bias = bias + self.slopes[:, None, None] * distance.abs().to(x.dtype)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + bias
+        if self.causal:
+            scores = scores.masked_fill(distance > 0, float("-inf"))
+        if keep is not None:
+            scores = scores + (1.0 - keep[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()

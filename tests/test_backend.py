@@ -16,15 +16,17 @@ import models
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 400
-MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
+MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "learned_bias", "learned_bias_padded")
 # every family of backend_workers.MODELS with its inputs passed sharded and its outputs kept sharded (labels
 # shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
 SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
-              "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed")
-SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed")  # the rest: HEAVY_CASES (-m heavy)
+              "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed",
+              "learned_bias", "learned_bias_padded")
+SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed", "learned_bias_padded")  # the rest: heavy
 OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
-FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
-SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed")
+FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers", "learned_bias",
+           "learned_bias_padded")  # fp32 tolerance
+SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed", "learned_bias_padded")
 
 
 def _heavy_cases() -> list:
@@ -115,7 +117,7 @@ def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
     for case_id, _ in _cases(world_size):
         ops = results(world_size)[0][case_id]["ops"]
-        layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table")) else 2
+        layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias")) else 2
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 

@@ -1,7 +1,7 @@
-"""The Triton block kernels in Triton's CPU interpreter (small sizes): forward, backward and the merging
-variant against fp64 math attention and against the torch implementation (cases and tolerances in
-`kernel_cases`). The interpreter computes half-precision dots in fp32; the GPU check runs the same
-cases compiled (examples/gpu_check.py).
+"""The Triton block kernels in Triton's CPU interpreter (small sizes): forward, backward (the score
+gradients included) and the merging variant against fp64 math attention and against the torch
+implementation (cases and tolerances in `kernel_cases`). The interpreter computes half-precision dots in
+fp32; the GPU check runs the same cases compiled (examples/gpu_check.py).
 """
 
 import os
@@ -17,7 +17,7 @@ if _previous is None:  # other tests' processes keep their own setting; each tes
 else:
     os.environ["TRITON_INTERPRET"] = _previous
 
-from kernel_cases import CASES, DTYPES, check_case, inputs, visible  # noqa: E402
+from kernel_cases import CASES, DTYPES, TOLERANCE, case_inputs, check_case, inputs, visible  # noqa: E402
 from lowering.kernels import block_attention, block_attention_backward, block_attention_merge_  # noqa: E402
 from reference import masked_attention_fp64, masked_lse_fp64, rel_err  # noqa: E402
 
@@ -31,6 +31,49 @@ def _interpreter(monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_backward_match_fp64_and_the_torch_kernels(case, dtype):
     check_case(case, dtype)
+
+
+@pytest.mark.parametrize("case,dtype,with_dlse", [
+    pytest.param(case, DTYPES[name], with_dlse, id=f"{case}-{name}" + "-dlse" * with_dlse)
+    for case, name, with_dlse in (
+        ("full-GQA", "fp32", False), ("causal-zigzag", "fp32", True), ("window", "fp32", False),
+        ("dense-mask", "fp32", True), ("padding-bound", "fp32", False), ("padding-bound", "bf16", True),
+        ("rows-without-keys", "fp32", True), ("bias+softcap+mask", "fp32", True), ("alibi-causal-zigzag", "fp32", False),
+    )])
+def test_score_gradients_are_the_gradients_of_a_bias(case, dtype, with_dlse):
+    """``score_grads=True`` adds ds, the gradient with respect to the modified scores: an fp64 bias's
+    autograd gradient (a gradient into the LSE included), exactly 0 on hidden pairs."""
+    q, k, v, q_pos, kv_pos, options, seen, scores = case_inputs(case, dtype)
+    options = dict(scale=q.size(-1) ** -0.5, is_causal=False) | options
+    bias = torch.zeros(*q.shape[:3], k.size(2), dtype=torch.float64)
+    bias = (bias if scores["bias"] is None else bias + scores["bias"].double()).requires_grad_()
+    expected_out = masked_attention_fp64(q, k, v, seen, softcap=scores["softcap"], bias=bias)
+    expected_lse = masked_lse_fp64(q, k, seen, softcap=scores["softcap"], bias=bias)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(expected_out.shape, generator=g).to(dtype)
+    loss = (expected_out * dout.double()).sum()
+    dlse = torch.randn(expected_lse.shape, generator=g) if with_dlse else None
+    if with_dlse:  # rows without keys take no part (their lse is -inf)
+        loss = loss + (expected_lse.masked_fill(torch.isneginf(expected_lse), 0.0) * dlse.double()).sum()
+    loss.backward()
+    out, lse = expected_out.detach().float(), expected_lse.detach().float()  # the final (merged) ones
+    *_, ds = triton_attention.backward(dout, q, k, v, out, lse, q_pos, kv_pos, **options, dlse=dlse, score_grads=True)
+    assert ds.dtype == torch.float32 and ds.shape == bias.shape and ds.is_contiguous()
+    assert rel_err(ds, bias.grad) <= 2 * TOLERANCE[dtype], (case, dtype, rel_err(ds, bias.grad))
+    assert bool((ds[~seen.expand_as(ds)] == 0).all())
+
+
+def test_storing_score_gradients_leaves_the_others_unchanged():
+    """Without ``score_grads`` the backward returns (dq, dk, dv); with it, the same three exactly."""
+    q, k, v = inputs(16, 20, (2, 1), 16, torch.float32)
+    pos = torch.arange(20)
+    bias = torch.randn(1, 2, 16, 20, generator=torch.Generator().manual_seed(1))
+    options = dict(scale=0.25, is_causal=True, softcap=0.7, bias=bias)
+    out, lse = triton_attention.forward(q, k, v, pos[4:], pos, **options)
+    grads = triton_attention.backward(torch.ones_like(out), q, k, v, out, lse, pos[4:], pos, **options)
+    *with_ds, _ = triton_attention.backward(torch.ones_like(out), q, k, v, out, lse, pos[4:], pos, **options,
+                                            score_grads=True)
+    assert len(grads) == 3 and all(torch.equal(a, b) for a, b in zip(grads, with_ds))
 
 
 def test_merging_variant_folds_blocks_into_accumulators():

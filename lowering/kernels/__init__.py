@@ -3,6 +3,7 @@
     out, lse = block_attention(q, k, v, q_pos, kv_pos, scale=s, is_causal=c, window=w, mask=m)
     block_attention_merge_(q, k, v, q_pos, kv_pos, out_acc, lse_acc, scale=s, ...)      # in place
     dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, scale=s, ...)
+    dq, dk, dv, ds = block_attention_backward(..., score_grads=True)      # ds: d loss / d scores (a bias's)
 
 q ``[B, Hq, n, D]``, k/v ``[B, Hkv, m, D]`` (query head h reads KV head ``h // (Hq // Hkv)``; K/V are
 never repeated in memory), q_pos ``[n]`` and kv_pos ``[m]`` int64 global positions. ``is_causal``: key
@@ -19,7 +20,9 @@ gradients: the ring merges and accumulates partial results without rounding them
 bf16" bound); cast the final merged out to the input dtype once. ``block_attention_merge_`` folds the
 block into running (out, lse) accumulators in place (inside the Triton kernel, so the ring needs no
 merge pass). The backward takes the *final* (merged) out and lse, so the block's gradients are its
-exact share of the full-sequence gradients; ``dlse`` is the gradient flowing into the LSE, if any.
+exact share of the full-sequence gradients; ``dlse`` is the gradient flowing into the LSE, if any. With
+``score_grads=True`` it also returns ``ds`` ``[B, Hq, n, m]``: the gradient with respect to the modified
+scores (after the soft-cap, ALiBi and bias), which is a score bias's gradient; 0 at hidden pairs.
 
 ``backend``: ``"auto"`` = Triton on CUDA (fp16/bf16/fp32), torch otherwise; ``"triton"`` forces Triton
 (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` forces `torch_attention`.
@@ -66,11 +69,11 @@ def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_c
 
 def block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=None, is_causal: bool = False,
                              window=None, mask=None, seq_bound=None, softcap=None, alibi_slopes=None, bias=None,
-                             dlse=None, backend: str = "auto"):
+                             dlse=None, score_grads: bool = False, backend: str = "auto"):
     impl = _implementation(q, backend)
     _record("block_backward", q_pos, kv_pos, is_causal, mask)
     options = _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound, softcap, alibi_slopes, bias)
-    return impl.backward(dout, q, k, v, out, lse, q_pos, kv_pos, dlse=dlse, **options)
+    return impl.backward(dout, q, k, v, out, lse, q_pos, kv_pos, dlse=dlse, score_grads=score_grads, **options)
 
 
 def kernel_applies_window(q, backend: str = "auto") -> bool:

@@ -38,10 +38,11 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
 
 
 def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-             softcap=None, alibi_slopes=None, bias=None, dlse=None):
+             softcap=None, alibi_slopes=None, bias=None, dlse=None, score_grads: bool = False):
+    """(dq, dk, dv), and with ``score_grads`` the gradient with respect to the modified scores (a bias's)."""
     acc = accumulation_dtype(q.dtype)
     dout, q, k, v, out, lse = (t.to(acc) for t in (dout, q, k, v, out, lse))
-    if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse):
+    if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse, score_grads or None):
         return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
     scores, capped = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
     probs, _ = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
@@ -50,12 +51,14 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     if dlse is not None:
         delta = delta - dlse.to(acc)
     dv = probs.mT @ dout
-    dscores = probs * (dout @ v_rep.mT - delta.unsqueeze(-1))
+    biased = probs * (dout @ v_rep.mT - delta.unsqueeze(-1))  # with respect to the modified scores
+    dscores = biased
     if softcap is not None:  # d/dx c·tanh(x/c) = 1 - tanh(x/c)^2
         dscores = dscores * (1 - (capped / softcap) ** 2)
     dq = (dscores @ k_rep) * scale
     dk = (dscores.mT @ q) * scale
-    return dq, _sum_head_groups(dk, k.size(1)), _sum_head_groups(dv, v.size(1))
+    grads = dq, _sum_head_groups(dk, k.size(1)), _sum_head_groups(dv, v.size(1))
+    return (*grads, biased) if score_grads else grads
 
 
 def merge(out_acc, lse_acc, out_block, lse_block) -> None:

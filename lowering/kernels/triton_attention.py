@@ -15,7 +15,9 @@ Forward results are fp32 (out, and the LSE in natural-log units); with ``out``/`
 given, the kernel merges its result into them in place (log-sum-exp identity), so the ring needs no
 separate merge pass. Backward: one kernel for dq (per query tile), one for dk/dv (per key tile, summing
 the query heads of its group in registers, no atomics); both recompute probabilities from the saved LSE
-and take ``delta = rowsum(dO * O) - dLSE`` from the caller.
+and take ``delta = rowsum(dO * O) - dLSE`` from the caller. On request the dq kernel also stores each
+tile's gradient with respect to the modified scores (that is, to an additive bias; before the soft-cap's
+chain rule), so the ring can train bias tables tile by tile.
 """
 
 from __future__ import annotations
@@ -231,9 +233,14 @@ def _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln):
 
 
 @triton.jit
-def _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """The gradient of the loss with respect to ``scale · q kᵀ`` (through the soft-cap: 1 - tanh²)."""
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+def _score_grads(p, do, v, delta, PRECISION: tl.constexpr):
+    """The gradient of the loss with respect to the modified scores (and so to an additive bias)."""
+    return p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+
+
+@triton.jit
+def _uncapped(ds, capped, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The score gradient carried back to ``scale · q kᵀ`` (through the soft-cap: 1 - tanh²)."""
     if HAS_SOFTCAP:
         t = capped / softcap
         ds = ds * (1.0 - t * t)
@@ -242,13 +249,13 @@ def _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP: tl.constexpr, PR
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DQ,
+    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DQ, DS,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
     smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, slb, slh, sln,
     H, n, m, scale, window, seq_bound, softcap,
     GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m, b, h = _program(n, H, BLOCK_M)
     kv_h = h // GROUP
@@ -269,7 +276,11 @@ def _dq_kernel(
                 smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, UPCAST, PRECISION)
             p = tl.exp2(scores - lse2[:, None])
-            ds = _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP, PRECISION)
+            ds = _score_grads(p, do, v, delta, PRECISION)
+            if STORE_DS:  # the gradient with respect to a bias, into DS (contiguous [B, H, n, m])
+                tl.store(DS + ((b * H + h) * n + rows[:, None]) * m + cols[None, :], ds,
+                         mask=row_ok[:, None] & col_ok[None, :])
+            ds = _uncapped(ds, capped, softcap, HAS_SOFTCAP)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale,
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -309,7 +320,7 @@ def _dkdv_kernel(
                     HAS_ALIBI, HAS_BIAS, PRECISION)
                 p = tl.exp2(scores - lse2[:, None])
                 dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                ds = _score_grads(p, do, v, delta, capped, softcap, HAS_SOFTCAP, PRECISION)
+                ds = _uncapped(_score_grads(p, do, v, delta, PRECISION), capped, softcap, HAS_SOFTCAP)
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     kv_mask = col_ok[:, None] & dim_ok[None, :]
     tl.store(DK + b * skb + kv_h * skh + cols[:, None] * skn + dims[None, :] * skd, dk * scale, mask=kv_mask)
@@ -388,8 +399,10 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
 
 
 def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-             seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, dlse=None):
-    """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row."""
+             seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, dlse=None,
+             score_grads: bool = False):
+    """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row; with ``score_grads``
+    also ``ds`` [B, Hq, n, m] fp32, the gradient with respect to the modified scores (0 where hidden)."""
     b, hq, n, d = q.shape
     hkv, m = k.size(1), k.size(2)
     dout = dout.to(q.dtype)  # the kernels' dots take one dtype (the forward's fp32 out may bring an fp32 dout)
@@ -402,6 +415,7 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     dq = torch.empty((b, hq, n, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
     dv = torch.empty((b, hkv, m, d), dtype=torch.float32, device=q.device)
+    ds = torch.zeros((b, hq, n, m), dtype=torch.float32, device=q.device) if score_grads else None
     config = _config(q)
     mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
         mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
@@ -412,9 +426,9 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *bias_strides,
                *lse.stride())
     _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]) * b * hq,)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dq, *strides, hq, *scalars,
-        **flags, **config)
+        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dq, ds, *strides, hq, *scalars,
+        **flags, STORE_DS=bool(score_grads), **config)
     _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]) * b * hkv,)](
         q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dk, dv, *strides, hkv, *scalars,
         **flags, **config)
-    return dq, dk, dv
+    return (dq, dk, dv, ds) if score_grads else (dq, dk, dv)

@@ -6,7 +6,8 @@ and which its key columns (through pointwise ops, casts, broadcasting, ``unsquee
 indexing, and indexing with tensors, whose index tensors inherit the roles). Those values form the
 *region*; the values the region reads are its *inputs*: per-token vectors whose role dims are restricted
 to the block's positions (``arange``s, position ids, a padding mask), and whole tables indexed by the
-region (segment ids, position ids indexed as ``pos[b, q_idx]``), all at most ``[B, S]``.
+region (segment ids, position ids indexed as ``pos[b, q_idx]``, an embedding table looked up by a bucket of
+``kv_pos - q_pos`` as T5 and MPNet do, ``permute``d to heads first), all at most ``[B, S]``.
 
 Then, per attention, in this order:
 1. the region is read symbolically (positions as ``a*q + b*k + c``); a mask that is exactly causal,
@@ -23,7 +24,9 @@ Score modifiers of a hand-written attention (`lowering.scores`) join the plan: i
 and its additive bias (the term under the mask) lifted the same way: a bias that depends on shapes only
 and is ``slope[h] · kv_pos + c`` along the keys (BLOOM's and MPT's ALiBi) becomes per-head slopes the
 kernels apply from positions; any other bias becomes a bias program evaluated per tile; a bias that needs
-an ``S x S`` tensor is refused.
+an ``S x S`` tensor is refused. A mask or bias computed from a trainable value (a learned bucket table,
+learned slopes) is never evaluated here: it stays a program, whose inputs the ring's backward trains tile by
+tile (`lowering.program_grads`).
 
 Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (masks and biases: they and what only
 feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank).
@@ -53,6 +56,7 @@ MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host o
 SWAMPS_EVERY_SCORE = -1e9
 CASTS = {"to", "bool", "float", "double", "half", "long", "int", "type", "type_as", "contiguous", "clone", "detach"}
 AND = {"bitwise_and", "logical_and"}
+LIKE = {"zeros_like", "ones_like", "full_like", "empty_like"}  # shaped like their first argument
 Q, KV = "q", "kv"
 
 
@@ -159,8 +163,11 @@ def _to_4d(match, value):
 
 
 def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
-    """Per-query-head slopes when the bias depends on shapes only and equals ``slope[h] · kv_pos + c[h]``
-    at every key (with dynamic shapes: at two lengths, with the same slopes), else None."""
+    """Per-query-head slopes when the bias depends on shapes and frozen state only and equals
+    ``slope[h] · kv_pos + c[h]`` at every key (with dynamic shapes: at two lengths, with the same slopes),
+    else None. A bias computed from a trainable value (learned slopes) stays a program, which trains it."""
+    if _trainable(match.bias):
+        return None
     n = example_value(match.output).shape[-2]
     lengths = [None] if not isinstance(n, torch.SymInt) else [(n, n.node.hint), (n, 2 * n.node.hint + 3)]
     found = []
@@ -180,6 +187,11 @@ def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
             return None
         found.append((slopes[0] * match.outer_scale).expand(_query_heads(match)).tolist())
     return found[0] if all(f == found[0] for f in found) else None
+
+
+def _trainable(node: fx.Node) -> bool:
+    """``node`` is computed from a value that requires grad: evaluating it once would freeze that value."""
+    return any(getattr(example_value(p), "requires_grad", False) for p in placeholders_of(node))
 
 
 def _query_heads(match) -> int:
@@ -216,7 +228,8 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     n = example_value(match.output).shape[-2]
     if region.oversized:
         dynamic = isinstance(n, torch.SymInt)
-        flags = _causal_from_sizes_alone(ctx, region, kind, n) if dynamic else _shape_only_flags(ctx, mask, kind, n)
+        flags = None if _trainable(mask) else (
+            _causal_from_sizes_alone(ctx, region, kind, n) if dynamic else _shape_only_flags(ctx, mask, kind, n))
         if flags is not None:
             return MaskPlan(*flags)
         big = region.oversized[0]
@@ -346,7 +359,13 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
     if name == "unsqueeze":
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None) % out.dim()
         return [(node.args[0], {d - (d > dim): r for d, r in roles.items() if d != dim})]
-    if name in CASTS or name == "expand" or is_pointwise(node):
+    if name == "permute":  # output dim d is input dim order[d]
+        order = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return [(node.args[0], {order[d] % out.dim(): r for d, r in roles.items()})]
+    if name == "embedding" and node.op == "call_function":  # F.embedding(ids, table): the table is read whole
+        ids, table = node.args[:2]
+        return [(ids, {d: r for d, r in roles.items() if d < example_value(ids).dim()}), (table, {})]
+    if name in CASTS or name in LIKE or name == "expand" or is_pointwise(node):
         args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
         return [(a, _aligned(example_value(a), out, roles)) for a in args]
     return None

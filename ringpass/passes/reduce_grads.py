@@ -16,6 +16,11 @@ value that needs a gradient and classifies it from its users (in reverse order):
   are wrapped in `scale_grad(1/P)` instead, so that the sum over ranks is the full gradient.
 
 ``grads="auto"`` is one of these, chosen by the backend from the wrapper it finds (``ctx.gradients``).
+A value held whole on every rank (placement FULL) gets a whole gradient back through its shards (their
+backward gathers), but a partial one where the ring reads it as a mask or bias program's input (a learned
+bias table's values, a materialised mask): such a value is classified like a replicated one, so the
+reduction lands on the leaf it came from (the table, not an S x S tensor).
+
 Each all-reduce is recorded in the report with its size. An all-reduced total (``x.sum(1)`` over the
 sequence) that feeds per-token ops again is treated like a leaf whose partial uses are always reduced: its
 gradient flows back into every rank's tokens.
@@ -43,10 +48,14 @@ def reduce_grads(ctx: PassContext) -> None:
     only_parameters: dict[fx.Node, bool] = {}
     for node in reversed(list(graph.nodes)):
         value = example_value(node)
-        if ctx.placement.get(node, NOSEQ) != NOSEQ or not getattr(value, "requires_grad", False):
+        placement = ctx.placement.get(node, NOSEQ)
+        if placement not in (NOSEQ, FULL) or not getattr(value, "requires_grad", False):
             continue
         uses = {user: _use_kind(ctx, user, kinds) for user in node.users}
         kind = set(uses.values()) - {None}
+        if placement == FULL and PART not in kind:  # whole through its shards, whose backward gathers
+            kinds[node] = kind
+            continue
         # A total's gradient flows back into every rank's tokens: it must be whole in every mode.
         leaf = node.op == "placeholder" or node in ctx.totals
         wrap_kind = WHOLE if plan.mode == "local" and node not in ctx.totals else PART
@@ -70,12 +79,10 @@ def reduce_grads(ctx: PassContext) -> None:
 
 
 def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
-    if user.op == "output":
+    if user.op == "output" or user.target is torch.ops.ringpass.shard_sequence.default:
         return WHOLE
-    if ctx.placement.get(user) in (LOCAL, PARTIAL):
+    if ctx.placement.get(user) in (LOCAL, PARTIAL):  # per-token work, or the ring's programs on this rank's queries
         return PART
-    if ctx.placement.get(user) == FULL:  # whole sequence on every rank: its gradient is whole too
-        return WHOLE if getattr(example_value(user), "requires_grad", False) else None
     found = kinds.get(user)
     if found is None:
         return None  # no gradient flows back through this use

@@ -23,8 +23,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering.errors import NotSupportedError
 from lowering.ulysses import check_heads
-from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, plain, refusal,
-                            remove_dead_code, source_line)
+from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, placeholders_of, plain,
+                            refusal, remove_dead_code, source_line, user_name)
 from ringpass.report import AttentionRecord
 from ringpass.passes.context import LOCAL, PassContext
 
@@ -137,10 +137,14 @@ def _to_4d(match, t: fx.Node) -> tuple:
 
 
 def _mask_inputs(plan) -> list[str]:
-    """The user inputs the mask and bias programs read, and "positions" when they also read values of the
-    length alone."""
-    read = [inputs_read(node) for node in [*plan.inputs, *plan.bias_inputs]]
-    return sorted({name for names in read for name in names}) + (["positions"] if any(not names for names in read) else [])
+    """The user inputs the mask and bias programs read, "positions" when they also read values of the
+    length alone, and the trainable values they read (a learned bias table), which the ring trains."""
+    programs_read = [*plan.inputs, *plan.bias_inputs]
+    read = [inputs_read(node) for node in programs_read]
+    trained = {user_name(p) for node in programs_read for p in placeholders_of(node)
+               if getattr(example_value(p), "requires_grad", False)}
+    return sorted({name for names in read for name in names}) + (["positions"] if any(not names for names in read) else []) \
+        + [f"{name} (trained: its gradient summed per tile)" for name in sorted(trained)]
 
 
 def _record(match, plan, scale: float) -> AttentionRecord:
