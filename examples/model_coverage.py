@@ -11,7 +11,9 @@ at a second length (``SEQ + 6``) against the whole model: one compile serves bot
 
 Status per family: "rewritten" (every attention became ring attention; the errors are the largest
 relative errors of loss, logits and parameter gradients, fp32), "refused" (the backend's reason), "no
-attention" (it would run unsharded), or "error" (anything else, with its first line).
+attention" (it would run unsharded), "wrong gradients" (a parameter receives a gradient in one run and none
+in the other: never counted as a pass; the script then exits 1), or "error" (anything else, with its first
+line).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              max_position_embeddings=256)
 GQA = dict(SMALL, num_key_value_heads=2)
 ENCODER = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-# family -> (config class, config keywords, attention implementation[, "masked-lm": an encoder, else a causal LM])
+# family -> (config class, config keywords, attention implementation[, "masked-lm" or "token-classification": an
+# encoder with that head, else a causal LM])
 FAMILIES = {
     "llama": ("LlamaConfig", GQA, "sdpa"),
     "llama (eager)": ("LlamaConfig", GQA, "eager"),
@@ -157,6 +160,12 @@ FAMILIES = {
     "deberta-v2 (masked LM)": ("DebertaV2Config", dict(ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"],
                                                        max_relative_positions=-1, position_buckets=8), "eager", "masked-lm"),
     "mpnet (masked LM)": ("MPNetConfig", dict(ENCODER, pad_token_id=1), "eager", "masked-lm"),
+    "t5 (encoder, token classification)": ("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                            num_heads=4, num_labels=VOCAB, dropout_rate=0.0,
+                                                            classifier_dropout=0.0), "sdpa", "token-classification"),
+    "t5 (encoder, eager)": ("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                             num_labels=VOCAB, dropout_rate=0.0, classifier_dropout=0.0), "eager",
+                            "token-classification"),
     "funnel (masked LM)": ("FunnelConfig", dict(vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=32,
                                                 n_head=4, d_head=8, d_inner=64, hidden_dropout=0.0, activation_dropout=0.0),
                            "eager", "masked-lm"),
@@ -173,6 +182,8 @@ def build(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if head == ["masked-lm"]:
         return transformers.AutoModelForMaskedLM.from_config(config).train()
+    if head == ["token-classification"]:
+        return transformers.AutoModelForTokenClassification.from_config(config).train()
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.loss_type = "ForCausalLM"  # GPT-2's default loss property breaks the graph
     return model.train()
@@ -209,8 +220,11 @@ def training_step(rank: int, world_size: int, family: str, dynamic: bool = False
     floor = 1e-6 * max(g.abs().max().item() for g in expected_grads.values())
     grads = [((p.grad - expected_grads[n]).abs().max() / max(expected_grads[n].abs().max().item(), floor)).item()
              for n, p in model.named_parameters() if n in expected_grads and p.grad is not None]
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    wrong = sorted(set(expected_grads) ^ trained)  # a parameter that trains in one run only: never a pass
     return {
-        "status": _status(backend.reports),
+        "status": "wrong gradients" if wrong else _status(backend.reports),
+        "why": f"gradient only in one of the runs: {', '.join(wrong)}" if wrong else "",
         "error": max([err(got.loss, expected.loss), err(got.logits, expected.logits)] + grads
                      + [err(a, b) for a, b in other_length]),
         "attention": sorted({line.split(": ", 1)[1].split(" -> ")[0] for r in backend.reports for line in str(r).splitlines()
@@ -252,8 +266,10 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
            "(`TensorifyScalarRestartAnalysis`), calling the backend twice with the same graph. " if dynamic else "")
         + "Each family is built from a small "
         "config (2 layers, hidden 32, 4 heads, random weights), one training step (labels, loss, backward, fp32, "
-        f"{SEQ} tokens, batch 2; a causal LM, or a masked LM for the encoders) compiled with `backend=\"ring\"` against the same model run whole. The error is the "
-        "largest relative error of loss, logits and every parameter gradient (a gradient that is zero in exact "
+        f"{SEQ} tokens, batch 2; a causal LM, a masked LM for the encoders, token classification for T5's encoder) "
+        "compiled with `backend=\"ring\"` against the same model run whole. The error is the "
+        "largest relative error of loss, logits and every parameter gradient; a parameter with a gradient in one run "
+        "only is \"wrong gradients\", never a pass (a gradient that is zero in exact "
         "arithmetic, a key bias under softmax, is measured against 1e-6 of the largest gradient: OPT's and "
         "Megatron-BERT's worst are such, ~4e-11 absolute); KV hops counts the ring's KV "
         "exchanges on rank 0 (forward and backward), which an unsharded run would not make."
@@ -264,7 +280,7 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
     ]
     for family, r in results.items():
         spelling = FAMILIES[family][2]
-        if r["status"] in ("refused", "error"):
+        if r["status"] in ("refused", "error", "wrong gradients"):
             why = re.sub(r"\S*/site-packages/", "", r["why"]).replace("|", "/")  # paths from the package root
             lines.append(f"| {family} | {spelling} | {r['status']} | | | {why[:300]} |")
         else:
@@ -290,7 +306,10 @@ def main() -> int:
     else:
         name = "models-dynamic.md" if args.dynamic else "models.md"
         Path(__file__).resolve().parents[1].joinpath("docs", name).write_text(text)
-    return 0
+    wrong = [family for family, r in results.items() if r["status"] == "wrong gradients"]
+    if wrong:
+        print(f"wrong gradients (a parameter trains in one run only): {', '.join(wrong)}", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

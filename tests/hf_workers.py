@@ -78,6 +78,17 @@ def build(name: str):
             attention_types=[[["global", "local"], 1]], window_size=5, embed_dropout=0.0, resid_dropout=0.0,
             attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
         return transformers.GPTNeoForCausalLM(config)
+    if name == "t5":  # the T5 encoder: a learned bias table of relative-position buckets per head, shared by its layers
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, num_labels=VOCAB,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            classifier_dropout=0.0, attn_implementation=implementation)
+        return transformers.T5ForTokenClassification(config)
+    if name == "mpnet":  # a masked LM with a learned relative-position bucket table (eager attention only)
+        config = transformers.MPNetConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)
+        return transformers.MPNetForMaskedLM(config)
     if name == "biogpt":  # learned positions from the padding mask's cumsum, a finfo.min additive mask (eager)
         config = transformers.BioGptConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -154,7 +165,9 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         with record_ring_events() as events:
             got = compiled(**kwargs)
             got.loss.backward()
+        trained = {n for n, p in model.named_parameters() if p.grad is not None}
         results[case] = {
+            "untrained": sorted(set(expected_grads) - trained), "unexpected": sorted(trained - set(expected_grads)),
             "loss": rel_err(got.loss, expected.loss),
             "logits": rel_err(got.logits, expected.logits),
             "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),  # BioGPT's key bias: 0
@@ -183,8 +196,9 @@ def _saved_for_backward(compiled, kwargs) -> int:
 
 
 def training_steps(rank: int, world_size: int, runs: dict) -> dict:
-    """`training_step` for each family of ``runs`` (name -> its arguments after ``name``), in one process."""
-    return {name: training_step(rank, world_size, name, *args) for name, args in runs.items()}
+    """`training_step` for each family of ``runs`` (name -> its arguments after ``name``; a name may carry a
+    label after a space: ``"t5 dynamic"``), in one process."""
+    return {name: training_step(rank, world_size, name.split()[0], *args) for name, args in runs.items()}
 
 
 def logits_to_keep(rank: int, world_size: int, values: list) -> list:

@@ -19,6 +19,7 @@ SEQ = 13  # not a multiple of 2P: zigzag padding is exercised at every world siz
 
 def _check(results, expected_mask, world_size=None):
     for case, r in results.items():
+        assert r["untrained"] == r["unexpected"] == [], (case, r)  # the same parameters receive gradients
         assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
         assert expected_mask[case] in r["report"], (case, r["report"])
         assert "2 attention(s) rewritten" in r["report"], (case, r["report"])
@@ -37,6 +38,29 @@ def test_training_matches_the_unsharded_model(name, world_size):
 
 
 AVERAGES = "a query with every key hidden averages all keys, as eager (gradients to q, k, v)"
+
+
+LEARNED_BIAS_RUNS = {  # (world size, heavy): family -> cases, sequence length[, dynamic]
+    (2, False): {"t5": (["labels", "right-padded"], SEQ), "mpnet-eager": (["right-padded"], SEQ)},
+    (2, True): {"t5-eager": (["labels", "right-padded"], SEQ), "t5 dynamic": (["right-padded"], SEQ, True),
+                "mpnet-eager dynamic": (["labels"], SEQ, True), "t5 checkpointed": (["right-padded"], SEQ, None, "non-reentrant")},
+    (4, True): {"t5": (["right-padded"], SEQ), "mpnet-eager": (["right-padded"], SEQ)},
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size,heavy", [(2, False), pytest.param(2, True, marks=pytest.mark.heavy),
+                                              pytest.param(4, True, marks=pytest.mark.heavy)])
+def test_learned_relative_position_biases_train_through_the_ring(world_size, heavy):
+    """T5's encoder (SDPA with the bias as its float mask, and eager) and MPNet (eager): a learned table of
+    relative-position buckets, looked up per tile from positions and trained tile by tile (no S x S tensor),
+    with and without padding, static and dynamic (then also at a second length), with gradient checkpointing."""
+    trained = {"t5": "relative_attention_bias.weight (trained", "mpnet": "encoder.relative_attention_bias.weight (trained"}
+    runs = LEARNED_BIAS_RUNS[world_size, heavy]
+    for results in spawn_ranks(hf_workers.training_steps, world_size, (runs,), timeout=850):
+        for name, per_case in results.items():
+            _check(per_case, {case: trained[name.split("-")[0].split()[0]] for case in per_case}, world_size)
+            assert all(r.get("longer", 0.0) <= 1e-4 for r in per_case.values()), per_case
 
 
 @pytest.mark.parametrize("name,world_size", [("llama-eager", 2), pytest.param("gpt2-eager", 2, marks=pytest.mark.heavy),
