@@ -22,13 +22,16 @@ from lowering.scores import ScoreMod
 
 @dataclass
 class SimulatedRing:
-    """Full-sequence results of a simulated ring (``dq``/``dk``/``dv`` only when ``dout`` was given)."""
+    """Full-sequence results of a simulated ring (``dq``/``dk``/``dv`` only when ``dout`` was given;
+    ``program_grads``: the gradients of the mask and bias programs' inputs that require grad, mask inputs
+    first, summed over the ranks as the graph's gradient reduction sums them)."""
 
     out: torch.Tensor
     lse: torch.Tensor
     dq: Optional[torch.Tensor] = None
     dk: Optional[torch.Tensor] = None
     dv: Optional[torch.Tensor] = None
+    program_grads: Optional[list] = None
 
 
 def simulate_ring(
@@ -75,7 +78,8 @@ def simulate_ring(
         return result
 
     douts = [layout.shard(dout, 2, r) for r in range(p)]
-    backward = [_RankBackward(douts[r], qs[r], outs[r], lses[r], None, spec, r) for r in range(p)]
+    trained = [[t.requires_grad for t in inputs] for _, inputs in spec.programs()]
+    backward = [_RankBackward(douts[r], qs[r], outs[r], lses[r], None, spec, r, trained) for r in range(p)]
     dkvs = [None] * p
     for step in range(p):
         for r in range(p):
@@ -85,4 +89,5 @@ def simulate_ring(
     result.dq = layout.unshard([b.dq.to(q.dtype) for b in backward], 2)
     result.dk = layout.unshard([d[0].to(k.dtype) for d in dkvs], 2)
     result.dv = layout.unshard([d[1].to(v.dtype) for d in dkvs], 2)
+    result.program_grads = [sum(shares) for shares in zip(*(b.program_results() for b in backward))]
     return result

@@ -49,6 +49,61 @@ def test_score_modifiers_in_the_ring_match_fp64(monkeypatch, case, kind, world_s
     check_simulated_ring(Layout(kind, world_size, 41), visible, options, reference)
 
 
+def bucket_bias(q_pos, kv_pos, table):
+    """A T5-style bias program: a learned table of relative-position buckets per head."""
+    return table[(kv_pos[None, :] - q_pos[:, None]).clamp(-4, 3) + 4].permute(2, 0, 1)[None]
+
+
+def sliced_bias(q_pos, kv_pos, whole):
+    """A materialised S x S bias read at the tile's positions, as lifted programs read it (index_select)."""
+    return whole.index_select(2, q_pos).index_select(3, kv_pos)
+
+
+def padded_mask(q_pos, kv_pos, keep, whole):
+    """An additive mask with a trainable bias in it: ``finfo.min`` on hidden keys plus a materialised bias,
+    as Hugging Face's eager attention adds them (left padding: fully hidden queries average every key)."""
+    hidden = ~(keep.index_select(1, kv_pos)[:, None, None, :] & (kv_pos[None, :] <= q_pos[:, None]))
+    return sliced_bias(q_pos, kv_pos, whole) + hidden.double() * torch.finfo(torch.float64).min
+
+
+@pytest.mark.parametrize("case", ["bucket-table", "materialised-bias", "bias-in-the-mask"])
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_trainable_program_inputs_get_the_gradient_of_fp64_attention(monkeypatch, case, kind, world_size):
+    """The ring's per-tile pull-back of the scores' gradient through a program gives its inputs (a bucket
+    table, a materialised bias read by tiles, a bias inside an additive padding mask whose fully hidden rows
+    average every key) the gradient autograd gives them through dense fp64 attention, summed over ranks."""
+    monkeypatch.setattr(lowering.masks, "MASK_TILE", 8)  # many tiles per block
+    n = 41
+    q, k, v = qkv_fp64(n)
+    pos = torch.arange(n)
+    table = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    whole = torch.randn(1, 4, n, n, dtype=torch.float64, requires_grad=True)
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[0, :6] = False  # left padding: queries 0-5 of row 0 see no key
+    causal = (pos[None, :] <= pos[:, None])[None, None]
+    options, bias, visible, trained = {
+        "bucket-table": (dict(bias=bucket_bias, bias_inputs=[table]), lambda: bucket_bias(pos, pos, table), causal,
+                         [table]),
+        "materialised-bias": (dict(bias=sliced_bias, bias_inputs=[whole]), lambda: whole, causal, [whole]),
+        "bias-in-the-mask": (dict(mask=padded_mask, mask_inputs=[keep, whole], bias=bucket_bias, bias_inputs=[table],
+                                  fully_masked="uniform"),
+                             lambda: bucket_bias(pos, pos, table) + padded_mask(pos, pos, keep, whole), None, [whole, table]),
+    }[case]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].repeat_interleave(2, 1).mT * 8 ** -0.5 + bias()
+    expected = torch.softmax(scores if visible is None else scores.masked_fill(~visible, float("-inf")), -1) \
+        @ leaves[2].repeat_interleave(2, 1)
+    dout = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, [*leaves, *trained], dout)
+    sim = simulate_ring(q, k, v, layout=Layout(kind, world_size, n), is_causal=visible is not None, dout=dout,
+                        **options)
+    assert rel_err(sim.out, expected) < 1e-12
+    assert len(sim.program_grads) == len(trained)
+    for got, expected_grad in zip([sim.dq, sim.dk, sim.dv, *sim.program_grads], want):
+        assert rel_err(got, expected_grad) < 1e-12
+
+
 def test_bias_memory_is_bounded_by_the_tile_not_the_sequence():
     largest = {}
     for seq_len in (512, 1536):
