@@ -53,7 +53,9 @@ def save(converted: ConvertedModel, path) -> None:
     dynamic_shapes = (tuple({d: Dim.AUTO for d, size in enumerate(s.shape) if size is None} or None
                             for s in c.tensor_inputs),) if c.dynamic else None  # one entry: forward(*tensors)
     try:
-        exported = torch.export.export(program, converted._example, dynamic_shapes=dynamic_shapes, strict=False)
+        # a view example (ids[:, :8]) would have export guard its base's size too (`_base.size()[1] != ...`)
+        example = tuple(t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t for t in converted._example)
+        exported = torch.export.export(program, example, dynamic_shapes=dynamic_shapes, strict=False)
         masks = {mask_id: _export_mask(program.gm, mask_id, c.dynamic) for mask_id in c.masks}
     except Exception as error:
         raise NotSupportedError(f"save: torch.export could not export the converted graph ({type(error).__name__}: "

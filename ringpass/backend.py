@@ -32,7 +32,9 @@ from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.context import PassContext
+from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
+from ringpass.retrace import release_marks, request_retrace
 from ringpass.wrappers import find_wrapper, gradient_mode
 
 _reports: deque[Report] = deque(maxlen=100)  # the latest graphs of every backend (bounded: recompiles add more)
@@ -69,14 +71,26 @@ class RingBackend:
                           ulysses=ulysses_groups(options.group, options.ulysses))
         failures.configure(group.group_name, timeout=options.timeout)
         failures.set_state(f"compiling graph {index}")
+        retrace = None
         try:
             try:
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
-                run_pipeline(ctx)
+                try:
+                    run_pipeline(ctx)
+                except StaticShardedLengths as error:  # every rank traces again, with the sequence dims dynamic
+                    retrace = request_retrace(error)
+                    if retrace is None:
+                        report.refusal.message = str(error)
+                        raise
+                    self.reports.remove(report)
+                    _reports.remove(report)
+                    raise retrace from None
                 gm.graph.lint()
                 gm.recompile()
             finally:
-                report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
+                if retrace is None:
+                    release_marks()
+                    report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
             if report.unchanged:
                 _unsharded(options, f"graph {index}: no attention found, so it runs unchanged (replicated, unsharded) "
                                     f"on every rank of the ring ({report.unchanged}). If the model has attention, "
@@ -84,6 +98,8 @@ class RingBackend:
                 return _inner_compile(options.compiler, gm, example_inputs)
             return guard_graph(_inner_compile(options.compiler, gm, example_inputs), ctx, index)
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
+            if error is retrace:
+                raise
             # the call this compile was for counts, as it does on the peers that compiled and called it
             failures.post_failure(group.group_name, error, call=failures.begin_call())
             if isinstance(error, RingpassError):

@@ -42,7 +42,9 @@ from ringpass.inspection import CapturedGraph, Inspection, _as_call
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.context import LOCAL, PassContext
+from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
+from ringpass.retrace import release_marks, request_retrace
 
 GROUP = "ringpass:converted-group"  # stands for the run-time process group's name in a converted graph
 NOT_CONVERT_OPTIONS = ("compiler", "report", "unsharded")  # eager; reported once; a model without attention is refused
@@ -219,6 +221,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = (), *, world_size: Opt
     call = _distinct(_canonical_call(signature, *_as_call(example_inputs), where="convert", defaults=defaults))
     captured = _capture(model, call, ring_options, world_size, dynamic)
     gm, ctx = captured.gm, captured.ctx
+    dynamic = dynamic or ctx.dynamic  # inputs="sharded": traced with the sequence dims dynamic (ringpass.retrace)
     for node in gm.graph.nodes:  # torch.export keeps these as ops; it would drop an autograd.Function's backward
         if node.target in EXPORTABLE:
             node.target = EXPORTABLE[node.target]
@@ -291,9 +294,18 @@ def _capture(model, call: list, options: RingOptions, world_size: int, dynamic: 
             run_pipeline(ctx)
             gm.graph.lint()
             gm.recompile()
+        except StaticShardedLengths as error:  # as the backend: traced again with the sequence dims dynamic
+            retrace = request_retrace(error)
+            if retrace is not None:
+                raise retrace from None
+            found["error"] = error
+            release_marks()
+            raise
         except Exception as error:
             found["error"] = error
+            release_marks()
             raise
+        release_marks()
         found["captured"] = captured = _Captured(gm, ctx)
 
         def run(*_):

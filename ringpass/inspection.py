@@ -24,11 +24,13 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from lowering.errors import InvalidInputError, NotSupportedError
-from ringpass.graph import example_value
+from ringpass.graph import example_value, plain
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.context import PassContext
+from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
+from ringpass.retrace import release_marks, request_retrace
 
 SCHEMA_VERSION = 1
 EXIT_REWRITTEN, EXIT_REFUSED, EXIT_NO_ATTENTION = 0, 2, 3
@@ -150,8 +152,14 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
         blocking = None
         try:
             run_pipeline(ctx)
+        except StaticShardedLengths as error:  # as the backend: traced again with the sequence dims dynamic
+            retrace = request_retrace(error)
+            if retrace is not None:
+                raise retrace from None
+            report.refusal.message = str(error)
         except NotSupportedError as error:  # recorded in the report with its chain of ops
             blocking = getattr(error, "node", None)
+        release_marks()
         graphs.append(CapturedGraph(gm, report, ctx.placement, ctx.axes, blocking))
         return lambda *_: outputs()
 
@@ -225,7 +233,7 @@ def _meta_outputs(gm: fx.GraphModule):
     like = fx.node.map_arg(output.args[0], example_value)
 
     def make():
-        return tree_map(lambda v: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta").requires_grad_(
+        return tree_map(lambda v: torch.empty(tuple(map(plain, v.shape)), dtype=v.dtype, device="meta").requires_grad_(
             v.requires_grad and v.is_floating_point()) if isinstance(v, torch.Tensor) else v, like)
 
     return make

@@ -29,7 +29,10 @@ class RingOptions:
     ``layout``: ``auto`` = zigzag when any attention is causal or masked, or the inputs are sharded, else
     contiguous (the report's summary line names the layout).
     ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard,
-    made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs).
+    made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs). With ``sharded``
+    the inputs' sequence dims are traced symbolically whatever ``dynamic=`` says (Dynamo traces a static graph
+    again with them dynamic: `ringpass.retrace`), so a read of the length as a number (``x.shape[1]``) is the
+    whole sequence's; a length the model fixes while traced (``if n == 64``) is refused.
     ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
     ``compiler``: what compiles the rewritten graph. ``grads``: ``auto`` (``mean`` under an FSDP2 / DDP whose
     ranks include the ring's, else ``reduced``; `ringpass.wrappers`), ``reduced`` (every rank ends with the

@@ -2,7 +2,7 @@
 ``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs
 them for every front end (the backend, `ringpass.inspect`). A graph of decode steps (fewer queries than
 keys: against a KV cache) goes from `find_attention` to `rewrite_decode_attention`, and nothing else in it
-is sharded."""
+is sharded. Every return ends in `check_gradient_paths`: no rewrite may cut a gradient path."""
 
 import torch
 
@@ -10,6 +10,7 @@ from lowering.errors import NotSupportedError
 from lowering.layout import Layout
 from ringpass.graph import example_value, nbytes, op_label, plain, short_source
 from ringpass.graph_view import op_chain
+from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.context import FULL, LOCAL, PassContext
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
@@ -23,14 +24,17 @@ from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
+from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads
 from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_attention import rewrite_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
+from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.report import Refusal
 
 PIPELINE = (
+    record_gradient_paths,
     inline_subgraphs,
     pin_model_numbers,
     expand_multi_head_attention,
@@ -39,6 +43,7 @@ PIPELINE = (
     lift_masks,
     invert_permutations,
     find_sequence_axes,
+    globalize_sharded_lengths,
     find_local_permutations,
     decide_placements,
     keep_cache_sharded,
@@ -47,6 +52,7 @@ PIPELINE = (
     rewrite_attention,
     insert_boundaries,
     reduce_grads,
+    check_gradient_paths,
 )
 
 
@@ -61,9 +67,11 @@ def run_pipeline(ctx: PassContext) -> None:
             if run_pass is find_attention and not ctx.attention:
                 report.unchanged = "no attention found"
                 report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
+                check_gradient_paths(ctx)
                 return
             if run_pass is find_attention and any(is_decode_step(m) for m in ctx.attention):
                 rewrite_decode_attention(ctx)
+                check_gradient_paths(ctx)
                 return
     except NotSupportedError as error:
         node = getattr(error, "node", None)

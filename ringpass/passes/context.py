@@ -57,6 +57,8 @@ class PassContext:
     totals: set = field(default_factory=set)
     # rewrite_decode_attention: inputs every rank holds its own of (a sharded KV cache's slots)
     rank_own_inputs: set = field(default_factory=set)
+    # record_gradient_paths: the inputs that train through the captured graph (check_gradient_paths checks them)
+    gradient_paths: Any = None
     # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
     gradients: Any = None
 
