@@ -28,6 +28,7 @@ MODELS = {
     "hand_written_packed": lambda: models.HandWritten(),
     "learned_bias": lambda: models.LearnedBias(),
     "learned_bias_padded": lambda: models.LearnedBias(causal=False),
+    "square_bias": lambda: models.SquareBias(),
     "gpt_with_loss": lambda: models.WithLoss(models.GPT()),
     "llama_last_tokens": lambda: models.LastTokens(models.Llama()),
     **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},

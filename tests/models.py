@@ -168,6 +168,28 @@ class LearnedBias(nn.Module):
         return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
 
 
+class SquareBias(nn.Module):
+    """Causal attention written out with a learned ``[H, L, L]`` bias table sliced to the sequence: an S x S
+    bias, which the ring evaluates per tile only with ``masks="materialize"`` (every rank holds it whole) and
+    trains through its tiles."""
+
+    def __init__(self, vocab=61, dim=32, heads=4, longest=64):
+        super().__init__()
+        self.heads = heads
+        self.embed, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        self.table = nn.Parameter(0.1 * torch.randn(heads, longest, longest))
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        idx = torch.arange(n, device=ids.device)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + self.table[:, :n, :n]
+        scores = scores.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.out(x + y.transpose(1, 2).reshape(b, n, -1))
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()

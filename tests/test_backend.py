@@ -75,6 +75,9 @@ def _cases(world_size: int) -> list:
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
         ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
                                                 options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
+        # a learned S x S bias held whole: its gradient comes back through the tiles the ring read
+        ("square_bias-materialize", dict(name="square_bias", seq_len=seq_len,
+                                         options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
     ]
     cases += [  # each rank passes its own shard and keeps its own shard of the outputs
         (f"{name}-sharded_io-{'dynamic' if dynamic else 'static'}",
@@ -117,7 +120,7 @@ def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
     for case_id, _ in _cases(world_size):
         ops = results(world_size)[0][case_id]["ops"]
-        layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias")) else 2
+        layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias", "square_bias")) else 2
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 

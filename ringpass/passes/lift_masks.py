@@ -24,7 +24,7 @@ Score modifiers of a hand-written attention (`lowering.scores`) join the plan: i
 and its additive bias (the term under the mask) lifted the same way: a bias that depends on shapes only
 and is ``slope[h] · kv_pos + c`` along the keys (BLOOM's and MPT's ALiBi) becomes per-head slopes the
 kernels apply from positions; any other bias becomes a bias program evaluated per tile; a bias that needs
-an ``S x S`` tensor is refused. A mask or bias computed from a trainable value (a learned bucket table,
+an ``S x S`` tensor is refused unless ``masks="materialize"`` (then it is a program input held whole). A mask or bias computed from a trainable value (a learned bucket table,
 learned slopes) is never evaluated here: it stays a program, whose inputs the ring's backward trains tile by
 tile (`lowering.program_grads`).
 
@@ -140,10 +140,13 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
     region = _Region(bias)
     if region.oversized:
         big = region.oversized[0]
-        raise refusal(
-            f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
-            "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
-            "so no rank holds S x S values. Build the bias from positions.", big)
+        if ctx.options.masks != "materialize":
+            raise refusal(
+                f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
+                "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
+                "so no rank holds S x S values. Build the bias from positions, or allow holding it whole on every rank "
+                "with options={'masks': 'materialize'}.", big)
+        ctx.report.warnings.append(f"bias materialised (masks='materialize'): {describe(big)} is held whole on every rank")
     program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)), match.outer_scale)
     ctx.whole_values |= set(region.input_nodes)
     plan.bias_id, plan.bias_inputs = register_mask(program, source=program.code), region.input_nodes
