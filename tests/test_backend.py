@@ -16,24 +16,28 @@ import models
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 400
-MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "learned_bias", "learned_bias_padded")
+MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
+LEARNED = ("learned_bias", "learned_bias_padded")  # trained score biases: fp64 static here, fp32 and dynamic heavy
 # every family of backend_workers.MODELS with its inputs passed sharded and its outputs kept sharded (labels
 # shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
 SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
               "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed",
-              "learned_bias", "learned_bias_padded")
-SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed", "learned_bias_padded")  # the rest: heavy
+              "learned_bias_padded")
+SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed")  # the rest: HEAVY_CASES (-m heavy)
 OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
-FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers", "learned_bias",
-           "learned_bias_padded")  # fp32 tolerance
+FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
 SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed", "learned_bias_padded")
 
 
 def _heavy_cases() -> list:
-    """The other families' dynamic shapes with sharded inputs and outputs, on 2 ranks (a spawn of its own)."""
+    """The other families' dynamic shapes with sharded inputs and outputs, and the trained score biases in fp32
+    and dynamic shapes, on 2 ranks (a spawn of its own)."""
     return [(f"{name}-sharded_io-dynamic", dict(name=name, seq_len=8, dynamic=True,
                                                 options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}))
-            for name in SHARDED_IO if name not in SHARDED_IO_DYNAMIC]
+            for name in SHARDED_IO if name not in SHARDED_IO_DYNAMIC] + \
+        [(f"{name}-{mode}", dict(name=name, seq_len=11, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype))
+         for name in LEARNED for mode, dynamic, dtype in (("static-float32", None, torch.float32),
+                                                          ("dynamic-float64", True, torch.float64))]
 
 
 def _cases(world_size: int) -> list:
@@ -48,6 +52,8 @@ def _cases(world_size: int) -> list:
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
                 cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
                                             dynamic=dynamic, dtype=dtype)))
+    cases += [(f"{name}-static-float64", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
+              for name in LEARNED]
     cases += [  # recognition does not depend on the world size: the spellings run on 2 ranks
         (f"spelling_{name}", dict(name=f"spelling_{name}", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
         for name in models.SPELLINGS if world_size == 2
@@ -93,11 +99,27 @@ def _cases(world_size: int) -> list:
     return cases
 
 
+CHUNK = 24  # cases per spawn: each spawn stays well inside TIMEOUT on 2 cores
+
+
 @lru_cache(maxsize=None)
-def results(world_size) -> list[dict]:
-    """Every rank's results of ``_cases(world_size)``; ``"heavy"``: the heavy cases, on 2 ranks."""
+def _chunk(world_size, index: int):
+    """Every rank's results of one chunk of ``_cases(world_size)`` (``"heavy"``: the heavy cases, on 2 ranks),
+    or the spawn's failure: kept, so that a failed spawn fails its cases once, not with a spawn each."""
     ranks = 2 if world_size == "heavy" else world_size
-    return spawn_ranks(backend_workers.run_cases, ranks, (_cases(world_size),), timeout=TIMEOUT)
+    try:
+        return spawn_ranks(backend_workers.run_cases, ranks, (_cases(world_size)[index * CHUNK:(index + 1) * CHUNK],),
+                           timeout=TIMEOUT)
+    except Exception as failure:
+        return failure
+
+
+def results(world_size, case_id: str) -> list[dict]:
+    """Every rank's result of one case; its chunk's spawn runs on the first case asked for."""
+    found = _chunk(world_size, [c for c, _ in _cases(world_size)].index(case_id) // CHUNK)
+    if isinstance(found, Exception):
+        raise found
+    return [per_rank[case_id] for per_rank in found]
 
 
 def _params():  # 4 ranks: heavy (the composition tests compile on 4 ranks in the default suite)
@@ -106,52 +128,51 @@ def _params():  # 4 ranks: heavy (the composition tests compile on 4 ranks in th
         [pytest.param("heavy", case_id, id=f"P2-{case_id}", marks=pytest.mark.heavy) for case_id, _ in _heavy_cases()]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)  # the first case of each world size runs every case's spawn
+@pytest.mark.timeout(TIMEOUT + 60)  # the first case of each chunk runs the chunk's spawn
 @pytest.mark.parametrize("world_size,case_id", _params())
 def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
     bound = 1e-4 if "float32" in case_id else 1e-10
-    for rank, per_rank in enumerate(results(world_size)):
-        result = per_rank[case_id]
+    for rank, result in enumerate(results(world_size, case_id)):
         assert max(result["outputs"]) <= bound, f"rank {rank}: outputs {result['outputs']}"
         assert result["grads"] <= bound, f"rank {rank}: gradients {result['grads']:.2e}"
 
 
+@pytest.mark.timeout(4 * (TIMEOUT + 60))  # run alone, every chunk's spawn
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy), pytest.param("heavy", marks=pytest.mark.heavy)])
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
     for case_id, _ in _cases(world_size):
-        ops = results(world_size)[0][case_id]["ops"]
+        ops = results(world_size, case_id)[0]["ops"]
         layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias", "square_bias")) else 2
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 
 
 def test_expected_collectives_in_the_graph():
-    ops = results(2)[0]
-    gpt = ops["gpt-static-float64"]["ops"]
+    gpt = results(2, "gpt-static-float64")[0]["ops"]
     assert gpt["shard_sequence.default"] == 1 and gpt["gather_sequence.default"] == 1  # ids in, logits out
     assert gpt["local_positions.default"] == 1 and "all_reduce_sum.default" not in gpt
-    loss = ops["gpt_with_loss-static-float64"]["ops"]
+    loss = results(2, "gpt_with_loss-static-float64")[0]["ops"]
     assert loss["all_reduce_sum.default"] == 2  # sum of token losses, count of counted tokens
     assert loss["shard_sequence.default"] == 2  # ids, and the shifted labels after the shift
-    encoder = ops["encoder-static-float64"]["ops"]
+    encoder = results(2, "encoder-static-float64")[0]["ops"]
     assert encoder["all_reduce_sum.default"] == 1  # the mean over tokens
-    sharded = ops["gpt-sharded_io-static"]["ops"]
+    sharded = results(2, "gpt-sharded_io-static")[0]["ops"]
     assert "gather_sequence.default" not in sharded and "shard_sequence.default" not in sharded
 
 
 def test_repeated_kv_heads_travel_unrepeated():
-    report = results(2)[0]["llama_repeat_kv"]["report"]
-    assert "4 query / 2 key-value heads" in report and "expand" not in str(results(2)[0]["llama_repeat_kv"]["ops"])
+    report = results(2, "llama_repeat_kv")[0]["report"]
+    assert "4 query / 2 key-value heads" in report and "expand" not in str(results(2, "llama_repeat_kv")[0]["ops"])
 
 
 def test_last_tokens_are_picked_not_gathered():
-    report = results(2)[0]["llama_last_tokens"]["report"]
+    report = results(2, "llama_last_tokens")[0]["report"]
     n = 4 * 2 + 3
     assert f"position(s) {list(range(n - 3, n))} picked by every rank" in report and "all-gather of output" not in report
 
 
 def test_report_names_what_was_rewritten():
-    report = results(2)[0]["gpt-static-float64"]["report"]
+    report = results(2, "gpt-static-float64")[0]["report"]
     assert "2 attention(s) rewritten to ring attention over 2 ranks, layout zigzag" in report
     assert "sdpa (causal" in report and "models.py" in report
     assert "arange -> this rank's positions" in report

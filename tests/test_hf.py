@@ -41,8 +41,9 @@ AVERAGES = "a query with every key hidden averages all keys, as eager (gradients
 
 
 LEARNED_BIAS_RUNS = {  # (world size, heavy): family -> cases, sequence length[, dynamic]
-    (2, False): {"t5": (["labels", "right-padded"], SEQ), "mpnet-eager": (["right-padded"], SEQ)},
+    (2, False): {"t5": (["right-padded"], SEQ), "mpnet-eager": (["labels"], SEQ)},
     (2, True): {"t5-eager": (["labels", "right-padded"], SEQ), "t5 dynamic": (["right-padded"], SEQ, True),
+                "mpnet-eager padded": (["right-padded"], SEQ),
                 "mpnet-eager dynamic": (["labels"], SEQ, True), "t5 checkpointed": (["right-padded"], SEQ, None, "non-reentrant")},
     (4, True): {"t5": (["right-padded"], SEQ), "mpnet-eager": (["right-padded"], SEQ)},
 }
