@@ -14,12 +14,12 @@ from lowering.kernels import triton_attention as kernels
 def main(dtype: str) -> None:
     pointers = {name: f"*{dtype}" for name in ("Q", "K", "V", "DO")}
     pointers.update(QPOS="*i64", KVPOS="*i64", MASK="*u8", TILES="*u8", SLOPES="*fp32", BIAS="*fp32", OUT="*fp32",
-                    LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32", DV="*fp32")
+                    LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32", DV="*fp32", DS="*fp32")
     scalars = {"scale": "fp32", "seq_bound": "i64", "softcap": "fp32"}
-    for scores in (False, True):  # without and with the score modifiers (soft-cap, ALiBi, a bias tile)
+    for scores in (False, True):  # without and with the score modifiers (soft-cap, ALiBi, a bias tile, its gradient)
         constexprs = dict(D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, UPCAST=False, GROUP=2, IS_CAUSAL=True,
                           HAS_WINDOW=True, HAS_MASK=True, HAS_SOFTCAP=scores, HAS_ALIBI=scores, HAS_BIAS=scores,
-                          MERGE=True, PRECISION="ieee" if dtype == "fp32" else "tf32")
+                          STORE_DS=scores, MERGE=True, PRECISION="ieee" if dtype == "fp32" else "tf32")
         compile_all(constexprs, pointers, scalars)
 
 
