@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lowering import InvalidInputError, Layout, record_ring_events, ring_attention
+from lowering.masks import register_mask
 from reference import lse_fp64, rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -179,6 +180,11 @@ def one_rank_hangs(rank: int, world_size: int) -> None:
         time.sleep(600)
 
 
+def bucket_bias(q_pos, kv_pos, table):
+    """A learned table of relative-position buckets per head (a T5-style bias program)."""
+    return table[(kv_pos[None, :] - q_pos[:, None]).clamp(-4, 3) + 4].permute(2, 0, 1)[None]
+
+
 def opcheck_on_ranks(rank: int, world_size: int) -> dict:
     """torch.library.opcheck of both ring ops on a real group, contiguous and non-contiguous inputs."""
     layout = Layout("zigzag", world_size, 40)
@@ -194,9 +200,16 @@ def opcheck_on_ranks(rank: int, world_size: int) -> dict:
         checks = torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
         out, lse = torch.ops.ringpass.ring_attention(*args)
         backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                         None, *args[3:])
+                         None, *args[3:], [])
         checks.update(torch.library.opcheck(torch.ops.ringpass.ring_attention_backward.default, backward_args,
                                             test_utils=("test_schema", "test_faketensor")))
+        # a trained bias program's input: its gradient is the backward op's fourth result
+        table = torch.randn(8, 4, dtype=torch.float64)
+        trained = list(backward_args)
+        trained[-5:-3] = [register_mask(bucket_bias, source="opcheck bucket bias"), [table]]  # bias_id, bias_inputs
+        checks.update({f"trained {check}": result for check, result in torch.library.opcheck(
+            torch.ops.ringpass.ring_attention_backward.default, (*trained[:-1], [0]),
+            test_utils=("test_schema", "test_faketensor")).items()})
         results[name] = checks
     return results
 
