@@ -182,10 +182,10 @@ def _plan_arguments(p) -> None:
     p.add_argument("--ulysses", type=int, metavar="U", help="also predict Ulysses x ring: all-to-all inside groups of U "
                                                             "ranks over --ulysses-link, the ring across groups over --link")
     p.add_argument("--ulysses-link", choices=sorted(LINKS), default="nvlink", help="the links inside a Ulysses group")
-    p.add_argument("--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()))
+    p.add_argument("--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()).replace("%", "%%"))
     p.add_argument("--bandwidth", type=float, metavar="GB/S", help="link bandwidth one way (overrides --link)")
     p.add_argument("--latency", type=float, metavar="US", help="link latency per message (overrides --link)")
-    p.add_argument("--device", choices=sorted(DEVICES), help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()))
+    p.add_argument("--device", choices=sorted(DEVICES), help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()).replace("%", "%%"))
     p.add_argument("--tflops", type=float, help="attention TFLOP/s one rank reaches (overrides --device)")
     p.add_argument("--hardware", metavar="FILE", help="link and device from `ringpass bench --calibrate --json FILE`")
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")

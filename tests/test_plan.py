@@ -111,3 +111,12 @@ def test_plan_command_prints_and_writes_json(tmp_path):
     assert "recommendation: ring, layout zigzag" in run.stdout
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and data["hides"] and data["forward_s"] > 0
+
+
+def test_every_subcommand_prints_its_help():
+    """`ringpass <cmd> --help` is what a user types first (plan's help crashed on a `%` in a preset's text)."""
+    import subprocess
+    import sys
+    for command in ("plan", "bench", "inspect", "convert", "demo"):
+        done = subprocess.run([sys.executable, "-m", "ringpass.cli", command, "--help"], capture_output=True, text=True)
+        assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-500:])
