@@ -156,7 +156,8 @@ def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> 
     expected = reference(*inputs)
     backend_workers._loss(expected, _weights(expected)).backward()
     expected_grads = {n: p.grad for n, p in reference.named_parameters()}
-    options = {"masks": "materialize"} if name == "encoder_mask_input" else {}  # its mask is an S x S input
+    materialized = ("encoder_mask_input", "square_bias")  # an S x S mask input, an S x S learned bias table
+    options = {"masks": "materialize"} if name in materialized else {}
     converted = ringpass.convert(model, inputs, world_size=world_size, **options)
     path = f"{folder}/{name}-{rank}.pt2"
     converted.save(path)

@@ -130,6 +130,7 @@ def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], action) -> None
         else:
             wrapped = graph.call_function(scale_grad, (node, action))
     copy_origin(wrapped, node)
+    wrapped.meta["example_value"] = example_value(node)  # an identity forward: the same value
     ctx.placement[wrapped] = NOSEQ
     for user in users:
         user.replace_input_with(node, wrapped)
