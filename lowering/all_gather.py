@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from lowering.errors import InvalidInputError
+from lowering.groups import checked_group
 from lowering.layout import Layout
-from lowering.op import _group_name, check_inputs, default_scale
-from lowering.ring import RingSpec, _RankBackward, _RankForward
+from lowering.op import check_inputs, default_scale
+from lowering.ring import RankBackward, RankForward, RingSpec
 
 # torch 2.13 renamed the tensor collectives (the old names still work, with a warning)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -32,9 +33,9 @@ def gathered_attention(q, k, v, *, layout: Layout, is_causal: bool = False, scal
     """This rank's rows of exact full-sequence attention, for shards in ``layout`` order (as
     `lowering.ring_attention` takes them), by gathering K/V instead of passing it around a ring."""
     check_inputs(q, k, v, layout)
-    if not _group_name(group, layout):  # the same checks of group and layout as ring_attention's
+    group = checked_group(group, layout.world_size)  # the same checks of group and layout as ring_attention's
+    if group is None:
         raise InvalidInputError("gathered_attention needs an initialised process group (init_process_group).")
-    group = dist.group.WORLD if group is None else group
     spec = RingSpec(layout, bool(is_causal), default_scale(q) if scale is None else float(scale))
     return _GatheredAttention.apply(q, k, v, spec, group, timings if timings is not None else {})
 
@@ -61,7 +62,7 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, spec: RingSpec, group, timings: dict):
         rank = dist.get_rank(group)
         blocks = _gather_blocks(k.contiguous(), v.contiguous(), group, timings)
-        state = _RankForward(q.contiguous(), spec, rank)
+        state = RankForward(q.contiguous(), spec, rank)
         for kv_rank, block in enumerate(blocks):
             state.add_block(block[0], block[1], kv_rank)
         del blocks  # the backward gathers again rather than holding every block until then
@@ -75,7 +76,7 @@ class _GatheredAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         rank = dist.get_rank(ctx.group)
         blocks = _gather_blocks(k.contiguous(), v.contiguous(), ctx.group, ctx.timings)
-        state = _RankBackward(dout.contiguous(), q.contiguous(), out, lse, None, ctx.spec, rank)
+        state = RankBackward(dout.contiguous(), q.contiguous(), out, lse, None, ctx.spec, rank)
         grads = torch.cat([state.block_grads(block[0], block[1], kv_rank) for kv_rank, block in enumerate(blocks)])
         del blocks
         mine = grads.new_empty((2, *grads.shape[1:]))

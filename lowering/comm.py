@@ -18,16 +18,6 @@ from lowering.failures import connection_lost, wait_works
 KV_TAG, DKV_TAG = 0, 1
 
 
-def world_of(group_name: str) -> tuple[int, int, "dist.ProcessGroup | None"]:
-    """(world size, this rank, the group) of the process group named ``group_name``; "" is one process alone."""
-    if not group_name:
-        return 1, 0, None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
-    return dist.get_world_size(group), dist.get_rank(group), group
-
-
 class Pending:
     def __init__(self, works, received: torch.Tensor, exchange: "RingExchange" = None, what: str = ""):
         self._works = works

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from lowering.layout import Layout
+from lowering.layout import GroupLayout, Layout
 from lowering.schedule import kv_source
 
 BACKWARD_FLOPS_RATIO = 2.5
@@ -274,8 +274,6 @@ def ulysses_seconds(shape: AttentionShape, layout: Layout, ulysses: int, ring_li
     groups over ``ring_link``: forward and backward seconds of the all-to-alls (q, k, v and the output forward;
     their gradients backward; each moves (U-1)/U of a rank's tensor, not overlapped) and of the ring (R = P/U
     steps of U-times longer blocks with 1/U of the heads, `predict`). KV heads fewer than U are repeated to U."""
-    from lowering.ulysses import GroupLayout
-
     per_rank = ulysses_shape(shape, ulysses)
     ring = predict(ring_cost(GroupLayout(layout, ulysses), per_rank), ring_link)
     elements = shape.batch * layout.local_len * shape.head_dim * 2 * (per_rank.query_heads + per_rank.kv_heads) * ulysses

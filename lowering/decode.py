@@ -27,7 +27,6 @@ Cache ownership (`new_position_owner`): the prompt's positions stay where the pr
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -35,10 +34,11 @@ import torch.distributed as dist
 
 from lowering import events
 from lowering.errors import InvalidInputError
-from lowering.comm import world_of
 from lowering.failures import wait_collective
+from lowering.groups import resolve_group, world_of
 from lowering.kernels import accumulation_dtype, block_attention
 from lowering.kernels.torch_attention import visible_pairs
+from lowering.op import default_scale
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -50,10 +50,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Exact attention of the replicated queries ``q`` over the cache every rank holds a part of (module
     docstring); the same ``[B, Hq, t, D]`` result on every rank of ``group`` (default: the whole world)."""
     _check(q, k_cache, v_cache, q_pos, kv_pos, key_padding, mask, window, is_causal)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    group_name = ""
-    if dist.is_available() and dist.is_initialized():
-        group_name = (dist.group.WORLD if group is None else group).group_name
+    scale = default_scale(q) if scale is None else float(scale)
+    group = resolve_group(group)
+    group_name = "" if group is None else group.group_name
     return torch.ops.ringpass.decode_attention(q, k_cache, v_cache, q_pos, kv_pos, key_padding, mask,
                                                bool(is_causal), window, scale, group_name)
 
@@ -64,9 +63,9 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                       window: Optional[int], scale: float, group_name: str) -> torch.Tensor:
     out, lse = _local(q, k, v, q_pos, kv_pos, key_padding, mask, is_causal, window, scale)
     if group_name:
-        _, _, group = world_of(group_name)
+        world_size, _, group = world_of(group_name)
         packed = torch.cat((out, lse.unsqueeze(-1)), dim=-1).contiguous()
-        parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+        parts = [torch.empty_like(packed) for _ in range(world_size)]
         work = dist.all_gather(parts, packed, group=group, async_op=True)
         wait_collective(work, packed, group_name, f"all-gathering decode attention's out and LSE {tuple(packed.shape)}")
         events.emit("decode_merge", bytes=packed.numel() * packed.element_size(), ranks=len(parts))

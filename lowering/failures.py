@@ -14,7 +14,8 @@ The rendezvous store every rank of a process group already shares (the TCPStore 
   process group's own timeout): a long checkpoint save on one rank is not a failure. CUDA tensors (NCCL) are waited as NCCL waits (the CPU does
   not block); NCCL's own watchdog and the process group's ``timeout`` bound those.
 - `agree`: every rank posts a fingerprint of its next call and reads every peer's; a difference raises
-  the same `InvalidInputError` on every rank, naming the field and the ranks.
+  the same `InvalidInputError` on every rank, naming the field and the ranks. `agree_once` agrees on a
+  fingerprint the first time a rank posts it, and remembers it (calls by hand, `lowering.ring_attention`).
 - A daemon thread per process beats ``ringpass/alive/<r>`` every ``BEAT`` seconds with what the rank is
   doing (`set_state`), so a waiting rank can tell a dead peer from a busy one.
 
@@ -42,6 +43,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from lowering.errors import InvalidInputError, RingpassError
+from lowering.groups import resolve_group
 
 PREFIX = "ringpass/"
 BEAT = 0.5           # seconds between heartbeats
@@ -66,6 +68,7 @@ class _Process:
     heartbeat: Optional[threading.Thread] = None
     stop_beating: threading.Event = field(default_factory=threading.Event)
     waiter: Optional[ThreadPoolExecutor] = None
+    agreed: set = field(default_factory=set)  # what `agree_once` agreed on: (store, group name, topic, fingerprint)
     settings: dict = field(default_factory=dict)  # group name -> (timeout, dead_after)
 
 
@@ -104,9 +107,9 @@ class _Channel:
     """The store, this rank and its peers (global ranks) in one process group."""
 
     def __init__(self, group_name: str):
-        from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+        from torch.distributed.distributed_c10d import _get_default_store
 
-        group = _resolve_process_group(group_name) if group_name else dist.group.WORLD
+        group = resolve_group(group_name or None)  # "": the default group
         self.group_name = group_name
         self.store = _tcp_store(_get_default_store())
         self.rank = dist.get_rank()
@@ -241,12 +244,6 @@ def ring_work(group_name: str):
         set_state(state)
 
 
-def check_peers(group_name: str, what: str) -> None:
-    """Raise `PeerFailure` now if a peer posted a failure that concerns this call."""
-    ch = channel(group_name)
-    ch.look(what, time.monotonic())
-
-
 def wait_works(works: Sequence, group_name: str, what: str, *, peers: Sequence[int] = ()) -> None:
     """Wait for ``works`` (of a CPU process group), bounded as the module docstring says. ``peers`` are
     the global ranks at the other end of each work, when one is (a P2P send or receive)."""
@@ -339,6 +336,32 @@ def agree(group_name: str, topic: str, mine: dict, describe) -> None:
     everyone = [json.loads(v) for v in ch.store.multi_get([key("full", r) for r in ch.members])]
     raise InvalidInputError(describe(everyone) or f"The ranks disagree before call {call} of a ring graph "
                             f"(fingerprint digests by rank: {[digests[r] for r in ch.members]}).")
+
+
+def agree_once(group_name: str, topic: str, mine: dict, describe) -> None:
+    """`agree` on ``mine`` the first time this rank posts it under ``topic`` in ``group_name``; later calls with
+    the same ``mine`` cost a set lookup. The agreement is a call of its own (`begin_call`), made inside ringpass."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    key = (id(_get_default_store()), group_name, topic, json.dumps(mine, sort_keys=True))
+    if key in _process.agreed:
+        return
+    state, call = _process.state, begin_call()
+    set_state(f"{INSIDE}: agreeing on {topic} (call {call})")
+    try:
+        agree(group_name, topic, mine, describe)
+    finally:
+        set_state(state)
+    _process.agreed.add(key)
+
+
+def by_rank(values: Sequence) -> str:
+    """Each distinct value with the group ranks that hold it, for people: "a on ranks 0, 2; b on rank 1"."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(str(value), []).append(rank)
+    return "; ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                     for value, r in ranks.items())
 
 
 def _tcp_store(store):

@@ -11,12 +11,15 @@ A length that does not divide by the chunk count is padded at the end of the seq
 the same local length, padding slots carry positions >= seq_len, the ring never uses them as keys, and
 `unshard` drops them. Local order always increases with global position, and a rank's real (non-padding)
 slots always form a prefix of its local slots; the ring's planner relies on both.
+
+`GroupLayout` is the ring's view of the same tokens with Ulysses groups (`lowering.ulysses`), and
+`cached_layout` the one place the runtime gets either from plain values (what the custom ops take).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import torch
@@ -156,6 +159,70 @@ class Layout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise InvalidInputError(f"rank {rank} is outside this layout's world of {self.world_size}.")
+
+
+class GroupLayout:
+    """The layout the ring runs over with Ulysses groups of ``ulysses`` ranks: ``world_size`` groups, each
+    holding its ranks' tokens of ``base`` in increasing position order (so real slots lead and padding
+    trails, as `lowering.schedule` expects). Answers what `lowering.ring` and `lowering.schedule` ask of a
+    `Layout` (positions, segments, valid and local lengths)."""
+
+    def __init__(self, base: Layout, ulysses: int):
+        if base.world_size % ulysses:
+            raise InvalidInputError(f"Ulysses groups of {ulysses} ranks do not divide the {base.world_size} ranks of "
+                                    "the sequence.")
+        self.base, self.ulysses = base, ulysses
+        self.kind, self.seq_len = base.kind, base.seq_len
+        self.world_size = base.world_size // ulysses
+        self.local_len = base.local_len * ulysses
+
+    def members(self, group: int) -> range:
+        return range(group * self.ulysses, (group + 1) * self.ulysses)
+
+    def order(self, group: int) -> torch.Tensor:
+        """Indices that put the group's tokens, as received (rank by rank), in increasing position order."""
+        return self._orders[group][0]
+
+    def inverse_order(self, group: int) -> torch.Tensor:
+        return self._orders[group][1]
+
+    def positions(self, group: int) -> torch.Tensor:
+        return self._orders[group][2].clone()
+
+    def segments(self, group: int) -> tuple[Segment, ...]:
+        runs = sorted((s.global_start, s.length) for r in self.members(group) for s in self.base.segments(r))
+        segments: list[Segment] = []
+        for start, length in runs:
+            last = segments[-1] if segments else None
+            if last is not None and last.global_stop == start:
+                segments[-1] = Segment(last.local_start, last.global_start, last.length + length)
+            else:
+                segments.append(Segment(last.local_start + last.length if last else 0, start, length))
+        return tuple(segments)
+
+    def valid_len(self, group: int) -> int:
+        return sum(self.base.valid_len(r) for r in self.members(group))
+
+    @cached_property
+    def _orders(self):
+        result = []
+        for group in range(self.world_size):
+            received = torch.cat([self.base.positions(r) for r in self.members(group)])
+            sorted_positions, order = torch.sort(received)
+            result.append((order, torch.argsort(order), sorted_positions))
+        return result
+
+    def __repr__(self) -> str:
+        return f"GroupLayout({self.base}, ulysses={self.ulysses})"
+
+
+@lru_cache(maxsize=64)
+def cached_layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1) -> "Layout | GroupLayout":
+    """The layout of ``seq_len`` tokens over ``world_size`` ranks, or with Ulysses groups of ``ulysses`` ranks
+    the groups' (`GroupLayout`), built once: the custom ops take layouts as plain values on every call."""
+    if ulysses == 1:
+        return Layout(kind, world_size, seq_len)
+    return GroupLayout(cached_layout(kind, world_size, seq_len), ulysses)
 
 
 def local_length(kind: str, world_size: int, seq_len):

@@ -5,28 +5,32 @@ a `torch.library.custom_op` that takes the layout as plain values and the proces
 rank compiles the same graph; the rank is read at run time). It has a fake implementation, so
 AOTAutograd and Inductor treat it as one opaque call, and an autograd formula whose backward is itself a
 custom op (``ringpass::ring_attention_backward``), so the backward ring appears in compiled backward
-graphs as one call too.
+graphs as one call too. Both take their arguments after the tensors as `lowering.ring_args.RingArgs` spells them.
+
+A call by hand agrees with its peers first: the first time a rank makes a call of a given layout, options and
+shapes, every rank of the group compares them (`lowering.failures.agree_once`), so ranks that disagree all raise
+an `InvalidInputError` naming the difference instead of crashing in the ring's traffic. Later calls of the same
+kind cost a set lookup. (Compiled graphs agree on each call, `ringpass.guard`.)
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.failures import ring_work
+from lowering.failures import agree_once, by_rank, ring_work
 from lowering.fully_masked import check_fully_masked
+from lowering.groups import checked_group, group_by_name
 from lowering.kernels import accumulation_dtype
-from lowering.layout import Layout
+from lowering.layout import Layout, cached_layout
 from lowering.masks import BlockMask, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
+from lowering.ring_args import PROGRAM_INPUTS, RingArgs, ring_schema
 from lowering.scores import ScoreMod, check_score_options
-from lowering.ulysses import group_layout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -88,7 +92,7 @@ def ring_attention(
                              bias_inputs=bias_inputs, fully_masked=fully_masked)
         return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
-    group_name = _group_name(group, layout)
+    group = checked_group(group, layout.world_size)
     if scale is not None and not isinstance(scale, (int, float)):
         raise InvalidInputError(f"scale must be a Python number or None, got {type(scale).__name__}.")
     scale = default_scale(q) if scale is None else float(scale)
@@ -98,12 +102,40 @@ def ring_attention(
     slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
     if slopes is not None and len(slopes) != q.size(1):
         raise InvalidInputError(f"alibi_slopes has {len(slopes)} slopes; q has {q.size(1)} heads: give one per query head.")
-    out, lse = torch.ops.ringpass.ring_attention(
-        q, k, v, layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale, group_name,
-        window, mask_id, list(mask_inputs), None if softcap is None else float(softcap), slopes,
-        register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked, 1,
-    )
+    args = RingArgs(layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale,
+                    "" if group is None else group.group_name, window, mask_id, list(mask_inputs),
+                    None if softcap is None else float(softcap), slopes,
+                    register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked)
+    if args.group_name and not torch.compiler.is_compiling():  # a compiled caller's graph agrees on its calls
+        agree_once(args.group_name, "ring_attention", _fingerprint(layout, (q, k, v), args, mask, bias), _difference)
+    out, lse = torch.ops.ringpass.ring_attention(q, k, v, *args.op_args())
     return (out, lse) if return_lse else out
+
+
+def _fingerprint(layout: Layout, qkv, args: RingArgs, mask, bias) -> dict:
+    """What the ranks of one ring must agree on in a call, as plain values: the programs by their Python
+    names (their ids, and the group's name, are each process's own)."""
+    def shapes(tensors):
+        return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in tensors)
+
+    def name(program):
+        return None if program is None else getattr(program, "__qualname__", type(program).__name__)
+
+    return {"layout": str(layout), "q, k, v": shapes(qkv), "is_causal": args.is_causal, "scale": args.scale,
+            "window": args.window, "mask": name(mask), "mask_inputs": shapes(args.mask_inputs),
+            "softcap": args.softcap, "alibi_slopes": args.alibi_slopes, "bias": name(bias),
+            "bias_inputs": shapes(args.bias_inputs), "fully_masked": args.fully_masked}
+
+
+def _difference(everyone: list[dict]) -> str:
+    """The first argument the ranks' `_fingerprint`s differ in, by rank, for people."""
+    for field in everyone[0]:
+        values = [fingerprint[field] for fingerprint in everyone]
+        if len({str(value) for value in values}) > 1:
+            return (f"The ranks disagree on a ring_attention call: its {field} is {by_rank(values)}. Every rank of "
+                    "the ring must make the same ring_attention calls, in the same order: the same layout and options, "
+                    "on shards of the same shape.")
+    return ""
 
 
 def default_scale(q: torch.Tensor) -> float:
@@ -157,141 +189,94 @@ def check_inputs(q, k, v, layout: Layout) -> None:
             )
 
 
-def _group_name(group, layout: Layout) -> str:
-    """The process group's name, after checking it matches the layout ('' = no group, one process)."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        if layout.world_size != 1:
-            raise InvalidInputError(
-                f"The layout spans {layout.world_size} ranks but no process group is initialised; "
-                "call torch.distributed.init_process_group (e.g. under torchrun) first."
-            )
-        return ""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise InvalidInputError("A process group was passed but torch.distributed is not initialised; call init_process_group first.")
-    group = dist.group.WORLD if group is None else group
-    if dist.get_rank(group) < 0:
-        raise InvalidInputError(f"This rank ({dist.get_rank()}) is not a member of the process group passed as `group`.")
-    size = dist.get_world_size(group)
-    if size != layout.world_size:
-        raise InvalidInputError(
-            f"The layout is for {layout.world_size} ranks but the process group has {size}; "
-            f"build it as Layout(kind, world_size={size}, seq_len=...)."
-        )
-    return group.group_name
-
-
-@lru_cache(maxsize=64)
-def _layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1):
-    """The layout the ring runs over: the sequence's, or with Ulysses groups the groups' (`lowering.ulysses`)."""
-    return Layout(kind, world_size, seq_len) if ulysses == 1 else group_layout(kind, world_size, seq_len, ulysses)
-
-
-def _spec(kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap, alibi_slopes,
-          bias_id, bias_inputs, fully_masked, ulysses=1) -> RingSpec:
-    if window is not None and not is_causal:
-        raise InvalidInputError(f"window={window} needs is_causal=True (a sliding window looks back from each query).")
+def _spec(args: RingArgs) -> RingSpec:
+    if args.window is not None and not args.is_causal:
+        raise InvalidInputError(f"window={args.window} needs is_causal=True (a sliding window looks back from each "
+                                "query).")
     mask = None
-    if window is not None or mask_id:
-        mask = BlockMask(is_causal, window, mask_program(mask_id) if mask_id else None, tuple(mask_inputs or ()))
-    scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(alibi_slopes),
-                      mask_program(bias_id) if bias_id else None, tuple(bias_inputs or ()))
-    return RingSpec(_layout(kind, world_size, seq_len, ulysses), is_causal, scale, mask, scores, fully_masked)
+    if args.window is not None or args.mask_id:
+        mask = BlockMask(args.is_causal, args.window, mask_program(args.mask_id) if args.mask_id else None,
+                         tuple(args.mask_inputs or ()))
+    scores = ScoreMod(args.softcap, None if args.alibi_slopes is None else tuple(args.alibi_slopes),
+                      mask_program(args.bias_id) if args.bias_id else None, tuple(args.bias_inputs or ()))
+    layout = cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses)
+    return RingSpec(layout, args.is_causal, args.scale, mask, scores, args.fully_masked)
 
 
-def _exchange(group_name: str) -> RingExchange:
-    if not group_name:
-        return RingExchange(None)
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return RingExchange(_resolve_process_group(group_name))
+_TENSORS = {"q": torch.Tensor, "k": torch.Tensor, "v": torch.Tensor}
 
 
-@torch.library.custom_op("ringpass::ring_attention", mutates_args=())
-def _ring_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout_kind: str, world_size: int,
-    seq_len: int, is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
-    mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    with ring_work(group_name):
-        spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                     alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses)
+@torch.library.custom_op("ringpass::ring_attention", mutates_args=(),
+                         schema=ring_schema(_TENSORS, {}, tuple[torch.Tensor, torch.Tensor]))
+def _ring_attention_op(q, k, v, *config):
+    args = RingArgs(*config)
+    with ring_work(args.group_name):
+        spec = _spec(args)
         check_inputs(q, k, v, spec.layout)
-        exchange = _exchange(group_name)
+        exchange = RingExchange(group_by_name(args.group_name))
         if exchange.world_size != spec.layout.world_size:
-            raise InvalidInputError(
-                f"The layout is for {spec.layout.world_size} ranks but process group {group_name!r} has {exchange.world_size}."
-            )
+            raise InvalidInputError(f"The layout is for {spec.layout.world_size} ranks but process group "
+                                    f"{args.group_name!r} has {exchange.world_size}.")
         return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, layout_kind, world_size, seq_len, is_causal, scale, group_name, window, mask_id, mask_inputs, softcap,
-      alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses):
-    if isinstance(seq_len, int):  # with a symbolic length the real call checks the shapes
-        check_inputs(q, k, v, _layout(layout_kind, world_size, seq_len, ulysses))
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+def _(q, k, v, *config):
+    args = RingArgs(*config)
+    if isinstance(args.seq_len, int):  # with a symbolic length the real call checks the shapes
+        check_inputs(q, k, v, cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses))
+    lse = q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
 
 
-@torch.library.custom_op("ringpass::ring_attention_backward", mutates_args=())
-def _ring_attention_backward_op(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, dlse: Optional[torch.Tensor], layout_kind: str, world_size: int, seq_len: int,
-    is_causal: bool, scale: float, group_name: str, window: Optional[int], mask_id: str,
-    mask_inputs: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[list[float]], bias_id: str,
-    bias_inputs: list[torch.Tensor], fully_masked: str, ulysses: int, trained: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(dq, dk, dv, the gradients of the program inputs ``trained`` numbers: mask inputs, then bias inputs,
+@torch.library.custom_op("ringpass::ring_attention_backward", mutates_args=(), schema=ring_schema(
+    {"dout": torch.Tensor, **_TENSORS, "out": torch.Tensor, "lse": torch.Tensor, "dlse": Optional[torch.Tensor]},
+    {"trained": list[int]}, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]))
+def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_trained):
+    """(dq, dk, dv, the gradients of the program inputs ``trained`` numbers: `RingArgs.program_inputs`,
     counted together; this rank's queries' share of each)."""
-    with ring_work(group_name):
-        spec = _spec(layout_kind, world_size, seq_len, is_causal, scale, window, mask_id, mask_inputs, softcap,
-                     alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses)
+    *config, trained = config_and_trained
+    args = RingArgs(*config)
+    with ring_work(args.group_name):
+        spec = _spec(args)
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
-        first = len(mask_inputs)
-        per_program = [[i in trained for i in range(first)], [first + i in trained for i in range(len(bias_inputs))]]
+        first = len(args.mask_inputs)
+        per_program = [[i in trained for i in range(first)],
+                       [first + i in trained for i in range(len(args.bias_inputs))]]
         return ring_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-            None if dlse is None else dlse.contiguous(), spec, _exchange(group_name), per_program,
+            None if dlse is None else dlse.contiguous(), spec, RingExchange(group_by_name(args.group_name)),
+            per_program,
         )
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, layout_kind, world_size, seq_len, is_causal, scale, group_name, window,
-      mask_id, mask_inputs, softcap, alibi_slopes, bias_id, bias_inputs, fully_masked, ulysses, trained):
-    program_inputs = [*mask_inputs, *bias_inputs]
+def _(dout, q, k, v, out, lse, dlse, *config_and_trained):
+    *config, trained = config_and_trained
+    program_inputs = RingArgs(*config).program_inputs()
     return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)),
             [torch.empty_like(program_inputs[i]) for i in trained])
 
 
-# The ring op's lists of tensors its mask and bias programs read: differentiable like q, k, v.
-PROGRAM_INPUTS = ("mask_inputs", "bias_inputs")
-
-
-def program_input_positions() -> tuple[int, ...]:
-    """Where `PROGRAM_INPUTS` sit among ``ringpass::ring_attention``'s arguments (q is 0)."""
-    names = [argument.name for argument in torch.ops.ringpass.ring_attention.default._schema.arguments]
-    return tuple(names.index(name) for name in PROGRAM_INPUTS)
-
-
 def _setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse and the program inputs; the other arguments are plain values."""
-    q, k, v, *ctx.config = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *(t for i in _CONFIG_PROGRAM_INPUTS for t in ctx.config[i]))
+    q, k, v, *config = inputs
+    ctx.args = RingArgs(*config)
+    ctx.save_for_backward(q, k, v, *output, *ctx.args.program_inputs())
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
-    config = list(ctx.config)
-    for i in _CONFIG_PROGRAM_INPUTS:  # the program inputs as autograd unpacks them
-        config[i], saved = list(saved[:len(config[i])]), saved[len(config[i]):]
-    needs = [need for i in _CONFIG_PROGRAM_INPUTS for need in ctx.needs_input_grad[3 + i]]
+    args = ctx.args.with_program_inputs(saved)  # the program inputs as autograd unpacks them
+    needs = {field: ctx.needs_input_grad[RingArgs.position(field)] for field in PROGRAM_INPUTS}
+    trained = [i for i, need in enumerate(need for field in PROGRAM_INPUTS for need in needs[field]) if need]
     dq, dk, dv, program_grads = torch.ops.ringpass.ring_attention_backward(
-        dout, q, k, v, out, lse, dlse, *config, [i for i, need in enumerate(needs) if need])
-    trained = iter(program_grads)
-    return (dq, dk, dv, *([next(trained) if ctx.needs_input_grad[3 + i][j] else None for j in range(len(arg))]
-                          if i in _CONFIG_PROGRAM_INPUTS else None for i, arg in enumerate(config)))
+        dout, q, k, v, out, lse, dlse, *args.op_args(), trained)
+    grads = iter(program_grads)
+    none = RingArgs(*[None] * len(RingArgs._fields))  # no gradient for the plain values
+    return (dq, dk, dv, *none._replace(**{field: [next(grads) if need else None for need in needs[field]]
+                                          for field in PROGRAM_INPUTS}))
 
 
 def _no_double_backward(ctx, *grads):
@@ -318,6 +303,5 @@ _autocast_library = torch.library.Library("ringpass", "IMPL")
 for _device_type in ("cpu", "cuda"):
     _autocast_library.impl("ring_attention", _autocast_kernel(_device_type),
                            "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
-_CONFIG_PROGRAM_INPUTS = tuple(i - 3 for i in program_input_positions())  # after q, k, v
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 _ring_attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -6,8 +6,9 @@ exchanges in all); the kernel merges each tile's partial (out, lse) into fp32 ac
 for fp64 inputs) with the log-sum-exp identity. Backward: dq accumulates locally; the dk/dv accumulator of a KV
 block travels one hop behind the block itself and arrives home after the lap (P-1 KV exchanges, P dk/dv
 exchanges). Each step's post, compute and wait are profiler ranges (``ringpass forward step 0: wait``),
-so a ``torch.profiler`` trace shows where a rank waits. `_RankForward` / `_RankBackward` hold one rank's state and are shared with the
-single-process simulation, which only changes how blocks move.
+so a ``torch.profiler`` trace shows where a rank waits. `RankForward` / `RankBackward` hold one rank's state
+and are shared with the single-process simulation (`lowering.simulate`) and the all-gather alternative
+(`lowering.all_gather`), which only change how blocks move.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class RingSpec:
         return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask, window=window, **options)
 
 
-class _RankForward:
+class RankForward:
     """One rank's running output and LSE over the KV blocks it has seen so far."""
 
     def __init__(self, q: torch.Tensor, spec: RingSpec, rank: int):
@@ -131,7 +132,7 @@ class _RankForward:
         return self.out.to(self.q.dtype), self.lse
 
 
-class _RankBackward:
+class RankBackward:
     """One rank's dq, and the dk/dv contribution of its queries to each KV block it sees."""
 
     def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int,
@@ -198,7 +199,7 @@ def _span(phase: str, step: int, part: str, message: str = ""):
 def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     """This rank's (out, lse) of exact full-sequence attention."""
     rank, p = exchange.rank, exchange.world_size
-    state = _RankForward(q, spec, rank)
+    state = RankForward(q, spec, rank)
     kv = torch.stack((k, v))
     for step in range(p):
         arriving = None
@@ -219,7 +220,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     lse. ``trained``: per program of `RingSpec.programs`, which of its inputs need a gradient; each gets
     this rank's queries' share of it."""
     rank, p = exchange.rank, exchange.world_size
-    state = _RankBackward(dout, q, out, lse, dlse, spec, rank, trained)
+    state = RankBackward(dout, q, out, lse, dlse, spec, rank, trained)
     kv = torch.stack((k, v))
     dkv_arriving = None
     for step in range(p):

@@ -24,34 +24,18 @@ The rank is read at run time, so every rank compiles the same graph.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.distributed as dist
 
 from lowering import events
 from lowering.failures import wait_collective
-from lowering.layout import Layout, local_length
-
-
-@lru_cache(maxsize=64)
-def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
-    return Layout(kind, world_size, seq_len)
-
-
-def _group(group_name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
-
-
-def _rank(group_name: str) -> int:
-    return dist.get_rank(_group(group_name)) if group_name else 0
+from lowering.groups import group_by_name, rank_in
+from lowering.layout import cached_layout, local_length
 
 
 @torch.library.custom_op("ringpass::local_positions", mutates_args=())
 def local_positions(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
-    positions = _layout(kind, world_size, seq_len).positions(_rank(group_name))
+    positions = cached_layout(kind, world_size, seq_len).positions(rank_in(group_name))
     return positions.clamp_(max=seq_len - 1).to(device)
 
 
@@ -62,7 +46,7 @@ def _(kind, world_size, seq_len, group_name, device):
 
 @torch.library.custom_op("ringpass::local_token_mask", mutates_args=())
 def local_token_mask(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
-    return (_layout(kind, world_size, seq_len).positions(_rank(group_name)) < seq_len).to(device)
+    return (cached_layout(kind, world_size, seq_len).positions(rank_in(group_name)) < seq_len).to(device)
 
 
 @local_token_mask.register_fake
@@ -72,7 +56,7 @@ def _(kind, world_size, seq_len, group_name, device):
 
 @torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
 def shard_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
-    layout, rank = _layout(kind, world_size, seq_len), _rank(group_name)
+    layout, rank = cached_layout(kind, world_size, seq_len), rank_in(group_name)
     local = x.index_select(dim, local_positions(kind, world_size, seq_len, group_name, x.device))
     valid = layout.valid_len(rank)  # real slots lead; padding slots are zero
     local.narrow(dim, valid, layout.local_len - valid).zero_()
@@ -88,12 +72,12 @@ def _(x, dim, kind, world_size, seq_len, group_name):
 
 @torch.library.custom_op("ringpass::gather_sequence", mutates_args=())
 def gather_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
-    layout = _layout(kind, world_size, seq_len)
+    layout = cached_layout(kind, world_size, seq_len)
     x = x.contiguous()
     if not group_name:
         return layout.unshard([x], dim).contiguous()
     shards = [torch.empty_like(x) for _ in range(world_size)]
-    work = dist.all_gather(shards, x, group=_group(group_name), async_op=True)
+    work = dist.all_gather(shards, x, group=group_by_name(group_name), async_op=True)
     wait_collective(work, x, group_name, f"all-gathering a {tuple(x.shape)} output along dim {dim}")
     return layout.unshard(shards, dim).contiguous()
 
@@ -111,7 +95,7 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     if group_name:
         if events.recording():
             events.emit("all_reduce", bytes=total.numel() * total.element_size(), shape=tuple(total.shape))
-        work = dist.all_reduce(total, group=_group(group_name), async_op=True)
+        work = dist.all_reduce(total, group=group_by_name(group_name), async_op=True)
         wait_collective(work, total, group_name, f"all-reducing a {tuple(total.shape)} partial sum")
     return total
 
@@ -123,8 +107,8 @@ def _(x, group_name):
 
 def _owned_slots(positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str) -> list[tuple[int, int]]:
     """(index into ``positions``, this rank's local slot) for each position this rank holds."""
-    layout = _layout(kind, world_size, seq_len)
-    rank = _rank(group_name)
+    layout = cached_layout(kind, world_size, seq_len)
+    rank = rank_in(group_name)
     slot_of = {int(p): slot for slot, p in enumerate(layout.positions(rank)[: layout.valid_len(rank)])}
     return [(i, slot_of[p % seq_len]) for i, p in enumerate(positions) if p % seq_len in slot_of]
 
@@ -175,8 +159,8 @@ def position_slots(positions: torch.Tensor, kind: str, world_size: int, seq_len:
                    group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's slot of each global position, 0 where it holds none; whether it holds it), each shaped
     like ``positions`` (negative positions count from the end)."""
-    layout = _layout(kind, world_size, seq_len)
-    held = layout.positions(_rank(group_name))[: layout.valid_len(_rank(group_name))].to(positions.device)
+    layout = cached_layout(kind, world_size, seq_len)
+    held = layout.positions(rank_in(group_name))[: layout.valid_len(rank_in(group_name))].to(positions.device)
     slot_of = torch.full((seq_len,), -1, dtype=torch.int64, device=positions.device)
     slot_of[held] = torch.arange(len(held), device=positions.device)
     slots = slot_of[positions.long() % seq_len]

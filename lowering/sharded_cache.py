@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from lowering import events
-from lowering.comm import world_of
 from lowering.errors import InvalidInputError, RingpassWarning
 from lowering.failures import wait_collective
-from lowering.layout import Layout, local_length
+from lowering.groups import world_of
+from lowering.layout import cached_layout, local_length
 
 FREE = -1  # slot_pos of a slot that holds no position
 
@@ -56,7 +56,7 @@ def prompt_slots(k: torch.Tensor, v: torch.Tensor, capacity: int, prompt_len: in
     """(k_slots, v_slots, slot_pos) of ``capacity`` slots for the prompt's keys and values ``[B, Hkv, ·, D]``:
     the whole prompt of ``prompt_len`` tokens, or with ``sharded`` this rank's ``layout`` shard of it."""
     world_size, rank, _ = world_of(group_name)
-    ring = Layout(layout, world_size, prompt_len)
+    ring = cached_layout(layout, world_size, prompt_len)
     if capacity < ring.local_len:
         raise InvalidInputError(f"prompt_slots: {capacity} slots cannot hold this rank's {ring.local_len} prompt slots.")
     expected, what = (ring.local_len, "this rank's shard") if sharded else (prompt_len, "the whole prompt")

@@ -15,7 +15,7 @@ import torch
 from lowering.layout import Layout
 from lowering.masks import BlockMask
 from lowering.op import check_inputs, default_scale
-from lowering.ring import RingSpec, _RankBackward, _RankForward
+from lowering.ring import RankBackward, RankForward, RingSpec
 from lowering.schedule import kv_source
 from lowering.scores import ScoreMod
 
@@ -67,7 +67,7 @@ def simulate_ring(
     qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
     check_inputs(qs[0], ks[0], vs[0], layout)
 
-    forward = [_RankForward(qs[r], spec, r) for r in range(p)]
+    forward = [RankForward(qs[r], spec, r) for r in range(p)]
     for step in range(p):
         for r in range(p):
             src = kv_source(r, step, p)
@@ -79,7 +79,7 @@ def simulate_ring(
 
     douts = [layout.shard(dout, 2, r) for r in range(p)]
     trained = [[t.requires_grad for t in inputs] for _, inputs in spec.programs()]
-    backward = [_RankBackward(douts[r], qs[r], outs[r], lses[r], None, spec, r, trained) for r in range(p)]
+    backward = [RankBackward(douts[r], qs[r], outs[r], lses[r], None, spec, r, trained) for r in range(p)]
     dkvs = [None] * p
     for step in range(p):
         for r in range(p):

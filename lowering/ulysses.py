@@ -8,8 +8,8 @@ token the group holds. The ring then runs over the R groups (ring rank ``g``) on
 all-to-all runs over the fast links (inside a node), the ring over the slow ones; each ring step computes
 U² times more per byte it moves than a P-rank ring's step, so its transfers hide sooner.
 
-`GroupLayout` is the ring's view of the tokens: group ``g`` holds the union of its ranks' positions, in
-increasing order (the received tokens are put in that order), so real slots lead and padding trails, as
+`lowering.layout.GroupLayout` is the ring's view of the tokens: group ``g`` holds the union of its ranks' positions,
+in increasing order (the received tokens are put in that order), so real slots lead and padding trails, as
 `lowering.schedule` expects of a layout. Zigzag over P ranks keeps the groups' causal work equal too (each
 group holds U early and U mirrored late chunks).
 
@@ -19,74 +19,16 @@ U / Hkv times first, so every rank gets the one KV head its query heads read); t
 
 from __future__ import annotations
 
-from functools import cached_property, lru_cache
-
 import torch
 import torch.distributed as dist
 
 from lowering import events
-from lowering.comm import world_of
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import wait_collective
-from lowering.layout import Layout, Segment
-
-
-class GroupLayout:
-    """The layout the ring runs over with Ulysses groups of ``ulysses`` ranks: ``world_size`` groups, each
-    holding its ranks' tokens of ``base`` in increasing position order. Answers what `lowering.ring` and
-    `lowering.schedule` ask of a `Layout` (positions, segments, valid and local lengths)."""
-
-    def __init__(self, base: Layout, ulysses: int):
-        if base.world_size % ulysses:
-            raise InvalidInputError(f"Ulysses groups of {ulysses} ranks do not divide the {base.world_size} ranks of the sequence.")
-        self.base, self.ulysses = base, ulysses
-        self.kind, self.seq_len = base.kind, base.seq_len
-        self.world_size = base.world_size // ulysses
-        self.local_len = base.local_len * ulysses
-
-    def members(self, group: int) -> range:
-        return range(group * self.ulysses, (group + 1) * self.ulysses)
-
-    def order(self, group: int) -> torch.Tensor:
-        """Indices that put the group's tokens, as received (rank by rank), in increasing position order."""
-        return self._orders[group][0]
-
-    def inverse_order(self, group: int) -> torch.Tensor:
-        return self._orders[group][1]
-
-    def positions(self, group: int) -> torch.Tensor:
-        return self._orders[group][2].clone()
-
-    def segments(self, group: int) -> tuple[Segment, ...]:
-        runs = sorted((s.global_start, s.length) for r in self.members(group) for s in self.base.segments(r))
-        segments: list[Segment] = []
-        for start, length in runs:
-            last = segments[-1] if segments else None
-            if last is not None and last.global_stop == start:
-                segments[-1] = Segment(last.local_start, last.global_start, last.length + length)
-            else:
-                segments.append(Segment(last.local_start + last.length if last else 0, start, length))
-        return tuple(segments)
-
-    def valid_len(self, group: int) -> int:
-        return sum(self.base.valid_len(r) for r in self.members(group))
-
-    @cached_property
-    def _orders(self):
-        result = []
-        for group in range(self.world_size):
-            received = torch.cat([self.base.positions(r) for r in self.members(group)])
-            sorted_positions, order = torch.sort(received)
-            result.append((order, torch.argsort(order), sorted_positions))
-        return result
-
-    def __repr__(self) -> str:
-        return f"GroupLayout({self.base}, ulysses={self.ulysses})"
-
-
-@lru_cache(maxsize=64)
-def group_layout(kind: str, world_size: int, seq_len: int, ulysses: int) -> GroupLayout:
-    return GroupLayout(Layout(kind, world_size, seq_len), ulysses)
+from lowering.groups import group_by_name, rank_in
+from lowering.layout import GroupLayout, Layout, cached_layout
+from lowering.op import check_inputs, default_scale
+from lowering.ring_args import RingArgs
 
 
 def check_heads(q_heads: int, kv_heads: int, ulysses: int) -> int:
@@ -106,7 +48,7 @@ def _all_to_all(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
     """``x[j]`` goes to rank j of the group; returns what every rank j sent this one, stacked the same way."""
     x = x.contiguous()
     received = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: it keeps x's strides
-    _, _, group = world_of(group_name)
+    group = group_by_name(group_name)
     if events.recording():
         events.emit("heads_exchange", direction=what, bytes=x.numel() * x.element_size())
     work = dist.all_to_all_single(received, x, group=group, async_op=True)
@@ -125,7 +67,7 @@ def heads_to_tokens(x: torch.Tensor, layout_kind: str, world_size: int, seq_len:
     parts = x.reshape(b, ulysses, h // ulysses, n, *rest).movedim(1, 0)
     received = _all_to_all(parts, group_name, "heads to tokens")  # [U (sender), B, H/U, n, ...]
     tokens = received.movedim(0, 2).reshape(b, h // ulysses, ulysses * n, *rest)
-    order = group_layout(layout_kind, world_size, seq_len, ulysses).order(world_of(ring_group_name)[1]).to(x.device)
+    order = cached_layout(layout_kind, world_size, seq_len, ulysses).order(rank_in(ring_group_name)).to(x.device)
     return tokens.index_select(2, order)
 
 
@@ -141,7 +83,7 @@ def tokens_to_heads(x: torch.Tensor, layout_kind: str, world_size: int, seq_len:
     """The inverse of `heads_to_tokens`: ``[B, H/U, U·n, ...]`` back to this rank's ``[B, H, n, ...]``."""
     b, h_share, total = x.shape[:3]
     rest, n = x.shape[3:], total // ulysses
-    inverse = group_layout(layout_kind, world_size, seq_len, ulysses).inverse_order(world_of(ring_group_name)[1])
+    inverse = cached_layout(layout_kind, world_size, seq_len, ulysses).inverse_order(rank_in(ring_group_name))
     inverse = inverse.to(x.device)
     by_rank = x.index_select(2, inverse).reshape(b, h_share, ulysses, n, *rest).movedim(2, 0)
     received = _all_to_all(by_rank, group_name, "tokens to heads")  # [U (head share), B, H/U, n, ...]
@@ -170,8 +112,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     ``ring_rank · U + ulysses_rank``): q ``[B, Hq, n, D]``, k/v ``[B, Hkv, n, D]``, this rank's shard
     (``layout.shard(x, 2, rank)``). All-to-all over heads within ``ulysses_group`` (U ranks), the ring across
     ``ring_group`` (P / U ranks), all-to-all back. Differentiable in q, k, v."""
-    from lowering.op import check_inputs, default_scale
-
     check_inputs(q, k, v, layout)
     ulysses = dist.get_world_size(ulysses_group)
     ring_size = dist.get_world_size(ring_group)
@@ -183,8 +123,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
         k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     args = (layout.kind, layout.world_size, layout.seq_len, ulysses, ulysses_group.group_name, ring_group.group_name)
     q2, k2, v2 = (heads_to_tokens(t, *args) for t in (q, k, v))
-    out, _ = torch.ops.ringpass.ring_attention(
-        q2, k2, v2, layout.kind, layout.world_size, layout.seq_len, bool(is_causal),
-        default_scale(q) if scale is None else float(scale), ring_group.group_name, None, "", [], None, None, "", [],
-        "zero", ulysses)
+    ring = RingArgs(layout.kind, layout.world_size, layout.seq_len, bool(is_causal),
+                    default_scale(q) if scale is None else float(scale), ring_group.group_name, ulysses=ulysses)
+    out, _ = torch.ops.ringpass.ring_attention(q2, k2, v2, *ring.op_args())
     return tokens_to_heads(out, *args)

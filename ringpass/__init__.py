@@ -17,8 +17,8 @@ from ringpass.backend import RingBackend, backend, last_report
 from ringpass.convert import ConvertedModel, convert
 from ringpass.inspection import Inspection, inspect
 from ringpass.sharding import shard, unshard
+from ringpass.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["ConvertedModel", "Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend",
            "RingpassError", "RingpassWarning", "__version__", "backend", "convert", "inspect", "last_report", "load",
            "shard", "unshard", "ShardedCache", "generate"]

@@ -28,10 +28,11 @@ import torch.fx as fx
 
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
+from lowering.groups import resolve_group
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
@@ -51,7 +52,7 @@ class RingBackend:
         options = self.options
         if kwargs.get("options"):  # torch.compile(..., options={...}) on top of this backend's own
             options = RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
-        group = _resolve_group(options.group)
+        group = resolve_group(options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
         index = len(self.reports)
         report = Report(world_size=world_size, graph_index=index)
@@ -152,27 +153,6 @@ def _unsharded(options: RingOptions, message: str) -> None:
 
 def _as_dict(options: RingOptions) -> dict:
     return {name: getattr(options, name) for name in options.__dataclass_fields__}
-
-
-def _resolve_group(group):
-    """The process group of the whole sequence: ``group`` itself, the default group for None, or a DeviceMesh's
-    (a 2-D mesh's dimensions flattened: ring x Ulysses)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if group is None:
-        return dist.group.WORLD
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(group)
-    if hasattr(group, "get_group"):  # a DeviceMesh
-        if group.ndim == 2:
-            return group._flatten().get_group()
-        if group.ndim != 1:
-            raise InvalidInputError(f"group: pass one dimension of the DeviceMesh (mesh['cp']), or two (mesh['cp', 'sp']: "
-                                    f"the ring, then Ulysses), not a {group.ndim}-D mesh.")
-        return group.get_group()
-    return group
 
 
 def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:

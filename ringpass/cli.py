@@ -2,7 +2,8 @@
 to a model, offline), ``convert`` (apply it once and save the result for ``ringpass.load``), ``plan``
 (whether the ring pays on given hardware, predicted) and ``bench`` (what it buys, measured). Exit
 status of ``inspect``: 0 every attention rewritten, 2 refused, 3 no attention found, 1 a bad command line
-or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 anything else."""
+or a target that could not be loaded; of ``convert``: 0 written, 2 refused, 1 anything else. Every command
+prints a ringpass error as ``ringpass <command>: <what was wrong>`` and exits 1 (``convert`` 2 for a refusal)."""
 
 from __future__ import annotations
 
@@ -29,42 +30,52 @@ def main(argv=None) -> int:
     parser = _Parser(prog="ringpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _demo_arguments(commands.add_parser("demo", help="ring attention on CPU processes against unsharded SDPA"))
-    _inspect_arguments(commands.add_parser(
-        "inspect", help="what the ring pass will do to a model, offline (no GPU, no process group)",
-        description="Capture TARGET's model as the ring backend would and show, for --world-size ranks, every "
-                    "attention found, what is sharded, gathered and all-reduced, the ring's schedule, bytes, FLOPs "
-                    "and per-rank memory, and any refusal with its source line and chain of ops."))
-    _convert_arguments(commands.add_parser(
-        "convert", help="apply the ring pass once and save the model for ringpass.load (no GPU, no process group)",
-        description="Capture TARGET's model, rewrite it for --world-size ranks, print what was done (as inspect does) "
-                    "and write a torch.export artifact that ringpass.load reads on every rank (docs/convert.md)."))
-    _plan_arguments(commands.add_parser(
-        "plan", help="predict whether the ring pays for an attention on given hardware (lowering.costmodel)",
-        description="Predict each ring step's compute and transfer for an attention's shape on a link and device "
-                    "(presets or numbers), whether the transfer hides, memory per rank, the all-gather alternative, "
-                    "and recommend ring, all-gather or no ring (decode)."))
-    _bench_arguments(commands.add_parser(
-        "bench", help="measure ring, all-gather and unsharded side by side: time, memory per rank, overlap",
-        description="Run one attention (--what attention), a model's training step (--what model), one decode "
-                    "step against a KV cache (--what decode) or a model's decode steps (--what generate) by every method "
-                    "on fresh CPU processes (or under torchrun, on its ranks), and print median time, per-rank peak "
-                    "memory, parallel efficiency, hidden communication, work balance and the cost model's prediction "
-                    "(docs/performance.md)."))
+    _inspect_arguments(
+        commands.add_parser(
+            "inspect",
+            help="what the ring pass will do to a model, offline (no GPU, no process group)",
+            description="Capture TARGET's model as the ring backend would and show, for --world-size ranks, every "
+            "attention found, what is sharded, gathered and all-reduced, the ring's schedule, bytes, FLOPs "
+            "and per-rank memory, and any refusal with its source line and chain of ops.",
+        )
+    )
+    _convert_arguments(
+        commands.add_parser(
+            "convert",
+            help="apply the ring pass once and save the model for ringpass.load (no GPU, no process group)",
+            description="Capture TARGET's model, rewrite it for --world-size ranks, print what was done (as inspect "
+            "does) and write a torch.export artifact that ringpass.load reads on every rank (docs/convert.md).",
+        )
+    )
+    _plan_arguments(
+        commands.add_parser(
+            "plan",
+            help="predict whether the ring pays for an attention on given hardware (lowering.costmodel)",
+            description="Predict each ring step's compute and transfer for an attention's shape on a link and device "
+            "(presets or numbers), whether the transfer hides, memory per rank, the all-gather alternative, "
+            "and recommend ring, all-gather or no ring (decode).",
+        )
+    )
+    _bench_arguments(
+        commands.add_parser(
+            "bench",
+            help="measure ring, all-gather and unsharded side by side: time, memory per rank, overlap",
+            description="Run one attention (--what attention), a model's training step (--what model), one decode "
+            "step against a KV cache (--what decode) or a model's decode steps (--what generate) by every method "
+            "on fresh CPU processes (or under torchrun, on its ranks), and print median time, per-rank peak "
+            "memory, parallel efficiency, hidden communication, work balance and the cost model's prediction "
+            "(docs/performance.md).",
+        )
+    )
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command in ("plan", "bench"):
-        try:
-            return _plan(args) if args.command == "plan" else _bench(args)
-        except RingpassError as error:
-            print(f"ringpass {args.command}: {error}", file=sys.stderr)
-            return 1
+    run = {"demo": _demo, "inspect": _inspect, "convert": _convert, "plan": _plan, "bench": _bench}[args.command]
     try:
-        return _inspect(args) if args.command == "inspect" else _convert(args)
+        return run(args)
     except RingpassError as error:
         if error.__cause__ is not None:  # the model's own failure: where it happened
             traceback.print_exception(error.__cause__, file=sys.stderr)
-        print(f"ringpass {args.command}: {error}", file=sys.stderr)
+        # the library's messages may name the front end already ("plan: give --link ..."): say it once
+        print(f"ringpass {args.command}: {str(error).removeprefix(f'{args.command}: ')}", file=sys.stderr)
         return 2 if args.command == "convert" and isinstance(error, NotSupportedError) else 1
 
 
@@ -84,8 +95,14 @@ def _demo_arguments(d) -> None:
 
 def _demo(args) -> int:
     config = demo.DemoConfig(
-        world_size=args.world_size, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-        seq_len=args.seq_len, head_dim=args.head_dim, dtype=args.dtype, causal=not args.bidirectional,
+        world_size=args.world_size,
+        batch=args.batch,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        seq_len=args.seq_len,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        causal=not args.bidirectional,
         layout=args.layout,
     )
     print(demo.format_report(demo.run_demo(config, timeout=args.timeout)))
@@ -94,14 +111,23 @@ def _demo(args) -> int:
 
 def _target_arguments(i, built: str) -> None:
     """TARGET or --hf-config, the sizes, the ring's world size and the backend options that change the rewrite."""
-    i.add_argument("target", nargs="?", help="path/to/file.py:factory or package.module:factory, a callable "
-                                            "returning (model, example_inputs)")
-    i.add_argument("--hf-config", metavar="CONFIG", help="a local Hugging Face config.json (or its folder) instead "
-                                                         f"of TARGET: built {built}, token ids as input")
+    i.add_argument(
+        "target",
+        nargs="?",
+        help="path/to/file.py:factory or package.module:factory, a callable returning (model, example_inputs)",
+    )
+    i.add_argument(
+        "--hf-config",
+        metavar="CONFIG",
+        help=f"a local Hugging Face config.json (or its folder) instead of TARGET: built {built}, token ids as input",
+    )
     i.add_argument("--labels", action="store_true", help="with --hf-config: a training step (labels, train mode)")
     i.add_argument("--world-size", type=int, required=True, help="ranks in the ring (any number, on any machine)")
-    i.add_argument("--seq-len", type=int, help="sequence length (passed to the factory; --hf-config: default "
-                                               "max_position_embeddings)")
+    i.add_argument(
+        "--seq-len",
+        type=int,
+        help="sequence length (passed to the factory; --hf-config: default max_position_embeddings)",
+    )
     i.add_argument("--batch", type=int, help="batch size (passed to the factory; --hf-config: default 1)")
     for name, choices in CHOICES.items():
         if name in INSPECT_OPTIONS:
@@ -127,8 +153,13 @@ def _inspect_arguments(i) -> None:
     _target_arguments(i, "on the meta device")
     i.add_argument("--json", metavar="FILE", help="write the findings as JSON (docs/inspect.md)")
     i.add_argument("--graphml", metavar="FILE", help="write the rewritten graph as GraphML (networkx)")
-    i.add_argument("--picture", metavar="FILE", action="append", default=[],
-                   help="draw the condensed graph and the ring schedule (.png or .svg; needs ringpass[viz])")
+    i.add_argument(
+        "--picture",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="draw the condensed graph and the ring schedule (.png or .svg; needs ringpass[viz])",
+    )
     i.add_argument("--code", action="store_true", help="print the rewritten FX code")
 
 
@@ -179,13 +210,24 @@ def _plan_arguments(p) -> None:
     p.add_argument("--bidirectional", action="store_true", help="no causal mask")
     p.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default="auto")
     p.add_argument("--decode", action="store_true", help="one query per step against a cache")
-    p.add_argument("--ulysses", type=int, metavar="U", help="also predict Ulysses x ring: all-to-all inside groups of U "
-                                                            "ranks over --ulysses-link, the ring across groups over --link")
+    p.add_argument(
+        "--ulysses",
+        type=int,
+        metavar="U",
+        help="also predict Ulysses x ring: all-to-all inside groups of U "
+        "ranks over --ulysses-link, the ring across groups over --link",
+    )
     p.add_argument("--ulysses-link", choices=sorted(LINKS), default="nvlink", help="the links inside a Ulysses group")
-    p.add_argument("--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()).replace("%", "%%"))
+    p.add_argument(
+        "--link", choices=sorted(LINKS), help="; ".join(f"{k}: {v[2]}" for k, v in LINKS.items()).replace("%", "%%")
+    )
     p.add_argument("--bandwidth", type=float, metavar="GB/S", help="link bandwidth one way (overrides --link)")
     p.add_argument("--latency", type=float, metavar="US", help="link latency per message (overrides --link)")
-    p.add_argument("--device", choices=sorted(DEVICES), help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()).replace("%", "%%"))
+    p.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        help="; ".join(f"{k}: {v[1]}" for k, v in DEVICES.items()).replace("%", "%%"),
+    )
     p.add_argument("--tflops", type=float, help="attention TFLOP/s one rank reaches (overrides --device)")
     p.add_argument("--hardware", metavar="FILE", help="link and device from `ringpass bench --calibrate --json FILE`")
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
@@ -197,16 +239,32 @@ def _plan(args) -> int:
     from lowering.costmodel import AttentionShape
     from ringpass.plan import hardware, make_plan
 
-    shape = AttentionShape(args.batch, args.heads, args.kv_heads or args.heads, args.head_dim,
-                           {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[args.dtype], is_causal=not args.bidirectional)
+    shape = AttentionShape(
+        args.batch,
+        args.heads,
+        args.kv_heads or args.heads,
+        args.head_dim,
+        {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[args.dtype],
+        is_causal=not args.bidirectional,
+    )
     if args.hardware:
         from ringpass.bench.results import load_hardware
 
         hw = load_hardware(args.hardware)
     else:
-        hw = hardware(args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
-    plan = make_plan(shape, args.world_size, args.seq_len, hw, decode=args.decode, layout=args.layout,
-                     ulysses=args.ulysses, ulysses_link=hardware(args.ulysses_link, tflops=1.0) if args.ulysses else None)
+        hw = hardware(
+            args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops
+        )
+    plan = make_plan(
+        shape,
+        args.world_size,
+        args.seq_len,
+        hw,
+        decode=args.decode,
+        layout=args.layout,
+        ulysses=args.ulysses,
+        ulysses_link=hardware(args.ulysses_link, tflops=1.0) if args.ulysses else None,
+    )
     print(plan)
     if args.json:
         with open(args.json, "w") as f:
@@ -221,23 +279,33 @@ def _bench_arguments(b) -> None:
     b.add_argument("--what", choices=["attention", "model", "decode", "generate"], default="attention")
     b.add_argument("--world-size", type=int, nargs="+", default=[2], help="ranks (one job per value)")
     b.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="sequence lengths")
-    b.add_argument("--methods", nargs="+", help="attention: sdpa all-gather ring-contiguous ring-zigzag "
-                   "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered; generate: unsharded "
-                   "sharded gathered")
+    b.add_argument(
+        "--methods",
+        nargs="+",
+        help="attention: sdpa all-gather ring-contiguous ring-zigzag "
+        "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered; generate: unsharded "
+        "sharded gathered",
+    )
     b.add_argument("--new-tokens", type=int, default=1, help="decode: queries per step (--seq-len: the cache length)")
     b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--heads", type=int, help="query heads (attention default 8, model %d)" % size.heads)
-    b.add_argument("--kv-heads", type=int, help="key/value heads (attention default 2, model %d)" % size.kv_heads)
+    b.add_argument("--heads", type=int, help=f"query heads (attention default 8, model {size.heads})")
+    b.add_argument("--kv-heads", type=int, help=f"key/value heads (attention default 2, model {size.kv_heads})")
     b.add_argument("--head-dim", type=int, default=64, help="attention and decode")
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="attention and decode")
+    b.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="attention and decode"
+    )
     b.add_argument("--bidirectional", action="store_true", help="attention without a causal mask")
     b.add_argument("--hidden", type=int, default=size.hidden, help="model: hidden size")
     b.add_argument("--layers", type=int, default=size.layers, help="model: decoder layers")
     b.add_argument("--intermediate", type=int, default=size.intermediate, help="model: MLP width")
     b.add_argument("--vocab", type=int, default=size.vocab, help="model: vocabulary")
     b.add_argument("--hf-config", metavar="CONFIG", help="model: a Hugging Face config.json instead (random weights)")
-    b.add_argument("--compiler", choices=["inductor", "aot_eager", "eager"], default="inductor",
-                   help="model: what compiles both the ring's graph and the unsharded model")
+    b.add_argument(
+        "--compiler",
+        choices=["inductor", "aot_eager", "eager"],
+        default="inductor",
+        help="model: what compiles both the ring's graph and the unsharded model",
+    )
     b.add_argument("--repeats", type=int, default=5, help="measured calls per case")
     b.add_argument("--warmup", type=int, default=1, help="unmeasured calls first")
     b.add_argument("--threads-per-rank", type=int, default=0, help="default: cores // world size")
@@ -260,16 +328,36 @@ def _bench(args) -> int:
         if args.json:
             results.write_json(data, args.json)
         return 0
-    size = model.ModelSize(args.hidden, args.layers, args.heads or model.ModelSize.heads,
-                           args.kv_heads or model.ModelSize.kv_heads, args.intermediate, args.vocab)
+    size = model.ModelSize(
+        args.hidden,
+        args.layers,
+        args.heads or model.ModelSize.heads,
+        args.kv_heads or model.ModelSize.kv_heads,
+        args.intermediate,
+        args.vocab,
+    )
     config = bench.BenchConfig(
-        what=args.what, world_sizes=tuple(args.world_size), seq_lens=tuple(args.seq_len), batch=args.batch,
-        heads=args.heads or 8, kv_heads=args.kv_heads or 2, head_dim=args.head_dim, dtype=args.dtype,
+        what=args.what,
+        world_sizes=tuple(args.world_size),
+        seq_lens=tuple(args.seq_len),
+        batch=args.batch,
+        heads=args.heads or 8,
+        kv_heads=args.kv_heads or 2,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
         causal=not args.bidirectional,
         methods=tuple(args.methods or bench.METHODS[args.what]),
-        repeats=args.repeats, warmup=args.warmup, threads_per_rank=args.threads_per_rank, trace=args.trace,
-        progress=not args.no_progress, timeout=args.timeout, model=size, hf_config=args.hf_config,
-        compiler=args.compiler, new_tokens=args.new_tokens)
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads_per_rank=args.threads_per_rank,
+        trace=args.trace,
+        progress=not args.no_progress,
+        timeout=args.timeout,
+        model=size,
+        hf_config=args.hf_config,
+        compiler=args.compiler,
+        new_tokens=args.new_tokens,
+    )
     summary = bench.run_bench(config, results.load_hardware(args.hardware) if args.hardware else None)
     if summary:  # not a torchrun rank other than 0
         print(results.format_table(summary))

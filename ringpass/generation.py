@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from lowering.errors import InvalidInputError, NotSupportedError
+from lowering.groups import resolve_group
 from lowering.sharded_cache import slot_count
 
 
@@ -89,10 +90,9 @@ class ShardedCache(Cache):
     def __init__(self, config: Any, *, max_new_tokens: int, group: Any = None):
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"ShardedCache: max_new_tokens must be a number of tokens >= 0, got {max_new_tokens!r}.")
-        from ringpass.backend import _resolve_group
         import torch.distributed as dist
 
-        resolved = _resolve_group(group)
+        resolved = resolve_group(group)
         world_size = dist.get_world_size(resolved) if resolved is not None else 1
         group_name = resolved.group_name if resolved is not None else ""
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -27,7 +27,7 @@ import torch
 from lowering import failures
 from lowering.masks import mask_program
 from ringpass.graph import is_module_state, user_name
-from ringpass.passes.context import LOCAL, PassContext
+from ringpass.graph_utils.context import LOCAL, PassContext
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from lowering.errors import InvalidInputError, NotSupportedError
+from ringpass.conversion.calls import as_call
 from ringpass.graph import example_value, plain
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
@@ -139,7 +140,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     if ring_options.ulysses != 1:
         raise NotSupportedError("inspect: Ulysses x ring is not described offline yet; inspect the plain ring "
                                 "(ulysses=1), and see `ringpass plan --ulysses U` for its cost.")
-    args, kwargs = _as_call(example_inputs)
+    args, kwargs = as_call(example_inputs)
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     twin, host_values = meta_twin(model)
     args, kwargs = _to_meta((args, kwargs))
@@ -202,14 +203,6 @@ def meta_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
             f"inspect: could not make a meta-device copy of the model ({type(error).__name__}: {error}). Build the "
             "model on the meta device instead (`with torch.device('meta'): model = ...`) and pass that."
         ) from None
-
-
-def _as_call(example_inputs) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def _to_meta(inputs):

@@ -14,8 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowering.costmodel import DEVICES, LINKS, MEMORY, AttentionShape, DecodeCost, Hardware, Prediction, \
-    all_gather_seconds, decode_seconds, hiding_slice, predict, ring_cost, ulysses_seconds
+from lowering.costmodel import (
+    DEVICES,
+    LINKS,
+    MEMORY,
+    AttentionShape,
+    DecodeCost,
+    Hardware,
+    Prediction,
+    all_gather_seconds,
+    decode_seconds,
+    hiding_slice,
+    predict,
+    ring_cost,
+    ulysses_seconds,
+)
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 
@@ -39,30 +52,44 @@ class Plan:
     def as_dict(self) -> dict:
         p = self.prediction
         return {
-            "world_size": self.world_size, "seq_len": self.seq_len, "layout": self.layout,
-            "shape": vars(self.shape), "hardware": vars(self.hardware),
-            "forward_s": p.forward_s, "backward_s": p.backward_s, "hides": p.hides,
-            "compute_forward_s": p.compute_forward, "transfer_forward_s": p.transfer_forward,
-            "compute_backward_s": p.compute_backward, "transfer_backward_s": p.transfer_backward,
-            "all_gather_forward_s": self.all_gather_forward_s, "hiding_tokens_per_rank": self.hiding_tokens,
-            "memory_per_rank": self.memory, "memory_unsharded": self.memory_unsharded,
-            "recommendation": self.recommendation, "decode_s": self.decode, "ulysses": self.ulysses,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "layout": self.layout,
+            "shape": vars(self.shape),
+            "hardware": vars(self.hardware),
+            "forward_s": p.forward_s,
+            "backward_s": p.backward_s,
+            "hides": p.hides,
+            "compute_forward_s": p.compute_forward,
+            "transfer_forward_s": p.transfer_forward,
+            "compute_backward_s": p.compute_backward,
+            "transfer_backward_s": p.transfer_backward,
+            "all_gather_forward_s": self.all_gather_forward_s,
+            "hiding_tokens_per_rank": self.hiding_tokens,
+            "memory_per_rank": self.memory,
+            "memory_unsharded": self.memory_unsharded,
+            "recommendation": self.recommendation,
+            "decode_s": self.decode,
+            "ulysses": self.ulysses,
         }
 
     def __str__(self) -> str:
         p, local = self.prediction, Layout(self.layout, self.world_size, self.seq_len).local_len
         h = self.hardware
         lines = [
-            f"ringpass plan: {self.world_size} ranks, sequence {self.seq_len} ({local} tokens per rank, {self.layout}), "
+            f"ringpass plan: {self.world_size} ranks, sequence {self.seq_len} "
+            f"({local} tokens per rank, {self.layout}), "
             f"{self.shape.query_heads} query / {self.shape.kv_heads} KV heads, head dim {self.shape.head_dim}, "
             f"batch {self.shape.batch}, {self.shape.itemsize} bytes per element, "
             f"{'causal' if self.shape.is_causal else 'bidirectional'}",
-            f"  hardware: link {h.link} ({h.link_bytes_per_s / 1e9:g} GB/s, {h.link_latency_s * 1e6:g} us per message), "
+            f"  hardware: link {h.link} ({h.link_bytes_per_s / 1e9:g} GB/s, "
+            f"{h.link_latency_s * 1e6:g} us per message), "
             f"device {h.device} ({h.flops_per_s / 1e12:g} TFLOP/s for attention)",
             f"  per step (busiest rank): compute {_ms(p.compute_forward)} ms forward, {_ms(p.compute_backward)} ms "
-            f"backward; transfer {p.transfer_forward * 1e3:.3g} ms forward, {p.transfer_backward * 1e3:.3g} ms backward",
-            f"  transfer hidden behind compute: {'yes' if p.hides else 'no'} (it hides from {self.hiding_tokens} tokens "
-            "per rank)",
+            f"backward; transfer {p.transfer_forward * 1e3:.3g} ms forward, "
+            f"{p.transfer_backward * 1e3:.3g} ms backward",
+            f"  transfer hidden behind compute: {'yes' if p.hides else 'no'} "
+            f"(it hides from {self.hiding_tokens} tokens per rank)",
             f"  ring: {p.forward_s * 1e3:.3g} ms forward, {p.backward_s * 1e3:.3g} ms backward; all-gather of K/V: "
             f"{self.all_gather_forward_s * 1e3:.3g} ms forward",
             f"  attention memory per rank: {_mib(self.memory['forward'])} forward / {_mib(self.memory['backward'])} "
@@ -72,18 +99,29 @@ class Plan:
         ]
         if self.ulysses:
             u = self.ulysses
-            lines.insert(-1, f"  Ulysses x ring (groups of {u['ulysses']} over {u['link']}, the ring over "
-                             f"{self.world_size // u['ulysses']} groups): {u['forward'] * 1e3:.3g} ms forward "
-                             f"({u['all_to_all_forward'] * 1e3:.3g} ms all-to-all), {u['backward'] * 1e3:.3g} ms backward; "
-                             f"ring transfers hidden: {'yes' if u['hides'] else 'no'}")
+            lines.insert(
+                -1,
+                f"  Ulysses x ring (groups of {u['ulysses']} over {u['link']}, the ring over "
+                f"{self.world_size // u['ulysses']} groups): {u['forward'] * 1e3:.3g} ms forward "
+                f"({u['all_to_all_forward'] * 1e3:.3g} ms all-to-all), {u['backward'] * 1e3:.3g} ms backward; "
+                f"ring transfers hidden: {'yes' if u['hides'] else 'no'}",
+            )
         return "\n".join(lines)
 
 
-def hardware(link: str | None = None, device: str | None = None, *, bandwidth_gb_s: float | None = None,
-             latency_us: float | None = None, tflops: float | None = None) -> Hardware:
+def hardware(
+    link: str | None = None,
+    device: str | None = None,
+    *,
+    bandwidth_gb_s: float | None = None,
+    latency_us: float | None = None,
+    tflops: float | None = None,
+) -> Hardware:
     """`Hardware` from presets (`lowering.costmodel.LINKS`, `DEVICES`), numbers overriding them."""
     if link is not None and link not in LINKS:
-        raise InvalidInputError(f"plan: link {link!r} is not one of {', '.join(LINKS)}; or give --bandwidth and --latency.")
+        raise InvalidInputError(
+            f"plan: link {link!r} is not one of {', '.join(LINKS)}; or give --bandwidth and --latency."
+        )
     if device is not None and device not in DEVICES:
         raise InvalidInputError(f"plan: device {device!r} is not one of {', '.join(DEVICES)}; or give --tflops.")
     if link is None and (bandwidth_gb_s is None or latency_us is None):
@@ -96,12 +134,23 @@ def hardware(link: str | None = None, device: str | None = None, *, bandwidth_gb
         link_bytes_per_s=bandwidth_gb_s * 1e9 if bandwidth_gb_s is not None else bandwidth,
         link_latency_s=latency_us * 1e-6 if latency_us is not None else latency,
         flops_per_s=tflops * 1e12 if tflops is not None else rate,
-        link=link or "custom", device=device or "custom",
-        memory_bytes_per_s=MEMORY[device][0] if device and tflops is None else None)
+        link=link or "custom",
+        device=device or "custom",
+        memory_bytes_per_s=MEMORY[device][0] if device and tflops is None else None,
+    )
 
 
-def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware, *, decode: bool = False,
-              layout: str = "auto", ulysses: int | None = None, ulysses_link: Hardware | None = None) -> Plan:
+def make_plan(
+    shape: AttentionShape,
+    world_size: int,
+    seq_len: int,
+    hw: Hardware,
+    *,
+    decode: bool = False,
+    layout: str = "auto",
+    ulysses: int | None = None,
+    ulysses_link: Hardware | None = None,
+) -> Plan:
     """Predict the ring for ``shape`` over ``world_size`` ranks on ``hw`` and recommend (module docstring)."""
     if world_size < 1 or seq_len < 1:
         raise InvalidInputError(f"plan: world size and sequence length must be positive, got {world_size}, {seq_len}.")
@@ -115,37 +164,63 @@ def make_plan(shape: AttentionShape, world_size: int, seq_len: int, hw: Hardware
         sharded = decode_seconds(DecodeCost(shape, seq_len, world_size), hw)
         whole = decode_seconds(DecodeCost(shape, seq_len, 1), hw)
         decode_times = {"sharded": sharded, "whole": whole}
-        advice = ("no ring: a decode step has one query per sequence, so each hop moves a whole KV block for almost "
-                  "no compute. Keep the KV cache sharded where it is (ringpass.ShardedCache) and merge each rank's "
-                  f"partial (out, LSE) in one small all-gather: predicted {sharded['total'] * 1e3:.3g} ms per "
-                  f"attention ({sharded['compute'] * 1e3:.3g} ms reading 1/{world_size} of the cache, "
-                  f"{sharded['merge'] * 1e3:.3g} ms merging) against {whole['total'] * 1e3:.3g} ms with the whole cache "
-                  "on one device (or gathered onto every rank).")
+        advice = (
+            "no ring: a decode step has one query per sequence, so each hop moves a whole KV block for almost "
+            "no compute. Keep the KV cache sharded where it is (ringpass.ShardedCache) and merge each rank's "
+            f"partial (out, LSE) in one small all-gather: predicted {sharded['total'] * 1e3:.3g} ms per "
+            f"attention ({sharded['compute'] * 1e3:.3g} ms reading 1/{world_size} of the cache, "
+            f"{sharded['merge'] * 1e3:.3g} ms merging) against {whole['total'] * 1e3:.3g} ms with the whole cache "
+            "on one device (or gathered onto every rank)."
+        )
     elif world_size == 1:
         advice = "one rank: no sequence parallelism."
     elif prediction.hides:
-        advice = f"ring, layout {layout}: its transfers hide behind compute and it holds 1/{world_size} of the sequence."
+        advice = (
+            f"ring, layout {layout}: its transfers hide behind compute and it holds 1/{world_size} of the sequence."
+        )
     else:
         fits = seq_len // tokens  # ranks at which each still holds a slice that hides its hop
-        advice = (f"the ring's transfers do not hide ({prediction.transfer_forward * 1e3:.3g} ms per hop vs "
-                  f"{min(prediction.compute_forward) * 1e3:.3g} ms of compute); they hide from {tokens} tokens per rank. "
-                  + (f"Use at most {fits} ranks for this length, or a faster link. " if fits >= 2 else
-                     "No sequence parallelism pays on time here: use the ring only if the sequence does not fit one "
-                     f"device (it then holds 1/{world_size} of it). ")
-                  + f"Gathering K/V instead (predicted {gather * 1e3:.3g} ms forward) moves the same bytes without "
-                  "hiding them and holds the whole K/V on every rank.")
+        advice = (
+            f"the ring's transfers do not hide ({prediction.transfer_forward * 1e3:.3g} ms per hop vs "
+            f"{min(prediction.compute_forward) * 1e3:.3g} ms of compute); they hide from {tokens} tokens per rank. "
+            + (
+                f"Use at most {fits} ranks for this length, or a faster link. "
+                if fits >= 2
+                else "No sequence parallelism pays on time here: use the ring only if the sequence does not fit one "
+                f"device (it then holds 1/{world_size} of it). "
+            )
+            + f"Gathering K/V instead (predicted {gather * 1e3:.3g} ms forward) moves the same bytes without "
+            "hiding them and holds the whole K/V on every rank."
+        )
     two_d = None
     if ulysses and ulysses > 1:
         if world_size % ulysses:
             raise InvalidInputError(f"plan: --ulysses {ulysses} does not divide --world-size {world_size}.")
-        two_d = {"ulysses": ulysses, "link": ulysses_link.link,
-                 **ulysses_seconds(shape, Layout(layout, world_size, seq_len), ulysses, hw, ulysses_link)}
-        faster = two_d["forward"] + two_d["backward"] < prediction.forward_s + prediction.backward_s
-        advice += (f" Ulysses x ring (groups of {ulysses}) is predicted {'faster' if faster else 'slower'}: "
-                   f"{(two_d['forward'] + two_d['backward']) * 1e3:.3g} ms vs {(prediction.forward_s + prediction.backward_s) * 1e3:.3g} ms "
-                   "forward + backward.")
-    return Plan(world_size, seq_len, layout, shape, hw, prediction, gather, tokens, cost.memory(),
-                cost.memory(unsharded=True), advice, decode_times, two_d)
+        two_d = {
+            "ulysses": ulysses,
+            "link": ulysses_link.link,
+            **ulysses_seconds(shape, Layout(layout, world_size, seq_len), ulysses, hw, ulysses_link),
+        }
+        two_d_s, ring_s = two_d["forward"] + two_d["backward"], prediction.forward_s + prediction.backward_s
+        advice += (
+            f" Ulysses x ring (groups of {ulysses}) is predicted {'faster' if two_d_s < ring_s else 'slower'}: "
+            f"{two_d_s * 1e3:.3g} ms vs {ring_s * 1e3:.3g} ms forward + backward."
+        )
+    return Plan(
+        world_size,
+        seq_len,
+        layout,
+        shape,
+        hw,
+        prediction,
+        gather,
+        tokens,
+        cost.memory(),
+        cost.memory(unsharded=True),
+        advice,
+        decode_times,
+        two_d,
+    )
 
 
 def _ms(seconds: list[float]) -> str:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
 from lowering.layout import Layout
-from lowering.ulysses import GroupLayout
+from lowering.layout import GroupLayout
 
 logger = logging.getLogger("ringpass")
 summary_logger = logging.getLogger("ringpass.summary")

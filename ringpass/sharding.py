@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lowering.errors import InvalidInputError
+from lowering.groups import resolve_group
 from lowering.layout import Layout
 
 
@@ -34,18 +35,12 @@ def unshard(x: torch.Tensor, dim: int = 1, *, seq_len: int, layout: str = "zigza
     if world_size == 1:
         return ring.unshard([x], dim)
     shards = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(shards, x.contiguous(), group=_group(group))
+    dist.all_gather(shards, x.contiguous(), group=resolve_group(group))
     return ring.unshard(shards, dim)
 
 
-def _group(group):
-    from ringpass.backend import _resolve_group
-
-    return _resolve_group(group)
-
-
 def _world(group) -> tuple[int, int]:
-    resolved = _group(group)
+    resolved = resolve_group(group)
     if resolved is None:
         return 1, 0
     return dist.get_world_size(resolved), dist.get_rank(resolved)

@@ -4,6 +4,10 @@ same model run whole in one process (fp64, the same seed on every rank)."""
 from __future__ import annotations
 
 import logging
+import os
+import time
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -111,7 +115,8 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
                     for o, e in zip(outputs_tuple, expected_tuple) if e.dim() >= 2 and e.shape[1] == seq_len]
     result = {
         "outputs": [rel_err(o.detach(), e.detach()) for o, e in zip(outputs_tuple, expected_cmp)] + gathered,
-        "report": str(backend.reports[-1]) if backend.reports else "",
+        "report": backend.reports[-1].as_dict() if backend.reports else {},
+        "report_text": str(backend.reports[-1]) if backend.reports else "",
         "ops": _op_counts(graphs[-1]) if graphs else {},
         "inner": inner,
     }
@@ -125,8 +130,6 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
     else:
         result["grads"] = grad_error(grads, expected_grads)
     return result
-
-
 
 
 def layout_shard(options, world, seq_len, tensor, rank):
@@ -143,9 +146,36 @@ def _op_counts(gm) -> dict:
     return counts
 
 
-def run_cases(rank: int, world_size: int, cases: list) -> dict:
-    """``cases``: (case id, compare's arguments after world_size as a dict)."""
-    return {case_id: compare(rank, world_size, **kwargs) for case_id, kwargs in cases}
+def run_cases(rank: int, world_size: int, cases: list, record_dir: str) -> None:
+    """Runs ``cases`` ((case id, compare's arguments after world_size as a dict)) in order and records in
+    ``record_dir``, for the harness to read whatever becomes of the spawn: ``started-<rank>``, the id of the
+    case this rank is running, and ``<index>-<rank>.pt``, each case's result or ``{"error": traceback}``.
+    After an error the rank goes on once every rank has recorded that case; if one does not within
+    `PEER_WAIT` s (it may wait in a collective the failed rank never joins), the rank raises, ending the spawn:
+    the harness runs the cases after it in a fresh one."""
+    for index, (case_id, kwargs) in enumerate(cases):
+        Path(record_dir, f"started-{rank}").write_text(case_id)
+        try:
+            result = compare(rank, world_size, **kwargs)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        written = Path(record_dir, f"{index}-{rank}.pt")
+        torch.save(result, written.with_suffix(".partial"))
+        os.replace(written.with_suffix(".partial"), written)  # whole or absent, should the spawn be killed
+        if "error" in result:
+            _wait_for_every_rank(Path(record_dir), index, case_id, world_size)
+
+
+PEER_WAIT = 60
+
+
+def _wait_for_every_rank(record_dir: Path, index: int, case_id: str, world_size: int) -> None:
+    deadline = time.monotonic() + PEER_WAIT
+    while not all((record_dir / f"{index}-{rank}.pt").exists() for rank in range(world_size)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"case {case_id} raised on this rank and another rank did not finish it within "
+                               f"{PEER_WAIT} s: the ranks are out of step, the spawn stops here")
+        time.sleep(0.1)
 
 
 def several_lengths(rank: int, world_size: int, name: str, lengths: tuple) -> dict:
@@ -179,7 +209,7 @@ def changed_float_attribute(rank: int, world_size: int) -> dict:
     model.scale = 0.9
     result["changed"] = rel_err(compiled(x[0]), model(x[0]))
     result["compiles"].append(len(backend.reports))
-    result["report"] = str(backend.reports[-1])
+    result["report"] = backend.reports[-1].as_dict()
     return result
 
 
@@ -192,7 +222,7 @@ def by_registered_name(rank: int, world_size: int) -> dict:
     options = {"compiler": "aot_eager", "layout": "contiguous", "group": dist.group.WORLD.group_name}
     compiled = torch.compile(model, backend="ring", options=options)
     error = rel_err(compiled(ids).detach(), model(ids).detach())
-    return {"error": error, "report": str(ringpass.last_report())}
+    return {"error": error, "report": ringpass.last_report().as_dict()}
 
 
 def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> dict:
@@ -354,7 +384,7 @@ def mask_readings(rank: int, world_size: int, lengths: list) -> dict:
                 results[name]["errors"].append(rel_err(compiled(x), model(x)))
             except Exception as error:  # Dynamo wraps the backend's refusal
                 results[name]["errors"].append(str(error))
-        results[name]["report"] = str(backend.reports[-1])
+        results[name]["report"] = backend.reports[-1].as_dict()
     return results
 
 
@@ -438,6 +468,6 @@ def flex_training_step(rank: int, world_size: int, case: str, seq_len: int) -> d
     return {
         "out": rel_err(got, expected),
         "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
-        "report": str(backend.reports[-1]),
+        "report": backend.reports[-1].as_dict(),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
     }

@@ -189,7 +189,7 @@ def ulysses_step(rank: int, world_size: int, family: str, how: str, compiler: st
                             {n: p.grad for n, p in reference.named_parameters()}),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
-        "report": str(backend.reports[-1]),
+        "report": backend.reports[-1].as_dict(),
     }
 
 
@@ -225,7 +225,7 @@ def tensor_parallel_step(rank: int, world_size: int) -> dict:
         "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "kv_bytes": sorted({e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"}),
-        "reports": [str(r)[:300] for r in backend.reports],
+        "reports": [r.as_dict() for r in backend.reports],
     }
 
 

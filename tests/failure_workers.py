@@ -221,16 +221,18 @@ def edges(rank: int, world_size: int) -> dict:
 
 
 def out_of_step(rank: int, world_size: int) -> dict:
-    """After a clean call, rank 0 calls `lowering.ring_attention` by hand while the others call the
-    compiled model: each waits inside ringpass for the other (a deadlock). With ``timeout=3`` every rank
-    raises within seconds."""
+    """After a clean call by hand (call 1: every rank agrees on it) and one of the compiled model (call 2),
+    rank 0 calls `lowering.ring_attention` by hand again (agreed already: straight into the ring) while the
+    others call the compiled model (call 3): each waits inside ringpass for the other (a deadlock). With
+    ``timeout=3`` every rank raises within seconds."""
     from lowering import Layout, ring_attention
 
     model = _compiled(timeout=3.0)
+    layout = Layout("zigzag", world_size, 16)
+    q = torch.randn(1, 2, layout.local_len, 4, dtype=torch.float64)
+    ring_attention(q, q, q, layout=layout, is_causal=True)
     _step(model, _ids(SEQ_LEN))
     if rank == 0:
-        layout = Layout("zigzag", world_size, 16)
-        q = torch.randn(1, 2, layout.local_len, 4, dtype=torch.float64)
         return _outcome(lambda: ring_attention(q, q, q, layout=layout, is_causal=True), linger=2.0)
     return _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)
 

@@ -105,7 +105,7 @@ def hf_cache_options(rank: int, world_size: int) -> dict:
     model.forward = torch.compile(model.__class__.forward.__get__(model), backend=gathered)
     with record_ring_events() as events:
         results["gathered_same"] = torch.equal(model.generate(ids, **options), expected)
-    results["gathered_events"], results["gathered_reports"] = _counts(events), [r.summary() for r in gathered.reports]
+    results["gathered_events"], results["gathered_reports"] = _counts(events), [r.as_dict() for r in gathered.reports]
     model.forward = torch.compile(model.__class__.forward.__get__(model), backend=ringpass.backend(compiler="aot_eager"))
     try:
         model.generate(ids, **options)

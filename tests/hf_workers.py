@@ -171,7 +171,7 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             "loss": rel_err(got.loss, expected.loss),
             "logits": rel_err(got.logits, expected.logits),
             "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),  # BioGPT's key bias: 0
-            "report": "\n".join(str(r) for r in backend.reports),
+            "reports": [r.as_dict() for r in backend.reports],
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
             "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
             "saved_bytes": _saved_for_backward(compiled, kwargs),
@@ -230,7 +230,7 @@ def generate_prefill(rank: int, world_size: int, name: str, seq_len: int) -> dic
         max(rel_err(g.keys, e.keys), rel_err(g.values, e.values))
         for g, e in zip(got.past_key_values.layers, expected.past_key_values.layers)
     )
-    return {"logits": rel_err(got.logits, expected.logits), "cache": cache, "report": str(backend.reports[-1])}
+    return {"logits": rel_err(got.logits, expected.logits), "cache": cache, "report": backend.reports[-1].as_dict()}
 
 
 def mask_tiles(rank: int, world_size: int, seq_lens: list, tile: int, strip: int) -> dict:
@@ -280,7 +280,7 @@ def classification_step(rank: int, world_size: int, seq_len: int, family: str = 
         "loss": rel_err(got.loss, expected.loss),
         "logits": rel_err(got.logits, expected.logits),
         "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
-        "report": str(backend.reports[-1]),
+        "report": backend.reports[-1].as_dict(),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
     }
 

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lowering import InvalidInputError, Layout, record_ring_events, ring_attention
+from lowering import InvalidInputError, Layout, RingpassError, record_ring_events, ring_attention
 from lowering.masks import register_mask
+from lowering.ring_args import RingArgs
 from reference import lse_fp64, rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -195,20 +196,19 @@ def opcheck_on_ranks(rank: int, world_size: int) -> dict:
         "contiguous": [torch.randn(2, h, n, 8, dtype=torch.float64) for h in (4, 2, 2)],
         "non-contiguous": [torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2)],
     }.items():
-        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", world_size, 40, True, 0.35,
-                dist.group.WORLD.group_name, None, "", [], None, None, "", [], "zero", 1)
+        config = RingArgs("zigzag", world_size, 40, True, 0.35, dist.group.WORLD.group_name)
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *config.op_args())
         checks = torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
         out, lse = torch.ops.ringpass.ring_attention(*args)
-        backward_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                         None, *args[3:], [])
-        checks.update(torch.library.opcheck(torch.ops.ringpass.ring_attention_backward.default, backward_args,
+        tensors = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None)
+        checks.update(torch.library.opcheck(torch.ops.ringpass.ring_attention_backward.default,
+                                            (*tensors, *config.op_args(), []),
                                             test_utils=("test_schema", "test_faketensor")))
         # a trained bias program's input: its gradient is the backward op's fourth result
         table = torch.randn(8, 4, dtype=torch.float64)
-        trained = list(backward_args)
-        trained[-5:-3] = [register_mask(bucket_bias, source="opcheck bucket bias"), [table]]  # bias_id, bias_inputs
+        trained = config._replace(bias_id=register_mask(bucket_bias, source="opcheck bucket bias"), bias_inputs=[table])
         checks.update({f"trained {check}": result for check, result in torch.library.opcheck(
-            torch.ops.ringpass.ring_attention_backward.default, (*trained[:-1], [0]),
+            torch.ops.ringpass.ring_attention_backward.default, (*tensors, *trained.op_args(), [0]),
             test_utils=("test_schema", "test_faketensor")).items()})
         results[name] = checks
     return results
@@ -295,3 +295,36 @@ def profiled_ring(rank: int, world_size: int) -> list:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         ring_attention(q, k, v, layout=layout, is_causal=True).sum().backward()
     return [e.name for e in profiler.events() if e.name.startswith("ringpass ")]
+
+
+def disagreeing_layouts(rank: int, world_size: int) -> dict:
+    """Rank 0 passes a layout of 192 tokens, the others one of 96 (twice as long shards on rank 0): every rank
+    must refuse before the ring's traffic. Then calls that agree: each new (layout, options, shapes) is agreed
+    on once (agreements counted), the rest cost nothing, and the numbers are the unsharded fp64 attention's."""
+    from lowering import failures
+
+    agreements = []
+    agree = failures.agree
+
+    def counted(group_name, topic, mine, describe):
+        agreements.append(mine["layout"])
+        agree(group_name, topic, mine, describe)
+
+    failures.agree = counted  # agree_once looks it up at each call
+    layout = Layout("zigzag", world_size, 192 if rank == 0 else 96)
+    q = torch.randn(1, 2, layout.local_len, 8, dtype=torch.float64)
+    try:
+        ring_attention(q, q, q, layout=layout, is_causal=True)
+        refused = "no error"
+    except RingpassError as error:
+        refused = f"{type(error).__name__}: {error}"
+    errors = []
+    for seq_len in (96, 96, 40, 96, 40):
+        layout = Layout("zigzag", world_size, seq_len)
+        generator = torch.Generator().manual_seed(seq_len)  # every rank draws the same full tensors
+        full = [torch.randn(1, h, seq_len, 8, dtype=torch.float64, generator=generator) for h in (4, 2, 2)]
+        out = ring_attention(*(layout.shard(t, 2, rank) for t in full), layout=layout, is_causal=True)
+        expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+        real = layout.positions(rank) < seq_len
+        errors.append(rel_err(out[:, :, real], layout.shard(expected, 2, rank)[:, :, real]))
+    return {"refused": refused, "agreements": agreements, "errors": errors}

@@ -2,18 +2,20 @@
 
 Every rank compares the compiled model's outputs and every parameter's gradient with the uncompiled
 model on the full sequence in one process (same seed). fp64 runs must agree to 1e-10 (measured ~1e-15),
-fp32 runs to 1e-4. One spawn per world size runs all of that size's cases.
+fp32 runs to 1e-4. The cases run in spawns of up to `CHUNK` (`Matrix`): only those the selected tests read,
+and a case that raises, crashes or hangs fails alone.
 """
 
 import re
-from functools import lru_cache
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import backend_workers
 import models
-from ringpass.launch import spawn_ranks
+from ringpass.launch import RankFailure, spawn_ranks
 
 TIMEOUT = 400
 MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
@@ -102,24 +104,80 @@ def _cases(world_size: int) -> list:
 CHUNK = 24  # cases per spawn: each spawn stays well inside TIMEOUT on 2 cores
 
 
-@lru_cache(maxsize=None)
-def _chunk(world_size, index: int):
-    """Every rank's results of one chunk of ``_cases(world_size)`` (``"heavy"``: the heavy cases, on 2 ranks),
-    or the spawn's failure: kept, so that a failed spawn fails its cases once, not with a spawn each."""
-    ranks = 2 if world_size == "heavy" else world_size
-    try:
-        return spawn_ranks(backend_workers.run_cases, ranks, (_cases(world_size)[index * CHUNK:(index + 1) * CHUNK],),
-                           timeout=TIMEOUT)
-    except Exception as failure:
-        return failure
+class CaseFailed(Exception):
+    """A case of the matrix raised on a rank, or its spawn crashed or hung while it ran."""
 
 
-def results(world_size, case_id: str) -> list[dict]:
-    """Every rank's result of one case; its chunk's spawn runs on the first case asked for."""
-    found = _chunk(world_size, [c for c, _ in _cases(world_size)].index(case_id) // CHUNK)
-    if isinstance(found, Exception):
-        raise found
-    return [per_rank[case_id] for per_rank in found]
+def _cases_read_by(item) -> list[tuple]:
+    """The (world size, case id) pairs a collected test of this file reads: its own case, every case of its world
+    size, or those its ``backend_cases(world_size, *case_ids)`` mark names."""
+    if item.path != Path(__file__):
+        return []
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "case_id" in params:
+        return [(params["world_size"], params["case_id"])]
+    if "world_size" in params:
+        return [(params["world_size"], case_id) for case_id, _ in _cases(params["world_size"])]
+    mark = item.get_closest_marker("backend_cases")
+    return [(mark.args[0], case_id) for case_id in mark.args[1:]] if mark else []
+
+
+class Matrix:
+    """Every rank's result of each case the selected tests read, each case run once. The first test that asks for
+    a case not run yet spawns it with the next of its world size's selected cases still to run (`CHUNK` in all:
+    the whole matrix spawns once per chunk, one case selected spawns alone). A case that raised fails alone; a spawn
+    that crashes or hangs fails the case it was running, and its cases not yet run wait for a fresh spawn."""
+
+    def __init__(self, items):
+        self.to_run: dict = {}  # world size -> the selected case ids no spawn has run yet, in the matrix's order
+        for world_size, case_id in (pair for item in items for pair in _cases_read_by(item)):
+            if case_id not in self.to_run.setdefault(world_size, []):
+                self.to_run[world_size].append(case_id)
+        self.done: dict = {}  # (world size, case id) -> every rank's result, or the CaseFailed to raise
+
+    def results(self, world_size, case_id: str) -> list[dict]:
+        """Every rank's result of one case (``world_size`` "heavy": the heavy cases, on 2 ranks)."""
+        if (world_size, case_id) not in self.done:
+            waiting = [c for c in self.to_run.get(world_size, []) if c != case_id]
+            self._spawn(world_size, [case_id, *waiting[:CHUNK - 1]])
+            self.to_run[world_size] = [c for c in waiting if (world_size, c) not in self.done]
+        found = self.done[world_size, case_id]
+        if isinstance(found, CaseFailed):
+            raise found
+        return found
+
+    def _spawn(self, world_size, chunk: list[str]) -> None:
+        """Runs ``chunk`` in one spawn and keeps what each case gave; see `backend_workers.run_cases` for the
+        records read here."""
+        ranks, arguments = 2 if world_size == "heavy" else world_size, dict(_cases(world_size))
+        with tempfile.TemporaryDirectory() as record_dir:
+            try:
+                spawn_ranks(backend_workers.run_cases, ranks, ([(c, arguments[c]) for c in chunk], record_dir),
+                            timeout=TIMEOUT)
+                spawn_failure = None
+            except RankFailure as failure:
+                spawn_failure = failure
+            records = Path(record_dir)
+            per_case = [[torch.load(f, weights_only=False) if (f := records / f"{index}-{rank}.pt").exists() else None
+                         for rank in range(ranks)] for index in range(len(chunk))]
+            started = {f.read_text() for f in records.glob("started-*")}
+        for index, (case_id, per_rank) in enumerate(zip(chunk, per_case)):
+            errors = "".join(f"\nrank {rank}: {result['error']}" for rank, result in enumerate(per_rank)
+                             if result is not None and "error" in result)
+            if None not in per_rank:
+                self.done[world_size, case_id] = CaseFailed(f"{case_id} raised:{errors}") if errors else per_rank
+                continue
+            if started.isdisjoint(chunk[index:]):  # the spawn failed before these cases: they all fail
+                failures = {c: f"{c}: its spawn failed before the case started\n{spawn_failure}" for c in chunk[index:]}
+            else:  # the first case some rank did not finish was running: it fails, the rest run again
+                failures = {case_id: f"{case_id} was running when its spawn failed{errors}\n{spawn_failure}"}
+            self.done.update({(world_size, c): CaseFailed(message) for c, message in failures.items()})
+            break
+
+
+@pytest.fixture(scope="session")
+def matrix(request) -> Matrix:
+    return Matrix(request.session.items)
 
 
 def _params():  # 4 ranks: heavy (the composition tests compile on 4 ranks in the default suite)
@@ -128,51 +186,60 @@ def _params():  # 4 ranks: heavy (the composition tests compile on 4 ranks in th
         [pytest.param("heavy", case_id, id=f"P2-{case_id}", marks=pytest.mark.heavy) for case_id, _ in _heavy_cases()]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)  # the first case of each chunk runs the chunk's spawn
+@pytest.mark.timeout(TIMEOUT + 60)  # a case not run yet runs in a spawn of one chunk
 @pytest.mark.parametrize("world_size,case_id", _params())
-def test_compiled_model_matches_the_unsharded_model(world_size, case_id):
+def test_compiled_model_matches_the_unsharded_model(matrix, world_size, case_id):
     bound = 1e-4 if "float32" in case_id else 1e-10
-    for rank, result in enumerate(results(world_size, case_id)):
+    for rank, result in enumerate(matrix.results(world_size, case_id)):
         assert max(result["outputs"]) <= bound, f"rank {rank}: outputs {result['outputs']}"
         assert result["grads"] <= bound, f"rank {rank}: gradients {result['grads']:.2e}"
 
 
 @pytest.mark.timeout(4 * (TIMEOUT + 60))  # run alone, every chunk's spawn
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy), pytest.param("heavy", marks=pytest.mark.heavy)])
-def test_graph_has_one_ring_op_per_attention_and_no_sdpa(world_size):
+def test_graph_has_one_ring_op_per_attention_and_no_sdpa(matrix, world_size):
     for case_id, _ in _cases(world_size):
-        ops = results(world_size, case_id)[0]["ops"]
+        ops = matrix.results(world_size, case_id)[0]["ops"]
         layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias", "square_bias")) else 2
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 
 
-def test_expected_collectives_in_the_graph():
-    gpt = results(2, "gpt-static-float64")[0]["ops"]
+@pytest.mark.backend_cases(2, "gpt-static-float64", "gpt_with_loss-static-float64", "encoder-static-float64",
+                           "gpt-sharded_io-static")
+def test_expected_collectives_in_the_graph(matrix):
+    gpt = matrix.results(2, "gpt-static-float64")[0]["ops"]
     assert gpt["shard_sequence.default"] == 1 and gpt["gather_sequence.default"] == 1  # ids in, logits out
     assert gpt["local_positions.default"] == 1 and "all_reduce_sum.default" not in gpt
-    loss = results(2, "gpt_with_loss-static-float64")[0]["ops"]
+    loss = matrix.results(2, "gpt_with_loss-static-float64")[0]["ops"]
     assert loss["all_reduce_sum.default"] == 2  # sum of token losses, count of counted tokens
     assert loss["shard_sequence.default"] == 2  # ids, and the shifted labels after the shift
-    encoder = results(2, "encoder-static-float64")[0]["ops"]
+    encoder = matrix.results(2, "encoder-static-float64")[0]["ops"]
     assert encoder["all_reduce_sum.default"] == 1  # the mean over tokens
-    sharded = results(2, "gpt-sharded_io-static")[0]["ops"]
+    sharded = matrix.results(2, "gpt-sharded_io-static")[0]["ops"]
     assert "gather_sequence.default" not in sharded and "shard_sequence.default" not in sharded
 
 
-def test_repeated_kv_heads_travel_unrepeated():
-    report = results(2, "llama_repeat_kv")[0]["report"]
-    assert "4 query / 2 key-value heads" in report and "expand" not in str(results(2, "llama_repeat_kv")[0]["ops"])
+@pytest.mark.backend_cases(2, "llama_repeat_kv")
+def test_repeated_kv_heads_travel_unrepeated(matrix):
+    result = matrix.results(2, "llama_repeat_kv")[0]
+    assert {(a["query_heads"], a["kv_heads"]) for a in result["report"]["attentions"]} == {(4, 2)}
+    assert "expand" not in str(result["ops"])
 
 
-def test_last_tokens_are_picked_not_gathered():
-    report = results(2, "llama_last_tokens")[0]["report"]
+@pytest.mark.backend_cases(2, "llama_last_tokens")
+def test_last_tokens_are_picked_not_gathered(matrix):
+    report = matrix.results(2, "llama_last_tokens")[0]["report"]
     n = 4 * 2 + 3
-    assert f"position(s) {list(range(n - 3, n))} picked by every rank" in report and "all-gather of output" not in report
+    picked = f"the token(s) at position(s) {list(range(n - 3, n))} picked by every rank"
+    assert ("all-reduce", "forward", picked) in [(c["kind"], c["phase"], c["what"]) for c in report["collectives"]]
+    assert "gathered" not in [output["placement"] for output in report["outputs"]], report["outputs"]
 
 
-def test_report_names_what_was_rewritten():
-    report = results(2, "gpt-static-float64")[0]["report"]
+@pytest.mark.backend_cases(2, "gpt-static-float64")
+def test_report_names_what_was_rewritten(matrix):
+    """The full report as people read it (logged at INFO, printed by ``ringpass inspect``): the test of its text."""
+    report = matrix.results(2, "gpt-static-float64")[0]["report_text"]
     assert "2 attention(s) rewritten to ring attention over 2 ranks, layout zigzag" in report
     assert "sdpa (causal" in report and "models.py" in report
     assert "arange -> this rank's positions" in report
@@ -191,13 +258,14 @@ def test_a_float_attribute_changed_after_a_dynamic_compile_is_recompiled():
         assert max(result["errors"]) <= 1e-10 and result["changed"] <= 1e-10, result
         first, after_change = result["compiles"]
         assert after_change > first, result  # the new value is compiled in, not the old one used
-        assert "1 attention(s) rewritten to ring attention over 2 ranks" in result["report"], result["report"]
+        report = result["report"]
+        assert (report["status"], len(report["attentions"]), report["world_size"]) == ("rewritten", 1, 2), report
 
 
 def test_backend_by_its_registered_name_with_options():
     for result in spawn_ranks(backend_workers.by_registered_name, 2, timeout=TIMEOUT):
         assert result["error"] <= 1e-10
-        assert "layout contiguous" in result["report"]
+        assert result["report"]["layout"] == "contiguous"
 
 
 def test_bad_options_are_refused_with_the_choices():
@@ -220,7 +288,7 @@ def test_one_process_compiles_unchanged():
     ids = torch.randint(0, 61, (2, 8))
     backend = ringpass.backend(compiler="eager")
     torch.testing.assert_close(torch.compile(model, backend=backend)(ids), model(ids))
-    assert "runs unchanged" in str(backend.reports[-1])
+    assert backend.reports[-1].as_dict()["status"] == "unchanged"
 
 
 def test_two_data_parallel_replicas_of_two_rank_rings():
@@ -240,9 +308,9 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
                 assert static <= 1e-10 and all("compile with dynamic=False" in e for e in dynamic), result
                 continue
             assert max(result["errors"]) <= 1e-10, (name, result)
-            assert "rewritten to ring attention over 2 ranks" in result["report"], (name, result["report"])
-        assert "sliding window 5" in results["window_from_sizes"]["report"]
-        assert "(causal" in results["square_subsequent_mask"]["report"], results["square_subsequent_mask"]["report"]
+            assert (result["report"]["status"], result["report"]["world_size"]) == ("rewritten", 2), (name, result)
+        assert [a["window"] for a in results["window_from_sizes"]["report"]["attentions"]] == [5]
+        assert [a["mask"] for a in results["square_subsequent_mask"]["report"]["attentions"]] == ["causal"]
 
 
 @pytest.mark.parametrize("case,message", [

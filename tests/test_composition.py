@@ -109,7 +109,7 @@ def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
         assert result["kv_bytes"] == [2 * 2 * 1 * 6 * 8 * 4], result
         # no wrapper: the ring all-reduces each parameter's gradient (a DTensor's local shard) once over cp
         assert result["ringpass_all_reduces"] == result["parameters"], result
-        assert "2 query / 1 key-value heads" in result["reports"][0], result
+        assert (2, 1) in [(a["query_heads"], a["kv_heads"]) for a in result["reports"][0]["attentions"]], result
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
@@ -121,7 +121,7 @@ def test_ulysses_x_ring_trains_exactly():
             check_exact(result)
             assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
             assert result["ringpass_all_reduces"] == result["parameters"], result  # each gradient once, over all 4
-            assert "Ulysses x ring: all-to-all over heads in groups of 2" in result["report"], result["report"]
+            assert (result["report"]["status"], result["report"]["ulysses"]) == ("rewritten", 2), result["report"]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

@@ -127,14 +127,14 @@ def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):
 def test_a_loaded_mask_program_evaluates_any_tile_as_the_converted_one(tmp_path):
     """The exported mask program gives what the lifted one gives, on tiles of any size (a last tile may be
     one row or one column), for random values of the inputs the ring op passes it."""
-    from ringpass.artifact import _mask_inputs
+    from ringpass.conversion.archive import mask_inputs
 
     original = converted("hf", 2, 20)
     mask_id = original.conversion.masks[0]
     lifted = mask_program(mask_id)
     node = next(n for n in original._program.gm.graph.nodes if mask_id in n.args)
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) for v in _mask_inputs(node, mask_id)]
+    inputs = [torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) for v in mask_inputs(node, mask_id)]
     original.save(str(tmp_path / "hf.pt2"))
     ringpass.load(str(tmp_path / "hf.pt2"))
     loaded = mask_program(mask_id)

@@ -102,7 +102,7 @@ def test_ranks_out_of_step_raise_at_the_timeout():
     timeout=3 first raises and posts, the other raises on reading it."""
     for rank, result in enumerate(spawn_ranks(failure_workers.out_of_step, 2, timeout=TIMEOUT)):
         error = result["error"]
-        waits = "waiting for every rank to reach call 2" if rank == 1 else "exchanging the kv block of forward step 0"
+        waits = "waiting for every rank to reach call 3" if rank == 1 else "exchanging the kv block of forward step 0"
         assert error.startswith(f"PeerFailure: rank {rank} stopped while {waits}"), (rank, error)
         assert "(timeout=3) while every peer is alive and waiting inside ringpass too: the ranks are out of step" in error
         assert 3 <= result["seconds"] < 3 + DETECTED_WITHIN, (rank, result)

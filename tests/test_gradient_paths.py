@@ -21,10 +21,11 @@ from lowering.masks import register_mask
 from ringpass.graph import copy_origin, user_name
 from ringpass.options import RingOptions
 from ringpass.passes.check_gradient_paths import check_gradient_paths
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.gradient_reach import (GRADIENT_ARGUMENTS, differentiable_arguments, gradient_reach,
+                                                 has_autograd_formula)
 from ringpass.passes.inline_subgraphs import inline_subgraphs
-from ringpass.passes.record_gradient_paths import (GRADIENT_ARGUMENTS, differentiable_arguments, gradient_reach,
-                                                   has_autograd_formula, record_gradient_paths)
+from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.report import Report
 
 HERE = Path(__file__).name
@@ -236,7 +237,7 @@ class RelativeBias(nn.Module):
 def _with_pass(monkeypatch, cut) -> None:
     """``cut`` runs after every rewrite, just before the check."""
     assert passes.PIPELINE[0] is record_gradient_paths and passes.PIPELINE[-1] is check_gradient_paths
-    monkeypatch.setattr(passes, "PIPELINE", passes.PIPELINE[:-1] + (cut,) + passes.PIPELINE[-1:])
+    monkeypatch.setattr(passes, "CHECK", passes.Stage("check", (cut, *passes.CHECK.passes)))
 
 
 def _placeholder(ctx, name: str) -> fx.Node:
@@ -331,6 +332,6 @@ def test_a_decode_steps_rewrite_is_checked_too(monkeypatch):
         _detach_uses_of(ctx, "q.weight")
 
     rewrite = passes.rewrite_decode_attention
-    monkeypatch.setattr(passes, "rewrite_decode_attention", decode_and_cut)
+    monkeypatch.setattr(passes, "DECODE", passes.Stage("decode", (decode_and_cut,)))
     refusal = ringpass.inspect(DecodeStep(), inputs, world_size=2).reports[0].refusal
     assert refusal is not None and "The gradient of `q.weight` no longer reaches the outputs" in refusal.message

@@ -85,7 +85,7 @@ def test_factory_through_the_cli(tmp_path, capsys, layout):
     (output,) = graph["outputs"]
     assert output["placement"] == "gathered" and output["nbytes"] == batch * n * 61 * 4
     assert graph["activations"]["per_rank"] * world == graph["activations"]["unsharded"]
-    text = capsys.readouterr().out
+    text = capsys.readouterr().out  # the report as printed for people
     assert "blocks.0: sdpa (causal" in text and "ids [2, 64] int64" in text
     assert "L_" not in text and "l_ids" not in text  # the user's names, never Dynamo's
 
@@ -157,7 +157,7 @@ def test_refused_model_exits_2_with_the_op_its_line_and_the_chain(tmp_path, caps
     chain = refusal["chain"]
     assert chain[0].startswith("`scaled_dot_product_attention`") and f"inspect_targets.py:{attention}" in chain[0]
     assert chain[1:-1] == ["transpose", "reshape", "linear"] and chain[-1].startswith("`cumsum`")
-    text = capsys.readouterr().out
+    text = capsys.readouterr().out  # the refusal as printed for people
     assert "REFUSED" in text and "cannot run on a sequence-sharded activation" in text
     assert "-> transpose -> reshape -> linear -> `cumsum`" in text
 
@@ -301,15 +301,19 @@ def test_a_large_ring_is_summarised_and_counted_exactly(capsys):
     assert f"blocks over {world} ranks x {world} steps" in str(inspection)
 
 
-def test_attention_output_returned_directly_is_gathered(capsys):
+def test_attention_output_returned_directly_is_gathered(tmp_path, capsys):
     """Regression: the ring's output had no example value, so a returned attention stayed a shard."""
-    assert main(["inspect", f"{TARGETS}:attention_out", "--world-size", "2", "--code"]) == 0
-    text = capsys.readouterr().out
-    assert "output 0 [2, 2, 16, 4] float32, sequence dim 2, 1.00 KiB per call" in text
-    assert "torch.ops.ringpass.gather_sequence.default" in text
-    report = text.split("# graph 0")[0]  # before the FX code
-    assert "me.gain [8] float32" in report  # a plain tensor attribute, named as the model's code names it
-    assert "proj.weight" in report and "L_me" not in report and "me_modules" not in report
+    code, data = _cli(tmp_path, f"{TARGETS}:attention_out", "--world-size", "2", "--code")
+    assert code == 0
+    (graph,) = data["graphs"]
+    assert [(o["name"], o["shape"], o["dtype"], o["placement"], o["dim"], o["nbytes"]) for o in graph["outputs"]] == [
+        ("output 0", [2, 2, 16, 4], "float32", "gathered", 2, 1024)]
+    assert "torch.ops.ringpass.gather_sequence.default" in capsys.readouterr().out  # --code: the rewritten FX code
+    # a plain tensor attribute, named as the model's code names it
+    assert ("me.gain", [8], "float32") in [(v["name"], v["shape"], v["dtype"]) for v in graph["inputs"]]
+    names = [v["name"] for v in graph["inputs"] + graph["outputs"]] + [c["what"] for c in graph["collectives"]]
+    assert "the gradient of proj.weight" in names
+    assert not [name for name in names if "L_me" in name or "me_modules" in name], names
 
 
 def test_inputs_sharded_report_the_global_sizes():
@@ -504,7 +508,7 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
         assert refused.status == "refused" and words in refused.reports[0].refusal.message
 
     from ringpass.passes import run_pipeline
-    from ringpass.passes.context import PassContext
+    from ringpass.graph_utils.context import PassContext
     from ringpass.options import RingOptions
     from ringpass.report import Report
 

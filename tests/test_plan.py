@@ -1,14 +1,26 @@
 """`lowering.costmodel`'s time predictions and `ringpass plan`, against cases computed by hand here."""
 
 import json
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from lowering.costmodel import AttentionShape, DecodeCost, Hardware, all_gather_seconds, decode_seconds, hiding_slice, \
-    predict, ring_cost, ulysses_seconds
+from lowering.costmodel import (
+    AttentionShape,
+    DecodeCost,
+    Hardware,
+    all_gather_seconds,
+    decode_seconds,
+    hiding_slice,
+    predict,
+    ring_cost,
+    ulysses_seconds,
+)
 from lowering.layout import Layout
+from ringpass import cli
 from ringpass.plan import hardware, make_plan
 
 ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
@@ -36,7 +48,8 @@ def test_a_hand_computed_decode_step():
     sharded = DecodeCost(ONE, cache_len=8, world_size=2)
     assert (sharded.slots, sharded.flops, sharded.cache_bytes, sharded.merge_bytes) == (4, 16, 32, 8)
     assert decode_seconds(sharded, hw) == {"compute": 1.0, "merge": 0.75, "total": 1.75}
-    assert decode_seconds(DecodeCost(ONE, cache_len=8, world_size=1), hw) == {"compute": 2.0, "merge": 0.0, "total": 2.0}
+    whole = decode_seconds(DecodeCost(ONE, cache_len=8, world_size=1), hw)
+    assert whole == {"compute": 2.0, "merge": 0.0, "total": 2.0}
     slow_memory = Hardware(link_bytes_per_s=32, link_latency_s=0.5, flops_per_s=16, memory_bytes_per_s=8)
     assert decode_seconds(sharded, slow_memory)["compute"] == 4.0  # 32 bytes at 8 B/s: memory-bound
 
@@ -72,7 +85,7 @@ def test_the_hiding_slice_is_where_a_step_covers_its_hop():
     compute, transfer = step(n - 1)
     assert compute < transfer
     # by hand: 4·8·64 FLOPs per pair, 2·2·64·2 bytes per token: n² · 2048e-12 = 20e-6 + n · 512e-9
-    assert abs(n - (512e-9 + (512e-9 ** 2 + 4 * 2048e-12 * 20e-6) ** 0.5) / (2 * 2048e-12)) < 1
+    assert abs(n - (512e-9 + (512e-9**2 + 4 * 2048e-12 * 20e-6) ** 0.5) / (2 * 2048e-12)) < 1
 
 
 def test_a_longer_slice_hides_better_and_a_slower_link_worse():
@@ -104,9 +117,13 @@ def test_recommendations():
 
 def test_plan_command_prints_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "plan", "--world-size", "2", "--seq-len", "16384",
-                          "--heads", "4", "--head-dim", "64", "--dtype", "fp32", "--link", "loopback", "--device", "cpu",
-                          "--json", str(out)], capture_output=True, text=True, timeout=120)
+    command = "plan --world-size 2 --seq-len 16384 --heads 4 --head-dim 64 --dtype fp32 --link loopback --device cpu"
+    run = subprocess.run(
+        [sys.executable, "-m", "ringpass.cli", *command.split(), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "recommendation: ring, layout zigzag" in run.stdout
     data = json.loads(out.read_text())
@@ -115,8 +132,24 @@ def test_plan_command_prints_and_writes_json(tmp_path):
 
 def test_every_subcommand_prints_its_help():
     """`ringpass <cmd> --help` is what a user types first (plan's help crashed on a `%` in a preset's text)."""
-    import subprocess
-    import sys
     for command in ("plan", "bench", "inspect", "convert", "demo"):
         done = subprocess.run([sys.executable, "-m", "ringpass.cli", command, "--help"], capture_output=True, text=True)
         assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-500:])
+
+
+TARGET = shlex.quote(f"{Path(__file__).with_name('inspect_targets.py')}:llama")
+BAD_COMMANDS = {  # a command line each subcommand refuses -> what it says
+    "plan --world-size 2 --seq-len 64 --heads 1 --head-dim 8 --device cpu": "ringpass plan: give --link",
+    "bench --methods ring-spiral": "ringpass bench: unknown method(s) ring-spiral",
+    f"inspect {TARGET} --world-size 1": "ringpass inspect: world_size must be an int >= 2",
+    f"convert {TARGET} --world-size 1 -o never.pt2": "ringpass convert: world_size must be an int >= 2",
+}
+
+
+@pytest.mark.parametrize("command", BAD_COMMANDS, ids=lambda command: command.split()[0])
+def test_errors_name_the_subcommand_once(command, capsys):
+    """The library's messages name their front end ("plan: give --link"); the command line says it once."""
+    argv = shlex.split(command)
+    assert cli.main(argv) == 1
+    printed = capsys.readouterr().err
+    assert BAD_COMMANDS[command] in printed and f"{argv[0]}: {argv[0]}:" not in printed, printed

@@ -114,3 +114,22 @@ def test_each_ring_step_is_a_profiler_range():
             assert f"ringpass {phase} step {step}: compute" in names, names
         assert f"ringpass {phase} step 0: post" in names and f"ringpass {phase} step 0: wait" in names
     assert "ringpass forward step 1: wait" not in names  # the last forward step receives nothing
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_disagree_on_a_call_by_hand_all_refuse_then_agreeing_calls_run(world_size):
+    """Rank 0 passes a 192-token layout, the others a 96-token one: every rank raises the same error naming
+    which rank has which layout (not a crash in gloo's traffic). Then the group still works, and each new
+    layout is agreed on once: 96 and 40 tokens, not their repeats."""
+    others = "rank 1" if world_size == 2 else "ranks 1, 2"
+    for rank, result in enumerate(spawn_ranks(ring_workers.disagreeing_layouts, world_size, timeout=120)):
+        assert result["refused"] == (
+            f"InvalidInputError: The ranks disagree on a ring_attention call: its layout is "
+            f"Layout(kind='zigzag', world_size={world_size}, seq_len=192) on rank 0; "
+            f"Layout(kind='zigzag', world_size={world_size}, seq_len=96) on {others}. Every rank of the ring must make "
+            "the same ring_attention calls, in the same order: the same layout and options, on shards of the same "
+            "shape."), (rank, result["refused"])
+        mine = 192 if rank == 0 else 96
+        assert result["agreements"] == [f"Layout(kind='zigzag', world_size={world_size}, seq_len={n})"
+                                        for n in (mine, 96, 40)], (rank, result["agreements"])
+        assert len(result["errors"]) == 5 and max(result["errors"]) < 1e-12, (rank, result["errors"])

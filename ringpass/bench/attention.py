@@ -32,7 +32,6 @@ from lowering.kernels import accumulation_dtype
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
-DISTRIBUTED = METHODS[1:]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,8 +55,9 @@ def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
 
     q, k, v, dout = rand(config.heads), rand(config.kv_heads), rand(config.kv_heads), rand(config.heads)
     with torch.no_grad():
-        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=config.causal,
-                                                   enable_gqa=True)
+        reference = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), is_causal=config.causal, enable_gqa=True
+        )
     return Inputs(q, k, v, dout, reference)
 
 
@@ -86,8 +86,9 @@ class _Step:
             self.layout, rows = None, (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
         else:
             self.layout = lowering.Layout(layout_kind(method, config.causal), world_size, inputs.q.size(2))
-            rows = tuple(self.layout.shard(t, 2, rank) for t in (inputs.q, inputs.k, inputs.v, inputs.reference,
-                                                                  inputs.dout))
+            rows = tuple(
+                self.layout.shard(t, 2, rank) for t in (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
+            )
         self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])
         self.reference, self.dout = rows[3], rows[4]
 
@@ -101,8 +102,9 @@ class _Step:
         if self.method == "sdpa":
             out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal, enable_gqa=True)
         elif self.method == "all-gather":
-            out = gathered_attention(self.q, self.k, self.v, layout=self.layout, is_causal=self.causal,
-                                     timings=self.communication)
+            out = gathered_attention(
+                self.q, self.k, self.v, layout=self.layout, is_causal=self.causal, timings=self.communication
+            )
         else:
             out = lowering.ring_attention(self.q, self.k, self.v, layout=self.layout, is_causal=self.causal)
         return out, self.reference
@@ -128,7 +130,9 @@ class _ContextParallelStep:
         pass
 
     def forward(self):
-        buffers = [t.clone() for t in (self.inputs.q, self.inputs.k, self.inputs.v, self.inputs.dout, self.inputs.reference)]
+        buffers = [
+            t.clone() for t in (self.inputs.q, self.inputs.k, self.inputs.v, self.inputs.dout, self.inputs.reference)
+        ]
         self.context = self.context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[2] * len(buffers))
         self.context.__enter__()
         try:
@@ -164,18 +168,27 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
     if "communication" in step.communication:
         compute = total_s - step.communication["communication"]
-    return {"forward_s": forward_s, "total_s": total_s, "forward_bytes": forward_bytes, "total_bytes": total_bytes,
-            "compute_s": compute, "error": _error(out.detach(), reference),
-            "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
-            "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"]}
+    return {
+        "forward_s": forward_s,
+        "total_s": total_s,
+        "forward_bytes": forward_bytes,
+        "total_bytes": total_bytes,
+        "compute_s": compute,
+        "error": _error(out.detach(), reference),
+        "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
+        "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"],
+    }
 
 
 def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: int, device) -> dict:
     """This rank's measurements of ``method`` (``{"unavailable": reason}`` where it cannot run)."""
     memory = PeakMemory(device)
     try:
-        step = _ContextParallelStep(inputs, config, world_size) if method == "context-parallel" else \
-            _Step(method, inputs, config, rank, world_size)
+        step = (
+            _ContextParallelStep(inputs, config, world_size)
+            if method == "context-parallel"
+            else _Step(method, inputs, config, rank, world_size)
+        )
         warmups = [_run_once(step, memory, device) for _ in range(config.warmup)]
     except _Unavailable as error:
         return {"unavailable": str(error)}
@@ -190,10 +203,18 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             dist.barrier()
         samples.append(_run_once(step, memory, device))
     if config.trace:
-        write_trace(lambda: _run_once(step, memory, device), device,
-                    os.path.join(config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-T{torch.get_num_threads()}-rank{rank}.json"))
-    return {"samples": samples, "memory_note": memory.unavailable,
-            "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
+        write_trace(
+            lambda: _run_once(step, memory, device),
+            device,
+            os.path.join(
+                config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-T{torch.get_num_threads()}-rank{rank}.json"
+            ),
+        )
+    return {
+        "samples": samples,
+        "memory_note": memory.unavailable,
+        "first_call_bytes": warmups[0]["total_bytes"] if warmups else None,
+    }
 
 
 def message_seconds(config, seq_len: int, world_size: int, device, repeats: int = 3) -> dict:
@@ -230,8 +251,10 @@ def attention_rank(rank: int, world_size: int, config, methods, progress_done: i
             threads = torch.get_num_threads()
             progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
             mine = measure_method(method, inputs, config, rank, world_size, device)
-            records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device,
-                                         messages=messages))
+            records.append(
+                gather_record(
+                    mine, method=method, world_size=world_size, seq_len=seq_len, device=device, messages=messages
+                )
+            )
         del inputs
     return records
-

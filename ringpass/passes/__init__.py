@@ -1,17 +1,29 @@
-"""The ring backend's passes, in the order they run. Each is one file and one function
-``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs
-them for every front end (the backend, `ringpass.inspect`). A graph of decode steps (fewer queries than
-keys: against a KV cache) goes from `find_attention` to `rewrite_decode_attention`, and nothing else in it
-is sharded. Every return ends in `check_gradient_paths`: no rewrite may cut a gradient path."""
+"""The ring backend's passes, in the stages they run in. Each pass is one file and one function
+``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs them
+for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
+
+- ``prepare`` (`PREPARE`): record the gradient paths, write out what Dynamo wraps (subgraphs, model
+  numbers, ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was found:
+- a graph without attention: nothing more; it runs unchanged (replicated) on every rank;
+- decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
+  nothing else in the graph is sharded;
+- else the prefill (`PREFILL`): ``analyse`` (masks, sequence axes, layout, placements), ``shard`` (positions,
+  sizes, attention and boundaries rewritten for this rank's tokens) and ``gradients``.
+- ``check`` (`CHECK`), always last: no rewrite may cut a gradient path.
+
+`ringpass.graph_utils.runner` numbers and logs the passes, and checks and writes the graph after each one
+when asked (``RINGPASS_CHECK_PASSES=1``, ``RINGPASS_DEBUG_DIR=dir``)."""
 
 import torch
 
 from lowering.errors import NotSupportedError
 from lowering.layout import Layout
 from ringpass.graph import example_value, nbytes, op_label, plain, short_source
+from ringpass.graph_utils.context import FULL, LOCAL, PassContext
+from ringpass.graph_utils.runner import PassRunner, Stage
 from ringpass.graph_view import op_chain
 from ringpass.passes.check_gradient_paths import check_gradient_paths
-from ringpass.passes.context import FULL, LOCAL, PassContext
+from ringpass.passes.choose_layout import choose_layout
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
@@ -26,53 +38,45 @@ from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads
-from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_attention import rewrite_attention
+from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.report import Refusal
 
-PIPELINE = (
-    record_gradient_paths,
-    inline_subgraphs,
-    pin_model_numbers,
-    expand_multi_head_attention,
-    devectorize_vmaps,
-    find_attention,
-    lift_masks,
-    invert_permutations,
-    find_sequence_axes,
-    globalize_sharded_lengths,
-    find_local_permutations,
-    decide_placements,
-    keep_cache_sharded,
-    rewrite_positions,
-    localize_shapes,
-    rewrite_attention,
-    insert_boundaries,
-    reduce_grads,
-    check_gradient_paths,
+PREPARE = Stage("prepare", (record_gradient_paths, inline_subgraphs, pin_model_numbers, expand_multi_head_attention,
+                            devectorize_vmaps, find_attention))
+PREFILL = (
+    Stage("analyse", (lift_masks, invert_permutations, find_sequence_axes, choose_layout, globalize_sharded_lengths,
+                      find_local_permutations, decide_placements, keep_cache_sharded)),
+    # from the whole sequence to this rank's tokens: the graph computes its values again after the last
+    Stage("shard", (rewrite_positions, localize_shapes, rewrite_attention, insert_boundaries),
+          runs_between_passes=False),
+    Stage("gradients", (reduce_grads,)),
 )
+DECODE = Stage("decode", (rewrite_decode_attention,))
+CHECK = Stage("check", (check_gradient_paths,))
+PIPELINE = tuple(run_pass for stage in (PREPARE, *PREFILL, CHECK) for run_pass in stage.passes)  # a prefill's passes
 
 
 def run_pipeline(ctx: PassContext) -> None:
-    """Every pass on ``ctx.gm``, in order; the graph stays unchanged when it has no attention. A refusal
+    """Every stage on ``ctx.gm``, in order; the graph stays unchanged when it has no attention. A refusal
     is recorded in the report, with the chain of ops from the attention to the blocking op, and raised
     with that chain added to its message."""
-    report = ctx.report
+    report, runner = ctx.report, PassRunner(ctx)
     try:
-        for run_pass in PIPELINE:
-            run_pass(ctx)
-            if run_pass is find_attention and not ctx.attention:
-                report.unchanged = "no attention found"
-                report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
-                check_gradient_paths(ctx)
-                return
-            if run_pass is find_attention and any(is_decode_step(m) for m in ctx.attention):
-                rewrite_decode_attention(ctx)
-                check_gradient_paths(ctx)
-                return
+        runner.run(PREPARE)
+        if not ctx.attention:
+            report.unchanged = "no attention found"
+            report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
+            stages = ()
+        elif any(is_decode_step(m) for m in ctx.attention):
+            stages = (DECODE,)
+        else:
+            stages = PREFILL
+        for stage in (*stages, CHECK):
+            runner.run(stage)
     except NotSupportedError as error:
         node = getattr(error, "node", None)
         chain = op_chain(ctx.gm, [m.output for m in ctx.attention], node) if node is not None else []
@@ -81,15 +85,16 @@ def run_pipeline(ctx: PassContext) -> None:
         if len(chain) > 1:
             error.args = (f"{error}\nChain of ops between the attention and the blocking op: {' -> '.join(chain)}",)
         raise
-    report.layout, report.seq_len = ctx.layout_kind, plain(ctx.global_seq_len)
-    report.activation_bytes = _activation_bytes(ctx)
+    if stages is PREFILL:
+        report.layout, report.seq_len = ctx.layout_kind, plain(ctx.global_seq_len)
+        report.activation_bytes = _activation_bytes(ctx)
 
 
 def _activation_bytes(ctx: PassContext) -> dict:
     """Bytes of the values the graph computes on this rank's tokens (per rank, and the same values at full
     length), and of the values computed whole on every rank; each value counted once, views (which own
     no memory) not at all."""
-    graph_length, global_length = plain(ctx.seq_len), plain(ctx.global_seq_len)
+    traced_length, global_length = plain(ctx.seq_len), plain(ctx.global_seq_len)
     local_length = Layout(ctx.layout_kind, ctx.world_size, global_length).local_len
     per_rank = unsharded = whole = 0
     for node, placement in ctx.placement.items():
@@ -97,8 +102,8 @@ def _activation_bytes(ctx: PassContext) -> dict:
         if node.op == "placeholder" or not isinstance(value, torch.Tensor) or value._is_view():
             continue
         if placement == LOCAL:
-            per_rank += nbytes(value) * local_length // graph_length
-            unsharded += nbytes(value) * global_length // graph_length
+            per_rank += nbytes(value) * local_length // traced_length
+            unsharded += nbytes(value) * global_length // traced_length
         elif placement == FULL:
             whole += nbytes(value)
     return {"per_rank": per_rank, "unsharded": unsharded, "whole": whole}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ringpass.graph import op_label, refusal, user_name
-from ringpass.passes.context import PassContext
-from ringpass.passes.record_gradient_paths import (GRADIENT_ARGUMENTS, NO_GRADIENT, CapturedGradients, GradientRules,
-                                                   gradient_reach, ringpass_op)
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.gradient_reach import (GRADIENT_ARGUMENTS, NO_GRADIENT, CapturedGradients, GradientRules,
+                                                 flat_nodes, gradient_reach, ringpass_op)
 
 SHOWN = 3  # other values named after the first
 
@@ -97,14 +97,8 @@ def _as_argument(op: fx.Node, arg: fx.Node) -> str:
     if found is None:
         return ""
     bound = dict(zip(found[1], op.args)) | dict(op.kwargs)
-    names = [k for k, v in bound.items() if arg in _nodes_in(v)]
+    names = [k for k, v in bound.items() if arg in flat_nodes(v)]
     return f" as its argument `{names[0]}`" if names else ""
-
-
-def _nodes_in(value) -> list[fx.Node]:
-    found = []
-    fx.node.map_arg(value, found.append)
-    return found
 
 
 def _why_not(op: fx.Node) -> str:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ringpass.graph import example_value, is_vmap_bookkeeping, refresh_example_values
-from ringpass.passes.context import PassContext
-from ringpass.passes.token_ops import is_pointwise, op_name
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.spellings import CASTS, is_pointwise, op_name
 
-ELEMENTWISE = {"to", "new_ones", "new_zeros", "tensor", "index", "getitem", "bool", "int", "long", "float"}
+ELEMENTWISE = CASTS | {"new_ones", "new_zeros", "tensor", "index", "getitem"}
 
 
 def devectorize_vmaps(ctx: PassContext) -> None:

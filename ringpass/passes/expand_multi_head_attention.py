@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ringpass.graph import copy_origin, describe, example_value, refresh_example_values, refusal
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
 
 MHA = F.multi_head_attention_forward
 SIGNATURE = inspect.signature(MHA)

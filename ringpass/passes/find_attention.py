@@ -45,24 +45,20 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import (ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in,
                             refusal)
-from ringpass.passes.context import PassContext
-from ringpass.passes.head_groups import repeated_groups
-from ringpass.passes.token_ops import is_pointwise
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.head_groups import repeated_groups
+from ringpass.graph_utils.score_terms import peel_scale, peel_softcap, split_sum
+from ringpass.graph_utils.spellings import ADD, DIV, FLEX, KEEP_FLOATS, MUL, SDPA, TANH, VIEWS, calls, is_pointwise
 
-SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
-SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax, "softmax")
-MATMUL = (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__")
-TRANSPOSE = (torch.transpose, "transpose", "mT", "permute")
-CASTS = ("to", "type_as", "type", "float", "double", "half", "bfloat16", "contiguous")  # keep the values
-DROPOUTS = ("dropout", F.dropout)
-FLEX = torch.ops.higher_order.flex_attention
-FUSED_LAYERS = (torch._transformer_encoder_layer_fwd, torch._native_multi_head_attention)
-BADDBMM = (torch.baddbmm, "baddbmm")
-VIEWS = ("view", "reshape", torch.reshape)
-MUL, DIV, ADD = (operator.mul, torch.mul, "mul"), (operator.truediv, torch.div, "div"), (operator.add, torch.add, "add",
-                                                                                     operator.iadd)
-TANH = (torch.tanh, "tanh")
-NAN_TO_NUM = (torch.nan_to_num, "nan_to_num")
+SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, "softmax"})
+MATMUL = frozenset({operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__"})
+TRANSPOSE = frozenset({torch.transpose, "transpose", "mT", "permute"})
+DROPOUTS = frozenset({"dropout", F.dropout})
+FUSED_LAYERS = frozenset({torch._transformer_encoder_layer_fwd, torch._native_multi_head_attention})
+BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
+NAN_TO_NUM = frozenset({torch.nan_to_num, "nan_to_num"})
+AROUND_PROBABILITIES = KEEP_FLOATS | DROPOUTS  # softmax(scores.float()).to(q.dtype), dropout(p=0)
+SCORE_STEPS = KEEP_FLOATS | MUL | DIV | ADD | TANH  # scaling, soft-capping and biases over q @ kᵀ
 
 
 @dataclass(frozen=True)
@@ -101,14 +97,14 @@ class FlexMods:
 
 def find_attention(ctx: PassContext) -> None:
     for node in ctx.gm.graph.nodes:
-        if _is(node, FUSED_LAYERS):
+        if calls(node, FUSED_LAYERS):
             raise refusal(
                 f"{describe(node)} is PyTorch's fused Transformer fast path (nn.TransformerEncoderLayer or "
                 "nn.MultiheadAttention in eval without gradients): one opaque op the ring cannot open. Turn the fast "
                 "path off with torch.backends.mha.set_fastpath_enabled(False).", node)
         if node.op == "call_function" and node.target is FLEX:
             ctx.attention.append(_match_flex(ctx.gm, node))
-        elif _is(node, SDPA):
+        elif calls(node, SDPA):
             ctx.attention.append(_match_sdpa(ctx.gm, node))
         elif _product(node) is not None:
             match = _match_hand_written(ctx.gm, node)
@@ -136,7 +132,7 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
     outputs, then meet weights) is not one."""
     activations = _activations(gm.graph)
     for node in gm.graph.nodes:
-        value = example_value(node) if _is(node, SOFTMAX) else None
+        value = example_value(node) if calls(node, SOFTMAX) else None
         if value is None or value.dim() < 2 or _softmax_dim(node) not in (-1, value.dim() - 1) or value.shape[-1] == 1:
             continue
         if _weighs_an_activation(node, activations) or (value.dim() >= 3 and _scored_by_two(node, activations)):
@@ -147,9 +143,10 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
                 "attn_implementation='sdpa'.", node)
 
 
-PASS_THROUGH = CASTS + DROPOUTS + VIEWS + TRANSPOSE + ("flatten", "unflatten", "expand", "unsqueeze", "squeeze",
-                                                      "masked_fill", torch.masked_fill, torch.where, F.pad, "__getitem__")
-PRODUCTS = MATMUL + BADDBMM + (torch.einsum, torch.functional.einsum)
+PASS_THROUGH = KEEP_FLOATS | DROPOUTS | VIEWS | TRANSPOSE | {
+    "flatten", "unflatten", "expand", "unsqueeze", "squeeze", "masked_fill", torch.masked_fill, torch.where, F.pad,
+    "__getitem__"}  # ops between probabilities and the values they weigh that keep the probabilities' meaning
+PRODUCTS = MATMUL | BADDBMM | {torch.einsum, torch.functional.einsum}
 
 
 def _activations(graph: fx.Graph) -> set[fx.Node]:
@@ -171,10 +168,10 @@ def _weighs_an_activation(probs: fx.Node, activations: set, steps: int = 16) -> 
                 if user in seen or user.op not in ("call_function", "call_method"):
                     continue
                 seen.add(user)
-                if _is(user, PRODUCTS):
+                if calls(user, PRODUCTS):
                     if any(a in activations for a in user.all_input_nodes if a is not node):
                         return True
-                elif _is(user, PASS_THROUGH) or user.target is operator.getitem or is_pointwise(user):
+                elif calls(user, PASS_THROUGH) or user.target is operator.getitem or is_pointwise(user):
                     reached.append(user)
         frontier = reached
     return False
@@ -193,17 +190,12 @@ def _scored_by_two(softmax: fx.Node, activations: set) -> bool:
         if not isinstance(node, fx.Node) or node in seen:
             continue
         seen.add(node)
-        if _is(node, PRODUCTS):
+        if calls(node, PRODUCTS):
             operands = [a for a in node.all_input_nodes if isinstance(example_value(a), torch.Tensor)]
             if len(operands) == 2 and all(example_value(a).dim() >= 3 and a in activations for a in operands):
                 return True
         stack += node.all_input_nodes + writes.get(node, [])
     return False
-
-
-def _is(node: fx.Node, targets) -> bool:
-    """``node`` calls one of ``targets`` (functions, or method names as strings)."""
-    return node.op in ("call_function", "call_method") and node.target in targets
 
 
 def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
@@ -286,16 +278,16 @@ def _only_writes_into(user: fx.Node, node: fx.Node) -> bool:
 def _unrepeated(node: fx.Node) -> fx.Node:
     """K/V before a repeat of their heads (``k[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv*g, S, D)``,
     ``k.repeat_interleave(g, dim=1)``): the ring rotates the Hkv heads and repeats nothing."""
-    if _is(node, ("repeat_interleave", torch.repeat_interleave)):
+    if calls(node, ("repeat_interleave", torch.repeat_interleave)):
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
         return node.args[0] if dim in (1, -3) and isinstance(node.args[0], fx.Node) else node
-    if not _is(node, ("reshape", "view", torch.reshape)) or not isinstance(node.args[0], fx.Node):
+    if not calls(node, VIEWS) or not isinstance(node.args[0], fx.Node):
         return node
     expanded = node.args[0]
-    if not _is(expanded, ("expand",)) or not isinstance(expanded.args[0], fx.Node):
+    if not calls(expanded, ("expand",)) or not isinstance(expanded.args[0], fx.Node):
         return node
     unsqueezed = expanded.args[0]
-    if _is(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2:
+    if calls(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2:
         source = unsqueezed.args[0]
     elif unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem and _new_axis_at_2(unsqueezed.args[1]):
         source = unsqueezed.args[0]
@@ -321,12 +313,12 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
         return None
     internal = [out]
     probs = _peel_value_keeping(probs, internal)  # softmax(..., dtype=float32).to(q.dtype), dropout(p=0), views
-    if _is(probs, NAN_TO_NUM) and _zeroes_nan(probs):  # a query with no visible key: NaN made 0, as the ring gives
+    if calls(probs, NAN_TO_NUM) and _zeroes_nan(probs):  # a query with no visible key: NaN made 0, as the ring gives
         internal.append(probs)
         probs = _peel_value_keeping(probs.args[0], internal)
-    if not _is(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
+    if not calls(probs, SOFTMAX) or _softmax_dim(probs) not in (-1, example_value(probs).dim() - 1):
         return None
-    active = next((n for n in internal if _is(n, DROPOUTS) and _drops(n)), None)
+    active = next((n for n in internal if calls(n, DROPOUTS) and _drops(n)), None)
     if active is not None:
         raise refusal(f"Attention probabilities go through dropout at {describe(active)}; dropout inside ring "
                       "attention is not supported. Set the attention dropout to 0.", active)
@@ -348,7 +340,7 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
         bias, mask = mask[1], None  # softmax(q kᵀ s + distance): one additive term that hides nothing
     scores, softcap = peel_softcap(scores, internal)
     scores, scale = peel_scale(scores, internal)
-    if _is(scores, BADDBMM):
+    if calls(scores, BADDBMM):
         product = _baddbmm(scores, bias)
         if product is None:
             return None
@@ -379,9 +371,9 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
 def _product(node: fx.Node):
     """(a, b, b_transposed) when ``node`` multiplies matrices over its last two dims: ``a @ b`` (False), or an
     ``einsum`` of two operands with shared leading dims that is ``a @ b`` or ``a @ bᵀ`` (True); else None."""
-    if _is(node, MATMUL) and len(node.args) == 2:
+    if calls(node, MATMUL) and len(node.args) == 2:
         return node.args[0], node.args[1], False
-    if not (_is(node, (torch.einsum, torch.functional.einsum)) and node.args and isinstance(node.args[0], str)):
+    if not (calls(node, (torch.einsum, torch.functional.einsum)) and node.args and isinstance(node.args[0], str)):
         return None
     operands = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
     equation = node.args[0].replace(" ", "")
@@ -401,7 +393,7 @@ def _product(node: fx.Node):
 def _peel_value_keeping(node, internal: list):
     """The value under any casts, dropouts and batch-head views around it, which join ``internal`` (a
     dropout that acts is refused by the caller once the value is known to be attention probabilities)."""
-    while isinstance(node, fx.Node) and (_is(node, CASTS + DROPOUTS) or _merges_heads(node)) \
+    while isinstance(node, fx.Node) and (calls(node, AROUND_PROBABILITIES) or _merges_heads(node)) \
             and isinstance(node.args[0], fx.Node):
         internal.append(node)
         node = node.args[0]
@@ -410,7 +402,7 @@ def _peel_value_keeping(node, internal: list):
 
 def _merges_heads(node: fx.Node) -> bool:
     """A view between ``[B, H, n, m]`` and ``[B·H, n, m]`` (either way): the last two dims kept."""
-    if not _is(node, VIEWS) or not isinstance(node.args[0], fx.Node):
+    if not calls(node, VIEWS) or not isinstance(node.args[0], fx.Node):
         return False
     before, after = example_value(node.args[0]), example_value(node)
     if {before.dim(), after.dim()} != {3, 4} or tuple(before.shape[-2:]) != tuple(after.shape[-2:]):
@@ -423,23 +415,13 @@ def _leads_to_product(node, steps: int = 12) -> bool:
     """``node`` is scores: scaling, soft-capping, biases, filled masks, casts and views over ``q @ kᵀ``."""
     if not isinstance(node, fx.Node) or steps == 0:
         return False
-    if _is(node, BADDBMM) or _product(node) is not None:
+    if calls(node, BADDBMM) or _product(node) is not None:
         return True
-    if _is(node, ("masked_fill", torch.masked_fill, torch.where)):  # the scores are the filled value
-        return _leads_to_product(node.args[1 if _is(node, (torch.where,)) else 0], steps - 1)
-    if not (_is(node, CASTS + MUL + DIV + ADD + TANH) or _merges_heads(node)):
+    if calls(node, ("masked_fill", torch.masked_fill, torch.where)):  # the scores are the filled value
+        return _leads_to_product(node.args[1 if calls(node, (torch.where,)) else 0], steps - 1)
+    if not (calls(node, SCORE_STEPS) or _merges_heads(node)):
         return False
     return any(_leads_to_product(arg, steps - 1) for arg in node.args if isinstance(arg, fx.Node))
-
-
-def split_sum(node: fx.Node, is_scores=_leads_to_product):
-    """(the scores, the other term) of ``scores + term``, or None; ``is_scores`` tells the scores' side."""
-    if not _is(node, ADD) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) or node.kwargs:
-        return None
-    left, right = node.args
-    if is_scores(left) and not is_scores(right):
-        return left, right
-    return (right, left) if is_scores(right) and not is_scores(left) else None
 
 
 def _drops(dropout: fx.Node) -> bool:
@@ -462,17 +444,17 @@ def _softmax_dim(node: fx.Node):
 def _peel_mask(scores: fx.Node, internal: list, filled_only: bool = False):
     """(scores before masking, the mask as ("masked_out"|"kept"|"additive", node), the fill value of a
     masked_fill / where) or (scores, None, None); ``filled_only``: not an additive mask."""
-    if _is(scores, ("masked_fill", torch.masked_fill)):
+    if calls(scores, ("masked_fill", torch.masked_fill)):
         fill = _constant_number(scores.args[2])
         if fill is not None and fill <= MASKED_AT_OR_BELOW:
             internal.append(scores)
             return scores.args[0], ("masked_out", scores.args[1]), fill
-    if _is(scores, (torch.where,)) and len(scores.args) == 3:
+    if calls(scores, (torch.where,)) and len(scores.args) == 3:
         fill = _constant_number(scores.args[2])
         if fill is not None and fill <= MASKED_AT_OR_BELOW:
             internal.append(scores)
             return scores.args[1], ("kept", scores.args[0]), fill
-    terms = None if filled_only else split_sum(scores)
+    terms = None if filled_only else split_sum(scores, _leads_to_product)
     if terms is not None:
         internal.append(scores)
         return terms[0], ("additive", terms[1]), None
@@ -483,7 +465,7 @@ def _constant_number(value) -> Optional[float]:
     """A Python number, or the number of a 0-d tensor made from one (``torch.tensor(c, dtype=...)``), else None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, fx.Node) and _is(value, (torch.tensor, torch.scalar_tensor)) and value.args \
+    if isinstance(value, fx.Node) and calls(value, (torch.tensor, torch.scalar_tensor)) and value.args \
             and isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
         return float(value.args[0])
     return None
@@ -494,7 +476,7 @@ def _peel_bias(scores: fx.Node, internal: list):
     while _merges_heads(scores):  # BLOOM views [B·H, S, S] scores as [B, H, S, S] before the mask
         internal.append(scores)
         scores = scores.args[0]
-    terms = split_sum(scores)
+    terms = split_sum(scores, _leads_to_product)
     if terms is None:
         return scores, None
     internal.append(scores)
@@ -515,33 +497,6 @@ def _hides_or_is_input(node: fx.Node) -> bool:
     return any(c <= MASKED_AT_OR_BELOW for c in numbers_in(node))
 
 
-def peel_softcap(scores: fx.Node, internal: list):
-    """(x, c) of ``tanh(x / c) · c`` (or ``tanh(x · (1/c)) · c``), else (scores, None)."""
-    outer = _constant_factor(scores, MUL)
-    if outer is None or not _is(outer[0], TANH):
-        return scores, None
-    tanh = outer[0]
-    inner = _constant_factor(tanh.args[0], DIV) if isinstance(tanh.args[0], fx.Node) else None
-    inner_cap = None if inner is None else inner[1]
-    if inner is None:
-        inner = _constant_factor(tanh.args[0], MUL) if isinstance(tanh.args[0], fx.Node) else None
-        inner_cap = None if inner is None or inner[1] == 0 else 1.0 / inner[1]
-    if inner is None or not math.isclose(inner_cap, outer[1], rel_tol=1e-6):
-        return scores, None
-    internal += [scores, tanh, tanh.args[0]]
-    return inner[0], float(outer[1])
-
-
-def _constant_factor(node: fx.Node, ops):
-    """(x, c) of ``x op c`` (or ``c * x`` for a product) with a Python number c, else None."""
-    if not _is(node, ops) or len(node.args) != 2:
-        return None
-    x, c = node.args
-    if isinstance(x, (int, float)) and isinstance(c, fx.Node) and ops is MUL:
-        x, c = c, x
-    return (x, float(c)) if isinstance(x, fx.Node) and isinstance(c, (int, float)) else None
-
-
 def _peel_outer_scale(scores: fx.Node, internal: list):
     """(x, c) of ``c · x`` when x is masked scores (a scale outside the mask), else (scores, 1)."""
     peeled = []
@@ -550,15 +505,6 @@ def _peel_outer_scale(scores: fx.Node, internal: list):
         return scores, 1.0
     internal += peeled
     return under, outer
-
-
-def peel_scale(scores: fx.Node, internal: list):
-    for ops, as_factor in ((MUL, lambda c: c), (DIV, lambda c: 1.0 / c)):
-        found = _constant_factor(scores, ops)
-        if found is not None:
-            internal.append(scores)
-            return found[0], as_factor(found[1])
-    return scores, 1.0
 
 
 def _baddbmm(node: fx.Node, bias):
@@ -578,10 +524,10 @@ def _transposed_last_two(node: fx.Node) -> Optional[fx.Node]:
     rank = example_value(node).dim()
     if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
         return node.args[0]
-    if _is(node, (torch.transpose, "transpose")):
+    if calls(node, (torch.transpose, "transpose")):
         dims = {d % rank for d in node.args[1:3]}
         return node.args[0] if dims == {rank - 2, rank - 1} else None
-    if _is(node, ("permute",)):
+    if calls(node, ("permute",)):
         perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         expected = list(range(rank - 2)) + [rank - 1, rank - 2]
         return node.args[0] if [p % rank for p in perm] == expected else None

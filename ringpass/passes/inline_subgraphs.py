@@ -9,8 +9,9 @@ Matches the higher-order ops whose body is the user's own code run once, in plac
 Writes each body's nodes into the graph in place of the call (its placeholders become the call's arguments,
 the ``getitem``s of its result the body's outputs; nested bodies come along and are opened in turn) and
 removes the body once no call uses it. A body's ``p.item()`` on an argument that a call passes as a number
-already (Dynamo's later calls of a shared body under ``dynamic=True``) reads that number. Checkpointed nodes keep checkpointing's tags (``recompute =
-PREFER_RECOMPUTE``, one ``ac_graph_id`` per region).
+already (Dynamo's later calls of a shared body under ``dynamic=True``) reads that number. Checkpointed nodes
+keep checkpointing's tags (``recompute = PREFER_RECOMPUTE``, one ``ac_graph_id`` per region); the report
+warns how many checkpoint regions were opened.
 
 The tags travel through AOTAutograd's tracing to the aten graph, whose partitioner recomputes the region
 in the backward as checkpointing would, except what `rewrite_attention` marks ``MUST_SAVE``: the ring
@@ -31,17 +32,16 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ringpass.graph import describe, example_value, refusal
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.spellings import BODY_CALLS, CHECKPOINT, FLEX, SDPA
 
-CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-OPERANDS = {CHECKPOINT: 1, torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.wrap: 1}  # where args start
-ATTENTION_OPS = (torch._C._nn.scaled_dot_product_attention, torch.ops.higher_order.flex_attention)
+ATTENTION_OPS = SDPA | {FLEX}
 REGION_IDS = 1 << 20  # ac_graph_id of the opened regions, apart from Dynamo's own
 
 
 def inline_subgraphs(ctx: PassContext) -> None:
     graph, checkpoints = ctx.gm.graph, 0
-    while calls := [n for n in graph.nodes if n.op == "call_function" and n.target in OPERANDS]:
+    while calls := [n for n in graph.nodes if n.op == "call_function" and n.target in BODY_CALLS]:
         for call in calls:
             tags = {}
             if call.target is CHECKPOINT:
@@ -58,7 +58,7 @@ def inline_subgraphs(ctx: PassContext) -> None:
 def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
     graph, body_attr = gm.graph, call.args[0]
     body: fx.GraphModule = getattr(gm, body_attr.target)
-    env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], call.args[OPERANDS[call.target]:]))
+    env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], call.args[BODY_CALLS[call.target]:]))
     with graph.inserting_before(call):
         for node in body.graph.nodes:
             if node.op == "output":

@@ -13,6 +13,9 @@ Matches edges between placements:
   are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
+The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
+(`reduce_grads` makes their gradient whole) and a gathered input that a mask program reads to
+``ctx.whole_values``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import torch.utils._pytree as pytree
 
 from lowering.layout import Layout
 from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
-from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
-from ringpass.passes.sequence_axes import same
-from ringpass.passes.token_ops import pick_index, positions_index
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+from ringpass.graph_utils.sizes import same
+from ringpass.graph_utils.token_ops import pick_index, positions_index
 from ringpass.report import CollectiveRecord, ValueRecord
 
 
@@ -122,7 +125,8 @@ def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
     if not same(value.shape[axis.dim], ctx.seq_len):  # a merged (outer x sequence x inner) dimension
         mask = graph.call_method("view", (mask, 1, -1, 1))
         size = graph.call_method("size", (like, axis.dim))
-        outer = graph.call_function(operator.floordiv, (size, graph.call_function(operator.mul, (ctx.graph_length("local"), axis.inner))))
+        tokens = graph.call_function(operator.mul, (ctx.insert_length("local"), axis.inner))
+        outer = graph.call_function(operator.floordiv, (size, tokens))
         mask = graph.call_method("expand", (mask, outer, -1, axis.inner))
         mask = graph.call_method("reshape", (mask, -1))
     shape = [1] * value.dim()
@@ -175,8 +179,8 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
     # mean: local mean x local count, summed, over the global count (counts measured at run time)
     local_count = graph.call_function(operator.floordiv, (graph.call_method("numel", (local_input,)), graph.call_method("numel", (node,))))
     reduced = _reduce(ctx, graph.call_function(operator.mul, (node, local_count)), node, "the mean over the sequence (as a sum)", size)
-    per_token = graph.call_function(operator.floordiv, (local_count, ctx.graph_length("local")))
-    global_count = graph.call_function(operator.mul, (per_token, ctx.graph_length("global")))
+    per_token = graph.call_function(operator.floordiv, (local_count, ctx.insert_length("local")))
+    global_count = graph.call_function(operator.mul, (per_token, ctx.insert_length("global")))
     return graph.call_function(operator.truediv, (reduced, global_count))
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 
 from ringpass.graph import example_value
-from ringpass.passes.context import PassContext
-from ringpass.passes.sequence_axes import same
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.sizes import same
 
 
 def invert_permutations(ctx: PassContext) -> None:

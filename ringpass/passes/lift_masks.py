@@ -29,7 +29,10 @@ learned slopes) is never evaluated here: it stays a program, whose inputs the ri
 tile (`lowering.program_grads`).
 
 Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (masks and biases: they and what only
-feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank).
+feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank);
+a flex_attention's match in ``ctx.attention`` gets its ``score_mod``'s scale folded in. The report gets a
+warning for each tensor materialised, and a note (``differs``) where a fully hidden query gets what eager
+attention does not give it.
 """
 
 from __future__ import annotations
@@ -45,18 +48,16 @@ from lowering.errors import NotSupportedError
 from lowering.masks import MASKED_AT_OR_BELOW, register_mask, split_additive
 from ringpass.graph import (ancestors, describe, example_value, is_module_state, numbers_in, placeholders_of, refusal,
                             user_name)
-from ringpass.passes.context import PassContext
-from ringpass.passes.flex_mods import FlexProgram, read_score_mod
-from ringpass.passes.sequence_axes import same
-from ringpass.passes.token_ops import is_pointwise, op_name
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.flex_mods import FlexProgram, read_score_mod
+from ringpass.graph_utils.sizes import same
+from ringpass.graph_utils.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
 
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
 # A finite hiding value at or below this makes every score it is added to the same number in float32 (its
 # spacing there is 64: any score under 32 in size is lost), so a fully hidden query's softmax is uniform.
 SWAMPS_EVERY_SCORE = -1e9
-CASTS = {"to", "bool", "float", "double", "half", "long", "int", "type", "type_as", "contiguous", "clone", "detach"}
 AND = {"bitwise_and", "logical_and"}
-LIKE = {"zeros_like", "ones_like", "full_like", "empty_like"}  # shaped like their first argument
 Q, KV = "q", "kv"
 
 
@@ -86,10 +87,11 @@ class MaskPlan:
             (["ALiBi slopes, computed in-kernel from positions"] if self.slopes is not None else []) + \
             (["lifted bias program, evaluated per tile"] if self.bias_id else [])
 
-    def op_args(self) -> tuple:
-        """The ring op's mask and score arguments, in its order."""
-        return (self.window, self.program_id, list(self.inputs), self.softcap, self.slopes, self.bias_id,
-                list(self.bias_inputs), self.fully_masked)
+    def op_args(self) -> dict:
+        """The ring op's mask and score arguments, by their `lowering.ring_args.RingArgs` names."""
+        return dict(window=self.window, mask_id=self.program_id, mask_inputs=list(self.inputs), softcap=self.softcap,
+                    alibi_slopes=self.slopes, bias_id=self.bias_id, bias_inputs=list(self.bias_inputs),
+                    fully_masked=self.fully_masked)
 
     def _window(self) -> str:
         return f", sliding window {self.window}" if self.window is not None else ""
@@ -308,7 +310,7 @@ def _check_additive(match, kind: str, mask: fx.Node) -> None:
 def _keeps_values(node: fx.Node) -> bool:
     """A cast, or a reshaping that only adds or broadcasts axes."""
     return node.op in ("call_function", "call_method") and (
-        op_name(node) in CASTS | {"expand", "unsqueeze"} or _only_new_axes(node))
+        op_name(node) in KEEP_VALUES | {"expand", "unsqueeze"} or _only_new_axes(node))
 
 
 def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
@@ -368,7 +370,7 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
     if name == "embedding" and node.op == "call_function":  # F.embedding(ids, table): the table is read whole
         ids, table = node.args[:2]
         return [(ids, {d: r for d, r in roles.items() if d < example_value(ids).dim()}), (table, {})]
-    if name in CASTS or name in LIKE or name == "expand" or is_pointwise(node):
+    if name in KEEP_VALUES or name in LIKE or name == "expand" or is_pointwise(node):
         args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
         return [(a, _aligned(example_value(a), out, roles)) for a in args]
     return None
@@ -499,7 +501,7 @@ class _Symbolic:
         node, uses = use[0], self.region.ops[use]
         name = op_name(node)
         args = list(fx.node.map_arg(node.args, lambda arg: self._value(uses[arg]) if arg in uses else _not_read(arg)))
-        if name in CASTS or name in ("expand", "unsqueeze"):
+        if name in KEEP_VALUES or name in ("expand", "unsqueeze"):
             if isinstance(args[0], _Linear) and _casts_to_bool(node):
                 raise LookupError  # a position cast to bool is "nonzero", not the position
             return args[0]
@@ -546,7 +548,7 @@ class _Symbolic:
         return position.shifted(offset)
 
 
-SHAPE_FORMULA = {"arange", "add", "sub", "unsqueeze", "expand", "getitem", "size"} | CASTS
+SHAPE_FORMULA = KEEP_VALUES | {"arange", "add", "sub", "unsqueeze", "expand", "getitem", "size"}
 
 
 def _shape_formula(node: fx.Node) -> bool:
@@ -708,8 +710,7 @@ def _causal_from_sizes_alone(ctx: PassContext, region: "_Region", kind: str, n: 
 
 
 CHECK_LENGTHS = (1, 2, 3, 5, 8, 13, 32, 67)
-FACTORIES = {torch.full, torch.ones, torch.zeros, torch.empty, torch.arange, "new_full", "new_ones", "new_zeros",
-             "new_empty"}
+FACTORIES = CREATORS | {torch.arange}
 
 
 def _prefix_limits(node: fx.Node) -> Optional[list[int]]:

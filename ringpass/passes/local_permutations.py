@@ -23,13 +23,12 @@ from typing import Optional
 import torch.fx as fx
 
 from ringpass.graph import example_value
-from ringpass.passes.context import PassContext
-from ringpass.passes.placements import has_sequence
-from ringpass.passes.token_ops import op_name
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.spellings import CASTS, op_name
 
 SORTS = ("sort", "argsort")
 COUNTS = ("histc", "bincount")
-OFFSET_STEPS = ("cumsum", "to", "int", "long", "float", "type")
+OFFSET_STEPS = CASTS | {"cumsum"}  # from counts to offsets
 
 
 def find_local_permutations(ctx: PassContext) -> None:
@@ -66,10 +65,10 @@ def _island(ctx: PassContext, sort: fx.Node) -> Optional[set]:
     for node in island - exits - {sort}:  # (the sort reads the keys in token order)
         if node.op == "output":
             return None  # a permuted value leaves the graph
-        outside = [a for a in node.all_input_nodes if (a not in island or a in exits) and has_sequence(ctx, a)]
+        outside = [a for a in node.all_input_nodes if (a not in island or a in exits) and ctx.has_sequence(a)]
         if outside and not (_is_gather(node, perm) and outside == [node.args[0]]):
             return None  # a sequence-carrying value in token order meets the permuted ones
-        if not has_sequence(ctx, node) and not isinstance(example_value(node), tuple) and not _only_offsets(node):
+        if not ctx.has_sequence(node) and not isinstance(example_value(node), tuple) and not _only_offsets(node):
             return None  # a value computed over the permuted tokens that is not a segment offset
     return island
 
@@ -86,7 +85,8 @@ def _is_gather(node: fx.Node, perm: fx.Node) -> bool:
 def _only_offsets(node: fx.Node) -> bool:
     """A count or offset (``histc`` / ``bincount`` of the keys, casts, ``cumsum``) whose every use ends as
     the ``offs=`` of a grouped matmul."""
-    if op_name(node) not in COUNTS + OFFSET_STEPS:
+    name = op_name(node)
+    if name not in COUNTS and name not in OFFSET_STEPS:
         return False
     return all(node in (user.kwargs.get("offs"), user.kwargs.get("offsets")) or _only_offsets(user)
                for user in node.users)

@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 
 from ringpass.graph import example_value
-from ringpass.passes.context import FULL, LOCAL, PassContext
-from ringpass.passes.sequence_axes import is_size_op, resize_size_args
+from ringpass.graph_utils.context import FULL, LOCAL, PassContext
+from ringpass.graph_utils.sizes import is_size_op, resize_size_args
 
 ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod)
 
@@ -30,7 +30,7 @@ ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, opera
 def localize_shapes(ctx: PassContext) -> None:
     if ctx.options.inputs == "sharded":
         _globalize_whole_sources(ctx)
-    local = ctx.graph_length("local")
+    local = ctx.insert_length("local")
     if not ctx.dynamic and local == ctx.seq_len:
         return
     twins: dict[fx.Node, fx.Node] = {}
@@ -53,7 +53,7 @@ def localize_shapes(ctx: PassContext) -> None:
 def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
     """Dynamic shapes: the local counterpart of a SymInt computed from the sequence length input."""
     if node in ctx.length_nodes:
-        return ctx.graph_length("local")
+        return ctx.insert_length("local")
     if node in twins:
         return twins[node]
     twin = node
@@ -72,7 +72,7 @@ def _globalize_whole_sources(ctx: PassContext) -> None:
     for node, kind in ctx.sources.items():
         if ctx.placement.get(node) != FULL or kind not in ("positions", "created"):
             continue
-        length = ctx.graph_length("global")
+        length = ctx.insert_length("global")
         if kind == "created":
             node.args = _created_args(ctx, node, length)
         else:  # arange(n) or arange(0, n[, 1])

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch._guards import Source
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
 
 
 def pin_model_numbers(ctx: PassContext) -> None:

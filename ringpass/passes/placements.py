@@ -1,14 +1,16 @@
 """Decide where every value lives: the whole sequence on every rank, or this rank's tokens.
 
-Matches the findings of `find_sequence_axes`. A value with a sequence axis is *local* (this rank's
-tokens, in layout order) unless an op that moves information between tokens needs it whole: then it
-and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token vectors
-such as labels and position ids). Such an op on a value that comes out of attention cannot be
+Matches the findings of `find_sequence_axes` (after `find_local_permutations` took ops off ``ctx.mixing``).
+The scores, probabilities and masks of hand-written attention, and what only feeds them, are taken off
+``ctx.axes`` and ``ctx.mixing`` first (the rewrite removes them). A value with a sequence axis is *local*
+(this rank's tokens, in layout order) unless an op that moves information between tokens needs it whole:
+then it and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token
+vectors such as labels and position ids). Such an op on a value that comes out of attention cannot be
 sharded and is refused. A reduction over the sequence of a local value is *partial* (summed over the
 ranks at the boundary). Values without a sequence axis are replicated (*noseq*).
 
-Writes ``ctx.placement`` and the report's inputs (sharded, kept whole and why, replicated) and values
-computed whole; raises on a token-mixing op over a sharded activation, and, with
+Writes ``ctx.placement`` (a `Placement` for every node), the report's inputs (sharded, kept whole and why,
+replicated) and values computed whole; raises on a token-mixing op over a sharded activation, and, with
 ``inputs="sharded"``, on one that needs the whole sequence of a sharded activation input (a sharded
 per-token vector, ``[B, N]`` labels, a padding mask or segment ids, or what a lifted mask program
 reads, goes to ``ctx.gathered_inputs`` instead: every rank all-gathers it).
@@ -16,13 +18,11 @@ reads, goes to ``ctx.gathered_inputs`` instead: every rank all-gathers it).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 from ringpass.graph import describe, example_value, is_module_state, nbytes, plain, refusal, user_name
-from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.report import ValueRecord
 
 
@@ -37,7 +37,7 @@ def decide_placements(ctx: PassContext) -> None:
     for node in ctx.gm.graph.nodes:
         if node in ctx.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
-        elif not has_sequence(ctx, node):
+        elif not ctx.has_sequence(node):
             ctx.placement[node] = NOSEQ
         elif node in needs_full or node in ctx.mixing:
             ctx.placement[node] = FULL
@@ -79,26 +79,17 @@ def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
     return gone
 
 
-def has_sequence(ctx: PassContext, node: fx.Node) -> bool:
-    """The node's value (or, for a tuple, one of its items) has a sequence axis."""
-    if ctx.axes.get(node):
-        return True
-    if not isinstance(example_value(node), (tuple, list)):
-        return False
-    return any(u.target is operator.getitem and ctx.axes.get(u) for u in node.users)
-
-
 def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
     """Sequence-carrying inputs of token-mixing ops and their sequence-carrying ancestors -> the op."""
     needed: dict[fx.Node, fx.Node] = {}
-    stack = [(a, op) for op in ctx.mixing for a in op.all_input_nodes if has_sequence(ctx, a)]
-    stack += [(value, value) for value in ctx.whole_values if has_sequence(ctx, value)]  # read whole by the ring
+    stack = [(a, op) for op in ctx.mixing for a in op.all_input_nodes if ctx.has_sequence(a)]
+    stack += [(value, value) for value in ctx.whole_values if ctx.has_sequence(value)]  # read whole by the ring
     while stack:
         node, op = stack.pop()
         if node in needed:
             continue
         needed[node] = op
-        stack += [(a, op) for a in node.all_input_nodes if has_sequence(ctx, a)]
+        stack += [(a, op) for a in node.all_input_nodes if ctx.has_sequence(a)]
     return needed
 
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
 from ringpass.graph import copy_origin, example_value, nbytes, user_name
-from ringpass.passes.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.report import CollectiveRecord
 from ringpass.wrappers import GradientMode
 

@@ -22,11 +22,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering.errors import NotSupportedError
+from lowering.ring_args import RingArgs
 from lowering.ulysses import check_heads
 from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, placeholders_of, plain,
                             refusal, remove_dead_code, source_line, user_name)
 from ringpass.report import AttentionRecord
-from ringpass.passes.context import LOCAL, PassContext
+from ringpass.graph_utils.context import LOCAL, PassContext
 
 
 def rewrite_attention(ctx: PassContext) -> None:
@@ -56,11 +57,9 @@ def rewrite_attention(ctx: PassContext) -> None:
             ring_group = ctx.group_name
             if ctx.ulysses:
                 operands, ring_group = _ulysses_operands(ctx, match, plan, operands)
-            ring = graph.call_function(
-                torch.ops.ringpass.ring_attention.default,
-                (*operands, ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), plan.is_causal, float(scale),
-                 ring_group, *plan.op_args(), ctx.ulysses[0] if ctx.ulysses else 1),
-            )
+            args = RingArgs(ctx.layout_kind, ctx.world_size, ctx.insert_length("global"), plan.is_causal, float(scale),
+                            ring_group, ulysses=ctx.ulysses[0] if ctx.ulysses else 1, **plan.op_args())
+            ring = graph.call_function(torch.ops.ringpass.ring_attention.default, (*operands, *args.op_args()))
             copy_origin(ring, match.output)
             ctx.placement[ring] = LOCAL
             if "recompute" in match.output.meta:  # inside a checkpoint region: never recompute a ring
@@ -102,7 +101,7 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
 
 def _ulysses_args(ctx: PassContext) -> tuple:
     u, ulysses_group, ring_group = ctx.ulysses
-    return (ctx.layout_kind, ctx.world_size, ctx.graph_length("global"), u, ulysses_group, ring_group)
+    return (ctx.layout_kind, ctx.world_size, ctx.insert_length("global"), u, ulysses_group, ring_group)
 
 
 def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[list, str]:

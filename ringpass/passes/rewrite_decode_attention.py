@@ -24,11 +24,11 @@ import torch.fx as fx
 from lowering.kernels import accumulation_dtype
 from lowering.sharded_cache import decode_over_slots
 from ringpass.graph import copy_origin, describe, example_value, plain, refusal, remove_dead_code, short_source
-from ringpass.passes.context import PassContext
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.spellings import KEEP_FLOATS
 from ringpass.report import CollectiveRecord
 
 WHOLE_CACHE = (torch.ops.ringpass.whole_cache, torch.ops.ringpass.whole_cache.default)
-CASTS = ("to", "contiguous", "type_as")
 
 
 def is_decode_step(match) -> bool:
@@ -74,7 +74,7 @@ def rewrite_decode_attention(ctx: PassContext) -> None:
 
 def _cache_read(node: fx.Node):
     """The ``whole_cache`` call ``node`` is (through casts), else None."""
-    while node.op == "call_method" and node.target in CASTS:
+    while node.op == "call_method" and node.target in KEEP_FLOATS:
         node = node.args[0]
     return node if node.op == "call_function" and node.target in WHOLE_CACHE else None
 

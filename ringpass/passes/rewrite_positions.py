@@ -4,7 +4,8 @@ Matches sources of the sequence axis that hold positions and run on this rank's 
 ``arange(seq_len)`` (RoPE angles, learned position embeddings, position ids), and a slice ``table[:seq_len]``
 of a position table (a learned position parameter). Writes ``ringpass::local_positions`` in place of the
 arange (cast to its dtype) and ``table.index_select(dim, local_positions)`` in place of the slice, so
-position-dependent values are computed for exactly this rank's tokens, in layout order.
+position-dependent values are computed for exactly this rank's tokens, in layout order. The new node takes
+over the old one's example value, placement and sequence axes; the report lists each rewrite (``positions``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ringpass.graph import copy_origin, example_value, source_line, user_name
-from ringpass.passes.context import LOCAL, PassContext
-from ringpass.passes.sequence_axes import same, value_of
+from ringpass.graph_utils.context import LOCAL, PassContext
+from ringpass.graph_utils.sizes import same, value_of
 
 
 def rewrite_positions(ctx: PassContext) -> None:

@@ -3,16 +3,19 @@
 Matches: the sequence length N is the attentions' query length (all must agree). Sources of the
 sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
 (positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables); the
-slots of a `ringpass.ShardedCache` (``ringpass::prompt_slots``) have none, whatever the prompt's length. Every
-other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
+slots of a `ringpass.ShardedCache` (``ringpass::prompt_slots``) have none, whatever the prompt's length.
+Every other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
 whose size moved are its sequence axes. The nodes inside a hand-written attention (scores, soft-cap, bias,
-probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v. Ops that spell sizes literally (``view``, ``reshape``,
-``expand``, ``repeat``) are given the probe's sizes by `resize_size_args`, which the shape rewrite
-reuses for the real local length.
+probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v. Ops
+that spell sizes literally (``view``, ``reshape``, ``expand``, ``repeat``) are given the probe's sizes by
+`resize_size_args`, which the shape rewrite reuses for the real local length.
 
-Writes ``ctx.seq_len``, ``ctx.global_seq_len``, ``ctx.layout_kind``, ``ctx.axes`` (node -> `SeqDim`s),
-``ctx.sources``, ``ctx.mixing`` (ops that move information between tokens, with why) and
-``ctx.reductions`` (reductions over the sequence: sum, mean, cross-entropy).
+Writes ``ctx.seq_len`` (N), ``ctx.global_seq_len`` (N x P with ``inputs="sharded"``), ``ctx.axes`` (node ->
+`SeqDim`s), ``ctx.sources`` (where the sequence axis comes from), ``ctx.length_nodes`` (SymInt inputs equal
+to N, with dynamic shapes), ``ctx.mixing`` (ops that move information between tokens, with why) and
+``ctx.reductions`` (per-token values reduced over the sequence: sum, mean, cross-entropy, a pick of a few
+tokens). Refuses attentions over different lengths, a reshape that splits the sequence, and an op that
+fails at the probe's length (its sizes do not follow the sequence: an unrolled recurrence).
 """
 
 from __future__ import annotations
@@ -26,19 +29,15 @@ import torch
 import torch._refs
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
-from ringpass.passes.context import PassContext, SeqDim
-from ringpass.passes.token_ops import PROMPT_SLOTS, classify, custom_forward, value_of
+from ringpass.graph_utils.context import PassContext, SeqDim
+from ringpass.graph_utils.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
+from ringpass.graph_utils.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
+from ringpass.graph_utils.token_ops import classify, custom_forward
 
-VIEWS = ("view", "reshape", torch.reshape)
-EXPANDS = ("expand", "repeat", torch.broadcast_to)
-FLATTENS = ("flatten", torch.flatten)  # reshapes that spell no sizes
-CREATORS = (torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
-            "new_zeros", "new_ones", "new_empty", "new_full")
 
 def _pad(x, pad, mode="constant", value=None):
     """``F.pad`` through its Python reference, which keeps symbolic sizes symbolic (the C++ op on fake
@@ -56,15 +55,7 @@ def find_sequence_axes(ctx: PassContext) -> None:
     if not all(same(n, lengths[0]) for n in lengths):
         raise NotSupportedError(f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence.")
     ctx.seq_len = lengths[0]
-    sharded_inputs = ctx.options.inputs == "sharded"
-    ctx.global_seq_len = ctx.seq_len * ctx.world_size if sharded_inputs else ctx.seq_len
-    if ctx.options.layout == "auto":
-        # zigzag balances causal work; masks read from data (packed documents, padding) are causal in practice.
-        # Sharded inputs are always zigzag: the user shards them (ringpass.shard) without knowing the model.
-        masked = any(plan.is_causal or plan.program_id for plan in ctx.masks.values())
-        ctx.layout_kind = "zigzag" if masked or sharded_inputs else "contiguous"
-    else:
-        ctx.layout_kind = ctx.options.layout
+    ctx.global_seq_len = ctx.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.seq_len
     _Probe(ctx).run()
 
 
@@ -252,37 +243,6 @@ def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:
     return is_vmap_bookkeeping(node) and node.target.__name__ in ("_vmap_increment_nesting", "_vmap_decrement_nesting")
 
 
-def is_size_op(node: fx.Node) -> bool:
-    """An op that spells its output sizes: ``view`` / ``reshape`` / ``expand`` / ``repeat`` / ``broadcast_to``."""
-    return (node.op == "call_method" and node.target in VIEWS + EXPANDS) or node.target in (torch.reshape, torch.broadcast_to)
-
-
-def _sizes(node: fx.Node) -> list:
-    rest = list(node.args[1:])
-    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
-        return list(rest[0])
-    return rest
-
-
-def _view_target_dim(node: fx.Node, in_axis: SeqDim, n: int) -> tuple[int, int]:
-    """(output dim holding the sequence, its inner factor) of a reshape; refuses a split sequence."""
-    in_shape, out_shape = example_value(node.args[0]).shape, example_value(node).shape
-    stride = in_axis.inner
-    for s in in_shape[in_axis.dim + 1:]:
-        stride *= s
-    suffix = 1
-    for j in range(len(out_shape) - 1, -1, -1):
-        if statically_known_true(suffix <= stride) and statically_known_true(stride < suffix * out_shape[j]):
-            if same(stride % suffix, 0) and same((suffix * out_shape[j]) % (stride * n), 0):
-                return j, int(stride // suffix)
-            break
-        suffix *= out_shape[j]
-    raise refusal(
-        f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
-        "mixes it with other axes; the tokens of a shard would not stay together.", node
-    )
-
-
 def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
     in_shape = example_value(node.args[0]).shape
     out_shape = example_value(node).shape
@@ -291,37 +251,10 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
             if axis.dim + out_shape.__len__() - len(in_shape) == dim:
                 return axis.inner
         else:
-            j, inner = _view_target_dim(node, axis, n)
+            j, inner = view_target_dim(node, axis, n)
             if j == dim:
                 return inner
     return None
-
-
-def resize_size_args(node: fx.Node, in_axes, length: int, n: int) -> tuple:
-    """The node's args with the literal sizes of its sequence dimensions rescaled from n to ``length``."""
-    in_shape = example_value(node.args[0]).shape
-    out_shape = list(example_value(node).shape)
-    sizes = _sizes(node)
-    if len(sizes) != len(out_shape):  # view(other.shape): sizes come from another tensor at run time
-        return node.args
-    for axis in in_axes:
-        if not axis.aligned:
-            continue
-        if node.target in EXPANDS:
-            j = axis.dim + len(out_shape) - len(in_shape)
-            if node.target == "repeat":  # counts, not sizes: k copies of a shard are the shard of k copies
-                continue
-        else:
-            j, _ = _view_target_dim(node, axis, n)
-        if isinstance(sizes[j], int) and sizes[j] != -1:  # a literal (static shapes); SymInt inputs are handled apart
-            sizes[j] = out_shape[j] // n * length
-    first = node.args[0]
-    return (first, *sizes) if not (len(node.args) == 2 and isinstance(node.args[1], (list, tuple))) else (first, type(node.args[1])(sizes))
-
-
-def same(a, b) -> bool:
-    """``a == b`` for ints and SymInts, without adding guards (unknown counts as different)."""
-    return statically_known_true(a == b)
 
 
 def _same_shape(a, b) -> bool:

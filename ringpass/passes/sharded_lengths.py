@@ -33,9 +33,9 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from ringpass.graph import copy_origin, describe, example_value, op_label, plain, refusal, source_line, user_name
-from ringpass.passes.context import PassContext
-from ringpass.passes.sequence_axes import CREATORS, is_size_op
-from ringpass.passes.token_ops import op_name
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.sizes import is_size_op, same
+from ringpass.graph_utils.spellings import CREATORS, op_name
 
 SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # the number becomes (part of) a tensor's values
@@ -183,8 +183,8 @@ class _Globalize:
         if node in self.twins:
             return self.twins[node]
         value = example_value(node)
-        if isinstance(value, torch.SymInt) and _same(value, self.n):
-            twin = self.ctx.graph_length("global")
+        if isinstance(value, torch.SymInt) and same(value, self.n):
+            twin = self.ctx.insert_length("global")
         elif node.op == "call_function":
             args = fx.node.map_arg(node.args, lambda a: self._twin(a, user) if self._reads_length(a) else a)
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self._twin(a, user) if self._reads_length(a) else a)
@@ -203,9 +203,3 @@ def _holds_sizes(node: fx.Node) -> bool:
     """A ``torch.Size`` or tuple of sizes (``x.size()[:-1] + (n,)``): read as sizes by whoever takes it."""
     value = example_value(node)
     return isinstance(value, (tuple, list, torch.Size)) and any(isinstance(v, SYM) for v in value)
-
-
-def _same(a, b) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(a == b)

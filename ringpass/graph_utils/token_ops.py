@@ -5,33 +5,27 @@ is decided from what the op is, never assumed: pointwise aten ops (by their ``po
 only rearrange or cast (``view``, ``transpose``, ``to``...), per-token layers (``linear``, ``embedding``,
 ``layer_norm`` over trailing feature dims, ``matmul`` over feature dims, a table indexed by per-token
 ids, indexing along other dims than the sequence), custom autograd Functions whose forward does only
-such ops (BLOOM's GeLU), and ops with a ``dim``
-argument (``softmax``, ``cat``, ``split``, ``sum``, ``gather``...) when that dim is not the sequence. A ``sum`` or
-``mean`` over the sequence is a partial sum to be all-reduced; ``cross_entropy`` with a reduction is
-a global mean. Everything else that touches the sequence (sorts, convolutions, cumulative ops, max or
-norm over the sequence, tensor indexing, ops not listed) mixes tokens.
+such ops (BLOOM's GeLU), and ops with a ``dim`` argument (``softmax``, ``cat``, ``split``, ``sum``,
+``gather``...) when that dim is not the sequence. A ``sum`` or ``mean`` over the sequence is a partial sum
+to be all-reduced; ``cross_entropy`` with a reduction is a global mean. Everything else that touches the
+sequence (sorts, convolutions, cumulative ops, max or norm over the sequence, tensor indexing, ops not
+listed) mixes tokens.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
 from ringpass.graph import example_value
+from ringpass.graph_utils.sizes import same, value_of
+from ringpass.graph_utils.spellings import PROMPT_SLOTS, REARRANGE, is_pointwise_name, op_name
 
-REARRANGE = {
-    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "expand_as", "unflatten",
-    "flatten", "view_as", "reshape_as", "clone", "detach", "to", "float", "double", "half", "bfloat16", "int",
-    "long", "bool", "type", "type_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack",
-    "getattr", "pad", "movedim", "swapaxes", "broadcast_to", "zeros_like", "ones_like", "empty_like", "full_like", "copy_",
-    "new_empty", "new_zeros", "new_ones", "new_full", "view_as_real", "view_as_complex",
-}
 PER_TOKEN_LAYERS = {
-    "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout", "scaled_dot_product_attention",
-    "flex_attention",
+    "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout",
+    "scaled_dot_product_attention", "flex_attention",
 }  # over feature dims; a contraction over the sequence loses the sequence axis and is caught above
 TRAILING_NORMS = {"layer_norm", "rms_norm"}  # normalise over trailing (feature) dims
 REDUCTIONS = {
@@ -45,26 +39,9 @@ ALONG_DIM = {
 }
 DIM_POSITION = {"split": 2, "chunk": 2, "repeat_interleave": 2, "norm": 2, "topk": 2, "roll": 2,
                 "take_along_dim": 2}  # else the 2nd
-OPERATOR_NAMES = {
-    "truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "or_": "bitwise_or",
-    "xor": "bitwise_xor", "invert": "bitwise_not", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
-}
 
 
-PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)  # a ShardedCache's prefill
-
-
-def op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        if node.target.startswith("__") and node.target.endswith("__"):  # x.__and__(y): as operator.and_
-            bare = node.target[2:-2]
-            return OPERATOR_NAMES.get(bare, OPERATOR_NAMES.get(bare + "_", bare))
-        return node.target
-    name = getattr(node.target, "__name__", str(node.target))
-    return OPERATOR_NAMES.get(name, name) if node.target.__module__ in ("_operator", "operator") else name
-
-
-def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: bool) -> tuple[str, Optional[str]]:
+def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: bool) -> tuple[str, str | None]:
     """("token", None), a reduction over the sequence ("sum" | "mean" | "cross_entropy", None), or
     ("mixing", why). ``seq_dims(arg)`` gives the sequence dims of an input node."""
     name = op_name(node)
@@ -100,7 +77,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return "mixing", f"`{name}` sums over the sequence (a weight as long as the sequence multiplies along it)"
     if name in DTENSOR_CONVERSIONS:
         return _dtensor_conversion(node, first, seq_dims)
-    if name in REARRANGE or name in PER_TOKEN_LAYERS or _pointwise(name):
+    if name in REARRANGE or name in PER_TOKEN_LAYERS or is_pointwise_name(name):
         return "token", None
     return "mixing", f"`{name}` is not known to act on each token separately"
 
@@ -108,7 +85,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
 DTENSOR_CONVERSIONS = {"to_local", "from_local", "redistribute"}  # tensor parallel's (parallelize_module)
 
 
-def _dtensor_conversion(node: fx.Node, first, seq_dims) -> tuple[str, Optional[str]]:
+def _dtensor_conversion(node: fx.Node, first, seq_dims) -> tuple[str, str | None]:
     """A DTensor made from a local tensor, turned back into one, or redistributed over another mesh (tensor
     parallel): per token unless a placement shards the sequence dim (sequence parallel, which the ring
     replaces)."""
@@ -152,14 +129,14 @@ def _contracts_sequence(node: fx.Node, name: str, seq_dims) -> bool:
     return False
 
 
-def _custom_function(node: fx.Node) -> tuple[str, Optional[str]]:
+def _custom_function(node: fx.Node) -> tuple[str, str | None]:
     """A custom autograd Function (Dynamo's ``autograd_function_apply``) acts per token when every op of its
     forward does: pointwise or rearranging ops (its backward is the Function's own, computed per token too)."""
     for op in custom_forward(node).graph.nodes:
         if op.op not in ("call_function", "call_method"):
             continue
         name = op_name(op)
-        if not (name in REARRANGE or _pointwise(name) or name == "_set_grad_enabled"):
+        if not (name in REARRANGE or is_pointwise_name(name) or name == "_set_grad_enabled"):
             return "mixing", f"a custom autograd Function runs `{name}`, not known to act on each token separately"
     return "token", None
 
@@ -169,7 +146,7 @@ def custom_forward(node: fx.Node) -> fx.GraphModule:
     return getattr(node.graph.owning_module, node.args[0].target)
 
 
-def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, Optional[str]]:
+def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, str | None]:
     """Per token; a "pick" of a few tokens at fixed positions (``x[:, 0]``, ``x[:, -4:]``: the owning ranks'
     rows reach every rank, see `pick_index`); or token mixing."""
     source, index = node.args
@@ -200,7 +177,7 @@ def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, Option
     return "token", None  # a list or tensor index along another dim (heads, features) stays per token
 
 
-def pick_index(node: fx.Node, seq_dims) -> Optional[tuple[int, object]]:
+def pick_index(node: fx.Node, seq_dims) -> tuple[int, object] | None:
     """(sequence dim, its int or slice index) when ``node`` indexes one sequence dim of its source with a
     constant and keeps every other dim whole, else None."""
     source, index = node.args
@@ -217,7 +194,7 @@ def pick_index(node: fx.Node, seq_dims) -> Optional[tuple[int, object]]:
     return d, i
 
 
-def positions_index(node: fx.Node, seq_dims) -> Optional[int]:
+def positions_index(node: fx.Node, seq_dims) -> int | None:
     """Which entry of a pure tensor index (``x[arange(B), last]``, every entry a tensor without a sequence
     axis) addresses the one sequence dim of the source, else None."""
     source, index = node.args
@@ -245,7 +222,7 @@ def _whole(index) -> bool:
     return isinstance(index, slice) and index.start in (None, 0) and index.stop is None and index.step in (None, 1)
 
 
-def _dims(node: fx.Node, name: str, first: Optional[fx.Node]) -> Optional[set]:
+def _dims(node: fx.Node, name: str, first: fx.Node | None) -> set | None:
     position = DIM_POSITION.get(name, 1)
     dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
     if name == "norm" and "dim" not in node.kwargs and len(node.args) == 2:
@@ -260,9 +237,7 @@ def _dims(node: fx.Node, name: str, first: Optional[fx.Node]) -> Optional[set]:
 
 
 def _only_one_nonempty(tensors) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return sum(not statically_known_true(value_of(t).numel() == 0) for t in tensors) == 1
+    return sum(not same(value_of(t).numel(), 0) for t in tensors) == 1
 
 
 def _tensor_args(node: fx.Node):
@@ -270,21 +245,3 @@ def _tensor_args(node: fx.Node):
     if args and isinstance(args[0], (list, tuple)):
         args = list(args[0]) + args[1:]
     return [a for a in args if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor)]
-
-
-def is_pointwise(node: fx.Node) -> bool:
-    """An aten op with the ``pointwise`` tag (elementwise, broadcasting)."""
-    return _pointwise(op_name(node))
-
-
-@lru_cache(maxsize=None)
-def _pointwise(name: str) -> bool:
-    packet = getattr(torch.ops.aten, name, None)
-    if packet is None or not hasattr(packet, "overloads"):
-        return False
-    return any(torch.Tag.pointwise in getattr(packet, overload).tags for overload in packet.overloads())
-
-
-
-def value_of(arg):
-    return example_value(arg) if isinstance(arg, fx.Node) else arg

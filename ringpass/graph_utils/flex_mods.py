@@ -11,13 +11,12 @@ a bias program: ``score_mod`` evaluated at score 0. Anything else is refused, na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from ringpass.graph import ancestors, describe, refusal
-from ringpass.passes.find_attention import peel_scale, peel_softcap, split_sum
+from ringpass.graph_utils.score_terms import peel_scale, peel_softcap, split_sum
 
 
 class FlexProgram:
@@ -45,12 +44,13 @@ class ScoreReading:
     """What a ``score_mod`` does: ``softcap(score · scale) + bias``."""
 
     scale: float = 1.0
-    softcap: Optional[float] = None
+    softcap: float | None = None
     bias: bool = False
 
 
 def read_score_mod(score_mod: fx.GraphModule, call: fx.Node) -> ScoreReading:
-
+    """What ``score_mod`` does to the score (its first input), as `ScoreReading`; anything the kernels do not
+    compute is refused, naming the flex_attention ``call``."""
     score = next(n for n in score_mod.graph.nodes if n.op == "placeholder")
     result = next(n for n in score_mod.graph.nodes if n.op == "output").args[0]
     terms = split_sum(result, lambda node: score in ancestors(node))

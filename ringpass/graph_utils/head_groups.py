@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import math
 import operator
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ringpass.graph import example_value
-from ringpass.passes.token_ops import is_pointwise, op_name
+from ringpass.graph_utils.spellings import KEEP_VALUES, is_pointwise, op_name
 
-KEEP_VALUES = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "clone", "detach"}
 MAX_DEPTH = 64  # how far back a proof looks: a repeat is made a few ops before the attention
 
 
@@ -115,7 +114,7 @@ def _gcd(size: int, groups: list) -> int:
     return math.gcd(size, *groups) if groups else size
 
 
-@lru_cache(maxsize=None)
+@cache
 def _random(name: str) -> bool:
     packet = getattr(torch.ops.aten, name, None)
     return packet is not None and hasattr(packet, "overloads") and any(

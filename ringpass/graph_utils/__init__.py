@@ -1,0 +1,12 @@
+"""What the passes share, apart from the passes themselves (``ringpass/passes/``: one pass per file).
+
+- `context`: `PassContext` (the graph, the options and each analysis's findings) and `Placement`.
+- `spellings`: the one table of op spellings (casts, views, copies, attention ops...) and `op_name`.
+- `sizes`: sizes compared without guards, and the ops that spell sizes (rescaled to another length).
+- `token_ops`: which ops act on each token separately (the rule that keeps sharded activations honest).
+- `score_terms`: reading a score expression: its scale, soft-cap and additive terms.
+- `head_groups`: heads proven to repeat in groups.
+- `flex_mods`: a ``flex_attention`` call's ``mask_mod`` and ``score_mod`` as the ring's programs.
+- `gradient_reach`: which values' gradients reach the outputs (the rules both gradient-path passes use).
+- `pass_checks`: what the pipeline runner checks and writes after each pass when asked (debugging).
+"""

@@ -1,0 +1,20 @@
+"""Choose which global positions each rank owns: the layout every later pass and the runtime ask.
+
+Matches the ``layout`` option and the mask plans of `lift_masks`. With ``layout="auto"``: ``zigzag`` (it
+balances causal work over the ranks) when an attention is causal or evaluates a mask program (masks read
+from data, packed documents or padding, are causal in practice), and always with ``inputs="sharded"`` (the
+user shards inputs with `ringpass.shard` without knowing the model); else ``contiguous``. Another value is
+taken as it is. Writes ``ctx.layout_kind``.
+"""
+
+from __future__ import annotations
+
+from ringpass.graph_utils.context import PassContext
+
+
+def choose_layout(ctx: PassContext) -> None:
+    if ctx.options.layout != "auto":
+        ctx.layout_kind = ctx.options.layout
+        return
+    masked = any(plan.is_causal or plan.program_id for plan in ctx.masks.values())
+    ctx.layout_kind = "zigzag" if masked or ctx.options.inputs == "sharded" else "contiguous"

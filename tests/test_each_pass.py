@@ -1,0 +1,397 @@
+"""One focused test per pass of `ringpass.passes.PIPELINE` that no other test names: a tiny model captured by
+Dynamo, the pipeline run on its graph up to and including the pass (offline, 2 ranks, no process group), and
+what that pass writes (nodes, their arguments, `PassContext` fields, report records) checked against what the
+model computes. Tested elsewhere: `record_gradient_paths`, `inline_subgraphs` and `check_gradient_paths`
+(test_gradient_paths.py), `globalize_sharded_lengths` (test_sharded_lengths.py), `keep_cache_sharded`
+(test_generation.py: the slots each rank holds, and its refusals)."""
+
+import math
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import fx
+
+import ringpass.passes as passes
+from lowering import Layout, sequence_ops
+from ringpass.graph import example_value
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+from ringpass.options import RingOptions
+from ringpass.report import Report
+
+SEQ = 11  # zigzag on 2 ranks pads it to 12: 6 slots per rank
+RING = torch.ops.ringpass
+
+
+def run_through(pass_name: str, model: nn.Module, *inputs, dynamic=None, **options) -> tuple[PassContext, dict]:
+    """The context after ``model``'s captured graph went through `passes.PIPELINE` up to ``pass_name``, and a copy
+    of its fields from just before that pass, with the graph's nodes as (op, target) pairs (``"nodes"``) and
+    their arguments (``"args"``)."""
+    found = {}
+
+    def backend(gm, example_inputs):
+        captured = fx.Graph()  # a copy the passes leave alone: what the compiled model runs
+        captured.output(captured.graph_copy(gm.graph, {}))
+        ctx = PassContext(gm, example_inputs, RingOptions.from_dict(options), 2, "", Report(world_size=2))
+        *earlier, tested = passes.PIPELINE[:[p.__name__ for p in passes.PIPELINE].index(pass_name) + 1]
+        for run_pass in earlier:
+            run_pass(ctx)
+        found["before"] = {**{name: _copy(value) for name, value in vars(ctx).items()}, "nodes": _nodes(gm),
+                           "args": [node.args for node in gm.graph.nodes]}
+        tested(ctx)
+        found["ctx"] = ctx
+        return fx.GraphModule(gm, captured)
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    return found["ctx"], found["before"]
+
+
+def _copy(value):
+    return type(value)(value) if isinstance(value, (dict, set, list)) else value
+
+
+def _nodes(gm) -> list:
+    return [(node.op, node.target) for node in gm.graph.nodes]
+
+
+def _names(nodes: list) -> list[str]:
+    return [target if isinstance(target, str) else getattr(target, "__name__", "") for _, target in nodes]
+
+
+def _calls(ctx: PassContext, target) -> list:
+    return [node for node in ctx.gm.graph.nodes if node.target == target]
+
+
+def _run_graph(ctx: PassContext):
+    """The graph as the pass left it, run on the captured inputs (passes before the shard stage keep it whole)."""
+    ctx.gm.recompile()
+    return ctx.gm(*ctx.example_inputs)
+
+
+class Heads(nn.Module):
+    """q, k, v of ``[B, S, 8]``: two heads of 4 (``kv_heads=1``: one key-value head for both)."""
+
+    def __init__(self, kv_heads: int = 2):
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 8 * kv_heads)
+        self.kv_heads = kv_heads
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        k, v = self.kv(x).view(b, s, self.kv_heads, 8).transpose(1, 2).split(4, -1)
+        return self.q(x).view(b, s, 2, 4).transpose(1, 2), k, v
+
+
+def _tokens(y):
+    return y.transpose(1, 2).flatten(2)
+
+
+class Sdpa(nn.Module):
+    """One SDPA: causal, or with the mask ``mask(x)`` builds; ``scale``: a float attribute of the model."""
+
+    def __init__(self, causal=True, mask=None, kv_heads=2, scale=None):
+        super().__init__()
+        self.heads, self.causal, self.mask, self.scale = Heads(kv_heads), causal, mask, scale
+
+    def forward(self, x):
+        q, k, v = self.heads(x)
+        mask = self.mask(x) if self.mask is not None else None
+        return _tokens(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+                                                      scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]))
+
+
+def _x():
+    return torch.randn(2, SEQ, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_pin_model_numbers_writes_a_float_attribute_as_its_number():
+    ctx, before = run_through("pin_model_numbers", Sdpa(scale=0.3), _x(), dynamic=True)
+    assert ("call_method", "item") in before["nodes"]
+    assert ("call_method", "item") not in _nodes(ctx.gm)
+    (attention,) = _calls(ctx, F.scaled_dot_product_attention)
+    assert attention.kwargs["scale"] == 0.3
+
+
+class MultiHead(nn.Module):
+    """``nn.MultiheadAttention`` over a sequence-first input, with a causal float mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False, attn_mask=nn.Transformer.generate_square_subsequent_mask(
+            x.shape[0]), is_causal=True)[0]
+
+
+def test_expand_multi_head_attention_writes_the_projections_and_one_sdpa():
+    model, x = MultiHead(), _x().transpose(0, 1)
+    ctx, before = run_through("expand_multi_head_attention", model, x)
+    assert ("call_function", F.multi_head_attention_forward) in before["nodes"]
+    assert ("call_function", F.multi_head_attention_forward) not in _nodes(ctx.gm)
+    (attention,) = _calls(ctx, F.scaled_dot_product_attention)
+    assert list(example_value(attention.args[0]).shape) == [2, 2, SEQ, 4]  # [B, H, L, E/H]
+    (out,) = _run_graph(ctx)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
+def _vmapped_causal(x):
+    i = torch.arange(x.shape[1])
+    return torch.vmap(torch.vmap(lambda q, k: k <= q, in_dims=(None, 0)), in_dims=(0, None))(i, i)
+
+
+def test_devectorize_vmaps_writes_the_nest_as_broadcasting():
+    model = Sdpa(mask=_vmapped_causal)
+    ctx, before = run_through("devectorize_vmaps", model, _x())
+    assert _names(before["nodes"]).count("_vmap_increment_nesting") == 2
+    assert not {"_vmap_increment_nesting", "_add_batch_dim", "_remove_batch_dim", "_vmap_decrement_nesting"} & set(
+        _names(_nodes(ctx.gm)))
+    assert "expand" in _names(_nodes(ctx.gm))
+    (out,) = _run_graph(ctx)
+    torch.testing.assert_close(out, model(_x()))
+
+
+class HandWritten(nn.Module):
+    """``softmax(q kᵀ / 2 + mask) v`` with an additive causal mask, next to a GQA SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads, self.gqa = Heads(), Heads(kv_heads=1)
+
+    def forward(self, x):
+        q, k, v = self.heads(x)
+        i = torch.arange(x.shape[1])
+        hidden = torch.zeros(x.shape[1], x.shape[1]).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        y = torch.softmax(q @ k.transpose(-2, -1) / 2 + hidden, dim=-1) @ v
+        q, k, v = self.gqa(_tokens(y))
+        return _tokens(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def test_find_attention_matches_an_sdpa_and_a_hand_written_attention():
+    ctx, _ = run_through("find_attention", HandWritten(), _x())
+    hand, sdpa = sorted(ctx.attention, key=lambda match: match.spelling)
+    (call,) = _calls(ctx, F.scaled_dot_product_attention)
+    assert (sdpa.spelling, sdpa.output, sdpa.is_causal, sdpa.scale) == ("sdpa", call, True, None)
+    assert (sdpa.query, sdpa.key, sdpa.value) == tuple(call.args[:3])
+    (softmax,) = _calls(ctx, torch.softmax)
+    assert (hand.spelling, hand.scale, hand.is_causal) == ("hand-written", 0.5, False)
+    assert hand.output.args[0] is softmax and softmax in hand.internal  # probabilities @ v
+    assert hand.mask[0] == "additive" and list(example_value(hand.mask[1]).shape) == [SEQ, SEQ]
+    assert [list(example_value(node).shape) for node in (hand.query, hand.key, hand.value)] == [[2, 2, SEQ, 4]] * 3
+
+
+class PaddedAndCausal(nn.Module):
+    """Two SDPAs: one masked by index comparisons alone (causal), one by them and a key padding input."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Heads(), Heads()
+
+    def forward(self, x, keep):
+        i = torch.arange(x.shape[1])
+        causal = i[None, :] <= i[:, None]
+        y = _tokens(F.scaled_dot_product_attention(*self.first(x), attn_mask=causal))
+        return _tokens(F.scaled_dot_product_attention(*self.second(y), attn_mask=causal & keep[:, None, None, :]))
+
+
+def _keep():
+    keep = torch.rand(2, SEQ, generator=torch.Generator().manual_seed(0)) > 0.3
+    keep[:, 0] = True
+    return keep
+
+
+def test_lift_masks_reads_a_causal_mask_as_the_flag_and_lifts_a_padding_mask_as_a_program():
+    ctx, _ = run_through("lift_masks", PaddedAndCausal(), _x(), _keep())
+    causal, padded = ctx.attention
+    keep, (arange,) = _placeholder(ctx, "keep"), _calls(ctx, torch.arange)
+    plan = ctx.masks[causal.output]
+    assert (plan.is_causal, plan.window, plan.program_id, plan.inputs) == (True, None, "", [])
+    plan = ctx.masks[padded.output]  # the program reads the positions and the padding; the causal part is the flag
+    assert plan.is_causal and plan.program_id.startswith("mask-") and plan.inputs == [arange, keep]
+    assert {causal.mask[1], padded.mask[1]} <= ctx.lifted and {arange, keep} <= ctx.whole_values
+
+
+class RestoredOrder(nn.Module):
+    """Tokens sorted by a router's choice, transformed, and put back with the inverse permutation written
+    with ``index_put`` (Hugging Face's mixture of experts), after an attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.router, self.expert = Sdpa(), nn.Linear(8, 3), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.attention(x).flatten(0, 1)
+        perm = self.router(h).argmax(-1).argsort(stable=True)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return self.expert(h[perm])[inverse].view(x.shape)
+
+
+def test_invert_permutations_writes_the_inverse_as_an_argsort():
+    model = RestoredOrder()
+    ctx, before = run_through("invert_permutations", model, _x())
+    assert _names(_nodes(ctx.gm)).count("argsort") == _names(before["nodes"]).count("argsort") + 1
+    assert not any("index_put" in str(target) or target is torch.empty_like for _, target in _nodes(ctx.gm))
+    (out,) = _run_graph(ctx)
+    torch.testing.assert_close(out, model(_x()))
+
+
+class Positions(nn.Module):
+    """Token ids, a position table sliced to the length, RoPE-like angles from an arange, a causal SDPA, a
+    running sum of a per-token input, and the mean over the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.table, self.attention = nn.Embedding(50, 8), nn.Parameter(torch.randn(32, 8)), Sdpa()
+
+    def forward(self, ids, segments):
+        n = ids.shape[1]
+        angles = torch.arange(n)[:, None] * torch.ones(8)
+        h = self.embed(ids) + self.table[:n] + angles.sin() + segments.cumsum(1)[..., None]
+        y = self.attention(h)
+        return y, y.mean(1)
+
+
+def _ids():
+    return torch.randint(0, 50, (2, SEQ), generator=torch.Generator().manual_seed(0)), torch.ones(2, SEQ)
+
+
+def _placeholder(ctx: PassContext, name: str):
+    return next(node for node in ctx.gm.graph.nodes if node.op == "placeholder" and name in node.name)
+
+
+def test_find_sequence_axes_finds_the_length_the_axes_and_where_they_come_from():
+    ctx, _ = run_through("find_sequence_axes", Positions(), *_ids())
+    ids, segments = _placeholder(ctx, "ids"), _placeholder(ctx, "segments")
+    (arange,) = _calls(ctx, torch.arange)
+    (cumsum,) = [node for node in ctx.gm.graph.nodes if node.target == "cumsum"]
+    (mean,) = [node for node in ctx.gm.graph.nodes if node.target == "mean"]
+    assert (ctx.seq_len, ctx.global_seq_len) == (SEQ, SEQ)
+    assert ctx.axes[ids] == ctx.axes[segments] == ctx.axes[cumsum] == (SeqDim(1),) and ctx.axes[arange] == (SeqDim(0),)
+    assert (ctx.sources[ids], ctx.sources[arange]) == ("input", "positions")
+    assert set(ctx.mixing) == {cumsum} and ctx.reductions == {mean: "mean"}
+    assert all(not ctx.axes.get(p) for p in ctx.gm.graph.nodes if p.op == "placeholder" and "weight" in p.name)
+
+
+@pytest.mark.parametrize("model,options,layout", [
+    (Sdpa(), {}, "zigzag"),  # causal: balanced over the ranks
+    (Sdpa(causal=False), {}, "contiguous"),
+    (Sdpa(causal=False), {"inputs": "sharded"}, "zigzag"),  # what ringpass.shard gives by default
+    (Sdpa(), {"layout": "contiguous"}, "contiguous"),
+], ids=["causal", "unmasked", "unmasked-sharded-inputs", "causal-as-asked"])
+def test_choose_layout(model, options, layout):
+    ctx, before = run_through("choose_layout", model, _x(), **options)
+    assert (before["layout_kind"], ctx.layout_kind) == ("", layout)
+
+
+class SortedExperts(nn.Module):
+    """After an attention, each token's expert chosen by a router: tokens gathered in expert order, each
+    projected, and put back in token order."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.router, self.expert = Sdpa(), nn.Linear(8, 3), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.attention(x)
+        perm = self.router(h).argmax(-1).flatten().argsort(stable=True)
+        return self.expert(h.flatten(0, 1)[perm])[perm.argsort()].view(x.shape)
+
+
+def test_find_local_permutations_takes_a_sort_undone_again_off_the_mixing_ops():
+    ctx, before = run_through("find_local_permutations", SortedExperts(), _x())
+    sorts = [node for node in ctx.gm.graph.nodes if node.target in ("argsort", torch.argsort)]
+    assert len(sorts) == 2 and set(sorts) <= set(before["mixing"])
+    assert not set(sorts) & set(ctx.mixing), ctx.mixing
+
+
+def test_decide_placements_places_every_value_and_reports_the_inputs():
+    ctx, _ = run_through("decide_placements", Positions(), *_ids())
+    (cumsum,) = [node for node in ctx.gm.graph.nodes if node.target == "cumsum"]
+    (mean,) = [node for node in ctx.gm.graph.nodes if node.target == "mean"]
+    (attention,) = _calls(ctx, F.scaled_dot_product_attention)
+    placement = {name: ctx.placement[_placeholder(ctx, name)] for name in ("ids", "segments", "table", "embed")}
+    assert placement == {"ids": LOCAL, "segments": FULL, "table": NOSEQ, "embed": NOSEQ}
+    assert (ctx.placement[cumsum], ctx.placement[attention], ctx.placement[mean]) == (FULL, LOCAL, PARTIAL)
+    inputs = {value.name: (value.placement, value.why) for value in ctx.report.inputs}
+    assert inputs["ids"] == ("sharded", "") and inputs["segments"][0] == "whole"
+    assert "cumsum" in inputs["segments"][1], inputs
+
+
+def test_rewrite_positions_gives_the_arange_and_the_table_slice_this_ranks_positions():
+    ctx, before = run_through("rewrite_positions", Positions(), *_ids())
+    assert ("call_function", torch.arange) in before["nodes"]
+    assert ("call_function", torch.arange) not in _nodes(ctx.gm)
+    angles, rows = _calls(ctx, RING.local_positions.default)  # for the arange, and for the table's rows
+    assert angles.args[:3] == rows.args[:3] == ("zigzag", 2, SEQ)
+    assert [user.target for user in angles.users] == [operator.getitem]  # arange(n)[:, None]
+    (select,) = [node for node in ctx.gm.graph.nodes if node.target == "index_select"]
+    assert select.args == (_placeholder(ctx, "table"), 0, rows)
+
+
+def test_localize_shapes_writes_this_ranks_length_into_literal_sizes():
+    ctx, before = run_through("localize_shapes", Sdpa(), _x())
+    local = Layout("zigzag", 2, SEQ).local_len
+    views = [node for node in ctx.gm.graph.nodes if node.target == "view"]
+    assert [node.args[1:] for node in views] == [(2, local, 2, 8), (2, local, 2, 4)]  # k and v, q
+    assert [args[1:] for (_, target), args in zip(before["nodes"], before["args"]) if target == "view"] == [
+        (2, SEQ, 2, 8), (2, SEQ, 2, 4)]
+
+
+def test_rewrite_attention_calls_the_ring_with_the_kv_heads_unrepeated():
+    ctx, _ = run_through("rewrite_attention", Sdpa(kv_heads=1), _x())
+    assert not _calls(ctx, F.scaled_dot_product_attention)
+    (ring,) = _calls(ctx, RING.ring_attention.default)
+    q, k, v = ring.args[:3]
+    assert [example_value(t).shape[1] for t in (q, k, v)] == [2, 1, 1]  # one key-value head travels
+    arguments = dict(zip([a.name for a in RING.ring_attention.default._schema.arguments], ring.args))
+    assert (arguments["layout_kind"], arguments["world_size"], arguments["seq_len"]) == ("zigzag", 2, SEQ)
+    assert arguments["is_causal"] and arguments["window"] is None and arguments["mask_id"] == ""
+    assert math.isclose(arguments["scale"], 1 / math.sqrt(4))
+
+
+def test_insert_boundaries_shards_inputs_sums_partial_values_and_gathers_outputs():
+    ctx, _ = run_through("insert_boundaries", Positions(), *_ids())
+    (cumsum,) = [node for node in ctx.gm.graph.nodes if node.target == "cumsum"]
+    shards = _calls(ctx, RING.shard_sequence.default)  # the ids, and the running sum computed whole
+    assert [(shard.args[0], shard.args[1]) for shard in shards] == [(_placeholder(ctx, "ids"), 1), (cumsum, 1)]
+    (gather,) = _calls(ctx, RING.gather_sequence.default)
+    (reduced,) = _calls(ctx, RING.all_reduce_sum.default)
+    (output,) = [node for node in ctx.gm.graph.nodes if node.op == "output"]
+    assert output.args[0][0] is gather and output.args[0][1].args[0] is reduced  # the summed means over the count
+    assert [(c.kind, c.phase, c.what.split(" (")[0]) for c in ctx.report.collectives] == [
+        ("all-reduce", "forward", "the mean over the sequence"), ("all-gather", "forward", "output 0")]
+    assert [(o.name, o.placement) for o in ctx.report.outputs] == [("output 0", "gathered"), ("output 1", "replicated")]
+
+
+class WithReplicatedOutput(nn.Module):
+    """An attention's output, and a second output computed from a parameter alone (the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.offset = Sdpa(), nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.attention(x), self.offset * 2
+
+
+def test_reduce_grads_reduces_shares_of_a_gradient_or_scales_whole_ones():
+    """``grads="reduced"``: the parameters acting on this rank's tokens have their gradient all-reduced, the one
+    every rank computes whole is left alone; ``grads="local"``: the shares stay, the whole one is scaled by 1/P."""
+    for grads in ("reduced", "local"):
+        ctx, _ = run_through("reduce_grads", WithReplicatedOutput(), _x(), grads=grads)
+        offset = _placeholder(ctx, "offset")
+        shared = {node for node in ctx.gm.graph.nodes if node.op == "placeholder" and "heads" in node.name}
+        reduced = {node.args[0] for node in _calls(ctx, sequence_ops.reduce_grad)}
+        scaled = [node.args for node in _calls(ctx, sequence_ops.scale_grad)]
+        backward = sorted(c.what for c in ctx.report.collectives if c.phase == "backward")
+        assert ctx.report.gradients == grads and len(shared) == 4
+        if grads == "reduced":
+            assert (reduced, scaled) == (shared, [])
+            assert backward == sorted(f"the gradient of attention.heads.{name}" for name in (
+                "q.weight", "q.bias", "kv.weight", "kv.bias"))
+        else:
+            assert (reduced, scaled, backward) == (set(), [(offset, 0.5)], [])
