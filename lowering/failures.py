@@ -355,13 +355,17 @@ def agree_once(group_name: str, topic: str, mine: dict, describe) -> None:
     _process.agreed.add(key)
 
 
-def by_rank(values: Sequence) -> str:
-    """Each distinct value with the group ranks that hold it, for people: "a on ranks 0, 2; b on rank 1"."""
-    ranks: dict[str, list[int]] = {}
+def ranks_by_value(values: Sequence) -> dict[str, str]:
+    """Each distinct value -> the group ranks that hold it, for people ("rank 1", "ranks 0, 2, 3")."""
+    groups: dict[str, list[int]] = {}
     for rank, value in enumerate(values):
-        ranks.setdefault(str(value), []).append(rank)
-    return "; ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                     for value, r in ranks.items())
+        groups.setdefault(str(value), []).append(rank)
+    return {value: f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for value, r in groups.items()}
+
+
+def by_rank(values: Sequence) -> str:
+    """Each distinct value with the ranks that hold it: "a on ranks 0, 2; b on rank 1"."""
+    return "; ".join(f"{value} on {ranks}" for value, ranks in ranks_by_value(values).items())
 
 
 def _tcp_store(store):

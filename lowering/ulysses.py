@@ -26,7 +26,7 @@ from lowering import events
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import wait_collective
 from lowering.groups import group_by_name, rank_in
-from lowering.layout import GroupLayout, Layout, cached_layout
+from lowering.layout import Layout, cached_layout
 from lowering.op import check_inputs, default_scale
 from lowering.ring_args import RingArgs
 

@@ -148,20 +148,12 @@ def _checksums(tensors: list[torch.Tensor], module_state: list[bool]) -> list[st
     return [repr(pair) for pair in torch.stack(sums).cpu().tolist()]
 
 
-def _ranks_by_value(values: list) -> dict[str, str]:
-    """Each distinct value -> the ranks that hold it, for people ("rank 1", "ranks 0, 2, 3")."""
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(str(value), []).append(rank)
-    return {value: f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for value, r in groups.items()}
-
-
 def _by_rank(values: list) -> str:
-    return ", ".join(f"{value} on {ranks}" for value, ranks in _ranks_by_value(values).items())
+    return ", ".join(f"{value} on {ranks}" for value, ranks in failures.ranks_by_value(values).items())
 
 
 def _ranks_differing(sums: list) -> str:
-    return " vs ".join(_ranks_by_value(sums).values())
+    return " vs ".join(failures.ranks_by_value(sums).values())
 
 
 def _why_equal(spec: GraphInput) -> str:
