@@ -55,7 +55,9 @@ def main() -> None:
 
     loss = torch.compile(model, backend="ring", options={"compiler": "aot_eager"})(ids, labels)
     loss.backward()
-    grad_error = max(((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), expected_grads))
+    grad_error = max(
+        ((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), expected_grads)
+    )
     if dist.get_rank() == 0:
         print(ringpass.last_report())
         print(f"loss {loss.item():.6f} (unsharded {expected.item():.6f}), max relative gradient error {grad_error:.1e}")

@@ -86,11 +86,15 @@ def main() -> None:
         expected.backward()
         loss = loaded(**batch)
         loss.backward()
-        grad_error = max(((p.grad - g.grad).abs().max() / g.grad.abs().max()).item()
-                         for p, g in zip(loaded.model.parameters(), model.parameters()))
+        grad_error = max(
+            ((p.grad - g.grad).abs().max() / g.grad.abs().max()).item()
+            for p, g in zip(loaded.model.parameters(), model.parameters())
+        )
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), "
-                  f"max relative gradient error {grad_error:.2e}")
+            print(
+                f"step {step}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), "
+                f"max relative gradient error {grad_error:.2e}"
+            )
         optimizer.step(), expected_optimizer.step()
         optimizer.zero_grad(), expected_optimizer.zero_grad()
     dist.barrier()

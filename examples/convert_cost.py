@@ -16,9 +16,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from convert_and_run import Llama
 
 import ringpass
-from convert_and_run import Llama
 
 
 def median_seconds(run, steps: int) -> float:
@@ -33,7 +33,7 @@ def median_seconds(run, steps: int) -> float:
 
 
 def main() -> None:
-    seq_len, steps = (int(a) for a in (sys.argv[1:] + ["4096", "5"][len(sys.argv[1:]):]))
+    seq_len, steps = (int(a) for a in (sys.argv[1:] + ["4096", "5"][len(sys.argv[1:]) :]))
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -53,6 +53,7 @@ def main() -> None:
         def run():
             module(**batch).backward()
             module.zero_grad()
+
         return run
 
     times = {"loaded converted model (eager)": median_seconds(step(loaded), steps)}
@@ -60,8 +61,10 @@ def main() -> None:
         compiled = torch.compile(model, backend=ringpass.backend(compiler=compiler, report="off"))
         times[f"backend='ring', compiler={compiler}"] = median_seconds(step(compiled), steps)
     if dist.get_rank() == 0:
-        print(f"convert {converted_at - started:.2f} s, save {saved_at - converted_at:.2f} s, load "
-              f"{loaded_at - saved_at:.2f} s, artifact {os.path.getsize(path) / 2**20:.2f} MiB")
+        print(
+            f"convert {converted_at - started:.2f} s, save {saved_at - converted_at:.2f} s, load "
+            f"{loaded_at - saved_at:.2f} s, artifact {os.path.getsize(path) / 2**20:.2f} MiB"
+        )
         for name, seconds in times.items():
             print(f"{name}: {seconds * 1000:.0f} ms per training step (N={seq_len}, P={dist.get_world_size()})")
     os.remove(path)

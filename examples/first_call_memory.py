@@ -17,7 +17,7 @@ import os
 
 import torch
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _resident() -> int:
@@ -32,8 +32,10 @@ def _call(seq_len: int, rank: int, world_size: int, memory) -> tuple[float, floa
 
     layout = lowering.Layout("zigzag", world_size, seq_len)
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (layout.shard(torch.randn(1, heads, seq_len, 64, generator=generator), 2, rank).requires_grad_()
-               for heads in (8, 2, 2))
+    q, k, v = (
+        layout.shard(torch.randn(1, heads, seq_len, 64, generator=generator), 2, rank).requires_grad_()
+        for heads in (8, 2, 2)
+    )
     before = _resident()
     memory.start()
     out = lowering.ring_attention(q, k, v, is_causal=True, layout=layout)
@@ -48,7 +50,10 @@ def measure(rank: int, world_size: int, seq_len: int) -> dict:
 
     torch.set_num_threads(1)
     memory = PeakMemory(torch.device("cpu"))
-    return {"long first": _call(seq_len, rank, world_size, memory), "long again": _call(seq_len, rank, world_size, memory)}
+    return {
+        "long first": _call(seq_len, rank, world_size, memory),
+        "long again": _call(seq_len, rank, world_size, memory),
+    }
 
 
 def measure_tiny_first(rank: int, world_size: int, seq_len: int) -> dict:
@@ -56,7 +61,10 @@ def measure_tiny_first(rank: int, world_size: int, seq_len: int) -> dict:
 
     torch.set_num_threads(1)
     memory = PeakMemory(torch.device("cpu"))
-    return {"64 tokens first": _call(64, rank, world_size, memory), "then long": _call(seq_len, rank, world_size, memory)}
+    return {
+        "64 tokens first": _call(64, rank, world_size, memory),
+        "then long": _call(seq_len, rank, world_size, memory),
+    }
 
 
 def main() -> None:

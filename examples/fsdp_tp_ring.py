@@ -22,11 +22,24 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import ringpass
 
-CONFIG = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-           "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-           "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+CONFIG = transformers.LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_implementation="sdpa",
+)
+TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
 
 
 def fresh_model():
@@ -43,11 +56,15 @@ def full(tensor):
 
 
 def compare(name, model, loss, expected, expected_grads):
-    errors = [((full(p.grad) - expected_grads[n]).abs().max() / expected_grads[n].abs().max()).item()
-              for n, p in model.named_parameters()]
+    errors = [
+        ((full(p.grad) - expected_grads[n]).abs().max() / expected_grads[n].abs().max()).item()
+        for n, p in model.named_parameters()
+    ]
     if dist.get_rank() == 0:
         print(ringpass.last_report().summary())
-        print(f"{name}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), max relative gradient error {max(errors):.2e}")
+        print(
+            f"{name}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), max relative gradient error {max(errors):.2e}"
+        )
 
 
 def main() -> None:
@@ -64,7 +81,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh["dp", "cp"]._flatten())
     replica = mesh.get_local_rank("dp")
     compiled = torch.compile(model, backend=ringpass.backend(group=mesh["cp"], compiler="aot_eager", report="off"))
-    loss = loss_of(compiled, ids[2 * replica:2 * replica + 2])
+    loss = loss_of(compiled, ids[2 * replica : 2 * replica + 2])
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss, group=mesh["dp"].get_group())

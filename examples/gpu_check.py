@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from lowering import Layout, simulate_ring  # noqa: E402
-from lowering.kernels import block_attention, block_attention_backward  # noqa: E402
+from lowering import Layout, simulate_ring
+from lowering.kernels import block_attention, block_attention_backward
 
 SMOKE = not torch.cuda.is_available()
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -56,7 +56,11 @@ def check_kernels() -> None:
     for case in CASES:
         for dtype_name, dtype in DTYPES.items():
             errors = check_case(case, dtype, DEVICE)
-            print(f"| {case} | {dtype_name} | " + " | ".join(f"{errors[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv")) + " |")
+            print(
+                f"| {case} | {dtype_name} | "
+                + " | ".join(f"{errors[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv"))
+                + " |"
+            )
     n = 256 if SMOKE else 4096
     q, k, v = (torch.randn(1, 8, n, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     pos = torch.arange(n, device=DEVICE)
@@ -97,25 +101,33 @@ def _flash_sdpa(q, k, v, causal):
 
 def time_kernels() -> None:
     print("## bf16 kernels vs flash SDPA (B=1, H=16)\n")
-    print("| N | D | causal | ours fwd ms | TFLOP/s | SDPA fwd ms | ratio | ours fwd+bwd ms | TFLOP/s | SDPA fwd+bwd ms | ratio |")
+    print(
+        "| N | D | causal | ours fwd ms | TFLOP/s | SDPA fwd ms | ratio | ours fwd+bwd ms | TFLOP/s | SDPA fwd+bwd ms | ratio |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     lengths = (128, 256) if SMOKE else (4096, 16384, 32768)
     heads, repeats = (2, 1) if SMOKE else (16, 5)
     for n in lengths:
         for d in (64, 128):
             for causal in (False, True):
-                q, k, v = (torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+                q, k, v = (
+                    torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(3)
+                )
                 pos = torch.arange(n, device=DEVICE)
                 dout = torch.randn_like(q)
                 forward_flops = 4 * heads * n * n * d * (0.5 if causal else 1.0)
 
                 def ours_forward():
-                    return block_attention(q.detach(), k.detach(), v.detach(), pos, pos, is_causal=causal, backend="triton")
+                    return block_attention(
+                        q.detach(), k.detach(), v.detach(), pos, pos, is_causal=causal, backend="triton"
+                    )
 
                 def ours_both():
                     out, lse = ours_forward()
-                    return block_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, pos, pos,
-                                                    is_causal=causal, backend="triton")
+                    return block_attention_backward(
+                        dout, q.detach(), k.detach(), v.detach(), out, lse, pos, pos, is_causal=causal, backend="triton"
+                    )
 
                 def sdpa_forward():
                     with torch.no_grad():
@@ -126,9 +138,11 @@ def time_kernels() -> None:
 
                 t_ours, t_sdpa = _timed(ours_forward, repeats), _timed(sdpa_forward, repeats)
                 b_ours, b_sdpa = _timed(ours_both, repeats), _timed(sdpa_both, repeats)
-                print(f"| {n} | {d} | {causal} | {t_ours:.2f} | {_tflops(forward_flops, t_ours):.0f} | {t_sdpa:.2f} | "
-                      f"{t_sdpa / t_ours:.2f} | {b_ours:.2f} | {_tflops(3.5 * forward_flops, b_ours):.0f} | "
-                      f"{b_sdpa:.2f} | {b_sdpa / b_ours:.2f} |")
+                print(
+                    f"| {n} | {d} | {causal} | {t_ours:.2f} | {_tflops(forward_flops, t_ours):.0f} | {t_sdpa:.2f} | "
+                    f"{t_sdpa / t_ours:.2f} | {b_ours:.2f} | {_tflops(3.5 * forward_flops, b_ours):.0f} | "
+                    f"{b_sdpa:.2f} | {b_sdpa / b_ours:.2f} |"
+                )
                 del q, k, v, dout
     print("\nratio = SDPA time / our time (above 1: ours is faster).")
 
@@ -151,8 +165,10 @@ def time_simulated_ring() -> None:
         ring = _timed(lambda: simulate_ring(q, k, v, layout=layout, is_causal=True), 1 if SMOKE else 3)
         got = simulate_ring(q, k, v, layout=layout, is_causal=True).out.float()
         print(f"| {n} | {p} | {ring:.2f} | {whole:.2f} | {(got - expected).abs().max().item():.1e} |")
-    print("\n(one GPU runs every rank's blocks one after another: the ring's time here is the whole work plus the "
-          "per-block overheads; on P GPUs each rank does 1/P of it.)")
+    print(
+        "\n(one GPU runs every rank's blocks one after another: the ring's time here is the whole work plus the "
+        "per-block overheads; on P GPUs each rank does 1/P of it.)"
+    )
 
 
 def _documents(q_pos, kv_pos, document):
@@ -168,7 +184,9 @@ def time_masks() -> None:
     cases = {
         "plain causal": {},
         f"window={n} (hides nothing)": dict(window=n),
-        "one-document program (hides nothing)": dict(mask=_documents, mask_inputs=[torch.zeros(n, dtype=torch.long, device=DEVICE)]),
+        "one-document program (hides nothing)": dict(
+            mask=_documents, mask_inputs=[torch.zeros(n, dtype=torch.long, device=DEVICE)]
+        ),
         f"window={n // 4}": dict(window=n // 4),
         "four packed documents": dict(mask=_documents, mask_inputs=[torch.arange(n, device=DEVICE) * 4 // n]),
     }

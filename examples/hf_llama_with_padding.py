@@ -17,8 +17,15 @@ import ringpass
 def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (2, 500))
     attention_mask = torch.ones_like(ids)
@@ -33,7 +40,9 @@ def main() -> None:
 
     loss = torch.compile(model, backend="ring", options={"compiler": "aot_eager"})(**batch).loss
     loss.backward()
-    grad_error = max(((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), expected_grads))
+    grad_error = max(
+        ((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), expected_grads)
+    )
     if dist.get_rank() == 0:
         print(ringpass.last_report())
         print(f"loss {loss.item():.6f} (unsharded {expected.item():.6f}), max relative gradient error {grad_error:.2e}")

@@ -32,8 +32,14 @@ from lowering import record_ring_events
 from ringpass.launch import RankFailure, spawn_ranks
 
 VOCAB, SEQ = 61, 13
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
 GQA = dict(SMALL, num_key_value_heads=2)
 ENCODER = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 # family -> (config class, config keywords, attention implementation[, "masked-lm" or "token-classification": an
@@ -47,23 +53,93 @@ FAMILIES = {
     "gemma": ("GemmaConfig", dict(GQA, head_dim=8), "sdpa"),
     "gemma2": ("Gemma2Config", dict(GQA, head_dim=8, sliding_window=5), "eager"),
     "gemma3": ("Gemma3TextConfig", dict(GQA, head_dim=8, sliding_window=5), "sdpa"),
-    "gemma3 (bidirectional)": ("Gemma3TextConfig", dict(GQA, head_dim=8, sliding_window=5,
-                                                        use_bidirectional_attention=True), "sdpa"),
+    "gemma3 (bidirectional)": (
+        "Gemma3TextConfig",
+        dict(GQA, head_dim=8, sliding_window=5, use_bidirectional_attention=True),
+        "sdpa",
+    ),
     "phi": ("PhiConfig", dict(SMALL, resid_pdrop=0.0, embd_pdrop=0.0), "sdpa"),
     "phi3": ("Phi3Config", dict(GQA, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0), "sdpa"),
-    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
-                                resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0), "sdpa"),
-    "gpt2 (eager)": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
-                                        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0), "eager"),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "sdpa",
+    ),
+    "gpt2 (eager)": (
+        "GPT2Config",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "eager",
+    ),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, hidden_dropout=0.0), "sdpa"),
-    "gptj": ("GPTJConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, rotary_dim=4,
-                                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0), "eager"),
-    "falcon": ("FalconConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    num_kv_heads=2, new_decoder_architecture=True, alibi=False, hidden_dropout=0.0), "sdpa"),
+    "gptj": (
+        "GPTJConfig",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            rotary_dim=4,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "eager",
+    ),
+    "falcon": (
+        "FalconConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            alibi=False,
+            hidden_dropout=0.0,
+        ),
+        "sdpa",
+    ),
     "bloom": ("BloomConfig", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0), "eager"),
     "mpt": ("MptConfig", dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256), "eager"),
-    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                              max_position_embeddings=256, dropout=0.0, word_embed_proj_dim=32), "sdpa"),
+    "opt": (
+        "OPTConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            dropout=0.0,
+            word_embed_proj_dim=32,
+        ),
+        "sdpa",
+    ),
     "stablelm": ("StableLmConfig", dict(GQA, hidden_dropout=0.0), "sdpa"),
     "starcoder2": ("Starcoder2Config", dict(GQA, residual_dropout=0.0, embedding_dropout=0.0), "sdpa"),
     "cohere": ("CohereConfig", GQA, "sdpa"),
@@ -72,28 +148,103 @@ FAMILIES = {
     "granite": ("GraniteConfig", GQA, "sdpa"),
     "glm4": ("Glm4Config", dict(GQA, head_dim=8, pad_token_id=0), "sdpa"),
     "mixtral": ("MixtralConfig", dict(GQA, num_local_experts=4, num_experts_per_tok=2), "sdpa"),
-    "deepseek_v3": ("DeepseekV3Config", dict(GQA, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16,
-                                              q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-                                              n_group=1, topk_group=1), "sdpa"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-                  "sdpa"),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            GQA,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "sdpa",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        "sdpa",
+    ),
     "qwen2 (eager)": ("Qwen2Config", GQA, "eager"),
     "mistral (eager)": ("MistralConfig", dict(GQA, sliding_window=5), "eager"),
     "phi (eager)": ("PhiConfig", dict(SMALL, resid_pdrop=0.0, embd_pdrop=0.0), "eager"),
     "gemma3 (eager)": ("Gemma3TextConfig", dict(GQA, head_dim=8, sliding_window=5), "eager"),
-    "codegen": ("CodeGenConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256,
-                                      n_ctx=256, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0), "eager"),
-    "gpt_neo": ("GPTNeoConfig", dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                                     max_position_embeddings=256, attention_types=[[["global", "local"], 1]], window_size=5,
-                                     embed_dropout=0.0, resid_dropout=0.0), "eager"),
-    "gpt_bigcode (multi-query)": ("GPTBigCodeConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                                           multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                                           bos_token_id=0, eos_token_id=0), "sdpa"),
-    "gpt_bigcode": ("GPTBigCodeConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                             multi_query=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                             bos_token_id=0, eos_token_id=0), "sdpa"),
+    "codegen": (
+        "CodeGenConfig",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=4,
+            n_positions=256,
+            n_ctx=256,
+            n_inner=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "eager",
+    ),
+    "gpt_neo": (
+        "GPTNeoConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            attention_types=[[["global", "local"], 1]],
+            window_size=5,
+            embed_dropout=0.0,
+            resid_dropout=0.0,
+        ),
+        "eager",
+    ),
+    "gpt_bigcode (multi-query)": (
+        "GPTBigCodeConfig",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            multi_query=True,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "sdpa",
+    ),
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            multi_query=False,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "sdpa",
+    ),
     "persimmon": ("PersimmonConfig", dict(SMALL, hidden_dropout=0.0, partial_rotary_factor=0.5), "sdpa"),
     "cohere2": ("Cohere2Config", dict(GQA, sliding_window=5), "sdpa"),
     "olmo3": ("Olmo3Config", dict(GQA, sliding_window=5), "sdpa"),
@@ -108,70 +259,256 @@ FAMILIES = {
     "apertus": ("ApertusConfig", GQA, "sdpa"),
     "bitnet": ("BitNetConfig", GQA, "sdpa"),
     "glm": ("GlmConfig", dict(GQA, head_dim=8, pad_token_id=0), "sdpa"),
-    "llama4_text": ("Llama4TextConfig", dict(GQA, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
-                                              num_experts_per_tok=1, attention_chunk_size=5, interleave_moe_layer_step=3,
-                                              no_rope_layers=[1, 0]), "sdpa"),  # chunked attention, a no-RoPE layer
-    "llama4_text (MoE)": ("Llama4TextConfig", dict(GQA, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
-                                                   num_experts_per_tok=1, attention_chunk_size=5,
-                                                   interleave_moe_layer_step=1), "sdpa"),
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=5,
+            interleave_moe_layer_step=3,
+            no_rope_layers=[1, 0],
+        ),
+        "sdpa",
+    ),  # chunked attention, a no-RoPE layer
+    "llama4_text (MoE)": (
+        "Llama4TextConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=5,
+            interleave_moe_layer_step=1,
+        ),
+        "sdpa",
+    ),
     "granitemoe": ("GraniteMoeConfig", dict(GQA, num_local_experts=4, num_experts_per_tok=2), "sdpa"),
     "olmoe": ("OlmoeConfig", dict(GQA, num_experts=4, num_experts_per_tok=2), "sdpa"),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                          shared_expert_intermediate_size=16), "sdpa"),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        "sdpa",
+    ),
     "phimoe": ("PhimoeConfig", dict(GQA, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "sdpa"),
-    "dbrx": ("DbrxConfig", dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=256, resid_pdrop=0.0,
-                                emb_pdrop=0.0, attn_config=dict(kv_n_heads=2, attn_pdrop=0.0, rope_theta=10000.0, clip_qkv=8.0),
-                                ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)), "sdpa"),
-    "jetmoe": ("JetMoeConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
-                                    kv_channels=8, intermediate_size=64, max_position_embeddings=256,
-                                    num_local_experts=4, num_experts_per_tok=2), "sdpa"),
-    "deepseek_v2": ("DeepseekV2Config", dict(GQA, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16,
-                                              q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-                                              n_group=1, topk_group=1), "sdpa"),  # complex-number RoPE
-    "minimax": ("MiniMaxConfig", dict(GQA, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
-                                      layer_types=["linear_attention", "full_attention"]), "sdpa"),
-    "zamba2": ("Zamba2Config", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=4, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4,
-                                    mamba_ngroups=1, max_position_embeddings=256,
-                                    layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1]), "sdpa"),
-    "jamba": ("JambaConfig", dict(GQA, num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
-                                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
-                                  use_mamba_kernels=False), "sdpa"),
+    "dbrx": (
+        "DbrxConfig",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=256,
+            resid_pdrop=0.0,
+            emb_pdrop=0.0,
+            attn_config=dict(kv_n_heads=2, attn_pdrop=0.0, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+        ),
+        "sdpa",
+    ),
+    "jetmoe": (
+        "JetMoeConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            kv_channels=8,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "sdpa",
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            GQA,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "sdpa",
+    ),  # complex-number RoPE
+    "minimax": (
+        "MiniMaxConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            block_size=4,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        "sdpa",
+    ),
+    "zamba2": (
+        "Zamba2Config",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            mamba_d_state=8,
+            mamba_headdim=16,
+            n_mamba_heads=4,
+            mamba_ngroups=1,
+            max_position_embeddings=256,
+            layers_block_type=["mamba", "hybrid"],
+            hybrid_layer_ids=[1],
+        ),
+        "sdpa",
+    ),
+    "jamba": (
+        "JambaConfig",
+        dict(
+            GQA,
+            num_experts=2,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            mamba_d_state=8,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+        ),
+        "sdpa",
+    ),
     "bert (masked LM)": ("BertConfig", ENCODER, "sdpa", "masked-lm"),
     "roberta (masked LM)": ("RobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
     "xlm-roberta (masked LM)": ("XLMRobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
-    "distilbert (masked LM)": ("DistilBertConfig", dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                                        max_position_embeddings=256, dropout=0.0), "sdpa", "masked-lm"),
+    "distilbert (masked LM)": (
+        "DistilBertConfig",
+        dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=256, dropout=0.0),
+        "sdpa",
+        "masked-lm",
+    ),
     "electra (masked LM)": ("ElectraConfig", dict(ENCODER, embedding_size=16), "sdpa", "masked-lm"),
     "albert (masked LM)": ("AlbertConfig", dict(ENCODER, embedding_size=16), "sdpa", "masked-lm"),
     "ernie (masked LM)": ("ErnieConfig", ENCODER, "sdpa", "masked-lm"),
-    "modernbert (masked LM)": ("ModernBertConfig", dict(SMALL, global_attn_every_n_layers=2, local_attention=4,
-                                                        mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
-                                                        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
-                               "sdpa", "masked-lm"),  # global and local (window 4, both ways) layers
+    "modernbert (masked LM)": (
+        "ModernBertConfig",
+        dict(
+            SMALL,
+            global_attn_every_n_layers=2,
+            local_attention=4,
+            mlp_dropout=0.0,
+            embedding_dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
+        "sdpa",
+        "masked-lm",
+    ),  # global and local (window 4, both ways) layers
     "nomic_bert (masked LM)": ("NomicBertConfig", ENCODER, "sdpa", "masked-lm"),
-    "esm (masked LM)": ("EsmConfig", dict(ENCODER, pad_token_id=1, mask_token_id=2, position_embedding_type="rotary",
-                                          token_dropout=False, emb_layer_norm_before=False), "sdpa", "masked-lm"),
+    "esm (masked LM)": (
+        "EsmConfig",
+        dict(
+            ENCODER,
+            pad_token_id=1,
+            mask_token_id=2,
+            position_embedding_type="rotary",
+            token_dropout=False,
+            emb_layer_norm_before=False,
+        ),
+        "sdpa",
+        "masked-lm",
+    ),
     "megatron_bert (masked LM)": ("MegatronBertConfig", ENCODER, "eager", "masked-lm"),
     "roformer (masked LM)": ("RoFormerConfig", dict(ENCODER, embedding_size=32), "eager", "masked-lm"),
-    "big_bird (masked LM)": ("BigBirdConfig", dict(ENCODER, attention_type="original_full", sep_token_id=3), "eager",
-                             "masked-lm"),
-    "deberta-v2 (masked LM)": ("DebertaV2Config", dict(ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"],
-                                                       max_relative_positions=-1, position_buckets=8), "eager", "masked-lm"),
+    "big_bird (masked LM)": (
+        "BigBirdConfig",
+        dict(ENCODER, attention_type="original_full", sep_token_id=3),
+        "eager",
+        "masked-lm",
+    ),
+    "deberta-v2 (masked LM)": (
+        "DebertaV2Config",
+        dict(
+            ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=-1, position_buckets=8
+        ),
+        "eager",
+        "masked-lm",
+    ),
     "mpnet (masked LM)": ("MPNetConfig", dict(ENCODER, pad_token_id=1), "eager", "masked-lm"),
-    "t5 (encoder, token classification)": ("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                                            num_heads=4, num_labels=VOCAB, dropout_rate=0.0,
-                                                            classifier_dropout=0.0), "sdpa", "token-classification"),
-    "t5 (encoder, eager)": ("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                             num_labels=VOCAB, dropout_rate=0.0, classifier_dropout=0.0), "eager",
-                            "token-classification"),
-    "funnel (masked LM)": ("FunnelConfig", dict(vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=32,
-                                                n_head=4, d_head=8, d_inner=64, hidden_dropout=0.0, activation_dropout=0.0),
-                           "eager", "masked-lm"),
-    "longformer (masked LM)": ("LongformerConfig", dict(ENCODER, attention_window=4, pad_token_id=1), "eager", "masked-lm"),
-    "xlm (masked LM)": ("XLMConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, dropout=0.0,
-                                          max_position_embeddings=256), "eager", "masked-lm"),
+    "t5 (encoder, token classification)": (
+        "T5Config",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            num_labels=VOCAB,
+            dropout_rate=0.0,
+            classifier_dropout=0.0,
+        ),
+        "sdpa",
+        "token-classification",
+    ),
+    "t5 (encoder, eager)": (
+        "T5Config",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            num_labels=VOCAB,
+            dropout_rate=0.0,
+            classifier_dropout=0.0,
+        ),
+        "eager",
+        "token-classification",
+    ),
+    "funnel (masked LM)": (
+        "FunnelConfig",
+        dict(
+            vocab_size=VOCAB,
+            block_sizes=[1, 1],
+            num_decoder_layers=1,
+            d_model=32,
+            n_head=4,
+            d_head=8,
+            d_inner=64,
+            hidden_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        "eager",
+        "masked-lm",
+    ),
+    "longformer (masked LM)": (
+        "LongformerConfig",
+        dict(ENCODER, attention_window=4, pad_token_id=1),
+        "eager",
+        "masked-lm",
+    ),
+    "xlm (masked LM)": (
+        "XLMConfig",
+        dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, dropout=0.0, max_position_embeddings=256),
+        "eager",
+        "masked-lm",
+    ),
 }
 
 
@@ -218,17 +555,29 @@ def training_step(rank: int, world_size: int, family: str, dynamic: bool = False
 
     # a gradient that is zero in exact arithmetic (a key bias under softmax) is measured against 1e-6 of the largest
     floor = 1e-6 * max(g.abs().max().item() for g in expected_grads.values())
-    grads = [((p.grad - expected_grads[n]).abs().max() / max(expected_grads[n].abs().max().item(), floor)).item()
-             for n, p in model.named_parameters() if n in expected_grads and p.grad is not None]
+    grads = [
+        ((p.grad - expected_grads[n]).abs().max() / max(expected_grads[n].abs().max().item(), floor)).item()
+        for n, p in model.named_parameters()
+        if n in expected_grads and p.grad is not None
+    ]
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     wrong = sorted(set(expected_grads) ^ trained)  # a parameter that trains in one run only: never a pass
     return {
         "status": "wrong gradients" if wrong else _status(backend.reports),
         "why": f"gradient only in one of the runs: {', '.join(wrong)}" if wrong else "",
-        "error": max([err(got.loss, expected.loss), err(got.logits, expected.logits)] + grads
-                     + [err(a, b) for a, b in other_length]),
-        "attention": sorted({line.split(": ", 1)[1].split(" -> ")[0] for r in backend.reports for line in str(r).splitlines()
-                             if "-> ringpass::ring_attention" in line}),
+        "error": max(
+            [err(got.loss, expected.loss), err(got.logits, expected.logits)]
+            + grads
+            + [err(a, b) for a, b in other_length]
+        ),
+        "attention": sorted(
+            {
+                line.split(": ", 1)[1].split(" -> ")[0]
+                for r in backend.reports
+                for line in str(r).splitlines()
+                if "-> ringpass::ring_attention" in line
+            }
+        ),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "graphs": len(backend.reports),
     }
@@ -260,16 +609,20 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
         "",
         f"Measured {datetime.date.today()} with transformers {transformers.__version__}, torch {torch.__version__}, "
         f"on {world_size} gloo processes: `python examples/model_coverage.py{' --dynamic' if dynamic else ''}`. "
-        + (f"Compiled with `dynamic=True`; the same compile also runs a forward at {SEQ + 6} tokens, whose logits "
-           "count in the error (a second compile there is an error). \"2 graphs\" here is torch's own restart: "
-           "AOTAutograd specialises the model's float inputs and Dynamo traces the frame again "
-           "(`TensorifyScalarRestartAnalysis`), calling the backend twice with the same graph. " if dynamic else "")
+        + (
+            f"Compiled with `dynamic=True`; the same compile also runs a forward at {SEQ + 6} tokens, whose logits "
+            'count in the error (a second compile there is an error). "2 graphs" here is torch\'s own restart: '
+            "AOTAutograd specialises the model's float inputs and Dynamo traces the frame again "
+            "(`TensorifyScalarRestartAnalysis`), calling the backend twice with the same graph. "
+            if dynamic
+            else ""
+        )
         + "Each family is built from a small "
         "config (2 layers, hidden 32, 4 heads, random weights), one training step (labels, loss, backward, fp32, "
         f"{SEQ} tokens, batch 2; a causal LM, a masked LM for the encoders, token classification for T5's encoder) "
-        "compiled with `backend=\"ring\"` against the same model run whole. The error is the "
+        'compiled with `backend="ring"` against the same model run whole. The error is the '
         "largest relative error of loss, logits and every parameter gradient; a parameter with a gradient in one run "
-        "only is \"wrong gradients\", never a pass (a gradient that is zero in exact "
+        'only is "wrong gradients", never a pass (a gradient that is zero in exact '
         "arithmetic, a key bias under softmax, is measured against 1e-6 of the largest gradient: OPT's and "
         "Megatron-BERT's worst are such, ~4e-11 absolute); KV hops counts the ring's KV "
         "exchanges on rank 0 (forward and backward), which an unsharded run would not make."
@@ -285,7 +638,9 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
             lines.append(f"| {family} | {spelling} | {r['status']} | | | {why[:300]} |")
         else:
             notes = "; ".join(r["attention"][:1]) + (f"; {r['graphs']} graphs" if r["graphs"] > 1 else "")
-            lines.append(f"| {family} | {spelling} | {r['status']} | {r['error']:.1e} | {r['kv_exchanges']} | {notes} |")
+            lines.append(
+                f"| {family} | {spelling} | {r['status']} | {r['error']:.1e} | {r['kv_exchanges']} | {notes} |"
+            )
     return "\n".join(lines) + "\n"
 
 

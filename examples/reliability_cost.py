@@ -14,10 +14,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from compile_with_ring import GPT
 
 import lowering.comm
 import ringpass
-from compile_with_ring import GPT
 from lowering import Layout, failures, ring_attention
 
 
@@ -56,8 +56,10 @@ def main() -> None:
             steps.append(time.perf_counter() - start)
         if dist.get_rank() == 0:
             agreement = statistics.median(spent) * 1e3 if spent else 0.0
-            print(f"checks={checks:5s} seq_len={seq_len} step {statistics.median(steps) * 1e3:8.2f} ms   "
-                  f"agreement {agreement:6.3f} ms per call")
+            print(
+                f"checks={checks:5s} seq_len={seq_len} step {statistics.median(steps) * 1e3:8.2f} ms   "
+                f"agreement {agreement:6.3f} ms per call"
+            )
     _exchange_waits(calls)
     dist.destroy_process_group()
 
@@ -80,8 +82,10 @@ def _exchange_waits(calls: int) -> None:
             ring_attention(q, q, q, layout=layout, is_causal=True)
             times.append(time.perf_counter() - start)
         if dist.get_rank() == 0:
-            print(f"ring_attention forward, 256 tokens, {dist.get_world_size() - 1} exchange(s): "
-                  f"{statistics.median(times) * 1e3:.3f} ms with {name} waits")
+            print(
+                f"ring_attention forward, 256 tokens, {dist.get_world_size() - 1} exchange(s): "
+                f"{statistics.median(times) * 1e3:.3f} ms with {name} waits"
+            )
     lowering.comm.wait_works = bounded
 
 

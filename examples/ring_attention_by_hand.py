@@ -16,7 +16,9 @@ import lowering
 
 
 def main() -> None:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
@@ -34,8 +36,10 @@ def main() -> None:
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     real = layout.positions(rank) < seq_len  # padding slots hold zeros
     error = (out_local[:, :, real] - layout.shard(expected, 2, rank)[:, :, real]).abs().max().item()
-    print(f"rank {rank}/{world_size}: {real.sum().item()} tokens, max |ring - sdpa| = {error:.2e}, "
-          f"dq norm {q_local.grad.norm().item():.3f}")
+    print(
+        f"rank {rank}/{world_size}: {real.sum().item()} tokens, max |ring - sdpa| = {error:.2e}, "
+        f"dq norm {q_local.grad.norm().item():.3f}"
+    )
     dist.destroy_process_group()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +27,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def gathered_attention(q, k, v, *, layout: Layout, is_causal: bool = False, scale: Optional[float] = None,
-                       group=None, timings: Optional[dict] = None) -> torch.Tensor:
+def gathered_attention(
+    q,
+    k,
+    v,
+    *,
+    layout: Layout,
+    is_causal: bool = False,
+    scale: float | None = None,
+    group=None,
+    timings: dict | None = None,
+) -> torch.Tensor:
     """This rank's rows of exact full-sequence attention, for shards in ``layout`` order (as
     `lowering.ring_attention` takes them), by gathering K/V instead of passing it around a ring."""
     check_inputs(q, k, v, layout)

@@ -19,7 +19,7 @@ KV_TAG, DKV_TAG = 0, 1
 
 
 class Pending:
-    def __init__(self, works, received: torch.Tensor, exchange: "RingExchange" = None, what: str = ""):
+    def __init__(self, works, received: torch.Tensor, exchange: RingExchange = None, what: str = ""):
         self._works = works
         self._received = received
         self._exchange, self._what = exchange, what
@@ -29,8 +29,12 @@ class Pending:
             for work in self._works:
                 work.wait()
         else:
-            wait_works(self._works, self._exchange.group.group_name, self._what,
-                       peers=(self._exchange.next_rank, self._exchange.prev_rank))
+            wait_works(
+                self._works,
+                self._exchange.group.group_name,
+                self._what,
+                peers=(self._exchange.next_rank, self._exchange.prev_rank),
+            )
         return self._received
 
 
@@ -53,7 +57,9 @@ class RingExchange:
             return Pending([], tensor)
         tensor = tensor.contiguous()
         if events.recording():
-            events.emit("exchange", payload=payload, step=step, phase=phase, bytes=tensor.numel() * tensor.element_size())
+            events.emit(
+                "exchange", payload=payload, step=step, phase=phase, bytes=tensor.numel() * tensor.element_size()
+            )
         received = torch.empty_like(tensor)
         what = f"exchanging the {payload} block of {phase} step {step} with ranks {self.next_rank} (next) and {self.prev_rank} (previous)"
         try:

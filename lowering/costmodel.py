@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
 
 from lowering.layout import GroupLayout, Layout
 from lowering.schedule import kv_source
@@ -48,7 +47,7 @@ class AttentionShape:
     head_dim: int
     itemsize: int
     is_causal: bool = False
-    window: Optional[int] = None
+    window: int | None = None
 
     @property
     def accumulation_itemsize(self) -> int:
@@ -87,8 +86,15 @@ class RingCost:
             for step in range(p):
                 kv_rank, pairs = kv_source(r, step, p), self.pairs[r][step]
                 area = self.layout.valid_len(r) * self.layout.valid_len(kv_rank)
-                row.append("skipped" if pairs == 0 else "diagonal" if self.shape.is_causal and kv_rank == r
-                           else "full" if pairs == area else "partial")
+                row.append(
+                    "skipped"
+                    if pairs == 0
+                    else "diagonal"
+                    if self.shape.is_causal and kv_rank == r
+                    else "full"
+                    if pairs == area
+                    else "partial"
+                )
             words.append(row)
         return words
 
@@ -130,18 +136,27 @@ class RingCost:
         q, kv, rows = self._elements(self.layout.local_len)
         narrow = q * s.itemsize if s.itemsize < a else 0  # the result cast to the input dtype
         forward = q * a + rows * a + 2 * 2 * kv * s.itemsize + narrow
-        backward = q * s.itemsize + rows * a + q * a + 3 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
+        backward = (
+            q * s.itemsize + rows * a + q * a + 3 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
+        )
         return {"forward": forward, "backward": backward}
 
     def _elements(self, n: int) -> tuple[int, int, int]:
         """Elements of q (and out), of one of k / v, and of the LSE, for ``n`` tokens."""
         s = self.shape
-        return s.batch * s.query_heads * n * s.head_dim, s.batch * s.kv_heads * n * s.head_dim, s.batch * s.query_heads * n
+        return (
+            s.batch * s.query_heads * n * s.head_dim,
+            s.batch * s.kv_heads * n * s.head_dim,
+            s.batch * s.query_heads * n,
+        )
 
     def _block_pairs(self, q_rank: int, kv_rank: int) -> int:
         return sum(
-            _pairs(q.global_start, q.global_stop, k.global_start, k.global_stop, self.shape.is_causal, self.shape.window)
-            for q in self.layout.segments(q_rank) for k in self.layout.segments(kv_rank)
+            _pairs(
+                q.global_start, q.global_stop, k.global_start, k.global_stop, self.shape.is_causal, self.shape.window
+            )
+            for q in self.layout.segments(q_rank)
+            for k in self.layout.segments(kv_rank)
         )
 
 
@@ -149,7 +164,7 @@ def ring_cost(layout: Layout, shape: AttentionShape) -> RingCost:
     return RingCost(layout, shape)
 
 
-def _pairs(q_start: int, q_stop: int, k_start: int, k_stop: int, is_causal: bool, window: Optional[int]) -> int:
+def _pairs(q_start: int, q_stop: int, k_start: int, k_stop: int, is_causal: bool, window: int | None) -> int:
     """Visible (query, key) pairs between positions [q_start, q_stop) and [k_start, k_stop), in closed form.
     Causal: query q sees keys [k_start, min(k_stop, q + 1)); a window W hides the keys a query W positions
     later would see, so the count is ``seen(q) - seen(q - W)``."""
@@ -181,29 +196,39 @@ class Hardware:
     flops_per_s: float
     link: str = "custom"
     device: str = "custom"
-    memory_bytes_per_s: Optional[float] = None  # how fast one rank reads its memory (a decode step's bound)
+    memory_bytes_per_s: float | None = None  # how fast one rank reads its memory (a decode step's bound)
 
 
 LINKS = {  # name: (bytes/s one way, latency per message in s, source)
     "nvlink": (450e9, 10e-6, "NVLink 4 (H100/H200 SXM): 900 GB/s both ways, nominal"),
     "infiniband": (50e9, 20e-6, "InfiniBand NDR, 400 Gb/s per port, nominal"),
     "pcie": (25e9, 15e-6, "PCIe 4.0 x16, ~25 GB/s achieved of 32 nominal"),
-    "loopback": (1.19e9, 0.25e-3, "gloo on 127.0.0.1 on the 2-core dev machine: `ringpass bench --calibrate`, "
-                                  "messages of 256 KiB-64 MiB, 2026-12-01"),
+    "loopback": (
+        1.19e9,
+        0.25e-3,
+        "gloo on 127.0.0.1 on the 2-core dev machine: `ringpass bench --calibrate`, "
+        "messages of 256 KiB-64 MiB, 2026-12-01",
+    ),
 }
 DEVICES = {  # name: (attention FLOP/s one rank reaches, source)
     "h100": (600e12, "H100/H200 SXM: 989 dense bf16 TFLOP/s peak, ~60% in flash attention"),
     "a100": (190e12, "A100: 312 dense bf16 TFLOP/s peak, ~60% in flash attention"),
-    "cpu": (78.5e9, "the 2-core dev machine, one thread per rank: the block kernel forward+backward, "
-                    "`ringpass bench --calibrate`, 2026-12-01"),
+    "cpu": (
+        78.5e9,
+        "the 2-core dev machine, one thread per rank: the block kernel forward+backward, "
+        "`ringpass bench --calibrate`, 2026-12-01",
+    ),
 }
 
 
 MEMORY = {  # name: (bytes/s one rank reads from its memory, source)
     "h100": (3.35e12, "H100 SXM HBM3, nominal (H200: 4.8e12)"),
     "a100": (2.0e12, "A100 80GB HBM2e, nominal"),
-    "cpu": (3.8e9, "the 2-core dev machine, one thread: SDPA of one query over a 64 and a 256 MiB fp32 cache "
-                   "(3.79, 3.84 GB/s), `ringpass bench --what decode`, 2026-12-02"),
+    "cpu": (
+        3.8e9,
+        "the 2-core dev machine, one thread: SDPA of one query over a 64 and a 256 MiB fp32 cache "
+        "(3.79, 3.84 GB/s), `ringpass bench --what decode`, 2026-12-02",
+    ),
 }
 
 
@@ -230,8 +255,9 @@ class Prediction:
     @property
     def hides(self) -> bool:
         """Every transfer fits under the compute of the step it overlaps, forward and backward."""
-        return all(c >= self.transfer_forward for c in self.compute_forward[:-1]) and \
-            all(c >= self.transfer_backward for c in self.compute_backward[:-1])
+        return all(c >= self.transfer_forward for c in self.compute_forward[:-1]) and all(
+            c >= self.transfer_backward for c in self.compute_backward[:-1]
+        )
 
 
 def predict(cost: RingCost, hardware: Hardware) -> Prediction:
@@ -268,20 +294,29 @@ def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:
     return math.ceil((b + math.sqrt(b * b + 4 * a * hardware.link_latency_s)) / (2 * a))
 
 
-def ulysses_seconds(shape: AttentionShape, layout: Layout, ulysses: int, ring_link: Hardware,
-                    fast_link: Hardware) -> dict:
+def ulysses_seconds(
+    shape: AttentionShape, layout: Layout, ulysses: int, ring_link: Hardware, fast_link: Hardware
+) -> dict:
     """Ulysses x ring (`lowering.ulysses`) with groups of ``ulysses`` ranks over ``fast_link``, the ring across the
     groups over ``ring_link``: forward and backward seconds of the all-to-alls (q, k, v and the output forward;
     their gradients backward; each moves (U-1)/U of a rank's tensor, not overlapped) and of the ring (R = P/U
     steps of U-times longer blocks with 1/U of the heads, `predict`). KV heads fewer than U are repeated to U."""
     per_rank = ulysses_shape(shape, ulysses)
     ring = predict(ring_cost(GroupLayout(layout, ulysses), per_rank), ring_link)
-    elements = shape.batch * layout.local_len * shape.head_dim * 2 * (per_rank.query_heads + per_rank.kv_heads) * ulysses
+    elements = (
+        shape.batch * layout.local_len * shape.head_dim * 2 * (per_rank.query_heads + per_rank.kv_heads) * ulysses
+    )
     moved = elements * shape.itemsize * (ulysses - 1) / ulysses
     exchange = 4 * fast_link.link_latency_s + moved / fast_link.link_bytes_per_s
-    return {"all_to_all_forward": exchange, "all_to_all_backward": exchange, "ring_forward": ring.forward_s,
-            "ring_backward": ring.backward_s, "forward": exchange + ring.forward_s,
-            "backward": exchange + ring.backward_s, "hides": ring.hides}
+    return {
+        "all_to_all_forward": exchange,
+        "all_to_all_backward": exchange,
+        "ring_forward": ring.forward_s,
+        "ring_backward": ring.backward_s,
+        "forward": exchange + ring.forward_s,
+        "backward": exchange + ring.backward_s,
+        "hides": ring.hides,
+    }
 
 
 def ulysses_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
@@ -290,8 +325,15 @@ def ulysses_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
     from lowering.ulysses import check_heads
 
     repeat = check_heads(shape.query_heads, shape.kv_heads, ulysses)
-    return AttentionShape(shape.batch, shape.query_heads // ulysses, shape.kv_heads * repeat // ulysses,
-                          shape.head_dim, shape.itemsize, shape.is_causal, shape.window)
+    return AttentionShape(
+        shape.batch,
+        shape.query_heads // ulysses,
+        shape.kv_heads * repeat // ulysses,
+        shape.head_dim,
+        shape.itemsize,
+        shape.is_causal,
+        shape.window,
+    )
 
 
 def _overlapped(compute: list[float], transfer: float) -> float:

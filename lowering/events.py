@@ -11,11 +11,12 @@ it to show a schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
-_recorders: list[tuple[list["RingEvent"], Optional[Callable]]] = []
+_recorders: list[tuple[list[RingEvent], Callable | None]] = []
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def emit(kind: str, **fields: Any) -> None:
 
 
 @contextmanager
-def record_ring_events(on_event: Optional[Callable[[RingEvent], None]] = None) -> Iterator[list[RingEvent]]:
+def record_ring_events(on_event: Callable[[RingEvent], None] | None = None) -> Iterator[list[RingEvent]]:
     """The events of the block, in order; ``on_event(event)`` is also called as each happens."""
     events: list[RingEvent] = []
     entry = (events, on_event)

@@ -33,12 +33,12 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -46,8 +46,8 @@ from lowering.errors import InvalidInputError, RingpassError
 from lowering.groups import resolve_group
 
 PREFIX = "ringpass/"
-BEAT = 0.5           # seconds between heartbeats
-POLL = 0.1           # seconds between looks at the store while a wait lasts
+BEAT = 0.5  # seconds between heartbeats
+POLL = 0.1  # seconds between looks at the store while a wait lasts
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_DEAD_AFTER = 10.0
 INSIDE = "inside ringpass"  # how the state of a rank that runs a ring call (or waits in one) begins
@@ -65,9 +65,9 @@ class _Process:
     failed_call: int = -1
     state: str = "starting"
     seen_failures: int = 0
-    heartbeat: Optional[threading.Thread] = None
+    heartbeat: threading.Thread | None = None
     stop_beating: threading.Event = field(default_factory=threading.Event)
-    waiter: Optional[ThreadPoolExecutor] = None
+    waiter: ThreadPoolExecutor | None = None
     agreed: set = field(default_factory=set)  # what `agree_once` agreed on: (store, group name, topic, fingerprint)
     settings: dict = field(default_factory=dict)  # group name -> (timeout, dead_after)
 
@@ -75,7 +75,7 @@ class _Process:
 _process = _Process()
 
 
-def configure(group_name: str = "", *, timeout: Optional[float] = None, dead_after: Optional[float] = None) -> None:
+def configure(group_name: str = "", *, timeout: float | None = None, dead_after: float | None = None) -> None:
     """How long a wait on ``group_name`` ('' = every group) may last while every peer waits inside
     ringpass too (``timeout``), and how long a silent heartbeat means a dead peer (``dead_after``), in
     seconds; a setting not given keeps its value."""
@@ -115,7 +115,9 @@ class _Channel:
         self.rank = dist.get_rank()
         self.members = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
         self.peers = [r for r in self.members if r != self.rank]
-        self.timeout, self.dead_after = _process.settings.get(group_name, _process.settings.get("", (DEFAULT_TIMEOUT, DEFAULT_DEAD_AFTER)))
+        self.timeout, self.dead_after = _process.settings.get(
+            group_name, _process.settings.get("", (DEFAULT_TIMEOUT, DEFAULT_DEAD_AFTER))
+        )
         self._beats: dict[int, tuple[int, float]] = {}
         self._looked_at_beats = 0.0
         _start_heartbeat(self.store, self.rank)
@@ -124,7 +126,9 @@ class _Channel:
     def post(self, message: str, *, origin: bool, call: int) -> None:
         _process.failed_call = max(_process.failed_call, call)
         try:
-            self.store.set(f"{PREFIX}failed/{self.rank}", json.dumps({"call": call, "origin": origin, "message": message}))
+            self.store.set(
+                f"{PREFIX}failed/{self.rank}", json.dumps({"call": call, "origin": origin, "message": message})
+            )
             self.store.add(f"{PREFIX}failures", 1)
         except Exception:  # the store's host is gone too; the peers find out by themselves
             pass
@@ -153,8 +157,11 @@ class _Channel:
         except (RuntimeError, OSError) as error:
             if isinstance(error, RingpassError):
                 raise
-            raise self.failure(f"the rendezvous store stopped answering: its host (the launcher's agent under torchrun, "
-                               f"else rank 0's process) has exited or died: {str(error).splitlines()[0][:200]}", what) from None
+            raise self.failure(
+                f"the rendezvous store stopped answering: its host (the launcher's agent under torchrun, "
+                f"else rank 0's process) has exited or died: {str(error).splitlines()[0][:200]}",
+                what,
+            ) from None
 
     def _look(self, what: str, started: float) -> None:
         failures = self.posted()
@@ -169,8 +176,11 @@ class _Channel:
                 if count != last_count:
                     self._beats[peer] = (count, now)
                 elif now - since > self.dead_after:
-                    raise self.failure(f"rank {peer} stopped responding (no heartbeat for {now - since:.0f} s: the "
-                                       "process was killed, or is frozen)", what)
+                    raise self.failure(
+                        f"rank {peer} stopped responding (no heartbeat for {now - since:.0f} s: the "
+                        "process was killed, or is frozen)",
+                        what,
+                    )
         if now - started > self.timeout:
             states = {peer: self._state(peer) for peer in self.peers}
             if all(s.startswith(INSIDE) for s in states.values()):
@@ -178,7 +188,8 @@ class _Channel:
                 raise self.failure(
                     f"waited {now - started:.0f} s (timeout={self.timeout:g}) while every peer is alive and waiting "
                     f"inside ringpass too: the ranks are out of step (different graphs, or a different number of ring "
-                    f"calls). The peers say: {told}", what,
+                    f"calls). The peers say: {told}",
+                    what,
                 )
 
     def _state(self, peer: int) -> str:
@@ -216,13 +227,14 @@ def channel(group_name: str) -> _Channel:
     return _channels[key]
 
 
-def post_failure(group_name: str, error: BaseException, *, call: Optional[int] = None) -> None:
+def post_failure(group_name: str, error: BaseException, *, call: int | None = None) -> None:
     """Tell the peers in ``group_name`` that this rank failed with ``error`` (a `PeerFailure` was already told)."""
     if isinstance(error, PeerFailure) or not dist.is_initialized():
         return
     text = f"{type(error).__name__}: {error}".strip()
-    channel(group_name).post(text if len(text) < 2000 else text[:2000] + " ...", origin=True,
-                             call=_process.call if call is None else call)
+    channel(group_name).post(
+        text if len(text) < 2000 else text[:2000] + " ...", origin=True, call=_process.call if call is None else call
+    )
 
 
 @contextmanager
@@ -270,7 +282,7 @@ def wait_collective(work, tensor, group_name: str, what: str) -> None:
         wait_works([work], group_name, what)
 
 
-def _peer_of(error: Exception, peers: Sequence[int]) -> Optional[int]:
+def _peer_of(error: Exception, peers: Sequence[int]) -> int | None:
     index = getattr(error, "work_index", None)
     return peers[index] if index is not None and index < len(peers) else None
 
@@ -284,7 +296,7 @@ def _wait_each(works) -> None:
             raise
 
 
-def connection_lost(group_name: str, what: str, error: Exception, peer: Optional[int] = None) -> PeerFailure:
+def connection_lost(group_name: str, what: str, error: Exception, peer: int | None = None) -> PeerFailure:
     """The `PeerFailure` for a send, receive or collective that raised (gloo: the connection to ``peer``,
     or to some peer, broke), with the failing rank's own message when it posted one."""
     ch = channel(group_name)
@@ -297,8 +309,11 @@ def connection_lost(group_name: str, what: str, error: Exception, peer: Optional
     else:
         dead = ch.dead_peers(sample=2 * BEAT + POLL)
         lost = f"rank(s) {', '.join(map(str, dead))}" if dead else "a peer"
-    return ch.failure(f"the connection to {lost} broke (its process died or left the process group): "
-                      f"{str(error).splitlines()[0][:200]}", what)
+    return ch.failure(
+        f"the connection to {lost} broke (its process died or left the process group): "
+        f"{str(error).splitlines()[0][:200]}",
+        what,
+    )
 
 
 def agree(group_name: str, topic: str, mine: dict, describe) -> None:
@@ -334,8 +349,11 @@ def agree(group_name: str, topic: str, mine: dict, describe) -> None:
         return
     _process.failed_call = max(_process.failed_call, call)  # every rank raises this itself
     everyone = [json.loads(v) for v in ch.store.multi_get([key("full", r) for r in ch.members])]
-    raise InvalidInputError(describe(everyone) or f"The ranks disagree before call {call} of a ring graph "
-                            f"(fingerprint digests by rank: {[digests[r] for r in ch.members]}).")
+    raise InvalidInputError(
+        describe(everyone)
+        or f"The ranks disagree before call {call} of a ring graph "
+        f"(fingerprint digests by rank: {[digests[r] for r in ch.members]})."
+    )
 
 
 def agree_once(group_name: str, topic: str, mine: dict, describe) -> None:
@@ -395,8 +413,9 @@ def _beat(store, rank: int) -> None:
     told = None
     try:
         if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
-            store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=10))
+            store = dist.TCPStore(
+                store.host, store.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
+            )
         while not _process.stop_beating.is_set():
             store.add(f"{PREFIX}alive/{rank}", 1)
             if _process.state != told:

@@ -21,7 +21,7 @@ slots of the layout (positions ``>= seq_len``) are neither averaged nor rewritte
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,8 +33,10 @@ FULLY_MASKED = ("zero", "uniform", "uniform_values")
 
 def check_fully_masked(mode) -> None:
     if mode not in FULLY_MASKED:
-        raise InvalidInputError(f"fully_masked={mode!r}: choose one of {', '.join(map(repr, FULLY_MASKED))} "
-                                "(what a query whose keys are all hidden gives).")
+        raise InvalidInputError(
+            f"fully_masked={mode!r}: choose one of {', '.join(map(repr, FULLY_MASKED))} "
+            "(what a query whose keys are all hidden gives)."
+        )
 
 
 def value_sum(v: torch.Tensor, kv_pos: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,8 +50,9 @@ def fully_masked_rows(lse: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> t
     return torch.isneginf(lse) & (q_pos < seq_len).to(lse.device)
 
 
-def fill_fully_masked_(out: torch.Tensor, lse: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
-                       seq_len: int) -> None:
+def fill_fully_masked_(
+    out: torch.Tensor, lse: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, seq_len: int
+) -> None:
     """Give the fully masked rows of ``out`` (accumulation dtype) the mean value, ``values / seq_len``
     (``values``: the sum over every key, ``[B, Hkv, D]``). Their lse stays -inf: they saw no visible key."""
     rows = fully_masked_rows(lse, q_pos, seq_len)
@@ -66,8 +69,20 @@ class FullyMaskedGrads:
         self.rows = fully_masked_rows(lse, q_pos, seq_len) if mode != "zero" else None
         self.local = self.rows.any(0).any(0).nonzero().squeeze(1) if self.rows is not None else None  # in some b, h
 
-    def add_(self, dout, q, k, v, out, kv_pos, scale: float, softcap, dq: torch.Tensor, dkv: torch.Tensor,
-             program_grads: Sequence = ()) -> None:
+    def add_(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        kv_pos,
+        scale: float,
+        softcap,
+        dq: torch.Tensor,
+        dkv: torch.Tensor,
+        program_grads: Sequence = (),
+    ) -> None:
         """Into ``dq`` (``[B, Hq, n, D]``) and ``dkv`` (``stack((dk, dv))`` of the block, accumulation dtype);
         the scores' gradient also into the trained inputs of score programs (`lowering.program_grads`): a
         bias added to such a row's scores receives it, as in eager attention."""
@@ -81,7 +96,7 @@ class FullyMaskedGrads:
             return grad.view(b, h // groups, groups, m, d).sum(2)
 
         for start in range(0, self.local.numel(), tile):
-            r = self.local[start:start + tile]
+            r = self.local[start : start + tile]
             weighted = dout[:, :, r].to(acc) * (self.rows[:, :, r].to(acc) / n).unsqueeze(-1)  # p · dout, 0 elsewhere
             dkv[1] += by_kv_head(weighted.sum(2, keepdim=True)) * real[:, None]
             if self.mode != "uniform":

@@ -24,8 +24,10 @@ def resolve_group(group):
         if group.ndim == 2:
             return group._flatten().get_group()
         if group.ndim != 1:
-            raise InvalidInputError(f"group: pass one dimension of the DeviceMesh (mesh['cp']), or two (mesh['cp', 'sp']: "
-                                    f"the ring, then Ulysses), not a {group.ndim}-D mesh.")
+            raise InvalidInputError(
+                f"group: pass one dimension of the DeviceMesh (mesh['cp']), or two (mesh['cp', 'sp']: "
+                f"the ring, then Ulysses), not a {group.ndim}-D mesh."
+            )
         return group.get_group()
     return group
 
@@ -39,7 +41,7 @@ def group_by_name(group_name: str):
     return _resolve_process_group(group_name)
 
 
-def world_of(group_name: str) -> tuple[int, int, "dist.ProcessGroup | None"]:
+def world_of(group_name: str) -> tuple[int, int, dist.ProcessGroup | None]:
     """(world size, this rank, the group) of the process group named ``group_name``; "" is one process alone."""
     group = group_by_name(group_name)
     if group is None:
@@ -58,17 +60,23 @@ def checked_group(group, world_size: int):
     resolved = resolve_group(group)
     if resolved is None:
         if group is not None:
-            raise InvalidInputError("A process group was passed but torch.distributed is not initialised; "
-                                    "call init_process_group first.")
+            raise InvalidInputError(
+                "A process group was passed but torch.distributed is not initialised; call init_process_group first."
+            )
         if world_size != 1:
-            raise InvalidInputError(f"The layout spans {world_size} ranks but no process group is initialised; "
-                                    "call torch.distributed.init_process_group (e.g. under torchrun) first.")
+            raise InvalidInputError(
+                f"The layout spans {world_size} ranks but no process group is initialised; "
+                "call torch.distributed.init_process_group (e.g. under torchrun) first."
+            )
         return None
     if dist.get_rank(resolved) < 0:
-        raise InvalidInputError(f"This rank ({dist.get_rank()}) is not a member of the process group passed as "
-                                "`group`.")
+        raise InvalidInputError(
+            f"This rank ({dist.get_rank()}) is not a member of the process group passed as `group`."
+        )
     size = dist.get_world_size(resolved)
     if size != world_size:
-        raise InvalidInputError(f"The layout is for {world_size} ranks but the process group has {size}; "
-                                f"build it as Layout(kind, world_size={size}, seq_len=...).")
+        raise InvalidInputError(
+            f"The layout is for {world_size} ranks but the process group has {size}; "
+            f"build it as Layout(kind, world_size={size}, seq_len=...)."
+        )
     return resolved

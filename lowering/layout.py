@@ -18,9 +18,9 @@ slots always form a prefix of its local slots; the ring's planner relies on both
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Sequence
 
 import torch
 
@@ -113,9 +113,7 @@ class Layout:
     def unshard(self, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         """Inverse of sharding every rank: the full tensor in global order, padding dropped."""
         if len(shards) != self.world_size:
-            raise InvalidInputError(
-                f"unshard needs one shard per rank ({self.world_size}), got {len(shards)}."
-            )
+            raise InvalidInputError(f"unshard needs one shard per rank ({self.world_size}), got {len(shards)}.")
         dim = _check_dim(dim, shards[0].dim())
         for rank, shard in enumerate(shards):
             if shard.size(dim) != self.local_len:
@@ -133,9 +131,7 @@ class Layout:
     @cached_property
     def _positions(self) -> tuple[torch.Tensor, ...]:
         return tuple(
-            torch.cat(
-                [torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len) for c in self.chunks(r)]
-            )
+            torch.cat([torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len) for c in self.chunks(r)])
             for r in range(self.world_size)
         )
 
@@ -151,8 +147,7 @@ class Layout:
         dim = _check_dim(dim, x.dim())
         if x.size(dim) != self.seq_len:
             raise InvalidInputError(
-                f"shard expects the full sequence ({self.seq_len} tokens) along dim {dim}, "
-                f"got shape {tuple(x.shape)}."
+                f"shard expects the full sequence ({self.seq_len} tokens) along dim {dim}, got shape {tuple(x.shape)}."
             )
         return dim
 
@@ -169,8 +164,9 @@ class GroupLayout:
 
     def __init__(self, base: Layout, ulysses: int):
         if base.world_size % ulysses:
-            raise InvalidInputError(f"Ulysses groups of {ulysses} ranks do not divide the {base.world_size} ranks of "
-                                    "the sequence.")
+            raise InvalidInputError(
+                f"Ulysses groups of {ulysses} ranks do not divide the {base.world_size} ranks of the sequence."
+            )
         self.base, self.ulysses = base, ulysses
         self.kind, self.seq_len = base.kind, base.seq_len
         self.world_size = base.world_size // ulysses
@@ -217,7 +213,7 @@ class GroupLayout:
 
 
 @lru_cache(maxsize=64)
-def cached_layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1) -> "Layout | GroupLayout":
+def cached_layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1) -> Layout | GroupLayout:
     """The layout of ``seq_len`` tokens over ``world_size`` ranks, or with Ulysses groups of ``ulysses`` ranks
     the groups' (`GroupLayout`), built once: the custom ops take layouts as plain values on every call."""
     if ulysses == 1:

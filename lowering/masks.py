@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ MASKED_AT_OR_BELOW = -1e4
 _programs: dict[str, Callable] = {}
 
 
-def register_mask(program: Callable, source: Optional[str] = None, *, mask_id: Optional[str] = None) -> str:
+def register_mask(program: Callable, source: str | None = None, *, mask_id: str | None = None) -> str:
     """Make ``program`` callable from the ring op; returns its id. ``source`` (e.g. a GraphModule's code)
     names it by content, so every rank and every recompile gives the same program the same id; without
     it the function object itself is the key (two lambdas never share an id; the registry keeps it alive).
@@ -70,8 +70,8 @@ class BlockMask:
     visible from query positions ``kv_pos <= q_pos < kv_pos + window``; needs causal), and a program."""
 
     is_causal: bool = False
-    window: Optional[int] = None
-    program: Optional[Callable] = None
+    window: int | None = None
+    program: Callable | None = None
     inputs: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self):
@@ -120,15 +120,23 @@ class Tile:
     rows: slice
     cols: slice
     causal: bool
-    mask: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
+    mask: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 EMPTY, FULL, CAUSAL, PARTIAL = range(4)  # what a tile of a planned task is (`tile_states`)
 
 
-def tile_states(task: BlockTask, q_host: torch.Tensor, kv_host: torch.Tensor, block_mask: BlockMask, q_pos, kv_pos,
-                batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_states(
+    task: BlockTask,
+    q_host: torch.Tensor,
+    kv_host: torch.Tensor,
+    block_mask: BlockMask,
+    q_pos,
+    kv_pos,
+    batch: int,
+    heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(states ``[R, C]`` int8, has_bias ``[R, C]`` bool) of the task's ``MASK_TILE`` x ``MASK_TILE`` tiles:
     ``EMPTY`` (nothing visible), ``FULL`` (every pair the positions leave visible stays visible),
     ``CAUSAL`` (a diagonal tile of a causal task, exactly causal), ``PARTIAL`` (the mask must be evaluated
@@ -143,8 +151,8 @@ def tile_states(task: BlockTask, q_host: torch.Tensor, kv_host: torch.Tensor, bl
     else:
         states = torch.full((rows, cols), FULL)
     if block_mask.window is not None:
-        q_min, q_max = _tile_ranges(q_host[task.q_start:task.q_stop], tile)
-        kv_min, kv_max = _tile_ranges(kv_host[task.kv_start:task.kv_stop], tile)
+        q_min, q_max = _tile_ranges(q_host[task.q_start : task.q_stop], tile)
+        kv_min, kv_max = _tile_ranges(kv_host[task.kv_start : task.kv_stop], tile)
         outside = q_min[:, None] - kv_max[None, :] >= block_mask.window
         inside = q_max[:, None] - kv_min[None, :] < block_mask.window
         states = torch.where(outside, EMPTY, torch.where(inside | (states == EMPTY), states, PARTIAL))
@@ -241,9 +249,20 @@ def work_tiles(task: BlockTask, work: tuple[int, int]) -> list[Tile]:
     return tiles
 
 
-def mask_tiles(task: BlockTask, q_host, kv_host, block_mask: BlockMask, batch: int, heads: int, *, q_pos=None,
-               kv_pos=None, split: bool = False, window_in_kernel: bool = False,
-               work: Optional[tuple[int, int]] = None) -> list[Tile]:
+def mask_tiles(
+    task: BlockTask,
+    q_host,
+    kv_host,
+    block_mask: BlockMask,
+    batch: int,
+    heads: int,
+    *,
+    q_pos=None,
+    kv_pos=None,
+    split: bool = False,
+    window_in_kernel: bool = False,
+    work: tuple[int, int] | None = None,
+) -> list[Tile]:
     """The kernel calls of one planned task, empty tiles left out. Where nothing beyond causality hides a
     pair of the task (no window or program, or ones that hide nothing here) the task is cut only into
     `work_tiles` of ``work`` (default: the whole task). Otherwise each row of ``MASK_TILE`` tiles runs its
@@ -319,7 +338,9 @@ def split_additive(values: torch.Tensor):
     if values.dtype == torch.bool:
         return values, None
     if not values.is_floating_point():
-        raise NotSupportedError(f"A mask program returned {values.dtype}; masks must be bool or additive float (0 / -inf).")
+        raise NotSupportedError(
+            f"A mask program returned {values.dtype}; masks must be bool or additive float (0 / -inf)."
+        )
     visible = values > MASKED_AT_OR_BELOW
     bias = values.masked_fill(~visible, 0.0)
     return visible, (bias if bool(bias.any()) else None)

@@ -16,7 +16,7 @@ kind cost a set lookup. (Compiled graphs agree on each call, `ringpass.guard`.)
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,15 +42,15 @@ def ring_attention(
     *,
     layout: Layout,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     group=None,
     return_lse: bool = False,
-    window: Optional[int] = None,
-    mask: Optional[Callable] = None,
+    window: int | None = None,
+    mask: Callable | None = None,
     mask_inputs: Sequence[torch.Tensor] = (),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Sequence[float]] = None,
-    bias: Optional[Callable] = None,
+    softcap: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    bias: Callable | None = None,
     bias_inputs: Sequence[torch.Tensor] = (),
     fully_masked: str = "zero",
 ):
@@ -86,10 +86,24 @@ def ring_attention(
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
     narrower = k.size(-1) - v.size(-1) if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else 0
     if narrower > 0:  # MLA: values narrower than keys travel padded with zero columns, cut off again
-        out = ring_attention(q, k, torch.nn.functional.pad(v, (0, narrower)), layout=layout, is_causal=is_causal,
-                             scale=scale, group=group, return_lse=return_lse, window=window, mask=mask,
-                             mask_inputs=mask_inputs, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-                             bias_inputs=bias_inputs, fully_masked=fully_masked)
+        out = ring_attention(
+            q,
+            k,
+            torch.nn.functional.pad(v, (0, narrower)),
+            layout=layout,
+            is_causal=is_causal,
+            scale=scale,
+            group=group,
+            return_lse=return_lse,
+            window=window,
+            mask=mask,
+            mask_inputs=mask_inputs,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            bias=bias,
+            bias_inputs=bias_inputs,
+            fully_masked=fully_masked,
+        )
         return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
     group = checked_group(group, layout.world_size)
@@ -101,11 +115,25 @@ def ring_attention(
     check_fully_masked(fully_masked)
     slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
     if slopes is not None and len(slopes) != q.size(1):
-        raise InvalidInputError(f"alibi_slopes has {len(slopes)} slopes; q has {q.size(1)} heads: give one per query head.")
-    args = RingArgs(layout.kind, layout.world_size, layout.seq_len, bool(is_causal), scale,
-                    "" if group is None else group.group_name, window, mask_id, list(mask_inputs),
-                    None if softcap is None else float(softcap), slopes,
-                    register_mask(bias) if bias is not None else "", list(bias_inputs), fully_masked)
+        raise InvalidInputError(
+            f"alibi_slopes has {len(slopes)} slopes; q has {q.size(1)} heads: give one per query head."
+        )
+    args = RingArgs(
+        layout.kind,
+        layout.world_size,
+        layout.seq_len,
+        bool(is_causal),
+        scale,
+        "" if group is None else group.group_name,
+        window,
+        mask_id,
+        list(mask_inputs),
+        None if softcap is None else float(softcap),
+        slopes,
+        register_mask(bias) if bias is not None else "",
+        list(bias_inputs),
+        fully_masked,
+    )
     if args.group_name and not torch.compiler.is_compiling():  # a compiled caller's graph agrees on its calls
         agree_once(args.group_name, "ring_attention", _fingerprint(layout, (q, k, v), args, mask, bias), _difference)
     out, lse = torch.ops.ringpass.ring_attention(q, k, v, *args.op_args())
@@ -115,16 +143,27 @@ def ring_attention(
 def _fingerprint(layout: Layout, qkv, args: RingArgs, mask, bias) -> dict:
     """What the ranks of one ring must agree on in a call, as plain values: the programs by their Python
     names (their ids, and the group's name, are each process's own)."""
+
     def shapes(tensors):
         return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in tensors)
 
     def name(program):
         return None if program is None else getattr(program, "__qualname__", type(program).__name__)
 
-    return {"layout": str(layout), "q, k, v": shapes(qkv), "is_causal": args.is_causal, "scale": args.scale,
-            "window": args.window, "mask": name(mask), "mask_inputs": shapes(args.mask_inputs),
-            "softcap": args.softcap, "alibi_slopes": args.alibi_slopes, "bias": name(bias),
-            "bias_inputs": shapes(args.bias_inputs), "fully_masked": args.fully_masked}
+    return {
+        "layout": str(layout),
+        "q, k, v": shapes(qkv),
+        "is_causal": args.is_causal,
+        "scale": args.scale,
+        "window": args.window,
+        "mask": name(mask),
+        "mask_inputs": shapes(args.mask_inputs),
+        "softcap": args.softcap,
+        "alibi_slopes": args.alibi_slopes,
+        "bias": name(bias),
+        "bias_inputs": shapes(args.bias_inputs),
+        "fully_masked": args.fully_masked,
+    }
 
 
 def _difference(everyone: list[dict]) -> str:
@@ -132,9 +171,11 @@ def _difference(everyone: list[dict]) -> str:
     for field in everyone[0]:
         values = [fingerprint[field] for fingerprint in everyone]
         if len({str(value) for value in values}) > 1:
-            return (f"The ranks disagree on a ring_attention call: its {field} is {by_rank(values)}. Every rank of "
-                    "the ring must make the same ring_attention calls, in the same order: the same layout and options, "
-                    "on shards of the same shape.")
+            return (
+                f"The ranks disagree on a ring_attention call: its {field} is {by_rank(values)}. Every rank of "
+                "the ring must make the same ring_attention calls, in the same order: the same layout and options, "
+                "on shards of the same shape."
+            )
     return ""
 
 
@@ -191,14 +232,23 @@ def check_inputs(q, k, v, layout: Layout) -> None:
 
 def _spec(args: RingArgs) -> RingSpec:
     if args.window is not None and not args.is_causal:
-        raise InvalidInputError(f"window={args.window} needs is_causal=True (a sliding window looks back from each "
-                                "query).")
+        raise InvalidInputError(
+            f"window={args.window} needs is_causal=True (a sliding window looks back from each query)."
+        )
     mask = None
     if args.window is not None or args.mask_id:
-        mask = BlockMask(args.is_causal, args.window, mask_program(args.mask_id) if args.mask_id else None,
-                         tuple(args.mask_inputs or ()))
-    scores = ScoreMod(args.softcap, None if args.alibi_slopes is None else tuple(args.alibi_slopes),
-                      mask_program(args.bias_id) if args.bias_id else None, tuple(args.bias_inputs or ()))
+        mask = BlockMask(
+            args.is_causal,
+            args.window,
+            mask_program(args.mask_id) if args.mask_id else None,
+            tuple(args.mask_inputs or ()),
+        )
+    scores = ScoreMod(
+        args.softcap,
+        None if args.alibi_slopes is None else tuple(args.alibi_slopes),
+        mask_program(args.bias_id) if args.bias_id else None,
+        tuple(args.bias_inputs or ()),
+    )
     layout = cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses)
     return RingSpec(layout, args.is_causal, args.scale, mask, scores, args.fully_masked)
 
@@ -206,8 +256,9 @@ def _spec(args: RingArgs) -> RingSpec:
 _TENSORS = {"q": torch.Tensor, "k": torch.Tensor, "v": torch.Tensor}
 
 
-@torch.library.custom_op("ringpass::ring_attention", mutates_args=(),
-                         schema=ring_schema(_TENSORS, {}, tuple[torch.Tensor, torch.Tensor]))
+@torch.library.custom_op(
+    "ringpass::ring_attention", mutates_args=(), schema=ring_schema(_TENSORS, {}, tuple[torch.Tensor, torch.Tensor])
+)
 def _ring_attention_op(q, k, v, *config):
     args = RingArgs(*config)
     with ring_work(args.group_name):
@@ -215,8 +266,10 @@ def _ring_attention_op(q, k, v, *config):
         check_inputs(q, k, v, spec.layout)
         exchange = RingExchange(group_by_name(args.group_name))
         if exchange.world_size != spec.layout.world_size:
-            raise InvalidInputError(f"The layout is for {spec.layout.world_size} ranks but process group "
-                                    f"{args.group_name!r} has {exchange.world_size}.")
+            raise InvalidInputError(
+                f"The layout is for {spec.layout.world_size} ranks but process group "
+                f"{args.group_name!r} has {exchange.world_size}."
+            )
         return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
 
 
@@ -229,9 +282,15 @@ def _(q, k, v, *config):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
 
 
-@torch.library.custom_op("ringpass::ring_attention_backward", mutates_args=(), schema=ring_schema(
-    {"dout": torch.Tensor, **_TENSORS, "out": torch.Tensor, "lse": torch.Tensor, "dlse": Optional[torch.Tensor]},
-    {"trained": list[int]}, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]))
+@torch.library.custom_op(
+    "ringpass::ring_attention_backward",
+    mutates_args=(),
+    schema=ring_schema(
+        {"dout": torch.Tensor, **_TENSORS, "out": torch.Tensor, "lse": torch.Tensor, "dlse": torch.Tensor | None},
+        {"trained": list[int]},
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]],
+    ),
+)
 def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_trained):
     """(dq, dk, dv, the gradients of the program inputs ``trained`` numbers: `RingArgs.program_inputs`,
     counted together; this rank's queries' share of each)."""
@@ -242,11 +301,20 @@ def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_train
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
         first = len(args.mask_inputs)
-        per_program = [[i in trained for i in range(first)],
-                       [first + i in trained for i in range(len(args.bias_inputs))]]
+        per_program = [
+            [i in trained for i in range(first)],
+            [first + i in trained for i in range(len(args.bias_inputs))],
+        ]
         return ring_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-            None if dlse is None else dlse.contiguous(), spec, RingExchange(group_by_name(args.group_name)),
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse.contiguous(),
+            None if dlse is None else dlse.contiguous(),
+            spec,
+            RingExchange(group_by_name(args.group_name)),
             per_program,
         )
 
@@ -255,8 +323,10 @@ def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_train
 def _(dout, q, k, v, out, lse, dlse, *config_and_trained):
     *config, trained = config_and_trained
     program_inputs = RingArgs(*config).program_inputs()
-    return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)),
-            [torch.empty_like(program_inputs[i]) for i in trained])
+    return (
+        *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)),
+        [torch.empty_like(program_inputs[i]) for i in trained],
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -272,11 +342,16 @@ def _backward(ctx, dout, dlse):
     needs = {field: ctx.needs_input_grad[RingArgs.position(field)] for field in PROGRAM_INPUTS}
     trained = [i for i, need in enumerate(need for field in PROGRAM_INPUTS for need in needs[field]) if need]
     dq, dk, dv, program_grads = torch.ops.ringpass.ring_attention_backward(
-        dout, q, k, v, out, lse, dlse, *args.op_args(), trained)
+        dout, q, k, v, out, lse, dlse, *args.op_args(), trained
+    )
     grads = iter(program_grads)
     none = RingArgs(*[None] * len(RingArgs._fields))  # no gradient for the plain values
-    return (dq, dk, dv, *none._replace(**{field: [next(grads) if need else None for need in needs[field]]
-                                          for field in PROGRAM_INPUTS}))
+    return (
+        dq,
+        dk,
+        dv,
+        *none._replace(**{field: [next(grads) if need else None for need in needs[field]] for field in PROGRAM_INPUTS}),
+    )
 
 
 def _no_double_backward(ctx, *grads):
@@ -287,12 +362,16 @@ def _autocast_kernel(device_type: str):
     """Under ``torch.autocast``, the ring op casts q, k, v as autocast casts SDPA's (to the autocast
     dtype; float64 stays), then runs with autocast off: a model whose rotary embedding left q in float32
     and v in bfloat16 runs as it does unsharded."""
-    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type)))
+    key = torch._C.DispatchKeySet(
+        getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    )
 
     def kernel(_, q, k, v, *rest):
         dtype = torch.get_autocast_dtype(device_type)
-        cast = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device_type else t
-                for t in (q, k, v)]
+        cast = [
+            t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device_type else t
+            for t in (q, k, v)
+        ]
         with torch._C._ExcludeDispatchKeyGuard(key):
             return torch.ops.ringpass.ring_attention.default(*cast, *rest)
 
@@ -301,7 +380,11 @@ def _autocast_kernel(device_type: str):
 
 _autocast_library = torch.library.Library("ringpass", "IMPL")
 for _device_type in ("cpu", "cuda"):
-    _autocast_library.impl("ring_attention", _autocast_kernel(_device_type),
-                           "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
+    _autocast_library.impl(
+        "ring_attention",
+        _autocast_kernel(_device_type),
+        "Autocast" + torch._C._dispatch_key_for_device(_device_type),
+        with_keyset=True,
+    )
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 _ring_attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -17,8 +17,8 @@ ring once, on the value that needs it (for a table: the table).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,8 +31,10 @@ class ProgramGrads:
 
     def __init__(self, program: Callable, inputs: Sequence[torch.Tensor], needs: Sequence[bool]):
         self.program, self.inputs, self.needs = program, tuple(inputs), tuple(needs)
-        self.grads = [torch.zeros_like(x, dtype=accumulation_dtype(x.dtype)) if need else None
-                      for x, need in zip(self.inputs, self.needs)]
+        self.grads = [
+            torch.zeros_like(x, dtype=accumulation_dtype(x.dtype)) if need else None
+            for x, need in zip(self.inputs, self.needs)
+        ]
 
     def add_(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, ds: torch.Tensor) -> None:
         """Add the pull-back of ``ds`` (``[B, Hq, n, m]``: the loss's gradient with respect to the scores at
@@ -50,12 +52,12 @@ class ProgramGrads:
             grad = ds.sum_to_size((1,) * (4 - values.dim()) + tuple(values.shape)).reshape(values.shape)
             wrt = [leaf for leaf, need in zip(leaves, self.needs) if need] + [leaf for _, _, leaf in restricted]
             found = torch.autograd.grad(values, wrt, grad.to(values.dtype), allow_unused=True)
-        whole = iter(found[:len(wrt) - len(restricted)])
+        whole = iter(found[: len(wrt) - len(restricted)])
         for i, need in enumerate(self.needs):
             g = next(whole) if need else None
             if g is not None:
                 self.grads[i].add_(g)
-        for (i, chain, _), g in zip(restricted, found[len(wrt) - len(restricted):]):
+        for (i, chain, _), g in zip(restricted, found[len(wrt) - len(restricted) :]):
             if g is not None:
                 self.grads[i].index_put_(_positions_of(chain, g), g.to(self.grads[i].dtype), accumulate=True)
 
@@ -87,7 +89,7 @@ class _TileRun(fx.Interpreter):
         self.restricted.append((index, chain, leaf))
         return leaf
 
-    def _origin(self, value) -> Optional[tuple[int, tuple]]:
+    def _origin(self, value) -> tuple[int, tuple] | None:
         if not isinstance(value, torch.Tensor):
             return None
         if id(value) in self.trainable:
@@ -109,7 +111,6 @@ def _positions_of(chain: tuple, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         view[dim] = -1
         indices.append(index.to(grad.device).view(view))
     return tuple(indices)
-
 
 
 @contextmanager

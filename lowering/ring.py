@@ -14,9 +14,9 @@ and are shared with the single-process simulation (`lowering.simulate`) and the 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -29,7 +29,6 @@ from lowering.masks import BlockMask, Tile, mask_tiles
 from lowering.program_grads import ProgramGrads
 from lowering.schedule import kv_source, plan_block
 from lowering.scores import ScoreMod
-
 
 WORK_TILE_MIN = 512  # below this a kernel call's fixed costs start to show on the CPU
 
@@ -44,7 +43,7 @@ class RingSpec:
     layout: Layout
     is_causal: bool
     scale: float
-    mask: Optional[BlockMask] = None
+    mask: BlockMask | None = None
     scores: ScoreMod = ScoreMod()
     fully_masked: str = "zero"
 
@@ -67,9 +66,19 @@ class RingSpec:
         return [
             tile
             for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
-            for tile in mask_tiles(task, q_host, kv_host, block_mask, q.size(0), q.size(1), q_pos=q_pos,
-                                   kv_pos=kv_pos, split=split or self.scores.per_tile,
-                                   window_in_kernel=self._window_in_kernel(q), work=self.work_tile)
+            for tile in mask_tiles(
+                task,
+                q_host,
+                kv_host,
+                block_mask,
+                q.size(0),
+                q.size(1),
+                q_pos=q_pos,
+                kv_pos=kv_pos,
+                split=split or self.scores.per_tile,
+                window_in_kernel=self._window_in_kernel(q),
+                work=self.work_tile,
+            )
         ]
 
     def programs(self) -> list[tuple]:
@@ -84,9 +93,11 @@ class RingSpec:
         (each at least `WORK_TILE_MIN`, a multiple of ``MASK_TILE``). A call's output and dq are then an
         eighth of the accumulators and its dK/dV half a block's, which bounds what the ring holds beyond
         its accumulators and blocks; calls stay large enough for the kernels' fixed costs not to show."""
+
         def part(fraction: int) -> int:
             slots = -(-self.layout.local_len // fraction)
             return max(WORK_TILE_MIN, -(-slots // masks.MASK_TILE) * masks.MASK_TILE)
+
         return part(8), part(2)
 
     def _window_in_kernel(self, q) -> bool:
@@ -122,8 +133,14 @@ class RankForward:
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions):
             rows, cols = t.rows, t.cols
             block_attention_merge_(
-                self.q[:, :, rows], k[:, :, cols], v[:, :, cols], self.q_pos[rows], kv_pos[cols],
-                self.out[:, :, rows], self.lse[:, :, rows], **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
+                self.q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                self.q_pos[rows],
+                kv_pos[cols],
+                self.out[:, :, rows],
+                self.lse[:, :, rows],
+                **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
             )
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +152,17 @@ class RankForward:
 class RankBackward:
     """One rank's dq, and the dk/dv contribution of its queries to each KV block it sees."""
 
-    def __init__(self, dout, q, out, lse, dlse: Optional[torch.Tensor], spec: RingSpec, rank: int,
-                 trained: Sequence[Sequence[bool]] = ()):
+    def __init__(
+        self,
+        dout,
+        q,
+        out,
+        lse,
+        dlse: torch.Tensor | None,
+        spec: RingSpec,
+        rank: int,
+        trained: Sequence[Sequence[bool]] = (),
+    ):
         self.dout, self.q, self.out, self.lse, self.dlse = dout, q, out, lse, dlse
         self.spec, self.rank = spec, rank
         self.positions = spec.positions(q.device)
@@ -144,8 +170,11 @@ class RankBackward:
         self.dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         self.fully_masked = FullyMaskedGrads(spec.fully_masked, lse, self.q_pos, spec.layout.seq_len)
         # the mask and bias programs whose inputs this backward trains (``trained``: per program, per input)
-        self.program_grads = [ProgramGrads(program, inputs, needs)
-                              for (program, inputs), needs in zip(spec.programs(), trained) if any(needs)]
+        self.program_grads = [
+            ProgramGrads(program, inputs, needs)
+            for (program, inputs), needs in zip(spec.programs(), trained)
+            if any(needs)
+        ]
 
     def block_grads(self, k, v, kv_rank: int) -> torch.Tensor:
         """``stack((dk, dv))`` of this block from this rank's queries, in the accumulation dtype; the
@@ -157,18 +186,36 @@ class RankBackward:
         for t in self.spec.tiles(self.rank, kv_rank, self.q, self.positions, split=train):
             rows, cols = t.rows, t.cols
             dq, dk, dv, *ds = block_attention_backward(
-                self.dout[:, :, rows], self.q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                self.out[:, :, rows], self.lse[:, :, rows], self.q_pos[rows], kv_pos[cols],
+                self.dout[:, :, rows],
+                self.q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                self.out[:, :, rows],
+                self.lse[:, :, rows],
+                self.q_pos[rows],
+                kv_pos[cols],
                 **self.spec.kernel_options(t, self.q, self.q_pos, kv_pos),
-                dlse=None if self.dlse is None else self.dlse[:, :, rows], score_grads=train,
+                dlse=None if self.dlse is None else self.dlse[:, :, rows],
+                score_grads=train,
             )
             self.dq[:, :, rows] += dq.to(acc)
             dkv[0, :, :, cols] += dk.to(acc)
             dkv[1, :, :, cols] += dv.to(acc)
             for grads in self.program_grads:
                 grads.add_(self.q_pos[rows], kv_pos[cols], ds[0])
-        self.fully_masked.add_(self.dout, self.q, k, v, self.out, kv_pos, self.spec.scale, self.spec.scores.softcap,
-                               self.dq, dkv, self.program_grads)
+        self.fully_masked.add_(
+            self.dout,
+            self.q,
+            k,
+            v,
+            self.out,
+            kv_pos,
+            self.spec.scale,
+            self.spec.scores.softcap,
+            self.dq,
+            dkv,
+            self.program_grads,
+        )
         return dkv
 
     def program_results(self) -> list[torch.Tensor]:
@@ -192,8 +239,15 @@ def _span(phase: str, step: int, part: str, message: str = ""):
         try:
             yield
         finally:
-            events.emit("span", phase=phase, step=step, part=part, message=message, start=start,
-                        seconds=time.perf_counter() - start)
+            events.emit(
+                "span",
+                phase=phase,
+                step=step,
+                part=part,
+                message=message,
+                start=start,
+                seconds=time.perf_counter() - start,
+            )
 
 
 def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
@@ -214,8 +268,9 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     return state.result()
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingExchange,
-                  trained: Sequence[Sequence[bool]] = ()):
+def ring_backward(
+    dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingExchange, trained: Sequence[Sequence[bool]] = ()
+):
     """This rank's (dq, dk, dv, the trained program inputs' gradients), given the forward's final out and
     lse. ``trained``: per program of `RingSpec.programs`, which of its inputs need a gradient; each gets
     this rank's queries' share of it."""
@@ -241,5 +296,4 @@ def ring_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, exchange: RingE
     with _span("backward", p - 1, "wait", f"dkv {p - 1}"):
         dkv = dkv_arriving.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
-    return (state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True),
-            state.program_results())
+    return (state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True), state.program_results())

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import typing
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -34,11 +35,11 @@ class RingArgs(NamedTuple):
     is_causal: bool
     scale: float
     group_name: str
-    window: Optional[int] = None
+    window: int | None = None
     mask_id: str = ""
     mask_inputs: list[torch.Tensor] = ()
-    softcap: Optional[float] = None
-    alibi_slopes: Optional[list[float]] = None
+    softcap: float | None = None
+    alibi_slopes: list[float] | None = None
     bias_id: str = ""
     bias_inputs: list[torch.Tensor] = ()
     fully_masked: str = "zero"
@@ -46,11 +47,12 @@ class RingArgs(NamedTuple):
 
     def op_args(self) -> tuple:
         """The ring ops' positional arguments after q, k, v (the tensor lists and the slopes as lists)."""
-        return tuple(list(value) if name in _LISTS and value is not None else value
-                     for name, value in zip(self._fields, self))
+        return tuple(
+            list(value) if name in _LISTS and value is not None else value for name, value in zip(self._fields, self)
+        )
 
     @classmethod
-    def of_call(cls, args: Sequence, kwargs: Optional[dict] = None) -> "RingArgs":
+    def of_call(cls, args: Sequence, kwargs: dict | None = None) -> RingArgs:
         """The arguments of a call of ``ringpass::ring_attention`` given its ``args`` (q, k, v first) and
         ``kwargs``: an FX node's ``(node.args, node.kwargs)``, or an op call's."""
         kwargs = {name: value for name, value in (kwargs or {}).items() if name in cls._fields}
@@ -66,7 +68,7 @@ class RingArgs(NamedTuple):
         its ``trained`` inputs so)."""
         return [t for field in PROGRAM_INPUTS for t in getattr(self, field)]
 
-    def with_program_inputs(self, tensors: Sequence) -> "RingArgs":
+    def with_program_inputs(self, tensors: Sequence) -> RingArgs:
         """These arguments with `program_inputs` replaced by ``tensors`` (as many, in the same order)."""
         tensors, replaced = list(tensors), {}
         for field in PROGRAM_INPUTS:
@@ -79,8 +81,10 @@ def ring_schema(leading: dict, trailing: dict, returns) -> str:
     """The schema of an op that takes ``leading`` arguments, `RingArgs`' fields, then ``trailing`` ones
     (dicts of name -> annotation) and returns ``returns``, as `torch.library` infers it from annotations."""
     fields = typing.get_type_hints(RingArgs)
-    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
-                  for name, annotation in {**leading, **fields, **trailing}.items()]
+    parameters = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+        for name, annotation in {**leading, **fields, **trailing}.items()
+    ]
 
     def prototype():
         pass

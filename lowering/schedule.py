@@ -86,14 +86,10 @@ def describe_block(layout: Layout, q_rank: int, kv_rank: int, is_causal: bool) -
 def schedule_table(layout: Layout, is_causal: bool) -> list[list[str]]:
     """``table[rank][step]``: what rank ``rank`` does at ring step ``step`` (see `describe_block`)."""
     p = layout.world_size
-    return [
-        [describe_block(layout, r, kv_source(r, s, p), is_causal) for s in range(p)] for r in range(p)
-    ]
+    return [[describe_block(layout, r, kv_source(r, s, p), is_causal) for s in range(p)] for r in range(p)]
 
 
 def visible_pairs(layout: Layout, rank: int, is_causal: bool) -> int:
     """How many (query, key) pairs rank ``rank`` scores over a whole lap: its share of the work."""
     p = layout.world_size
-    return sum(
-        t.area for s in range(p) for t in plan_block(layout, rank, kv_source(rank, s, p), is_causal)
-    )
+    return sum(t.area for s in range(p) for t in plan_block(layout, rank, kv_source(rank, s, p), is_causal))

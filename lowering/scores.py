@@ -18,8 +18,8 @@ result must broadcast to ``[B, Hq, n, m]``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
@@ -29,9 +29,9 @@ from lowering.errors import InvalidInputError
 
 @dataclass(frozen=True)
 class ScoreMod:
-    softcap: Optional[float] = None
-    slopes: Optional[tuple[float, ...]] = None
-    bias: Optional[Callable] = None
+    softcap: float | None = None
+    slopes: tuple[float, ...] | None = None
+    bias: Callable | None = None
     bias_inputs: tuple[torch.Tensor, ...] = ()
     _slopes_on: dict = field(default_factory=dict, compare=False, repr=False)  # device -> slopes tensor
 
@@ -57,11 +57,18 @@ class ScoreMod:
         """The bias program's values for one tile, checked to broadcast to ``[batch, heads, n, m]``."""
         bias = self.bias(q_pos, kv_pos, *self.bias_inputs)
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise InvalidInputError(f"The bias program returned {type(bias).__name__} "
-                                    f"{getattr(bias, 'dtype', '')}; a score bias is a float tensor.")
+            raise InvalidInputError(
+                f"The bias program returned {type(bias).__name__} "
+                f"{getattr(bias, 'dtype', '')}; a score bias is a float tensor."
+            )
         bias = bias[(None,) * (4 - bias.dim())] if bias.dim() < 4 else bias
-        if bias.dim() != 4 or bias.size(0) not in (1, batch) or bias.size(1) not in (1, heads) \
-                or bias.size(2) not in (1, len(q_pos)) or bias.size(3) not in (1, len(kv_pos)):
+        if (
+            bias.dim() != 4
+            or bias.size(0) not in (1, batch)
+            or bias.size(1) not in (1, heads)
+            or bias.size(2) not in (1, len(q_pos))
+            or bias.size(3) not in (1, len(kv_pos))
+        ):
             raise InvalidInputError(
                 f"The bias program returned shape {tuple(bias.shape)}; it must broadcast to "
                 f"[batch={batch} or 1, heads={heads} or 1, {len(q_pos)}, {len(kv_pos)}]."

@@ -55,7 +55,9 @@ def _(kind, world_size, seq_len, group_name, device):
 
 
 @torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
-def shard_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+) -> torch.Tensor:
     layout, rank = cached_layout(kind, world_size, seq_len), rank_in(group_name)
     local = x.index_select(dim, local_positions(kind, world_size, seq_len, group_name, x.device))
     valid = layout.valid_len(rank)  # real slots lead; padding slots are zero
@@ -71,7 +73,9 @@ def _(x, dim, kind, world_size, seq_len, group_name):
 
 
 @torch.library.custom_op("ringpass::gather_sequence", mutates_args=())
-def gather_sequence(x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+) -> torch.Tensor:
     layout = cached_layout(kind, world_size, seq_len)
     x = x.contiguous()
     if not group_name:
@@ -105,7 +109,9 @@ def _(x, group_name):
     return torch.empty_like(x)
 
 
-def _owned_slots(positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str) -> list[tuple[int, int]]:
+def _owned_slots(
+    positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str
+) -> list[tuple[int, int]]:
     """(index into ``positions``, this rank's local slot) for each position this rank holds."""
     layout = cached_layout(kind, world_size, seq_len)
     rank = rank_in(group_name)
@@ -114,8 +120,9 @@ def _owned_slots(positions: list[int], kind: str, world_size: int, seq_len: int,
 
 
 @torch.library.custom_op("ringpass::take_positions", mutates_args=())
-def take_positions(x: torch.Tensor, dim: int, positions: list[int], kind: str, world_size: int, seq_len: int,
-                   group_name: str) -> torch.Tensor:
+def take_positions(
+    x: torch.Tensor, dim: int, positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str
+) -> torch.Tensor:
     """The rows of ``x`` (this rank's slots along ``dim``) at the given global positions (negative ones
     count from the end), zero where this rank does not hold them: summed over the ranks, every rank has
     those tokens' rows."""
@@ -135,8 +142,16 @@ def _(x, dim, positions, kind, world_size, seq_len, group_name):
 
 
 @torch.library.custom_op("ringpass::put_positions", mutates_args=())
-def put_positions(rows: torch.Tensor, length: int, dim: int, positions: list[int], kind: str, world_size: int,
-                  seq_len: int, group_name: str) -> torch.Tensor:
+def put_positions(
+    rows: torch.Tensor,
+    length: int,
+    dim: int,
+    positions: list[int],
+    kind: str,
+    world_size: int,
+    seq_len: int,
+    group_name: str,
+) -> torch.Tensor:
     """The inverse of `take_positions`: ``length`` local slots along ``dim``, zero except the slots of the
     positions this rank holds, which get their rows (the backward of a pick)."""
     shape = list(rows.shape)
@@ -155,8 +170,9 @@ def _(rows, length, dim, positions, kind, world_size, seq_len, group_name):
 
 
 @torch.library.custom_op("ringpass::position_slots", mutates_args=())
-def position_slots(positions: torch.Tensor, kind: str, world_size: int, seq_len: int,
-                   group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def position_slots(
+    positions: torch.Tensor, kind: str, world_size: int, seq_len: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's slot of each global position, 0 where it holds none; whether it holds it), each shaped
     like ``positions`` (negative positions count from the end)."""
     layout = cached_layout(kind, world_size, seq_len)
@@ -226,8 +242,9 @@ def _on_local(x: torch.Tensor, fn) -> torch.Tensor:
         return fn(x)
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(fn(to_local()), x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                              stride=x.stride())
+    return DTensor.from_local(
+        fn(to_local()), x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:

@@ -26,7 +26,6 @@ generated positions this rank owns: position ``p >= n`` (a prompt of ``n`` token
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -51,45 +50,63 @@ def slot_count(prompt_len: int, max_new_tokens: int, world_size: int) -> int:
 
 
 @torch.library.custom_op("ringpass::prompt_slots", mutates_args=())
-def prompt_slots(k: torch.Tensor, v: torch.Tensor, capacity: int, prompt_len: int, layout: str, sharded: bool,
-                 group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prompt_slots(
+    k: torch.Tensor, v: torch.Tensor, capacity: int, prompt_len: int, layout: str, sharded: bool, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_slots, v_slots, slot_pos) of ``capacity`` slots for the prompt's keys and values ``[B, Hkv, ·, D]``:
     the whole prompt of ``prompt_len`` tokens, or with ``sharded`` this rank's ``layout`` shard of it."""
     world_size, rank, _ = world_of(group_name)
     ring = cached_layout(layout, world_size, prompt_len)
     if capacity < ring.local_len:
-        raise InvalidInputError(f"prompt_slots: {capacity} slots cannot hold this rank's {ring.local_len} prompt slots.")
+        raise InvalidInputError(
+            f"prompt_slots: {capacity} slots cannot hold this rank's {ring.local_len} prompt slots."
+        )
     expected, what = (ring.local_len, "this rank's shard") if sharded else (prompt_len, "the whole prompt")
     if k.size(2) != expected or v.shape[:3] != k.shape[:3]:
-        raise InvalidInputError(f"prompt_slots: keys {tuple(k.shape)} / values {tuple(v.shape)} along dim 2 must hold "
-                                f"{expected} tokens ({what} of {prompt_len} under {ring}).")
+        raise InvalidInputError(
+            f"prompt_slots: keys {tuple(k.shape)} / values {tuple(v.shape)} along dim 2 must hold "
+            f"{expected} tokens ({what} of {prompt_len} under {ring})."
+        )
     slot_pos = torch.full((capacity,), FREE, dtype=torch.int64, device=k.device)
     positions = ring.positions(rank).to(k.device)
-    slot_pos[:ring.local_len] = torch.where(positions < prompt_len, positions, FREE)
+    slot_pos[: ring.local_len] = torch.where(positions < prompt_len, positions, FREE)
     slots = []
     for x in (k, v):
         mine = x if sharded else ring.shard(x, 2, rank)
         slot = x.new_zeros(*x.shape[:2], capacity, x.size(3))
-        slot[:, :, :ring.local_len] = mine
+        slot[:, :, : ring.local_len] = mine
         slots.append(slot)
     return slots[0], slots[1], slot_pos
 
 
 @prompt_slots.register_fake
 def _(k, v, capacity, prompt_len, layout, sharded, group_name):
-    return (k.new_empty(*k.shape[:2], capacity, k.size(3)), v.new_empty(*v.shape[:2], capacity, v.size(3)),
-            k.new_empty(capacity, dtype=torch.int64))
+    return (
+        k.new_empty(*k.shape[:2], capacity, k.size(3)),
+        v.new_empty(*v.shape[:2], capacity, v.size(3)),
+        k.new_empty(capacity, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("ringpass::append_slots", mutates_args=("k_slots", "v_slots", "slot_pos"))
-def append_slots(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_pos: torch.Tensor, k_new: torch.Tensor,
-                 v_new: torch.Tensor, position: int, prompt_len: int, group_name: str) -> None:
+def append_slots(
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_pos: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    position: int,
+    prompt_len: int,
+    group_name: str,
+) -> None:
     """Writes the keys and values ``[B, Hkv, t, D]`` of positions ``position .. position + t - 1`` into the
     slots of those this rank owns (module docstring)."""
     world_size, rank, _ = world_of(group_name)
     if position < prompt_len:
-        raise InvalidInputError(f"append_slots: position {position} is inside the prompt ({prompt_len} tokens); a "
-                                "prompt is written once, by the prefill.")
+        raise InvalidInputError(
+            f"append_slots: position {position} is inside the prompt ({prompt_len} tokens); a "
+            "prompt is written once, by the prefill."
+        )
     first_generated = prompt_slot_count(prompt_len, world_size)
     for j in range(k_new.size(2)):
         offset = position + j - prompt_len
@@ -99,7 +116,8 @@ def append_slots(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_pos: torch.T
         if slot >= k_slots.size(2):
             raise InvalidInputError(
                 f"The sharded KV cache is full: position {position + j} needs slot {slot} on rank {rank}, which has "
-                f"{k_slots.size(2)}. Make the cache with a larger max_new_tokens.")
+                f"{k_slots.size(2)}. Make the cache with a larger max_new_tokens."
+            )
         k_slots[:, :, slot] = k_new[:, :, j]
         v_slots[:, :, slot] = v_new[:, :, j]
         slot_pos[slot] = position + j
@@ -137,8 +155,10 @@ def _warn_gathering_once() -> None:
             "A decode step attended to the whole KV cache, gathered from every rank: it ran without the ring "
             "backend's rewrite (the model's forward is not compiled with backend='ring', or Dynamo gave up "
             "compiling it: torch._dynamo.config.recompile_limit), so each step moves the whole cache. The numbers "
-            "are right; compile the forward with the ring backend to attend where the cache lies.", RingpassWarning,
-            stacklevel=3)
+            "are right; compile the forward with the ring backend to attend where the cache lies.",
+            RingpassWarning,
+            stacklevel=3,
+        )
 
 
 _warned: list = []
@@ -149,8 +169,15 @@ def _(slots, slot_pos, length, group_name):
     return slots.new_empty(*slots.shape[:2], length, slots.size(3))
 
 
-def decode_over_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slot_pos: torch.Tensor,
-                      mask: Optional[torch.Tensor], scale: Optional[float], group_name: str) -> torch.Tensor:
+def decode_over_slots(
+    q: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slot_pos: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    group_name: str,
+) -> torch.Tensor:
     """Attention of the replicated queries ``q`` ``[B, Hq, t, D]`` over the cache whose slots every rank holds
     a part of; ``mask`` (bool, True = visible, broadcast to ``[B, Hq, t, length]``, or None: every key) is
     the model's mask over global key positions."""
@@ -161,5 +188,6 @@ def decode_over_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Ten
     visible = visible.expand(-1, -1, q.size(2), -1)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     q_pos = torch.zeros(q.size(2), dtype=torch.int64, device=q.device)  # unused: the mask says what is visible
-    return torch.ops.ringpass.decode_attention(q, k_slots, v_slots, q_pos, slot_pos, None, visible, False, None, scale,
-                                               group_name)
+    return torch.ops.ringpass.decode_attention(
+        q, k_slots, v_slots, q_pos, slot_pos, None, visible, False, None, scale, group_name
+    )

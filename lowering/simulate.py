@@ -7,8 +7,8 @@ balance on one device. Inputs and results are full (unsharded) tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,10 +28,10 @@ class SimulatedRing:
 
     out: torch.Tensor
     lse: torch.Tensor
-    dq: Optional[torch.Tensor] = None
-    dk: Optional[torch.Tensor] = None
-    dv: Optional[torch.Tensor] = None
-    program_grads: Optional[list] = None
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    program_grads: list | None = None
 
 
 def simulate_ring(
@@ -41,14 +41,14 @@ def simulate_ring(
     *,
     layout: Layout,
     is_causal: bool = False,
-    scale: Optional[float] = None,
-    dout: Optional[torch.Tensor] = None,
-    window: Optional[int] = None,
-    mask: Optional[Callable] = None,
+    scale: float | None = None,
+    dout: torch.Tensor | None = None,
+    window: int | None = None,
+    mask: Callable | None = None,
     mask_inputs: Sequence[torch.Tensor] = (),
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Sequence[float]] = None,
-    bias: Optional[Callable] = None,
+    softcap: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    bias: Callable | None = None,
     bias_inputs: Sequence[torch.Tensor] = (),
     fully_masked: str = "zero",
 ) -> SimulatedRing:
@@ -59,11 +59,15 @@ def simulate_ring(
     ``fully_masked`` as in `lowering.ring_attention`.
     """
     p = layout.world_size
-    block_mask = BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
-    scores = ScoreMod(softcap, None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes), bias,
-                      tuple(bias_inputs))
-    spec = RingSpec(layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask, scores,
-                    fully_masked)
+    block_mask = (
+        BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
+    )
+    scores = ScoreMod(
+        softcap, None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes), bias, tuple(bias_inputs)
+    )
+    spec = RingSpec(
+        layout, is_causal, default_scale(q) if scale is None else float(scale), block_mask, scores, fully_masked
+    )
     qs, ks, vs = ([layout.shard(t, 2, r) for r in range(p)] for t in (q, k, v))
     check_inputs(qs[0], ks[0], vs[0], layout)
 

@@ -34,14 +34,18 @@ from lowering.ring_args import RingArgs
 def check_heads(q_heads: int, kv_heads: int, ulysses: int) -> int:
     """How many times each KV head is repeated before the all-to-all (1: none); refuses head counts U cannot split."""
     if q_heads % ulysses:
-        raise NotSupportedError(f"Ulysses groups of {ulysses} ranks split the query heads, but there are {q_heads}: "
-                                "use a group size that divides the heads.")
+        raise NotSupportedError(
+            f"Ulysses groups of {ulysses} ranks split the query heads, but there are {q_heads}: "
+            "use a group size that divides the heads."
+        )
     if kv_heads % ulysses == 0:
         return 1
     if ulysses % kv_heads == 0:
         return ulysses // kv_heads
-    raise NotSupportedError(f"Ulysses groups of {ulysses} ranks cannot share {kv_heads} key/value heads (neither divides "
-                            "the other): use a group size that divides the KV heads or a multiple of them.")
+    raise NotSupportedError(
+        f"Ulysses groups of {ulysses} ranks cannot share {kv_heads} key/value heads (neither divides "
+        "the other): use a group size that divides the KV heads or a multiple of them."
+    )
 
 
 def _all_to_all(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
@@ -57,8 +61,15 @@ def _all_to_all(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("ringpass::ulysses_heads_to_tokens", mutates_args=())
-def heads_to_tokens(x: torch.Tensor, layout_kind: str, world_size: int, seq_len: int, ulysses: int,
-                    group_name: str, ring_group_name: str) -> torch.Tensor:
+def heads_to_tokens(
+    x: torch.Tensor,
+    layout_kind: str,
+    world_size: int,
+    seq_len: int,
+    ulysses: int,
+    group_name: str,
+    ring_group_name: str,
+) -> torch.Tensor:
     """``x`` ``[B, H, n, ...]``, this rank's tokens with every head, becomes ``[B, H/U, U·n, ...]``: this rank's
     share of the heads for every token of its Ulysses group (``group_name``; the group's rank in the ring across
     groups is this rank's in ``ring_group_name``), in position order."""
@@ -78,8 +89,15 @@ def _(x, layout_kind, world_size, seq_len, ulysses, group_name, ring_group_name)
 
 
 @torch.library.custom_op("ringpass::ulysses_tokens_to_heads", mutates_args=())
-def tokens_to_heads(x: torch.Tensor, layout_kind: str, world_size: int, seq_len: int, ulysses: int,
-                    group_name: str, ring_group_name: str) -> torch.Tensor:
+def tokens_to_heads(
+    x: torch.Tensor,
+    layout_kind: str,
+    world_size: int,
+    seq_len: int,
+    ulysses: int,
+    group_name: str,
+    ring_group_name: str,
+) -> torch.Tensor:
     """The inverse of `heads_to_tokens`: ``[B, H/U, U·n, ...]`` back to this rank's ``[B, H, n, ...]``."""
     b, h_share, total = x.shape[:3]
     rest, n = x.shape[3:], total // ulysses
@@ -100,14 +118,25 @@ def _setup(ctx, inputs, output):
     ctx.config = inputs[1:]
 
 
-heads_to_tokens.register_autograd(lambda ctx, grad: (tokens_to_heads(grad, *ctx.config), *[None] * len(ctx.config)),
-                                  setup_context=_setup)
-tokens_to_heads.register_autograd(lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * len(ctx.config)),
-                                  setup_context=_setup)
+heads_to_tokens.register_autograd(
+    lambda ctx, grad: (tokens_to_heads(grad, *ctx.config), *[None] * len(ctx.config)), setup_context=_setup
+)
+tokens_to_heads.register_autograd(
+    lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * len(ctx.config)), setup_context=_setup
+)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, ring_group, ulysses_group,
-                      is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: Layout,
+    ring_group,
+    ulysses_group,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Exact attention over a sequence laid out by ``layout`` over the ranks of both groups (rank
     ``ring_rank · U + ulysses_rank``): q ``[B, Hq, n, D]``, k/v ``[B, Hkv, n, D]``, this rank's shard
     (``layout.shard(x, 2, rank)``). All-to-all over heads within ``ulysses_group`` (U ranks), the ring across
@@ -116,14 +145,23 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     ulysses = dist.get_world_size(ulysses_group)
     ring_size = dist.get_world_size(ring_group)
     if ring_size * ulysses != layout.world_size:
-        raise InvalidInputError(f"The layout spans {layout.world_size} ranks but the ring ({ring_size}) x Ulysses ({ulysses}) "
-                                f"groups have {ring_size * ulysses}.")
+        raise InvalidInputError(
+            f"The layout spans {layout.world_size} ranks but the ring ({ring_size}) x Ulysses ({ulysses}) "
+            f"groups have {ring_size * ulysses}."
+        )
     repeat = check_heads(q.size(1), k.size(1), ulysses)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     args = (layout.kind, layout.world_size, layout.seq_len, ulysses, ulysses_group.group_name, ring_group.group_name)
     q2, k2, v2 = (heads_to_tokens(t, *args) for t in (q, k, v))
-    ring = RingArgs(layout.kind, layout.world_size, layout.seq_len, bool(is_causal),
-                    default_scale(q) if scale is None else float(scale), ring_group.group_name, ulysses=ulysses)
+    ring = RingArgs(
+        layout.kind,
+        layout.world_size,
+        layout.seq_len,
+        bool(is_causal),
+        default_scale(q) if scale is None else float(scale),
+        ring_group.group_name,
+        ulysses=ulysses,
+    )
     out, _ = torch.ops.ringpass.ring_attention(q2, k2, v2, *ring.op_args())
     return tokens_to_heads(out, *args)

@@ -19,9 +19,26 @@ from ringpass.inspection import Inspection, inspect
 from ringpass.sharding import shard, unshard
 from ringpass.version import __version__
 
-__all__ = ["ConvertedModel", "Inspection", "InvalidInputError", "NotSupportedError", "PeerFailure", "RingBackend",
-           "RingpassError", "RingpassWarning", "__version__", "backend", "convert", "inspect", "last_report", "load",
-           "shard", "unshard", "ShardedCache", "generate"]
+__all__ = [
+    "ConvertedModel",
+    "Inspection",
+    "InvalidInputError",
+    "NotSupportedError",
+    "PeerFailure",
+    "RingBackend",
+    "RingpassError",
+    "RingpassWarning",
+    "__version__",
+    "backend",
+    "convert",
+    "inspect",
+    "last_report",
+    "load",
+    "shard",
+    "unshard",
+    "ShardedCache",
+    "generate",
+]
 
 
 def __getattr__(name: str):

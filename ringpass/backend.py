@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import warnings
 from collections import deque
-from functools import lru_cache
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -29,10 +30,10 @@ import torch.fx as fx
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
+from ringpass.graph_utils.context import PassContext
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
-from ringpass.graph_utils.context import PassContext
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
@@ -64,12 +65,22 @@ class RingBackend:
             report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
             launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
             if group is None and launched > 1:
-                _unsharded(options, f"graph {index}: WORLD_SIZE={launched} but no process group is initialised, so "
-                                    "the ring has one rank and the graph runs unsharded on every process. Call "
-                                    "torch.distributed.init_process_group() before the first forward.")
+                _unsharded(
+                    options,
+                    f"graph {index}: WORLD_SIZE={launched} but no process group is initialised, so "
+                    "the ring has one rank and the graph runs unsharded on every process. Call "
+                    "torch.distributed.init_process_group() before the first forward.",
+                )
             return _inner_compile(options.compiler, gm, example_inputs)
-        ctx = PassContext(gm, example_inputs, options, world_size, group.group_name, report,
-                          ulysses=ulysses_groups(options.group, options.ulysses))
+        ctx = PassContext(
+            gm,
+            example_inputs,
+            options,
+            world_size,
+            group.group_name,
+            report,
+            ulysses=ulysses_groups(options.group, options.ulysses),
+        )
         failures.configure(group.group_name, timeout=options.timeout)
         failures.set_state(f"compiling graph {index}")
         retrace = None
@@ -93,9 +104,12 @@ class RingBackend:
                     release_marks()
                     report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
             if report.unchanged:
-                _unsharded(options, f"graph {index}: no attention found, so it runs unchanged (replicated, unsharded) "
-                                    f"on every rank of the ring ({report.unchanged}). If the model has attention, "
-                                    "ringpass.inspect(model, inputs) shows why it was not found.")
+                _unsharded(
+                    options,
+                    f"graph {index}: no attention found, so it runs unchanged (replicated, unsharded) "
+                    f"on every rank of the ring ({report.unchanged}). If the model has attention, "
+                    "ringpass.inspect(model, inputs) shows why it was not found.",
+                )
                 return _inner_compile(options.compiler, gm, example_inputs)
             return guard_graph(_inner_compile(options.compiler, gm, example_inputs), ctx, index)
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
@@ -119,8 +133,9 @@ def _past_dynamo(error: RingpassError) -> RingpassError:
         return error
     kind = type(error)
     if kind not in _PASSING:
-        _PASSING[kind] = type(kind.__name__, (kind, ShortenTraceback), {"__module__": kind.__module__,
-                                                                     "__qualname__": kind.__qualname__})
+        _PASSING[kind] = type(
+            kind.__name__, (kind, ShortenTraceback), {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
+        )
     passing = _PASSING[kind].__new__(_PASSING[kind], *error.args)
     passing.args, passing.first_useful_frame = error.args, None
     passing.__dict__.update(error.__dict__)
@@ -160,7 +175,9 @@ def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
     ``group`` a 2-D DeviceMesh: the ring over its first dimension, all-to-all inside its second; ``ulysses=U``
     with the default group: a (P / U, U) mesh of consecutive ranks (Ulysses groups of neighbours)."""
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
-        raise InvalidInputError(f"Ring backend option ulysses={ulysses!r} must be a positive int (the ranks of a Ulysses group).")
+        raise InvalidInputError(
+            f"Ring backend option ulysses={ulysses!r} must be a positive int (the ranks of a Ulysses group)."
+        )
     mesh = group if hasattr(group, "get_group") and group.ndim == 2 else None
     if mesh is None and ulysses == 1:
         return None
@@ -168,7 +185,8 @@ def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
         if group is not None and group != dist.group.WORLD:
             raise InvalidInputError(
                 f"ulysses={ulysses} with a sub-group: pass the ring and Ulysses dimensions as a 2-D DeviceMesh instead, "
-                "group=mesh['cp', 'sp'] (the ring over 'cp', all-to-all inside 'sp').")
+                "group=mesh['cp', 'sp'] (the ring over 'cp', all-to-all inside 'sp')."
+            )
         world = dist.get_world_size()
         if world % ulysses:
             raise InvalidInputError(f"ulysses={ulysses} does not divide the {world} ranks.")
@@ -179,7 +197,7 @@ def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
     return mesh.size(1), inner.group_name, ring.group_name
 
 
-@lru_cache(maxsize=None)
+@cache
 def _default_mesh(ring: int, ulysses: int):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -49,8 +49,12 @@ def run_demo(config: DemoConfig, timeout: float = 600.0) -> dict:
 
 def _full_inputs(config: DemoConfig):
     generator = torch.Generator().manual_seed(config.seed)
+
     def rand(heads):
-        return torch.randn(config.batch, heads, config.seq_len, config.head_dim, generator=generator, dtype=torch.float64)
+        return torch.randn(
+            config.batch, heads, config.seq_len, config.head_dim, generator=generator, dtype=torch.float64
+        )
+
     return rand(config.heads), rand(config.kv_heads), rand(config.kv_heads), rand(config.heads)
 
 
@@ -77,8 +81,10 @@ def _demo_rank(rank: int, world_size: int, config: DemoConfig) -> dict:
     out, forward_s = ring_step()
     ring = {"forward_s": forward_s, "total_s": time.perf_counter() - start, "peak_rss_mib": _peak_rss_mib()}
 
-    shards = {name: _gather(t, world_size) for name, t in
-              (("out", out.detach()), ("dq", lq.grad), ("dk", lk.grad), ("dv", lv.grad))}
+    shards = {
+        name: _gather(t, world_size)
+        for name, t in (("out", out.detach()), ("dq", lq.grad), ("dk", lk.grad), ("dv", lv.grad))
+    }
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, ring)
     if rank != 0:
@@ -94,7 +100,10 @@ def _demo_rank(rank: int, world_size: int, config: DemoConfig) -> dict:
 
 
 def _broadcast(rank, config, *tensors):
-    shapes = [(config.batch, h, config.seq_len, config.head_dim) for h in (config.heads, config.kv_heads, config.kv_heads, config.heads)]
+    shapes = [
+        (config.batch, h, config.seq_len, config.head_dim)
+        for h in (config.heads, config.kv_heads, config.kv_heads, config.heads)
+    ]
     out = []
     for t, shape in zip(tensors, shapes):
         t = t if rank == 0 else torch.empty(shape, dtype=torch.float64)
@@ -167,8 +176,8 @@ def format_report(report: dict) -> str:
         "",
         f"attention q/k/v/out + one KV block in flight: {report['bytes']['ring_per_rank'] / mib:.1f} MiB per rank "
         f"(unsharded: {report['bytes']['unsharded'] / mib:.1f} MiB on one device)",
-        "peak RSS per rank: " + ", ".join(
-            f"rank {i} {r['peak_rss_mib']:.0f} MiB" for i, r in enumerate(report["ranks"])
-        ) + " (includes the torch runtime and the full inputs every rank received)",
+        "peak RSS per rank: "
+        + ", ".join(f"rank {i} {r['peak_rss_mib']:.0f} MiB" for i, r in enumerate(report["ranks"]))
+        + " (includes the torch runtime and the full inputs every rank received)",
     ]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ or call `generate`.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -38,8 +38,8 @@ class ShardedLayer(DynamicLayer):
     def __init__(self, max_new_tokens: int, world_size: int, group_name: str):
         super().__init__()
         self.max_new_tokens, self.world_size, self.group_name = max_new_tokens, world_size, group_name
-        self.slot_pos: Optional[torch.Tensor] = None
-        self.prompt_len: Optional[int] = None
+        self.slot_pos: torch.Tensor | None = None
+        self.prompt_len: int | None = None
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -53,14 +53,25 @@ class ShardedLayer(DynamicLayer):
             prompt_len = key_states.shape[-2]  # a cache serves one prompt length
             capacity = slot_count(prompt_len, self.max_new_tokens, self.world_size)
             self.keys, self.values, self.slot_pos = torch.ops.ringpass.prompt_slots(
-                key_states, value_states, capacity, prompt_len, "zigzag", False, self.group_name)
+                key_states, value_states, capacity, prompt_len, "zigzag", False, self.group_name
+            )
             self.prompt_len, self.length, self.is_initialized = prompt_len, prompt_len, True
             return key_states, value_states
-        torch.ops.ringpass.append_slots(self.keys, self.values, self.slot_pos, key_states, value_states, self.length,
-                                        self.prompt_len, self.group_name)
+        torch.ops.ringpass.append_slots(
+            self.keys,
+            self.values,
+            self.slot_pos,
+            key_states,
+            value_states,
+            self.length,
+            self.prompt_len,
+            self.group_name,
+        )
         self.length = self.length + key_states.shape[-2]
-        return (torch.ops.ringpass.whole_cache(self.keys, self.slot_pos, self.length, self.group_name),
-                torch.ops.ringpass.whole_cache(self.values, self.slot_pos, self.length, self.group_name))
+        return (
+            torch.ops.ringpass.whole_cache(self.keys, self.slot_pos, self.length, self.group_name),
+            torch.ops.ringpass.whole_cache(self.values, self.slot_pos, self.length, self.group_name),
+        )
 
     def get_seq_length(self) -> int:
         return 0 if self.prompt_len is None else self.length  # the prefill's graph reads no attribute
@@ -69,12 +80,16 @@ class ShardedLayer(DynamicLayer):
         return -1 if self.prompt_len is None else self.prompt_len + self.max_new_tokens
 
     def crop(self, max_length: int) -> None:
-        raise NotSupportedError("ShardedCache cannot be cropped (assisted or speculative decoding): its positions are "
-                                "spread over the ranks. Generate without an assistant model.")
+        raise NotSupportedError(
+            "ShardedCache cannot be cropped (assisted or speculative decoding): its positions are "
+            "spread over the ranks. Generate without an assistant model."
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotSupportedError("ShardedCache does not reorder its batch (beam search, num_return_sequences > 1): use "
-                                "greedy or sampled decoding with num_beams=1.")
+        raise NotSupportedError(
+            "ShardedCache does not reorder its batch (beam search, num_return_sequences > 1): use "
+            "greedy or sampled decoding with num_beams=1."
+        )
 
     batch_select_indices = reorder_cache = batch_repeat_interleave
 
@@ -89,7 +104,9 @@ class ShardedCache(Cache):
 
     def __init__(self, config: Any, *, max_new_tokens: int, group: Any = None):
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidInputError(f"ShardedCache: max_new_tokens must be a number of tokens >= 0, got {max_new_tokens!r}.")
+            raise InvalidInputError(
+                f"ShardedCache: max_new_tokens must be a number of tokens >= 0, got {max_new_tokens!r}."
+            )
         import torch.distributed as dist
 
         resolved = resolve_group(group)
@@ -102,18 +119,32 @@ class ShardedCache(Cache):
 
     def slot_bytes(self) -> int:
         """Bytes this rank's keys, values and slot positions take."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.slot_pos is not None
-                   for t in (layer.keys, layer.values, layer.slot_pos))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if layer.slot_pos is not None
+            for t in (layer.keys, layer.values, layer.slot_pos)
+        )
 
 
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, backend: Any = "ring",
-             group: Any = None, dynamic: Optional[bool] = None, **generate_kwargs: Any) -> torch.Tensor:
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    backend: Any = "ring",
+    group: Any = None,
+    dynamic: bool | None = None,
+    **generate_kwargs: Any,
+) -> torch.Tensor:
     """``model.generate(input_ids, max_new_tokens=..., **generate_kwargs)`` with ``model.forward`` compiled with
     ``backend`` (and ``torch.compile``'s ``dynamic``; once: later calls reuse it) and a fresh `ShardedCache`;
     returns what ``generate`` returns. ``model`` may be the module or what ``torch.compile(module)`` returned."""
     model = getattr(model, "_orig_mod", model)
     if "past_key_values" in generate_kwargs:
-        raise InvalidInputError("ringpass.generate makes its own ShardedCache; call model.generate to pass your own cache.")
+        raise InvalidInputError(
+            "ringpass.generate makes its own ShardedCache; call model.generate to pass your own cache."
+        )
     if getattr(model.forward, "_ringpass_compile", None) != (backend, dynamic):
         compiled = torch.compile(model.__class__.forward.__get__(model), backend=backend, dynamic=dynamic)
         compiled._ringpass_compile = (backend, dynamic)

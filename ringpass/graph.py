@@ -12,7 +12,6 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 
-
 TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -39,8 +38,11 @@ def short_source(node: fx.Node) -> str:
 def refresh_example_values(graph: fx.Graph, changed) -> None:
     """Compute the example values of the ``changed`` nodes (inserted or rewritten), in graph order, on the
     fake tensors of the graph's own FakeTensorMode."""
-    fake_mode = next(example_value(n).fake_mode for n in graph.nodes
-                     if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor))
+    fake_mode = next(
+        example_value(n).fake_mode
+        for n in graph.nodes
+        if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
+    )
     with fake_mode:
         for node in graph.nodes:
             if node not in changed:
@@ -56,8 +58,10 @@ def refresh_example_values(graph: fx.Graph, changed) -> None:
 def numbers_in(node: fx.Node) -> list:
     """The Python numbers among a node's (nested) arguments and keyword arguments."""
     found = []
-    fx.node.map_aggregate((node.args, tuple(node.kwargs.values())),
-                          lambda a: found.append(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a)
+    fx.node.map_aggregate(
+        (node.args, tuple(node.kwargs.values())),
+        lambda a: found.append(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a,
+    )
     return found
 
 
@@ -90,14 +94,14 @@ def user_name(node: fx.Node) -> str:
     source = getattr(node.meta.get("grapharg"), "source", None)
     if source is not None and re.match(r"L\['\w+'\]", source.name):  # L['self']._modules['embed']._parameters['weight']
         root = re.match(r"L\['(\w+)'\]", source.name)
-        path = re.sub(r"\._(modules|parameters|buffers)\['([^']*)'\]", r".\2", source.name[root.end():])
+        path = re.sub(r"\._(modules|parameters|buffers)\['([^']*)'\]", r".\2", source.name[root.end() :])
         path = re.sub(r"\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
         dropped = root.group(1) in ("self", "kwargs") or is_module_state(node)  # the model, or the ** dict
         return path.lstrip(".") if dropped and path else root.group(1) + path
     name = re.sub(r"^[lL]_", "", str(node.target)).rstrip("_")
     state = re.search(r"_(modules|parameters|buffers)_", name)
     if state is not None and is_module_state(node):  # <forward's first argument>_modules_layers_modules_0_...
-        return re.sub(r"_(modules|parameters|buffers)_", ".", name[state.start():]).lstrip(".")
+        return re.sub(r"_(modules|parameters|buffers)_", ".", name[state.start() :]).lstrip(".")
     return re.sub(r"^(kwargs|args|self)_", "", name)
 
 
@@ -129,7 +133,11 @@ def remove_dead_code(graph: fx.Graph) -> None:
 def _may_change_something(node: fx.Node) -> bool:
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
         return True
-    if node.target is operator.setitem or not isinstance(example_value(node), torch.Tensor) or is_vmap_bookkeeping(node):
+    if (
+        node.target is operator.setitem
+        or not isinstance(example_value(node), torch.Tensor)
+        or is_vmap_bookkeeping(node)
+    ):
         return True
     return node.is_impure()
 
@@ -142,8 +150,11 @@ def placeholders_of(node: fx.Node) -> list[fx.Node]:
 def inputs_read(node: fx.Node) -> list[str]:
     """The names of the user inputs ``node`` is computed from (``attention_mask``); none for values
     computed from the sequence length alone (positions)."""
-    return sorted(user_name(p) for p in placeholders_of(node)
-                  if isinstance(example_value(p), torch.Tensor) and not is_module_state(p))
+    return sorted(
+        user_name(p)
+        for p in placeholders_of(node)
+        if isinstance(example_value(p), torch.Tensor) and not is_module_state(p)
+    )
 
 
 def module_path(node: fx.Node) -> str:

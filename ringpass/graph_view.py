@@ -17,8 +17,13 @@ import torch.fx as fx
 from ringpass.graph import example_value, module_path, op_label, short_source, user_name
 
 PLACEMENT_NAMES = {"local": "sharded", "full": "whole", "partial": "partial", "noseq": "replicated"}
-COLLECTIVES = {"shard_sequence": "shard", "gather_sequence": "all-gather", "all_reduce_sum": "all-reduce",
-               "reduce_grad": "all-reduce (backward)", "scale_grad": "scale (backward)"}
+COLLECTIVES = {
+    "shard_sequence": "shard",
+    "gather_sequence": "all-gather",
+    "all_reduce_sum": "all-reduce",
+    "reduce_grad": "all-reduce (backward)",
+    "scale_grad": "scale (backward)",
+}
 LONGEST_CHAIN = 12
 
 
@@ -45,10 +50,15 @@ def op_chain(gm: fx.GraphModule, attentions: list[fx.Node], blocking: fx.Node) -
                     best = path
     path = best or [blocking]
     ends = (0, len(path) - 1)  # the ends carry their module and source line; ops between, their name
-    steps = [user_name(node) if i in ends else op_label(node) for i, node in enumerate(path)
-             if i in ends or op_label(node) != "getitem"]
+    steps = [
+        user_name(node) if i in ends else op_label(node)
+        for i, node in enumerate(path)
+        if i in ends or op_label(node) != "getitem"
+    ]
     if len(steps) > LONGEST_CHAIN:
-        steps = steps[:LONGEST_CHAIN // 2] + [f"... {len(steps) - LONGEST_CHAIN} more ..."] + steps[-LONGEST_CHAIN // 2:]
+        steps = (
+            steps[: LONGEST_CHAIN // 2] + [f"... {len(steps) - LONGEST_CHAIN} more ..."] + steps[-LONGEST_CHAIN // 2 :]
+        )
     return steps
 
 
@@ -94,8 +104,12 @@ def condensed(graph: nx.DiGraph, max_boxes: int = 40) -> nx.DiGraph:
         members.setdefault(_box(graph.nodes[n], depth), []).append(n)
     for box, nodes in members.items():
         placements = [graph.nodes[n]["placement"] for n in nodes]
-        boxes.add_node(box, placement=max(set(placements), key=placements.count), size=len(nodes),
-                       kind=_kind(graph.nodes[nodes[0]]))
+        boxes.add_node(
+            box,
+            placement=max(set(placements), key=placements.count),
+            size=len(nodes),
+            kind=_kind(graph.nodes[nodes[0]]),
+        )
     owner = {n: box for box, nodes in members.items() for n in nodes}
     for a, b in graph.edges:
         if a in owner and b in owner and owner[a] != owner[b]:
@@ -125,4 +139,12 @@ def _box(data: dict, depth: int) -> str:
 def _kind(data: dict) -> str:
     if data["refused"]:
         return "refused"
-    return "input" if data["op"] == "placeholder" else "collective" if data["collective"] else "ring" if data["ring"] else "module"
+    return (
+        "input"
+        if data["op"] == "placeholder"
+        else "collective"
+        if data["collective"]
+        else "ring"
+        if data["ring"]
+        else "module"
+    )

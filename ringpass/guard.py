@@ -63,8 +63,11 @@ class GuardedGraph:
     def _fingerprint(self, args) -> dict:
         fingerprint = {"graph": self.graph_hash, "index": self.index, "shapes": [_shape(a) for a in args]}
         if self.calls == 0 or self.checks == "every":
-            checked = [i for i, (a, spec) in enumerate(zip(args, self.inputs)) if isinstance(a, torch.Tensor)
-                       and not spec.sharded and (self.calls == 0 or not spec.module_state)]
+            checked = [
+                i
+                for i, (a, spec) in enumerate(zip(args, self.inputs))
+                if isinstance(a, torch.Tensor) and not spec.sharded and (self.calls == 0 or not spec.module_state)
+            ]
             sums = _checksums([args[i] for i in checked], [self.inputs[i].module_state for i in checked])
             fingerprint["sums"] = dict(zip(map(str, checked), sums))
         return fingerprint
@@ -75,21 +78,27 @@ class GuardedGraph:
         for i, spec in enumerate(self.inputs):
             shapes = [f["shapes"][i] if i < len(f["shapes"]) else None for f in everyone]
             if len(set(map(str, shapes))) > 1:
-                return (f"The ranks disagree {where}: input `{spec.name}` has shape {_by_rank(shapes)}. "
-                        + ("Every rank passes its own shard, of the same length: make them with ringpass.shard(x, dim)."
-                           if spec.sharded else "Every rank of the ring must pass the same whole batch (same sequence length)."))
+                return f"The ranks disagree {where}: input `{spec.name}` has shape {_by_rank(shapes)}. " + (
+                    "Every rank passes its own shard, of the same length: make them with ringpass.shard(x, dim)."
+                    if spec.sharded
+                    else "Every rank of the ring must pass the same whole batch (same sequence length)."
+                )
         if len({(f["graph"], f["index"]) for f in everyone}) > 1:
             graphs = [f"graph {f['index']} ({f['graph'][:8]})" for f in everyone]
-            return (f"The ranks disagree {where}: they run different compiled graphs: {_by_rank(graphs)}. The model "
-                    "code, the backend options (layout, inputs, outputs, ...) or the input shapes differ between the ranks, "
-                    "or one rank compiled a graph the others did not.")
+            return (
+                f"The ranks disagree {where}: they run different compiled graphs: {_by_rank(graphs)}. The model "
+                "code, the backend options (layout, inputs, outputs, ...) or the input shapes differ between the ranks, "
+                "or one rank compiled a graph the others did not."
+            )
         if all("sums" in f for f in everyone):
             for key in everyone[0]["sums"]:
                 sums = [f["sums"].get(key) for f in everyone]
                 if len(set(sums)) > 1:
                     spec = self.inputs[int(key)]
-                    return (f"The ranks disagree {where}: input `{spec.name}` holds different values on "
-                            f"{_ranks_differing(sums)} (checksums). " + _why_equal(spec))
+                    return (
+                        f"The ranks disagree {where}: input `{spec.name}` holds different values on "
+                        f"{_ranks_differing(sums)} (checksums). " + _why_equal(spec)
+                    )
         return ""
 
 
@@ -158,8 +167,12 @@ def _ranks_differing(sums: list) -> str:
 
 def _why_equal(spec: GraphInput) -> str:
     if spec.module_state:
-        return ("Parameters and buffers must be equal on every rank of the ring: initialise the model with the same "
-                "seed on every rank, or load the same checkpoint.")
-    return ("With inputs='full' every rank of the ring passes the same whole batch and the ring shards it; a "
-            "data-parallel loader that gives each rank its own batch must give the ranks of one ring the same one "
-            "(or use inputs='sharded' and pass ringpass.shard(batch, dim) of the one batch on each rank).")
+        return (
+            "Parameters and buffers must be equal on every rank of the ring: initialise the model with the same "
+            "seed on every rank, or load the same checkpoint."
+        )
+    return (
+        "With inputs='full' every rank of the ring passes the same whole batch and the ring shards it; a "
+        "data-parallel loader that gives each rank its own batch must give the ranks of one ring the same one "
+        "(or use inputs='sharded' and pass ringpass.shard(batch, dim) of the one batch on each rank)."
+    )

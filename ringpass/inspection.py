@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_map
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import as_call
 from ringpass.graph import example_value, plain
+from ringpass.graph_utils.context import PassContext
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
-from ringpass.graph_utils.context import PassContext
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
@@ -45,7 +45,7 @@ class CapturedGraph:
     report: Report
     placement: dict = field(default_factory=dict)
     axes: dict = field(default_factory=dict)
-    blocking: Optional[fx.Node] = None  # the op a refusal names
+    blocking: fx.Node | None = None  # the op a refusal names
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Inspection:
 
     @property
     def status(self) -> str:
-        """"rewritten" (every attention rewritten), "refused" (a graph was refused) or "no attention"."""
+        """ "rewritten" (every attention rewritten), "refused" (a graph was refused) or "no attention"."""
         statuses = {r.status for r in self.reports}
         if "refused" in statuses:
             return "refused"
@@ -78,12 +78,14 @@ class Inspection:
             "rewritten": f"ringpass {self.front_end}: every attention becomes ring attention over {self.world_size} ranks",
             "refused": f"ringpass {self.front_end}: REFUSED - the ring backend would stop on this model (see 'refused' below)",
             "no attention": f"ringpass {self.front_end}: NO ATTENTION FOUND - the ring backend would run this model unchanged "
-                            "and unsharded on every rank",
+            "and unsharded on every rank",
         }[self.status]
         parts = [head]
         if len(self.graphs) > 1:
-            parts.append(f"(Dynamo captured {len(self.graphs)} graphs: the model has graph breaks; each graph is "
-                         "rewritten on its own and the values passed between them are gathered whole)")
+            parts.append(
+                f"(Dynamo captured {len(self.graphs)} graphs: the model has graph breaks; each graph is "
+                "rewritten on its own and the values passed between them are gathered whole)"
+            )
         if not self.graphs:
             parts.append("(Dynamo captured no graph: nothing in the model's forward runs tensor ops)")
         return "\n".join(parts + [str(r) for r in self.reports])
@@ -138,8 +140,10 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     if ring_options.group is not None:
         raise InvalidInputError("inspect: `group` has no meaning offline; pass world_size instead.")
     if ring_options.ulysses != 1:
-        raise NotSupportedError("inspect: Ulysses x ring is not described offline yet; inspect the plain ring "
-                                "(ulysses=1), and see `ringpass plan --ulysses U` for its cost.")
+        raise NotSupportedError(
+            "inspect: Ulysses x ring is not described offline yet; inspect the plain ring "
+            "(ulysses=1), and see `ringpass plan --ulysses U` for its cost."
+        )
     args, kwargs = as_call(example_inputs)
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     twin, host_values = meta_twin(model)
@@ -226,7 +230,15 @@ def _meta_outputs(gm: fx.GraphModule):
     like = fx.node.map_arg(output.args[0], example_value)
 
     def make():
-        return tree_map(lambda v: torch.empty(tuple(map(plain, v.shape)), dtype=v.dtype, device="meta").requires_grad_(
-            v.requires_grad and v.is_floating_point()) if isinstance(v, torch.Tensor) else v, like)
+        return tree_map(
+            lambda v: (
+                torch.empty(tuple(map(plain, v.shape)), dtype=v.dtype, device="meta").requires_grad_(
+                    v.requires_grad and v.is_floating_point()
+                )
+                if isinstance(v, torch.Tensor)
+                else v
+            ),
+            like,
+        )
 
     return make

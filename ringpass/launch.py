@@ -16,8 +16,9 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,11 @@ def free_port() -> int:
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 120.0,
     may_die: Sequence[int] = (),
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
@@ -46,7 +51,8 @@ def spawn_ranks(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_rank_main, args=(fn, rank, world_size, port, tuple(args), timeout, results, all_reported),
+            target=_rank_main,
+            args=(fn, rank, world_size, port, tuple(args), timeout, results, all_reported),
             daemon=True,
         )
         for rank in range(world_size)
@@ -95,7 +101,10 @@ def _rank_main(fn, rank, world_size, port, args, timeout, results, all_reported)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)

@@ -69,7 +69,7 @@ class RingOptions:
     ulysses: int = 1
 
     @classmethod
-    def from_dict(cls, options: dict | None) -> "RingOptions":
+    def from_dict(cls, options: dict | None) -> RingOptions:
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -85,5 +85,7 @@ class RingOptions:
                     f"Ring backend option {name}={value!r} is not one of {', '.join(map(repr, allowed))}."
                 )
         if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:
-            raise InvalidInputError(f"Ring backend option timeout={result.timeout!r} must be a positive number of seconds.")
+            raise InvalidInputError(
+                f"Ring backend option timeout={result.timeout!r} must be a positive number of seconds."
+            )
         return result

@@ -13,12 +13,18 @@ import os
 
 import networkx as nx
 
+from lowering.costmodel import ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
-from lowering.costmodel import ring_cost
 from ringpass.graph_view import condensed, to_networkx
 
-PLACEMENT_COLOURS = {"sharded": "#8fd18f", "whole": "#f5b971", "replicated": "#c9d6ea", "partial": "#d4b2e8", "output": "#dddddd"}
+PLACEMENT_COLOURS = {
+    "sharded": "#8fd18f",
+    "whole": "#f5b971",
+    "replicated": "#c9d6ea",
+    "partial": "#d4b2e8",
+    "output": "#dddddd",
+}
 KIND_EDGES = {"ring": "#1a5fb4", "collective": "#c01c28", "input": "#444444", "module": "#888888", "refused": "#c01c28"}
 BLOCK_COLOURS = {"diagonal": "#1a5fb4", "full": "#3a9a3a", "partial": "#9ccf9c", "skipped": "#f0f0f0"}
 
@@ -52,7 +58,11 @@ def draw(inspection, path: str) -> None:
         contiguous = ring_cost(Layout("contiguous", cost.layout.world_size, cost.layout.seq_len), cost.shape)
         for column, shown in enumerate((cost, contiguous)):
             axis = figure.add_subplot(grid[row, len(boxes) + column])
-            _draw_schedule(axis, shown, f"attention(s) {indices[0]}..{indices[-1]}" if len(indices) > 1 else f"attention {indices[0]}")
+            _draw_schedule(
+                axis,
+                shown,
+                f"attention(s) {indices[0]}..{indices[-1]}" if len(indices) > 1 else f"attention {indices[0]}",
+            )
     handles = [Patch(color=c, label=f"value: {p}") for p, c in PLACEMENT_COLOURS.items()]
     handles += [Patch(color=c, label=f"block: {b}") for b, c in BLOCK_COLOURS.items()]
     figure.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
@@ -68,17 +78,39 @@ def _draw_boxes(axis, boxes: nx.DiGraph, title: str, box_patch) -> None:
     for name in order:
         data = boxes.nodes[name]
         fill = "#f66151" if data["kind"] == "refused" else PLACEMENT_COLOURS.get(data["placement"], "#ffffff")
-        axis.add_patch(box_patch((0.05, y[name] - 0.35), 0.9, 0.7, boxstyle="round,pad=0.02,rounding_size=0.08", facecolor=fill,
-                                 edgecolor=KIND_EDGES[data["kind"]], linewidth=2 if data["kind"] != "module" else 1))
+        axis.add_patch(
+            box_patch(
+                (0.05, y[name] - 0.35),
+                0.9,
+                0.7,
+                boxstyle="round,pad=0.02,rounding_size=0.08",
+                facecolor=fill,
+                edgecolor=KIND_EDGES[data["kind"]],
+                linewidth=2 if data["kind"] != "module" else 1,
+            )
+        )
         label = name if len(name) <= 60 else name[:57] + "..."
-        axis.text(0.5, y[name], label, ha="center", va="center", fontsize=7,
-                  fontweight="bold" if data["kind"] in ("ring", "collective", "refused") else "normal")
+        axis.text(
+            0.5,
+            y[name],
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            fontweight="bold" if data["kind"] in ("ring", "collective", "refused") else "normal",
+        )
     for a, b in boxes.edges:
         if y[b] == y[a] - 1:
-            axis.annotate("", xy=(0.5, y[b] + 0.36), xytext=(0.5, y[a] - 0.36), arrowprops=dict(arrowstyle="->", lw=0.8))
+            axis.annotate(
+                "", xy=(0.5, y[b] + 0.36), xytext=(0.5, y[a] - 0.36), arrowprops=dict(arrowstyle="->", lw=0.8)
+            )
         else:  # a skip connection: an arc on the right
-            axis.annotate("", xy=(0.95, y[b]), xytext=(0.95, y[a]),
-                          arrowprops=dict(arrowstyle="->", lw=0.6, color="#777777", connectionstyle="arc3,rad=-0.3"))
+            axis.annotate(
+                "",
+                xy=(0.95, y[b]),
+                xytext=(0.95, y[a]),
+                arrowprops=dict(arrowstyle="->", lw=0.6, color="#777777", connectionstyle="arc3,rad=-0.3"),
+            )
     axis.set_xlim(0, 1.25)
     axis.set_ylim(-len(order) + 0.4, 0.6)
     axis.set_title(title, fontsize=10)
@@ -90,7 +122,9 @@ def _draw_schedule(axis, cost, label: str) -> None:
 
     names = list(BLOCK_COLOURS)
     table = [[names.index(word) for word in row] for row in cost.schedule]
-    axis.imshow(table, cmap=ListedColormap([BLOCK_COLOURS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto")
+    axis.imshow(
+        table, cmap=ListedColormap([BLOCK_COLOURS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto"
+    )
     p = cost.layout.world_size
     axis.set_xticks(range(p))
     axis.set_yticks(range(p))

@@ -10,11 +10,9 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
-from lowering.layout import Layout
-from lowering.layout import GroupLayout
+from lowering.layout import GroupLayout, Layout
 
 logger = logging.getLogger("ringpass")
 summary_logger = logging.getLogger("ringpass.summary")
@@ -24,12 +22,12 @@ summary_logger = logging.getLogger("ringpass.summary")
 class AttentionRecord:
     """One attention and what became of it."""
 
-    module: str            # the user's module path ("model.layers.0.self_attn"), "" at the top level
-    source: str            # file, line and code of the attention call
-    spelling: str          # "sdpa" | "hand-written"
-    mask: str              # "none" | "causal" | "causal, window W" | "program" | "program + causal" ...
+    module: str  # the user's module path ("model.layers.0.self_attn"), "" at the top level
+    source: str  # file, line and code of the attention call
+    spelling: str  # "sdpa" | "hand-written"
+    mask: str  # "none" | "causal" | "causal, window W" | "program" | "program + causal" ...
     is_causal: bool
-    window: Optional[int]
+    window: int | None
     mask_inputs: list[str]  # per-token values a lifted mask program reads (kept whole on every rank)
     batch: int
     query_heads: int
@@ -42,20 +40,21 @@ class AttentionRecord:
     fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
 
     def shape(self) -> AttentionShape:
-        return AttentionShape(self.batch, self.query_heads, self.kv_heads, self.head_dim, self.itemsize,
-                              self.is_causal, self.window)
+        return AttentionShape(
+            self.batch, self.query_heads, self.kv_heads, self.head_dim, self.itemsize, self.is_causal, self.window
+        )
 
 
 @dataclass
 class ValueRecord:
     """A graph input, an output, or a value computed whole: where it lives after the rewrite."""
 
-    name: str              # argument name, module state path, or "output 0"
+    name: str  # argument name, module state path, or "output 0"
     shape: list
     dtype: str
-    placement: str         # "sharded" | "whole" | "replicated" | "gathered" | "partial"
-    dim: Optional[int] = None   # the sequence dimension, when it has one
-    why: str = ""          # for values kept whole: the op that needs them; for outputs: where they come from
+    placement: str  # "sharded" | "whole" | "replicated" | "gathered" | "partial"
+    dim: int | None = None  # the sequence dimension, when it has one
+    why: str = ""  # for values kept whole: the op that needs them; for outputs: where they come from
     nbytes: int = 0
 
 
@@ -63,8 +62,8 @@ class ValueRecord:
 class CollectiveRecord:
     """Communication the rewrite inserted, with its size per call."""
 
-    kind: str              # "all-gather" | "all-reduce" | "ring"
-    phase: str             # "forward" | "backward"
+    kind: str  # "all-gather" | "all-reduce" | "ring"
+    phase: str  # "forward" | "backward"
     what: str
     source: str
     nbytes: int
@@ -75,8 +74,8 @@ class Refusal:
     """Why the pass refused the graph: the message, the blocking op, and the chain of ops to it."""
 
     message: str
-    op: str = ""           # the blocking op ("cumsum")
-    source: str = ""       # its file and line ("model.py:88")
+    op: str = ""  # the blocking op ("cumsum")
+    source: str = ""  # its file and line ("model.py:88")
     chain: list[str] = field(default_factory=list)
 
 
@@ -87,28 +86,28 @@ class Report:
     world_size: int = 1
     graph_index: int = 0
     layout: str = ""
-    seq_len: Optional[int] = None
+    seq_len: int | None = None
     attention: list[AttentionRecord] = field(default_factory=list)
     positions: list[str] = field(default_factory=list)
     inputs: list[ValueRecord] = field(default_factory=list)
     outputs: list[ValueRecord] = field(default_factory=list)
     computed_whole: list[str] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
-    gradients: str = ""    # "reduced" | "mean" | "local"
+    gradients: str = ""  # "reduced" | "mean" | "local"
     gradients_why: str = ""  # the wrapper grads="auto" found, or why the choice costs traffic
     ulysses: int = 1  # Ulysses x ring: the ranks of each all-to-all group
     activation_bytes: dict = field(default_factory=dict)  # {"per_rank": .., "unsharded": .., "whole": ..}
     warnings: list[str] = field(default_factory=list)
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
-    refusal: Optional[Refusal] = None
-    unchanged: str = ""    # why the graph runs unchanged (one rank, no attention)
-    decode: int = 0        # decode attentions rewritten to attend to a sharded KV cache where it lies
-    cache: str = ""        # what became of the KV cache in this graph
+    refusal: Refusal | None = None
+    unchanged: str = ""  # why the graph runs unchanged (one rank, no attention)
+    decode: int = 0  # decode attentions rewritten to attend to a sharded KV cache where it lies
+    cache: str = ""  # what became of the KV cache in this graph
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
     def status(self) -> str:
-        """"rewritten", "refused", "no attention" or "unchanged" (one rank)."""
+        """ "rewritten", "refused", "no attention" or "unchanged" (one rank)."""
         if self.refusal is not None:
             return "refused"
         if self.attention or self.decode:
@@ -116,7 +115,7 @@ class Report:
         return "no attention" if self.world_size > 1 else "unchanged"
 
     @property
-    def layout_object(self) -> Optional[Layout]:
+    def layout_object(self) -> Layout | None:
         if not self.layout or not isinstance(self.seq_len, int):
             return None
         return Layout(self.layout, self.world_size, self.seq_len)
@@ -147,29 +146,47 @@ class Report:
         if self.status != "rewritten":
             return f"{head} {self.unchanged or self.cache or 'no attention found'}: the graph runs unchanged (replicated) on every rank"
         if self.decode:
-            return (f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
-                    f"({self.cache}), {_size(self.gathered_bytes())} all-gathered per call")
-        over = f"{self.world_size} ranks" if self.ulysses == 1 else \
-            f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, the ring over " \
+            return (
+                f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
+                f"({self.cache}), {_size(self.gathered_bytes())} all-gathered per call"
+            )
+        over = (
+            f"{self.world_size} ranks"
+            if self.ulysses == 1
+            else f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, the ring over "
             f"{self.world_size // self.ulysses} groups)"
-        return (f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {over}, "
-                f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call")
+        )
+        return (
+            f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {over}, "
+            f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call"
+        )
 
     def __str__(self) -> str:
         lines = [self.summary()]
         if self.refusal is not None:
-            lines += _section("refused", [self.refusal.message] + (
-                ["chain of ops between the attention and the blocking op: " + " -> ".join(self.refusal.chain)]
-                if len(self.refusal.chain) > 1 else []))
+            lines += _section(
+                "refused",
+                [self.refusal.message]
+                + (
+                    ["chain of ops between the attention and the blocking op: " + " -> ".join(self.refusal.chain)]
+                    if len(self.refusal.chain) > 1
+                    else []
+                ),
+            )
         lines += _section("attention", [_attention_text(a) for a in self.attention])
         lines += _section("positions", self.positions)
-        for title, placement in (("inputs sharded (each rank gets its tokens)", "sharded"),
-                                 ("inputs kept whole on every rank", "whole"),
-                                 ("inputs replicated (no sequence axis)", "replicated")):
+        for title, placement in (
+            ("inputs sharded (each rank gets its tokens)", "sharded"),
+            ("inputs kept whole on every rank", "whole"),
+            ("inputs replicated (no sequence axis)", "replicated"),
+        ):
             lines += _section(title, [_value_text(v) for v in self.inputs if v.placement == placement])
         lines += _section("values computed whole on every rank", self.computed_whole)
-        for title, placement in (("outputs gathered", "gathered"), ("outputs left sharded", "sharded"),
-                                 ("outputs replicated", "replicated")):
+        for title, placement in (
+            ("outputs gathered", "gathered"),
+            ("outputs left sharded", "sharded"),
+            ("outputs replicated", "replicated"),
+        ):
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])
         lines += _section("KV cache", [self.cache] if self.cache else [])
         lines += _section("collectives inserted (per call)", _collectives_text(self.collectives))
@@ -177,11 +194,19 @@ class Report:
             lines += _section("gradients", [self.gradients_why or GRADIENTS_TEXT[self.gradients]])
         if self.activation_bytes:
             a = self.activation_bytes
-            lines += _section("sequence-sharded activations", [
-                f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
-                f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"])
+            lines += _section(
+                "sequence-sharded activations",
+                [
+                    f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
+                    f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"
+                ],
+            )
         for indices, cost in self.ring_costs():
-            across = "" if self.ulysses == 1 else f" (across the Ulysses groups, as ranks; 1/{self.ulysses} of the heads each)"
+            across = (
+                ""
+                if self.ulysses == 1
+                else f" (across the Ulysses groups, as ranks; 1/{self.ulysses} of the heads each)"
+            )
             lines += _section(f"ring, per call of each of attention(s) {_ranges(indices)}{across}", ring_text(cost))
         lines += _section("where the results can differ from the model's", self.differs)
         lines += _section("warnings", self.warnings)
@@ -280,8 +305,10 @@ def ring_text(cost: RingCost) -> list[str]:
         other = ring_cost(Layout("contiguous", p, cost.layout.seq_len), s)
         skipped = sum(row.count("skipped") for row in other.schedule)
         worst = max(sum(row) for row in other.flops_forward)
-        lines.append(f"contiguous would skip {skipped} blocks and leave the busiest rank {_flops(worst)} "
-                     f"(vs {_flops(max(per_rank))} here)")
+        lines.append(
+            f"contiguous would skip {skipped} blocks and leave the busiest rank {_flops(worst)} "
+            f"(vs {_flops(max(per_rank))} here)"
+        )
     return lines
 
 
@@ -289,20 +316,27 @@ SCHEDULE_ROWS_SHOWN = 32  # larger rings are summarised (the JSON has every bloc
 _LETTER = {"diagonal": "D", "full": "F", "partial": "P", "skipped": "."}
 
 
-GRADIENTS_TEXT = {"local": "local: each rank keeps its share (a sum over the ring's ranks completes them); replicated "
-                           "gradients are scaled by 1/P",
-                  "mean": "mean: each rank's parameter gradient is its share x P, for an outer mean over the ring's ranks"}
-FULLY_MASKED_TEXT = {"uniform": "a query with every key hidden averages all keys, as eager (gradients to q, k, v)",
-                     "uniform_values": "a query with every key hidden averages all keys, as eager (gradients to v)"}
+GRADIENTS_TEXT = {
+    "local": "local: each rank keeps its share (a sum over the ring's ranks completes them); replicated "
+    "gradients are scaled by 1/P",
+    "mean": "mean: each rank's parameter gradient is its share x P, for an outer mean over the ring's ranks",
+}
+FULLY_MASKED_TEXT = {
+    "uniform": "a query with every key hidden averages all keys, as eager (gradients to q, k, v)",
+    "uniform_values": "a query with every key hidden averages all keys, as eager (gradients to v)",
+}
 
 
 def _attention_text(a: AttentionRecord) -> str:
     average = [FULLY_MASKED_TEXT[a.fully_masked]] if a.fully_masked in FULLY_MASKED_TEXT else []
-    mask = "; ".join([a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods,
-                      *average])
+    mask = "; ".join(
+        [a.mask + (f" reading {', '.join(a.mask_inputs)}" if a.mask_inputs else ""), *a.score_mods, *average]
+    )
     where = a.module or "top level"
-    return (f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
-            f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}")
+    return (
+        f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
+        f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}"
+    )
 
 
 def _value_text(v: ValueRecord) -> str:
@@ -315,24 +349,40 @@ def _value_text(v: ValueRecord) -> str:
 def _collectives_text(collectives: list[CollectiveRecord]) -> list[str]:
     """One line per collective; the backward all-reduces of gradients summed into one line."""
     gradients = [c for c in collectives if c.phase == "backward" and c.kind == "all-reduce"]
-    lines = [f"{c.phase}: {c.kind} of {c.what}, {_size(c.nbytes)}" + (f" at {c.source}" if c.source else "")
-             for c in collectives if c not in gradients]
+    lines = [
+        f"{c.phase}: {c.kind} of {c.what}, {_size(c.nbytes)}" + (f" at {c.source}" if c.source else "")
+        for c in collectives
+        if c not in gradients
+    ]
     if gradients:
         names = [c.what.replace("the gradient of ", "") for c in gradients]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        lines.append(f"backward: all-reduce of the gradients of {len(gradients)} value(s) ({shown}), "
-                     f"{_size(sum(c.nbytes for c in gradients))} in all")
+        lines.append(
+            f"backward: all-reduce of the gradients of {len(gradients)} value(s) ({shown}), "
+            f"{_size(sum(c.nbytes for c in gradients))} in all"
+        )
     return lines
 
 
 def _section(title: str, items: list[str]) -> list[str]:
     """A heading and its items; an item starting with spaces continues the one before it."""
-    return [f"  {title}:"] + [f"     {item}" if item.startswith(" ") else f"    - {item}" for item in items] if items else []
+    return (
+        [f"  {title}:"] + [f"     {item}" if item.startswith(" ") else f"    - {item}" for item in items]
+        if items
+        else []
+    )
 
 
 def _ranges(indices: list[int]) -> str:
-    return f"{indices[0]}" if len(indices) == 1 else (
-        f"{indices[0]}-{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else ", ".join(map(str, indices)))
+    return (
+        f"{indices[0]}"
+        if len(indices) == 1
+        else (
+            f"{indices[0]}-{indices[-1]}"
+            if indices == list(range(indices[0], indices[-1] + 1))
+            else ", ".join(map(str, indices))
+        )
+    )
 
 
 def _size(nbytes) -> str:

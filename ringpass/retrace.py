@@ -46,7 +46,8 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
                 f"With inputs='sharded' the sequence dims of `{user_name(node)}` are marked dynamic, yet Dynamo traced its "
                 f"length as the number {tuple(tensor.shape)[dims[0]]} (Dynamo fixes sizes 0 and 1), so every read of it "
                 "in the model's code is this rank's length, which the ring cannot correct to the whole sequence's. "
-                "Pass full inputs (inputs='full'), or shards of at least 2 tokens.",)
+                "Pass full inputs (inputs='full'), or shards of at least 2 tokens.",
+            )
             return None
         found.append((tensor, dims))
     for tensor, dims in found:
@@ -55,7 +56,8 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
         torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
         _added[tensor] = (added | fresh, had_marking)
     return TensorifyScalarRestartAnalysis(
-        restart_reason="ringpass: inputs='sharded' traced again with the sequence dims dynamic")
+        restart_reason="ringpass: inputs='sharded' traced again with the sequence dims dynamic"
+    )
 
 
 def release_marks() -> None:
@@ -66,8 +68,9 @@ def release_marks() -> None:
             indices -= added
             if not indices:
                 del tensor._dynamo_weak_dynamic_indices
-        if not had_marking and not any(hasattr(tensor, mark) for mark in _MARKS + ("_dynamo_static_indices",
-                                                                                   "_dynamo_unbacked_indices")):
+        if not had_marking and not any(
+            hasattr(tensor, mark) for mark in _MARKS + ("_dynamo_static_indices", "_dynamo_unbacked_indices")
+        ):
             if hasattr(tensor, "_has_dynamo_dim_marking"):
                 del tensor._has_dynamo_dim_marking
     _added.clear()

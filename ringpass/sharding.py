@@ -30,8 +30,10 @@ def unshard(x: torch.Tensor, dim: int = 1, *, seq_len: int, layout: str = "zigza
     world_size, _ = _world(group)
     ring = Layout(layout, world_size, seq_len)
     if x.size(dim) != ring.local_len:
-        raise InvalidInputError(f"unshard: x has {x.size(dim)} positions along dim {dim}, but {ring} gives each rank "
-                                f"{ring.local_len}; pass the seq_len of the whole sequence.")
+        raise InvalidInputError(
+            f"unshard: x has {x.size(dim)} positions along dim {dim}, but {ring} gives each rank "
+            f"{ring.local_len}; pass the seq_len of the whole sequence."
+        )
     if world_size == 1:
         return ring.unshard([x], dim)
     shards = [torch.empty_like(x) for _ in range(world_size)]

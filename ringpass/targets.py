@@ -13,7 +13,7 @@ import importlib.util
 import inspect as pyinspect
 import os
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -39,11 +39,13 @@ def load_factory(target: str) -> Callable:
     factory = getattr(module, name, None)
     if not callable(factory):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise InvalidInputError(f"TARGET {target!r}: {where} has no callable {name!r} (it has {', '.join(found) or 'none'}).")
+        raise InvalidInputError(
+            f"TARGET {target!r}: {where} has no callable {name!r} (it has {', '.join(found) or 'none'})."
+        )
     return factory
 
 
-def call_factory(factory: Callable, seq_len: Optional[int], batch: Optional[int]) -> tuple:
+def call_factory(factory: Callable, seq_len: int | None, batch: int | None) -> tuple:
     """``factory(seq_len=..., batch=...)`` with the keywords it accepts; checks it returns (model, inputs)."""
     parameters = pyinspect.signature(factory).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
@@ -52,15 +54,19 @@ def call_factory(factory: Callable, seq_len: Optional[int], batch: Optional[int]
         if value is None:
             continue
         if key not in parameters and not takes_any:
-            raise InvalidInputError(f"--{key.replace('_', '-')} was given but {factory.__name__}() takes no `{key}` keyword.")
+            raise InvalidInputError(
+                f"--{key.replace('_', '-')} was given but {factory.__name__}() takes no `{key}` keyword."
+            )
         kwargs[key] = value
     result = factory(**kwargs)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-        raise InvalidInputError(f"{factory.__name__}() must return (model, example_inputs), got {type(result).__name__}.")
+        raise InvalidInputError(
+            f"{factory.__name__}() must return (model, example_inputs), got {type(result).__name__}."
+        )
     return result
 
 
-def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool, device: str = "meta") -> tuple:
+def hf_config_model(path: str, seq_len: int | None, batch: int, labels: bool, device: str = "meta") -> tuple:
     """(model on ``device``, keyword inputs) for a local Hugging Face config: on the meta device no weight is
     allocated; elsewhere the weights are randomly initialised. The model trains when ``labels`` (loss
     included), else runs in eval; ``use_cache=False`` either way (the ring's regime)."""
@@ -88,7 +94,9 @@ def hf_config_model(path: str, seq_len: Optional[int], batch: int, labels: bool,
                 model = transformers.AutoModelForCausalLM.from_config(config)
             except ValueError:  # not a causal LM (an encoder): the base model
                 if labels:
-                    raise InvalidInputError(f"--labels: {config.model_type} has no causal-LM head to take labels.") from None
+                    raise InvalidInputError(
+                        f"--labels: {config.model_type} has no causal-LM head to take labels."
+                    ) from None
                 model = transformers.AutoModel.from_config(config)
     model.train(labels)
     if labels and hasattr(model, "loss_type"):

@@ -20,7 +20,6 @@ parameters it registered for the forward). `gradient_mode` turns the ``grads`` o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ class GradientMode:
     why: str = ""
 
 
-def find_wrapper(gm: fx.GraphModule) -> Optional[Wrapper]:
+def find_wrapper(gm: fx.GraphModule) -> Wrapper | None:
     """The DDP module being compiled, or the FSDP2 state that owns this graph's parameters; None if neither."""
     try:
         from torch.nn.parallel import DistributedDataParallel
@@ -66,7 +65,7 @@ def find_wrapper(gm: fx.GraphModule) -> Optional[Wrapper]:
     return _fsdp_wrapper(gm)
 
 
-def gradient_mode(requested: str, wrapper: Optional[Wrapper], ring_group) -> GradientMode:
+def gradient_mode(requested: str, wrapper: Wrapper | None, ring_group) -> GradientMode:
     """The ``reduce_grads`` behaviour for ``grads=requested`` under ``wrapper`` with the ring on ``ring_group``."""
     ring = frozenset(_global_ranks(ring_group))
     p = len(ring)
@@ -75,41 +74,58 @@ def gradient_mode(requested: str, wrapper: Optional[Wrapper], ring_group) -> Gra
         raise NotSupportedError(
             f"{wrapper.describe()} shares some but not all of the ring's ranks ({_ranks_text(ring)}): its mean of the "
             "gradients mixes shares of one sequence with whole gradients of others. Put the wrapper on the ring's "
-            "ranks, on data-parallel ranks only, or on both flattened (mesh['dp', 'cp']._flatten()).")
+            "ranks, on data-parallel ranks only, or on both flattened (mesh['dp', 'cp']._flatten())."
+        )
     if covers and requested in ("auto", "mean") and wrapper.divide_factor != len(wrapper.ranks):
         raise NotSupportedError(
             f"{wrapper.describe()} divides the gradients' sum by {wrapper.divide_factor:g}, not by its {len(wrapper.ranks)} "
             "ranks (set_gradient_divide_factor): the ring's shares are scaled for a mean. Leave the divide factor at its "
-            "default, or pass grads='reduced' (whole gradients on every rank, then the wrapper's reduction).")
+            "default, or pass grads='reduced' (whole gradients on every rank, then the wrapper's reduction)."
+        )
     mean_scale = float(p)
     if requested == "auto":
         if covers:
-            return GradientMode("mean", mean_scale, f"mean: {wrapper.describe()} averages the ring's ranks; each rank's "
-                                                    f"parameter gradient is its share x {mean_scale:g}, no other reduction")
+            return GradientMode(
+                "mean",
+                mean_scale,
+                f"mean: {wrapper.describe()} averages the ring's ranks; each rank's "
+                f"parameter gradient is its share x {mean_scale:g}, no other reduction",
+            )
         if wrapper is not None:
-            return GradientMode("reduced", why=f"reduced: {wrapper.describe()} averages data-parallel ranks only; "
-                                               "the ring all-reduces its shares first")
+            return GradientMode(
+                "reduced",
+                why=f"reduced: {wrapper.describe()} averages data-parallel ranks only; "
+                "the ring all-reduces its shares first",
+            )
         return GradientMode("reduced")
     if requested == "local" and wrapper is not None:
         raise InvalidInputError(
             f"grads='local' leaves each rank its share of the gradient, which sum to it; {wrapper.describe()} "
             f"averages instead, so the gradients would be 1/{p} of the truth. Use grads='auto' (the default), which "
-            "scales the shares for the wrapper.")
+            "scales the shares for the wrapper."
+        )
     if requested == "mean" and wrapper is not None and not covers:
         raise InvalidInputError(
             f"grads='mean' makes gradients for a wrapper that averages over the ring's ranks, but {wrapper.describe()} "
-            "does not include them: the ring's shares would never be summed. Use grads='auto' (the default).")
+            "does not include them: the ring's shares would never be summed. Use grads='auto' (the default)."
+        )
     if requested == "mean":
-        return GradientMode("mean", mean_scale, f"mean: each rank's parameter gradient is its share x {mean_scale:g}, for an "
-                                                "outer mean over the ring's ranks")
+        return GradientMode(
+            "mean",
+            mean_scale,
+            f"mean: each rank's parameter gradient is its share x {mean_scale:g}, for an "
+            "outer mean over the ring's ranks",
+        )
     why = ""
     if requested == "reduced" and covers:
-        why = (f"reduced: every full gradient is all-reduced in the backward, then {wrapper.describe()} reduces it "
-               "again; grads='auto' (the default) leaves the one reduction to the wrapper")
+        why = (
+            f"reduced: every full gradient is all-reduced in the backward, then {wrapper.describe()} reduces it "
+            "again; grads='auto' (the default) leaves the one reduction to the wrapper"
+        )
     return GradientMode(requested, why=why)
 
 
-def _fsdp_wrapper(gm: fx.GraphModule) -> Optional[Wrapper]:
+def _fsdp_wrapper(gm: fx.GraphModule) -> Wrapper | None:
     """FSDP2's mesh for the graph's parameters: the unsharded parameters its pre-forward hook registered are
     the tensors the graph's parameter inputs were traced from."""
     try:
@@ -117,9 +133,13 @@ def _fsdp_wrapper(gm: fx.GraphModule) -> Optional[Wrapper]:
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     except ImportError:  # another torch: no detection, the gradients stay exact through grads="reduced"
         return None
-    traced = {id(example) for node in gm.graph.nodes if node.op == "placeholder"
-              for example in [getattr(node.meta.get("grapharg"), "example", None)]
-              if isinstance(example, torch.nn.Parameter)}
+    traced = {
+        id(example)
+        for node in gm.graph.nodes
+        if node.op == "placeholder"
+        for example in [getattr(node.meta.get("grapharg"), "example", None)]
+        if isinstance(example, torch.nn.Parameter)
+    }
     for state_ref in list(_module_state_mapping.values()):
         state = state_ref()
         group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
@@ -141,7 +161,8 @@ def _refuse_graph_splitting() -> None:
             "The model is compiled under DistributedDataParallel with torch._dynamo.config.optimize_ddp on: Dynamo "
             "cuts the graph at DDP's bucket boundaries and compiles each piece alone, and the ring needs the whole "
             "graph (its activations stay sharded from input to output). Set torch._dynamo.config.optimize_ddp = False "
-            "before the first call; DDP then all-reduces each gradient after the backward.")
+            "before the first call; DDP then all-reduces each gradient after the backward."
+        )
 
 
 def _global_ranks(group) -> list[int]:

@@ -9,14 +9,14 @@ import time
 import traceback
 from pathlib import Path
 
+import models
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from reference import grad_error, rel_err
 
-import models
 import ringpass
 from lowering import record_ring_events
-from reference import grad_error, rel_err
 
 MODELS = {
     "gpt": lambda: models.GPT(),
@@ -69,13 +69,25 @@ def _loss(outputs, weights):
     return sum((o * w).sum() for o, w in zip(outputs, weights))
 
 
-def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, dynamic, group=None,
-            seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
+def compare(
+    rank: int,
+    world_size: int,
+    name: str,
+    seq_len: int,
+    options: dict,
+    dynamic,
+    group=None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> dict:
     """Relative errors of outputs and parameter gradients on this rank, and the graph's op counts."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = MODELS[name]().to(dtype)
-    inputs = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in _inputs(name, seq_len, batch=2, seed=seed))
+    inputs = tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() else t
+        for t in _inputs(name, seq_len, batch=2, seed=seed)
+    )
     expected = model(*inputs)
     expected_tuple = expected if isinstance(expected, tuple) else (expected,)
     weights = [torch.randn(e.shape, generator=torch.Generator().manual_seed(7)).to(e.dtype) for e in expected_tuple]
@@ -97,22 +109,34 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
     ring_world = dist.get_world_size(ring_group) if group is not None else world_size
     ring_rank = dist.get_rank(ring_group) if group is not None else rank
     if options.get("inputs") == "sharded":  # the helper users call (zigzag: what layout="auto" gives sharded inputs)
-        compiled_inputs = tuple(ringpass.shard(t, 1, layout=options.get("layout", "zigzag"), group=group) for t in inputs)
+        compiled_inputs = tuple(
+            ringpass.shard(t, 1, layout=options.get("layout", "zigzag"), group=group) for t in inputs
+        )
     outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
     outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
     if options.get("outputs") == "sharded":
-        weights_used = [layout_shard(options, ring_world, seq_len, w, ring_rank) if w.dim() >= 2 and w.shape[1] == seq_len else w
-                        for w in weights]
-        expected_cmp = [layout_shard(options, ring_world, seq_len, e, ring_rank) if e.dim() >= 2 and e.shape[1] == seq_len else e
-                        for e in expected_tuple]
+        weights_used = [
+            layout_shard(options, ring_world, seq_len, w, ring_rank) if w.dim() >= 2 and w.shape[1] == seq_len else w
+            for w in weights
+        ]
+        expected_cmp = [
+            layout_shard(options, ring_world, seq_len, e, ring_rank) if e.dim() >= 2 and e.shape[1] == seq_len else e
+            for e in expected_tuple
+        ]
     else:
         weights_used, expected_cmp = weights, expected_tuple
     _loss(outputs, weights_used).backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
     gathered = []  # sharded outputs reassembled with ringpass.unshard equal the whole outputs
     if options.get("outputs") == "sharded":
-        gathered = [rel_err(ringpass.unshard(o.detach(), 1, seq_len=seq_len, layout=options.get("layout", "zigzag"), group=group), e.detach())
-                    for o, e in zip(outputs_tuple, expected_tuple) if e.dim() >= 2 and e.shape[1] == seq_len]
+        gathered = [
+            rel_err(
+                ringpass.unshard(o.detach(), 1, seq_len=seq_len, layout=options.get("layout", "zigzag"), group=group),
+                e.detach(),
+            )
+            for o, e in zip(outputs_tuple, expected_tuple)
+            if e.dim() >= 2 and e.shape[1] == seq_len
+        ]
     result = {
         "outputs": [rel_err(o.detach(), e.detach()) for o, e in zip(outputs_tuple, expected_cmp)] + gathered,
         "report": backend.reports[-1].as_dict() if backend.reports else {},
@@ -134,6 +158,7 @@ def compare(rank: int, world_size: int, name: str, seq_len: int, options: dict, 
 
 def layout_shard(options, world, seq_len, tensor, rank):
     from lowering import Layout
+
     return Layout(options.get("layout", "zigzag"), world, seq_len).shard(tensor, 1, rank)
 
 
@@ -173,8 +198,10 @@ def _wait_for_every_rank(record_dir: Path, index: int, case_id: str, world_size:
     deadline = time.monotonic() + PEER_WAIT
     while not all((record_dir / f"{index}-{rank}.pt").exists() for rank in range(world_size)):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"case {case_id} raised on this rank and another rank did not finish it within "
-                               f"{PEER_WAIT} s: the ranks are out of step, the spawn stops here")
+            raise RuntimeError(
+                f"case {case_id} raised on this rank and another rank did not finish it within "
+                f"{PEER_WAIT} s: the ranks are out of step, the spawn stops here"
+            )
         time.sleep(0.1)
 
 
@@ -302,19 +329,36 @@ def refusal(rank: int, world_size: int, case: str) -> str:
         "max": lambda y: y.max(dim=1).values,
         "conv1d": lambda y: F.conv1d(y.transpose(1, 2), torch.ones(8, 1, 3), padding=1, groups=8),
     }
-    model = AfterAttention(after[case]) if case in after else {
-        "cumsum": CumsumAfterAttention, "dropout": DropoutInAttention, "lengths": DifferentLengths,
-        "reshape": TokensMixedByReshape, "sxs_mask": SimilarityMask, "float_mask": FloatMask, "flex": FlexAttention,
-        "vmap_dynamic": VmapBeforeAttention}[case]()
+    model = (
+        AfterAttention(after[case])
+        if case in after
+        else {
+            "cumsum": CumsumAfterAttention,
+            "dropout": DropoutInAttention,
+            "lengths": DifferentLengths,
+            "reshape": TokensMixedByReshape,
+            "sxs_mask": SimilarityMask,
+            "float_mask": FloatMask,
+            "flex": FlexAttention,
+            "vmap_dynamic": VmapBeforeAttention,
+        }[case]()
+    )
     logged = _Records()  # what torch's fake tensors log while the backend probes the graph
     logging.getLogger("torch._subclasses.fake_tensor").addHandler(logged)
     try:
-        torch.compile(model, backend=ringpass.backend(compiler="eager"), fullgraph=True,
-                      dynamic=True if case.endswith("dynamic") else None)(torch.randn(1, 16, 8))
+        torch.compile(
+            model,
+            backend=ringpass.backend(compiler="eager"),
+            fullgraph=True,
+            dynamic=True if case.endswith("dynamic") else None,
+        )(torch.randn(1, 16, 8))
     except ringpass.RingpassError as error:  # as ringpass raised it, not wrapped by Dynamo
         left_open = torch._C._functorch.maybe_current_level()  # a vmap level the backend opened and did not close
-        return f"{type(error).__name__}: {error}" + "".join(f"\nlogged: {r.getMessage()}" for r in logged.records) \
+        return (
+            f"{type(error).__name__}: {error}"
+            + "".join(f"\nlogged: {r.getMessage()}" for r in logged.records)
             + (f"\nvmap level {left_open} left open" if left_open is not None else "")
+        )
     except Exception as error:
         return f"not a ringpass error: {type(error).__name__}: {error}"
     return "no error"
@@ -344,8 +388,11 @@ class MaskedAttention(torch.nn.Module):
         b, s, _ = x.shape
         q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
         mask = self.mask_fn(self, s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=self.scale).transpose(1, 2).flatten(2)
+        return (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+            .transpose(1, 2)
+            .flatten(2)
+        )
 
 
 def _positions(s):
@@ -361,9 +408,13 @@ MASK_READINGS = {  # masks a symbolic reading could get wrong: each must match e
     # S x S tensors made from the length alone: with dynamic shapes read at several lengths
     "square_subsequent_mask": lambda m, s: torch.nn.Transformer.generate_square_subsequent_mask(s, dtype=torch.float64),
     "causal_buffer_prefix": lambda m, s: m.causal[:s, :s],
-    "window_from_sizes": lambda m, s: torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-5),
+    "window_from_sizes": lambda m, s: (
+        torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-5)
+    ),
     # the length in arithmetic: a window that grows with it, refused with dynamic shapes
-    "window_from_length": lambda m, s: torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-(s // 3)),
+    "window_from_length": lambda m, s: (
+        torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool).tril(-(s // 3))
+    ),
 }
 
 
@@ -458,13 +509,13 @@ def flex_training_step(rank: int, world_size: int, case: str, seq_len: int) -> d
     model = FlexModel(case, seq_len)
     x = torch.randn(2, seq_len, 8, generator=torch.Generator().manual_seed(1))
     expected = model(x, dense=True)
-    (expected ** 2).mean().backward()
+    (expected**2).mean().backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     backend = ringpass.backend(compiler="aot_eager")
     with record_ring_events() as events:
         got = torch.compile(model, backend=backend, fullgraph=True)(x)
-        (got ** 2).mean().backward()
+        (got**2).mean().backward()
     return {
         "out": rel_err(got, expected),
         "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),

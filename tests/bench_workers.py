@@ -6,10 +6,10 @@ import os
 
 import torch
 import torch.nn.functional as F
+from reference import rel_err
 
 from lowering import Layout
 from lowering.all_gather import gathered_attention
-from reference import rel_err
 
 
 def gathered_matches_fp64_sdpa(rank: int, world_size: int, kind: str, causal: bool) -> dict:
@@ -46,5 +46,10 @@ def peak_of_a_freed_allocation(rank: int, world_size: int) -> dict:
     peak = memory.peak()
     memory.start()
     small = torch.ones(2**18)  # 1 MiB
-    return {"peak": peak, "small": memory.peak(), "unavailable": memory.unavailable, "kept": small.numel(),
-            "threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+    return {
+        "peak": peak,
+        "small": memory.peak(),
+        "unavailable": memory.unavailable,
+        "kept": small.numel(),
+        "threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }

@@ -3,14 +3,14 @@ DeviceMesh, one training step against the unsharded model on the whole global ba
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 import hf_workers
 import models
+import torch
+import torch.distributed as dist
+from reference import grad_error, rel_err
+
 import ringpass
 from lowering import record_ring_events
-from reference import grad_error, rel_err
 
 SEQ_LEN, ROWS = 12, 2  # tokens per sequence; rows of the batch on each data-parallel replica
 
@@ -25,8 +25,15 @@ def global_batch(dp: int, vocab: int = 61) -> torch.Tensor:
     return torch.randint(0, vocab, (dp * ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
 
 
-def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str = "auto", family: str = "llama",
-                 optimize_ddp: bool = False) -> dict:
+def wrapped_step(
+    rank: int,
+    world_size: int,
+    wrapper: str,
+    dp: int,
+    grads: str = "auto",
+    family: str = "llama",
+    optimize_ddp: bool = False,
+) -> dict:
     """One step of ``family`` (tests.models' Llama with its loss, or ``hf_llama``) wrapped as ``wrapper`` says,
     the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
 
@@ -50,7 +57,7 @@ def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str =
     expected_grads = {n: p.grad for n, p in reference.named_parameters()}
 
     replica = mesh.get_local_rank("dp")
-    mine = ids[replica * ROWS:(replica + 1) * ROWS]
+    mine = ids[replica * ROWS : (replica + 1) * ROWS]
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp  # Dynamo's DDP graph splitting: the ring refuses it
     units = 0  # FSDP2 units: one reduce-scatter each in the backward
@@ -73,7 +80,9 @@ def wrapped_step(rank: int, world_size: int, wrapper: str, dp: int, grads: str =
         loss = _loss(compiled, mine)
     with record_ring_events() as backward, CommDebugMode() as comm:
         loss.backward()
-    grads_now = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    grads_now = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()
+    }
     loss_all = loss.detach().clone()
     dist.all_reduce(loss_all, group=mesh["dp"].get_group())  # the global batch's loss: the replicas' mean
     return {
@@ -127,39 +136,59 @@ def _is_hf(model) -> bool:
 def ulysses_by_hand(rank: int, world_size: int, cases: list) -> list:
     """`lowering.ulysses_attention` on a (ring, ulysses) mesh of ``world_size`` ranks against fp64 attention of the
     whole sequence: per case (seq_len, q heads, kv heads, causal, kind), the output and q/k/v gradients' errors."""
+    from reference import attention_fp64
     from torch.distributed.device_mesh import init_device_mesh
 
     from lowering import Layout, ulysses_attention
-    from reference import attention_fp64
 
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("ring", "ulysses"))
     results = []
     for seq_len, heads, kv_heads, causal, kind in cases:
         generator = torch.Generator().manual_seed(seq_len + heads + kv_heads)
-        q, k, v = (torch.randn(2, h, seq_len, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-                   for h in (heads, kv_heads, kv_heads))
+        q, k, v = (
+            torch.randn(2, h, seq_len, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)
+        )
         expected = attention_fp64(q, k, v, is_causal=causal)[0]
         dout = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
         expected_grads = torch.autograd.grad(expected, (q, k, v), dout)
         layout = Layout(kind, world_size, seq_len)
         mine = [layout.shard(t.detach(), 2, rank).requires_grad_() for t in (q, k, v)]
         with record_ring_events() as events:
-            out = ulysses_attention(*mine, layout=layout, ring_group=mesh["ring"].get_group(),
-                                    ulysses_group=mesh["ulysses"].get_group(), is_causal=causal)
+            out = ulysses_attention(
+                *mine,
+                layout=layout,
+                ring_group=mesh["ring"].get_group(),
+                ulysses_group=mesh["ulysses"].get_group(),
+                is_causal=causal,
+            )
             grads = torch.autograd.grad(out, mine, layout.shard(dout, 2, rank))
         if not results:  # the all-to-all ops' schemas, fakes (strides included) and autograd against their real calls
-            args = (kind, world_size, seq_len, 2, mesh["ulysses"].get_group().group_name, mesh["ring"].get_group().group_name)
-            torch.library.opcheck(torch.ops.ringpass.ulysses_heads_to_tokens.default, (mine[0].detach().requires_grad_(), *args))
+            args = (
+                kind,
+                world_size,
+                seq_len,
+                2,
+                mesh["ulysses"].get_group().group_name,
+                mesh["ring"].get_group().group_name,
+            )
+            torch.library.opcheck(
+                torch.ops.ringpass.ulysses_heads_to_tokens.default, (mine[0].detach().requires_grad_(), *args)
+            )
             exchanged = torch.ops.ringpass.ulysses_heads_to_tokens(mine[0].detach(), *args).requires_grad_()
             torch.library.opcheck(torch.ops.ringpass.ulysses_tokens_to_heads.default, (exchanged, *args))
             kv_share = torch.ops.ringpass.ulysses_heads_to_tokens(mine[1].detach(), *args).requires_grad_()
-            torch.library.opcheck(torch.ops.ringpass.ulysses_tokens_to_heads.default, (kv_share, *args))  # one head each
-        results.append({
-            "out": rel_err(out, layout.shard(expected.detach(), 2, rank)),
-            "grads": max(rel_err(g, layout.shard(e, 2, rank)) for g, e in zip(grads, expected_grads)),
-            "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-            "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
-        })
+            torch.library.opcheck(
+                torch.ops.ringpass.ulysses_tokens_to_heads.default, (kv_share, *args)
+            )  # one head each
+        results.append(
+            {
+                "out": rel_err(out, layout.shard(expected.detach(), 2, rank)),
+                "grads": max(rel_err(g, layout.shard(e, 2, rank)) for g, e in zip(grads, expected_grads)),
+                "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+                "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
+            }
+        )
     return results
 
 
@@ -185,8 +214,9 @@ def ulysses_step(rank: int, world_size: int, family: str, how: str, compiler: st
         "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
         "parameters": len(list(model.parameters())),
         "loss": rel_err(loss.detach(), expected.detach()),
-        "grads": grad_error({n: p.grad for n, p in model.named_parameters()},
-                            {n: p.grad for n, p in reference.named_parameters()}),
+        "grads": grad_error(
+            {n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}
+        ),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
         "report": backend.reports[-1].as_dict(),
@@ -206,9 +236,15 @@ def tensor_parallel_step(rank: int, world_size: int) -> dict:
     ids = global_batch(1)
     expected = _loss(reference, ids)
     expected.backward()
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
     for layer in model.model.layers:
         parallelize_module(layer, mesh["tp"], plan)
     backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"])
@@ -227,7 +263,6 @@ def tensor_parallel_step(rank: int, world_size: int) -> dict:
         "kv_bytes": sorted({e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"}),
         "reports": [r.as_dict() for r in backend.reports],
     }
-
 
 
 def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
@@ -251,10 +286,12 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
         first_compiles = len(backend.reports)
         longer = hf_workers.batch(case, SEQ_LEN + 7)
         results[case] = {
-            "loss": rel_err(got.loss, expected.loss), "logits": rel_err(got.logits, expected.logits),
+            "loss": rel_err(got.loss, expected.loss),
+            "logits": rel_err(got.logits, expected.logits),
             "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
             "longer": rel_err(compiled(**longer).logits, model(**longer).logits),
-            "all_to_alls": sum(e.kind == "heads_exchange" for e in events), "first_compiles": first_compiles,
+            "all_to_alls": sum(e.kind == "heads_exchange" for e in events),
+            "first_compiles": first_compiles,
             "later_compiles": len(backend.reports) - first_compiles,
         }
     return results

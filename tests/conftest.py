@@ -7,5 +7,8 @@ os.environ.setdefault("RINGPASS_CHECK_PASSES", "1")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "backend_cases(world_size, *case_ids): the cases of tests/test_backend.py's "
-                                       "matrix a test reads, spawned with the selected ones")
+    config.addinivalue_line(
+        "markers",
+        "backend_cases(world_size, *case_ids): the cases of tests/test_backend.py's "
+        "matrix a test reads, spawned with the selected ones",
+    )

@@ -3,13 +3,13 @@ the rank) against the same model unsharded in one process: outputs, every parame
 
 from __future__ import annotations
 
-import torch
-
 import hf_workers
 import models
+import torch
+from reference import grad_error, rel_err
+
 import ringpass
 from lowering import record_ring_events
-from reference import grad_error, rel_err
 
 
 def build(name: str) -> torch.nn.Module:
@@ -52,14 +52,18 @@ def train_and_compare(rank: int, world_size: int, name: str, seq_lens: list, pat
     else:
         model = build(name)
         args, kwargs = call(name, seq_lens[0])
-        converted = ringpass.convert(model, kwargs or args, world_size=world_size,
-                                     dynamic=len(seq_lens) > 1)
+        converted = ringpass.convert(model, kwargs or args, world_size=world_size, dynamic=len(seq_lens) > 1)
         shared = all(a is b for a, b in zip(converted.parameters(), model.parameters())) and converted.model is model
     # in memory: the optimizer on the model's own parameters, as a user's training loop has it
     optimizer = torch.optim.SGD(converted.parameters() if path else model.parameters(), lr=1e-3)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
-    result = {"steps": [], "shared": shared, "type": "", "names": sorted(n for n, _ in converted.model.named_parameters())
-              == sorted(n for n, _ in reference.named_parameters())}
+    result = {
+        "steps": [],
+        "shared": shared,
+        "type": "",
+        "names": sorted(n for n, _ in converted.model.named_parameters())
+        == sorted(n for n, _ in reference.named_parameters()),
+    }
     for seq_len in seq_lens:
         args, kwargs = call(name, seq_len)
         for _ in range(2):
@@ -69,13 +73,17 @@ def train_and_compare(rank: int, world_size: int, name: str, seq_lens: list, pat
                 got = converted(*args, **kwargs)
                 loss_of(got).backward()
             result["type"] = type(got).__name__
-            result["steps"].append({
-                "seq_len": seq_len,
-                "logits": rel_err(logits_of(got).detach(), logits_of(expected).detach()),
-                "grads": grad_error({n: p.grad for n, p in converted.model.named_parameters()},
-                                    {n: p.grad for n, p in reference.named_parameters()}),
-                "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-            })
+            result["steps"].append(
+                {
+                    "seq_len": seq_len,
+                    "logits": rel_err(logits_of(got).detach(), logits_of(expected).detach()),
+                    "grads": grad_error(
+                        {n: p.grad for n, p in converted.model.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()},
+                    ),
+                    "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+                }
+            )
             optimizer.step(), expected_optimizer.step()
             optimizer.zero_grad(), expected_optimizer.zero_grad()
     return result
@@ -130,9 +138,11 @@ def sharded_inputs_local_grads(rank: int, world_size: int, path: str, seq_len: i
     for name, parameter in converted.model.named_parameters():
         dist.all_reduce(parameter.grad)
         grads[name] = parameter.grad
-    return {"logits": rel_err(ringpass.unshard(got.detach(), 1, seq_len=seq_len), expected.detach()),
-            "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
-            "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events)}
+    return {
+        "logits": rel_err(ringpass.unshard(got.detach(), 1, seq_len=seq_len), expected.detach()),
+        "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+    }
 
 
 def _checked(converted, ids, mode) -> None:
@@ -140,7 +150,9 @@ def _checked(converted, ids, mode) -> None:
         got = converted(ids)
     expected = build("hand")(ids)
     if got.requires_grad or rel_err(got, expected.detach()) > 1e-12:
-        raise ringpass.RingpassError(f"under {mode.__name__}: requires_grad={got.requires_grad}, error {rel_err(got, expected.detach())}")
+        raise ringpass.RingpassError(
+            f"under {mode.__name__}: requires_grad={got.requires_grad}, error {rel_err(got, expected.detach())}"
+        )
 
 
 def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> dict:
@@ -167,9 +179,11 @@ def family(rank: int, world_size: int, name: str, seq_len: int, folder: str) -> 
             got = runs(*inputs)
             backend_workers._loss(got, _weights(expected)).backward()
         got, want = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
-        result[kind] = {"outputs": max(rel_err(g.detach(), e.detach()) for g, e in zip(got, want)),
-                        "grads": grad_error({n: p.grad for n, p in runs.model.named_parameters()}, expected_grads),
-                        "ring": sum(e.kind == "exchange" for e in events)}
+        result[kind] = {
+            "outputs": max(rel_err(g.detach(), e.detach()) for g, e in zip(got, want)),
+            "grads": grad_error({n: p.grad for n, p in runs.model.named_parameters()}, expected_grads),
+            "ring": sum(e.kind == "exchange" for e in events),
+        }
     return result
 
 
@@ -205,8 +219,10 @@ def edge_calls(rank: int, world_size: int) -> dict:
     encoder = models.Encoder().double()
     x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     converted = ringpass.convert(encoder, (x,), world_size=world_size)
-    found["defaults"] = max(rel_err(converted(x, keep=None)[0].detach(), encoder(x)[0].detach()),
-                            rel_err(converted(x, None, None)[1].detach(), encoder(x)[1].detach()))
+    found["defaults"] = max(
+        rel_err(converted(x, keep=None)[0].detach(), encoder(x)[0].detach()),
+        rel_err(converted(x, None, None)[1].detach(), encoder(x)[1].detach()),
+    )
     torch.manual_seed(0)
     reads = ReadsAGlobal()
     found["global"] = rel_err(ringpass.convert(reads, (ids,), world_size=world_size)(ids).detach(), reads(ids).detach())

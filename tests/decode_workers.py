@@ -29,7 +29,7 @@ def cache_of(prompt_len: int, generated: int, seed: int = 0):
 
 def reference(q, k, v, q_pos, kv_pos, real, window):
     """Attention in fp64 over the whole cache, written out; a query that sees no key gives 0."""
-    scores = q @ k.repeat_interleave(HQ // HKV, dim=1).transpose(-1, -2) * D ** -0.5
+    scores = q @ k.repeat_interleave(HQ // HKV, dim=1).transpose(-1, -2) * D**-0.5
     visible = (kv_pos[None, :] <= q_pos[:, None])[None, None] & real[:, None, None, :]
     if window is not None:
         visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)[None, None]
@@ -48,14 +48,24 @@ def decode_step(rank: int, world_size: int, cases: list) -> dict:
         k_mine, v_mine, pos_mine = k[:, :, slots], v[:, :, slots], slots
         for p in range(prompt_len, prompt_len + generated):  # one generated token at a time, as decoding appends
             new = torch.tensor([p])
-            k_mine, v_mine, pos_mine = append_to_cache(k_mine, v_mine, pos_mine, k[:, :, new], v[:, :, new], new,
-                                                       prompt_len=prompt_len, rank=rank, world_size=world_size)
+            k_mine, v_mine, pos_mine = append_to_cache(
+                k_mine,
+                v_mine,
+                pos_mine,
+                k[:, :, new],
+                v[:, :, new],
+                new,
+                prompt_len=prompt_len,
+                rank=rank,
+                world_size=world_size,
+            )
         n = prompt_len + generated
         q_pos = torch.arange(n - t, n)
         q = torch.randn(B, HQ, t, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         with torch.no_grad(), record_ring_events() as events:
-            out = decode_attention(q, k_mine, v_mine, q_pos=q_pos, kv_pos=pos_mine, window=window,
-                                   key_padding=real[:, pos_mine])
+            out = decode_attention(
+                q, k_mine, v_mine, q_pos=q_pos, kv_pos=pos_mine, window=window, key_padding=real[:, pos_mine]
+            )
         want = reference(q, k, v, q_pos, torch.arange(n), real, window)
         merges = [e for e in events if e.kind == "decode_merge"]
         slots_out, whole = _through_slots(q, k, v, q_pos, real, window, prompt_len, generated)
@@ -63,8 +73,11 @@ def decode_step(rank: int, world_size: int, cases: list) -> dict:
             "error": ((out - want).abs().max() / want.abs().max()).item(),
             "slots_error": ((slots_out - want).abs().max() / want.abs().max()).item(),
             "whole_cache_exact": torch.equal(whole, k),
-            "merges": len(merges), "bytes": [e.fields["bytes"] for e in merges],
-            "kv_exchanges": sum(e.kind == "exchange" for e in events), "positions": pos_mine.tolist()}
+            "merges": len(merges),
+            "bytes": [e.fields["bytes"] for e in merges],
+            "kv_exchanges": sum(e.kind == "exchange" for e in events),
+            "positions": pos_mine.tolist(),
+        }
     return results
 
 
@@ -74,10 +87,11 @@ def _through_slots(q, k, v, q_pos, real, window, prompt_len: int, generated: int
     and the whole cache read back from every rank's slots."""
     group = dist.group.WORLD.group_name
     capacity = slot_count(prompt_len, generated, dist.get_world_size())
-    k_slots, v_slots, slot_pos = prompt_slots(k[:, :, :prompt_len], v[:, :, :prompt_len], capacity, prompt_len,
-                                              "zigzag", False, group)
+    k_slots, v_slots, slot_pos = prompt_slots(
+        k[:, :, :prompt_len], v[:, :, :prompt_len], capacity, prompt_len, "zigzag", False, group
+    )
     for p in range(prompt_len, prompt_len + generated):
-        append_slots(k_slots, v_slots, slot_pos, k[:, :, p:p + 1], v[:, :, p:p + 1], p, prompt_len, group)
+        append_slots(k_slots, v_slots, slot_pos, k[:, :, p : p + 1], v[:, :, p : p + 1], p, prompt_len, group)
     kv_pos = torch.arange(prompt_len + generated)
     visible = (kv_pos[None, :] <= q_pos[:, None])[None, None] & real[:, None, None, :]
     if window is not None:

@@ -8,10 +8,10 @@ import os
 import signal
 import time
 
+import models
 import torch
 import torch.distributed as dist
 
-import models
 import ringpass
 from lowering import record_ring_events
 
@@ -40,7 +40,7 @@ def _outcome(step, linger: float = 0.0) -> dict:
     start = time.monotonic()
     try:
         step()
-    except Exception as error:  # noqa: BLE001 -- the test asserts which error
+    except Exception as error:
         seconds = time.monotonic() - start
         time.sleep(linger)
         return {"error": f"{type(error).__name__}: {error}", "seconds": seconds}
@@ -89,7 +89,6 @@ def disagree(rank: int, world_size: int, victim: int) -> dict:
     return {name: _outcome(case) for name, case in cases.items()}
 
 
-
 class NoAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -120,9 +119,14 @@ def unsharded_and_autocast(rank: int, world_size: int) -> dict:
         expected = model(ids)
         torch._dynamo.reset()
         with record_ring_events() as events:
-            got = torch.compile(model, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(ids)
-    results["autocast"] = {"dtype": str(got.dtype), "error": rel_err(got.float(), expected.float()),
-                           "exchanges": sum(e.kind == "exchange" for e in events)}
+            got = torch.compile(model, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(
+                ids
+            )
+    results["autocast"] = {
+        "dtype": str(got.dtype),
+        "error": rel_err(got.float(), expected.float()),
+        "exchanges": sum(e.kind == "exchange" for e in events),
+    }
     return results
 
 
@@ -151,12 +155,16 @@ def random_architectures(rank: int, world_size: int, seeds: list, seq_len: int) 
             with record_ring_events() as events:
                 got = compiled(*args)
                 (got * weights if weights is not None else got).sum().backward()
-        except Exception as error:  # noqa: BLE001 -- reported with the spec, for the test to show
+        except Exception as error:
             results[seed] = {"spec": spec, "error": f"{type(error).__name__}: {error}"}
             continue
-        results[seed] = {"spec": spec, "error": None, "output": rel_err(got.detach(), expected.detach()),
-                         "grads": grad_error({k: p.grad for k, p in model.named_parameters()}, expected_grads),
-                         "exchanges": sum(e.kind == "exchange" for e in events)}
+        results[seed] = {
+            "spec": spec,
+            "error": None,
+            "output": rel_err(got.detach(), expected.detach()),
+            "grads": grad_error({k: p.grad for k, p in model.named_parameters()}, expected_grads),
+            "exchanges": sum(e.kind == "exchange" for e in events),
+        }
     return results
 
 
@@ -169,8 +177,9 @@ def edges(rank: int, world_size: int) -> dict:
     """Edges that must hold: NaN in an input propagates as it does unsharded; no_grad and inference_mode
     forwards; 50 training steps over three lengths (three compiles) equal the same steps unsharded, with
     no growth of reports, mask programs or memory after the compiles."""
-    from lowering import masks
     from reference import rel_err
+
+    from lowering import masks
     from ringpass.backend import _reports as every_report
 
     results = {}
@@ -183,9 +192,12 @@ def edges(rank: int, world_size: int) -> dict:
     with record_ring_events() as events:
         got, _ = torch.compile(encoder, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)(x)
     finite = ~expected.isnan()
-    results["nan"] = {"same_nans": torch.equal(got.isnan(), expected.isnan()), "nan_rows": int(expected.isnan().any(-1).sum()),
-                      "finite_error": rel_err(got[finite], expected[finite]),
-                      "exchanges": sum(e.kind == "exchange" for e in events)}
+    results["nan"] = {
+        "same_nans": torch.equal(got.isnan(), expected.isnan()),
+        "nan_rows": int(expected.isnan().any(-1).sum()),
+        "finite_error": rel_err(got[finite], expected[finite]),
+        "exchanges": sum(e.kind == "exchange" for e in events),
+    }
 
     gpt = models.GPT().double()
     ids = _ids(SEQ_LEN)
@@ -214,9 +226,16 @@ def edges(rank: int, world_size: int) -> dict:
             model(ids, labels)[0].backward()
             optimizer.step()
         if step in (9, 49):
-            sizes[step] = {"reports": len(backend.reports), "all_reports": len(every_report),
-                           "mask_programs": len(masks._programs), "resident": _resident_bytes()}
-    results["training"] = {"sizes": sizes, "error": max(rel_err(p, q) for p, q in zip(trained.parameters(), reference.parameters()))}
+            sizes[step] = {
+                "reports": len(backend.reports),
+                "all_reports": len(every_report),
+                "mask_programs": len(masks._programs),
+                "resident": _resident_bytes(),
+            }
+    results["training"] = {
+        "sizes": sizes,
+        "error": max(rel_err(p, q) for p, q in zip(trained.parameters(), reference.parameters())),
+    }
     return results
 
 

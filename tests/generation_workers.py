@@ -9,13 +9,13 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hf_workers import VOCAB, build
+from reference import rel_err
 from torch import nn
 
 import ringpass
-from hf_workers import VOCAB, build
 from lowering import append_slots, prompt_slots, record_ring_events, whole_cache
 from lowering.sharded_cache import FREE, slot_count
-from reference import rel_err
 
 
 def _prompt(batch: int, prompt_len: int, padded: bool):
@@ -47,8 +47,14 @@ def hf_generate(rank: int, world_size: int, cases: list) -> list:
     for name, prompt_len, padded, new in cases:
         model = build(name).eval()
         ids, mask = _prompt(2, prompt_len, padded)
-        options = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True,
-                       pad_token_id=0, attention_mask=mask)
+        options = dict(
+            max_new_tokens=new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+            attention_mask=mask,
+        )
         expected = model.generate(ids, **options)
         real = torch.cat([mask, torch.ones(2, new - 1, dtype=mask.dtype)], 1)
         positions = (real.cumsum(-1) - 1).masked_fill(real == 0, 1)  # as generate counts them, padding skipped
@@ -61,18 +67,26 @@ def hf_generate(rank: int, world_size: int, cases: list) -> list:
         cache = got.past_key_values
         slots_hold_cache = all(
             layer_whole.keys.shape[2] < prompt_len + new - 1  # a sliding-window cache keeps only the window
-            or _slots_hold(layer, layer_whole, real.bool()) for layer, layer_whole in zip(cache.layers, whole.layers))
-        results.append({
-            "same_tokens": torch.equal(got.sequences, expected.sequences),
-            "logits": max(rel_err(g, e) for g, e in zip(got.logits, expected.logits)),
-            "logits_bits": [hashlib.sha256(g.numpy().tobytes()).hexdigest() for g in got.logits],  # every rank's?
-            "steps": len(got.logits), "layers": len(cache.layers),
-            "events": _counts(events), "compiles": len(backend.reports),
-            "statuses": [r.status for r in backend.reports], "decode": [r.decode for r in backend.reports],
-            "held": _held(cache), "slots_hold_cache": slots_hold_cache,
-            "slot_bytes": cache.slot_bytes(),
-            "whole_bytes": sum(t.numel() * t.element_size() for l in whole.layers for t in (l.keys, l.values)),
-        })
+            or _slots_hold(layer, layer_whole, real.bool())
+            for layer, layer_whole in zip(cache.layers, whole.layers)
+        )
+        results.append(
+            {
+                "same_tokens": torch.equal(got.sequences, expected.sequences),
+                "logits": max(rel_err(g, e) for g, e in zip(got.logits, expected.logits)),
+                "logits_bits": [hashlib.sha256(g.numpy().tobytes()).hexdigest() for g in got.logits],  # every rank's?
+                "steps": len(got.logits),
+                "layers": len(cache.layers),
+                "events": _counts(events),
+                "compiles": len(backend.reports),
+                "statuses": [r.status for r in backend.reports],
+                "decode": [r.decode for r in backend.reports],
+                "held": _held(cache),
+                "slots_hold_cache": slots_hold_cache,
+                "slot_bytes": cache.slot_bytes(),
+                "whole_bytes": sum(t.numel() * t.element_size() for l in whole.layers for t in (l.keys, l.values)),
+            }
+        )
     return results
 
 
@@ -99,14 +113,19 @@ def hf_cache_options(rank: int, world_size: int) -> dict:
     with record_ring_events() as events, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = model.generate(ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=4), **options)
-    results = {"eager_same": torch.equal(eager, expected), "eager_events": _counts(events),
-               "eager_warnings": [str(w.message) for w in caught if issubclass(w.category, ringpass.RingpassWarning)]}
+    results = {
+        "eager_same": torch.equal(eager, expected),
+        "eager_events": _counts(events),
+        "eager_warnings": [str(w.message) for w in caught if issubclass(w.category, ringpass.RingpassWarning)],
+    }
     gathered = ringpass.backend(compiler="aot_eager", report="off", cache="gathered")
     model.forward = torch.compile(model.__class__.forward.__get__(model), backend=gathered)
     with record_ring_events() as events:
         results["gathered_same"] = torch.equal(model.generate(ids, **options), expected)
     results["gathered_events"], results["gathered_reports"] = _counts(events), [r.as_dict() for r in gathered.reports]
-    model.forward = torch.compile(model.__class__.forward.__get__(model), backend=ringpass.backend(compiler="aot_eager"))
+    model.forward = torch.compile(
+        model.__class__.forward.__get__(model), backend=ringpass.backend(compiler="aot_eager")
+    )
     try:
         model.generate(ids, **options)
         results["sharded_dynamic_cache"] = "no error"
@@ -142,8 +161,12 @@ class OwnCacheDecoder(nn.Module):
         x = self.embed(ids) + self.position(positions)
         group = dist.group.WORLD.group_name if dist.is_initialized() else ""
         for i, (qkv, out) in enumerate(zip(self.qkv, self.out)):
-            q, k, v = qkv(x).view(batch, t, -1, self.head_dim).transpose(1, 2).split(
-                [self.heads, self.kv_heads, self.kv_heads], dim=1)
+            q, k, v = (
+                qkv(x)
+                .view(batch, t, -1, self.head_dim)
+                .transpose(1, 2)
+                .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+            )
             keys, values, key_positions = k, v, positions
             if cache is not None and cache.prompt_len is None:  # the prefill keeps this rank's slots
                 capacity = slot_count(t, cache.max_new_tokens, dist.get_world_size() if group else 1)
@@ -179,19 +202,29 @@ def own_cache_generate(rank: int, world_size: int, prompt_len: int, new: int) ->
             same = same and torch.equal(logits.argmax(-1), expected.argmax(-1))
             step_ids = expected.argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, step_ids], 1)
-    return {"same_tokens": same, "logits": max(errors), "events": _counts(events), "statuses": [r.status for r in backend.reports],
-            "decode": [r.decode for r in backend.reports], "held": [sorted(p for p in s[2].tolist() if p != FREE)
-                                                                    for s in cache.slots]}
+    return {
+        "same_tokens": same,
+        "logits": max(errors),
+        "events": _counts(events),
+        "statuses": [r.status for r in backend.reports],
+        "decode": [r.decode for r in backend.reports],
+        "held": [sorted(p for p in s[2].tolist() if p != FREE) for s in cache.slots],
+    }
 
 
 def hf_generate_as_documented(rank: int, world_size: int) -> dict:
     """``ringpass.generate(model, ...)`` with nothing else said (backend "ring", Inductor compiling), then with
     ``dynamic=True`` (aot_eager) for two prompt lengths: tokens, events, compiles."""
     model = build("llama").eval()
-    runs = (("default", 13, {}), ("dynamic", 13, {"dynamic": True, "backend": ringpass.backend(compiler="aot_eager")}),
-            ("dynamic again", 17, None))
-    generate = {name: dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=_prompt(2, n, True)[1])
-                for name, n, _ in runs}
+    runs = (
+        ("default", 13, {}),
+        ("dynamic", 13, {"dynamic": True, "backend": ringpass.backend(compiler="aot_eager")}),
+        ("dynamic again", 17, None),
+    )
+    generate = {
+        name: dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=_prompt(2, n, True)[1])
+        for name, n, _ in runs
+    }
     # the unsharded tokens first: ringpass.generate leaves model.forward compiled
     expected = {name: model.generate(_prompt(2, n, True)[0], **generate[name]) for name, n, _ in runs}
     results = {}
@@ -201,8 +234,12 @@ def hf_generate_as_documented(rank: int, world_size: int) -> dict:
         before = len(options["backend"].reports) if "backend" in options else 0
         with record_ring_events() as events:
             got = ringpass.generate(model, ids, **options, **generate_options)
-        results[name] = {"same_tokens": torch.equal(got, expected[name]), "events": _counts(events), "options": options,
-                         "compiles": len(options["backend"].reports) - before if "backend" in options else None}
+        results[name] = {
+            "same_tokens": torch.equal(got, expected[name]),
+            "events": _counts(events),
+            "options": options,
+            "compiles": len(options["backend"].reports) - before if "backend" in options else None,
+        }
     for result in results.values():
         result.pop("options")
     return results

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 import transformers
+from reference import grad_error, rel_err
 
 import lowering
 import ringpass
 from lowering import record_ring_events
-from reference import grad_error, rel_err
 
 VOCAB = 61
 
@@ -21,94 +21,236 @@ def build(name: str):
     implementation = implementation or "sdpa"
     if name == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            attn_implementation=implementation,
+        )
         return transformers.LlamaForCausalLM(config)
     if name in ("falcon", "falcon_mqa"):  # the new decoder architecture (GQA), or the old one with one KV head
         config = transformers.FalconConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-            new_decoder_architecture=name == "falcon", multi_query=name == "falcon_mqa", alibi=False,
-            attention_dropout=0.0, hidden_dropout=0.0, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=name == "falcon",
+            multi_query=name == "falcon_mqa",
+            alibi=False,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            attn_implementation=implementation,
+        )
         return transformers.FalconForCausalLM(config)
     if name == "mistral":  # a sliding window of 5 keys
         config = transformers.MistralConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, sliding_window=5, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            sliding_window=5,
+            attn_implementation=implementation,
+        )
         return transformers.MistralForCausalLM(config)
     if name == "bloom":  # ALiBi: slopes 1/4, 1/16, ... times key positions (from the padding mask when given)
-        config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
-                                          attention_dropout=0.0)
+        config = transformers.BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0
+        )
         return transformers.BloomForCausalLM(config)
     if name == "mpt":  # ALiBi over max_seq_len, sliced to the sequence
         config = transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
         return transformers.MptForCausalLM(config)
     if name == "mixtral":  # mixture of experts: tokens sorted by expert, grouped matmuls, order restored
         config = transformers.MixtralConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation=implementation,
+        )
         return transformers.MixtralForCausalLM(config)
     if name == "llama4":  # MoE by tiling: hidden.repeat(experts, 1), scaled per expert, summed back; chunked attention
         config = transformers.Llama4TextConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-            attention_chunk_size=5, interleave_moe_layer_step=1, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=5,
+            interleave_moe_layer_step=1,
+            attn_implementation=implementation,
+        )
         return transformers.Llama4ForCausalLM(config)
     if name == "deepseek_v3":  # MLA (keys 8 + 4 rotary wide, values 8; built by copy_ into new_empty) and its MoE
         config = transformers.DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
-            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-            n_group=1, topk_group=1, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            attn_implementation=implementation,
+        )
         return transformers.DeepseekV3ForCausalLM(config)
     if name == "embeddinggemma":  # Gemma 3 with bidirectional attention: its mask built with vmap
         config = transformers.Gemma3TextConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, sliding_window=5, use_bidirectional_attention=True,
-            attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=5,
+            use_bidirectional_attention=True,
+            attn_implementation=implementation,
+        )
         return transformers.Gemma3ForCausalLM(config)
     if name == "gemma2":  # logit soft-capping (a small cap, so that it bites), every other layer a window of 5
         config = transformers.Gemma2Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, sliding_window=5, attn_logit_softcapping=0.5, attention_dropout=0.0, initializer_range=0.5,
-            attn_implementation="eager")
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=5,
+            attn_logit_softcapping=0.5,
+            attention_dropout=0.0,
+            initializer_range=0.5,
+            attn_implementation="eager",
+        )
         return transformers.Gemma2ForCausalLM(config)
     if name == "gpt_neo":  # eager only: a causal buffer (global layer) or a banded one (local, window 5) under the mask
         config = transformers.GPTNeoConfig(
-            vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=256,
-            attention_types=[[["global", "local"], 1]], window_size=5, embed_dropout=0.0, resid_dropout=0.0,
-            attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            attention_types=[[["global", "local"], 1]],
+            window_size=5,
+            embed_dropout=0.0,
+            resid_dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPTNeoForCausalLM(config)
     if name == "t5":  # the T5 encoder: a learned bias table of relative-position buckets per head, shared by its layers
         config = transformers.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, num_labels=VOCAB,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-            classifier_dropout=0.0, attn_implementation=implementation)
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            num_labels=VOCAB,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            dropout_rate=0.0,
+            classifier_dropout=0.0,
+            attn_implementation=implementation,
+        )
         return transformers.T5ForTokenClassification(config)
     if name == "mpnet":  # a masked LM with a learned relative-position bucket table (eager attention only)
         config = transformers.MPNetConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=1,
+        )
         return transformers.MPNetForMaskedLM(config)
     if name == "biogpt":  # learned positions from the padding mask's cumsum, a finfo.min additive mask (eager)
         config = transformers.BioGptConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            attn_implementation=implementation)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation=implementation,
+        )
         return transformers.BioGptForCausalLM(config)
     if name == "roformer":  # a masked LM: rotary positions, token type ids made by torch.zeros(input_ids.size())
         config = transformers.RoFormerConfig(
-            vocab_size=VOCAB, hidden_size=32, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            embedding_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         return transformers.RoFormerForMaskedLM(config)
     if name == "codegen":  # eager only: (q kᵀ + mask) / scale, the scale outside the mask
         config = transformers.CodeGenConfig(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, n_ctx=256, n_inner=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=4,
+            n_positions=256,
+            n_ctx=256,
+            n_inner=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.CodeGenForCausalLM(config)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_implementation=implementation,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        attn_implementation=implementation,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     if name != "gpt2_as_shipped":  # as shipped, GPT-2's loss property logs a warning, which breaks the graph
         model.loss_type = "ForCausalLM"
@@ -129,7 +271,9 @@ def batch(case: str, seq_len: int) -> dict:
         mask[0, -5:] = 0  # sequence 0 is 5 tokens shorter, padded on the right: every query still sees a key
         kwargs["attention_mask"] = mask
         kwargs["labels"] = ids.masked_fill(mask == 0, -100)
-    elif case == "rank-all-padding":  # both rows left-padded over all but their last token: some rank holds padding only
+    elif (
+        case == "rank-all-padding"
+    ):  # both rows left-padded over all but their last token: some rank holds padding only
         mask = torch.ones(2, seq_len, dtype=torch.long)
         mask[:, :-1] = 0
         kwargs["attention_mask"] = mask
@@ -142,8 +286,17 @@ def batch(case: str, seq_len: int) -> dict:
     return kwargs
 
 
-def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: int, dynamic=None,
-                  checkpointed: str = "", reference: str = "", fullgraph: bool = True) -> dict:
+def training_step(
+    rank: int,
+    world_size: int,
+    name: str,
+    cases: list,
+    seq_len: int,
+    dynamic=None,
+    checkpointed: str = "",
+    reference: str = "",
+    fullgraph: bool = True,
+) -> dict:
     """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case.
     With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``;
     ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing;
@@ -153,7 +306,9 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
         model = build(name)
         if checkpointed:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointed == "reentrant"})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointed == "reentrant"}
+            )
         kwargs = batch(case, seq_len)
         unsharded = build(reference) if reference else model
         expected = unsharded(**kwargs)
@@ -167,10 +322,13 @@ def training_step(rank: int, world_size: int, name: str, cases: list, seq_len: i
             got.loss.backward()
         trained = {n for n, p in model.named_parameters() if p.grad is not None}
         results[case] = {
-            "untrained": sorted(set(expected_grads) - trained), "unexpected": sorted(trained - set(expected_grads)),
+            "untrained": sorted(set(expected_grads) - trained),
+            "unexpected": sorted(trained - set(expected_grads)),
             "loss": rel_err(got.loss, expected.loss),
             "logits": rel_err(got.logits, expected.logits),
-            "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),  # BioGPT's key bias: 0
+            "grads": grad_error(
+                {n: p.grad for n, p in model.named_parameters()}, expected_grads
+            ),  # BioGPT's key bias: 0
             "reports": [r.as_dict() for r in backend.reports],
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
             "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
@@ -213,8 +371,14 @@ def logits_to_keep(rank: int, world_size: int, values: list) -> list:
         for value in values:
             with record_ring_events() as events:
                 got = compiled(input_ids=ids, logits_to_keep=value, use_cache=False).logits
-            results.append((value, rel_err(got, model(input_ids=ids, logits_to_keep=value, use_cache=False).logits),
-                            got.shape[1], sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events)))
+            results.append(
+                (
+                    value,
+                    rel_err(got, model(input_ids=ids, logits_to_keep=value, use_cache=False).logits),
+                    got.shape[1],
+                    sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+                )
+            )
     return results
 
 
@@ -258,13 +422,29 @@ def classification_step(rank: int, world_size: int, seq_len: int, family: str = 
     ids = torch.randint(1, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
     if family == "bert":
         config = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa", num_labels=3)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="sdpa",
+            num_labels=3,
+        )
         model = transformers.BertForSequenceClassification(config).train()
     else:
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, attn_implementation="sdpa", num_labels=3, pad_token_id=0)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="sdpa",
+            num_labels=3,
+            pad_token_id=0,
+        )
         model = transformers.LlamaForSequenceClassification(config).train()
         ids[0, -4:] = 0
     kwargs = {"input_ids": ids, "labels": torch.tensor([0, 2])} | ({"use_cache": False} if family != "bert" else {})
@@ -296,4 +476,6 @@ def flex_training_step(rank: int, world_size: int, cases: list, seq_len: int, fu
     flex._validate_device = lambda *tensors: None  # its "no backward on the CPU" check: the ring replaces flex
     if fullgraph:
         torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
-    return training_step(rank, world_size, "llama-flex_attention", cases, seq_len, reference="llama", fullgraph=fullgraph)
+    return training_step(
+        rank, world_size, "llama-flex_attention", cases, seq_len, reference="llama", fullgraph=fullgraph
+    )

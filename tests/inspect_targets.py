@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import models
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import models
 
 
 @dataclass
@@ -110,7 +109,7 @@ class SoftCappedScores(nn.Module):
         if self.bias == "under_cap":
             scores = torch.tanh((q @ k.transpose(-1, -2) * 0.5 + distance) / 30.0) * 30.0
         elif self.bias == "table":
-            scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0 + self.table[:x.shape[1], :x.shape[1]]
+            scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0 + self.table[: x.shape[1], : x.shape[1]]
         else:
             scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 30.0) * 30.0 + distance
         return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(x.shape)
@@ -167,7 +166,11 @@ class DropoutAround(nn.Module):
     def forward(self, x):
         q, k, v = (t.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2) for t in self.proj(x).split(8, -1))
         probs = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1).to(x.dtype)
-        y = ((F.dropout(probs, 0.1, training=True) if self.in_attention else probs) @ v).transpose(1, 2).reshape(x.shape)
+        y = (
+            ((F.dropout(probs, 0.1, training=True) if self.in_attention else probs) @ v)
+            .transpose(1, 2)
+            .reshape(x.shape)
+        )
         return F.dropout(y, 0.1, training=True) @ self.mlp
 
 
@@ -196,7 +199,6 @@ class MaskBeforeABreak(nn.Module):
 
 def mask_before_a_break(seq_len: int = 16):
     return MaskBeforeABreak(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2, seq_len, dtype=torch.long))
-
 
 
 class AttentionInACond(nn.Module):

@@ -9,9 +9,9 @@ ALiBi slopes, a dense bias) check against the modifiers applied in fp64 by `refe
 from __future__ import annotations
 
 import torch
+from reference import masked_attention_fp64, masked_lse_fp64, rel_err
 
 from lowering.kernels import accumulation_dtype, block_attention, block_attention_backward
-from reference import masked_attention_fp64, masked_lse_fp64, rel_err
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -50,8 +50,15 @@ CASES = {
     "head-dim-128": (9, 12, (2, 2), 128, torch.arange(9), torch.arange(12), {}),
     "softcap": (18, 23, (4, 2), 16, torch.arange(30, 48), torch.arange(0, 23), dict(softcap=0.7)),
     "alibi-causal-zigzag": (18, 18, (4, 2), 16, ZIGZAG, ZIGZAG, dict(is_causal=True, alibi_slopes="per-head")),
-    "bias+softcap+mask": (17, 21, (4, 2), 16, torch.arange(17), torch.arange(21),
-                          dict(mask="random", softcap=1.5, bias="random")),
+    "bias+softcap+mask": (
+        17,
+        21,
+        (4, 2),
+        16,
+        torch.arange(17),
+        torch.arange(21),
+        dict(mask="random", softcap=1.5, bias="random"),
+    ),
 }
 SCORE_CASES = ["softcap", "alibi-causal-zigzag", "bias+softcap+mask"]
 
@@ -83,8 +90,14 @@ def case_inputs(case: str, dtype: torch.dtype) -> tuple:
     n, m, heads, d, q_pos, kv_pos, options = CASES[case]
     options = _materialised(options, n, m, heads)
     visibility = {key: options[key] for key in ("is_causal", "window", "mask", "seq_bound") if key in options}
-    return (*inputs(n, m, heads, d, dtype), q_pos, kv_pos, options, visible(q_pos, kv_pos, **visibility),
-            _reference_scores(options, q_pos, kv_pos))
+    return (
+        *inputs(n, m, heads, d, dtype),
+        q_pos,
+        kv_pos,
+        options,
+        visible(q_pos, kv_pos, **visibility),
+        _reference_scores(options, q_pos, kv_pos),
+    )
 
 
 def check_case(case: str, dtype: torch.dtype, device: str = "cpu", backend: str = "triton") -> dict:
@@ -105,8 +118,9 @@ def check_case(case: str, dtype: torch.dtype, device: str = "cpu", backend: str 
     dout = torch.randn(expected.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     expected.backward(dout.double())
     q_, k_, v_, q_pos_, kv_pos_ = args
-    grads = block_attention_backward(dout.to(device), q_, k_, v_, out.to(device), lse.to(device), q_pos_, kv_pos_,
-                                     backend=backend, **on_device)
+    grads = block_attention_backward(
+        dout.to(device), q_, k_, v_, out.to(device), lse.to(device), q_pos_, kv_pos_, backend=backend, **on_device
+    )
     for name, got, leaf in zip(("dq", "dk", "dv"), grads, leaves):
         assert got.dtype == accumulation_dtype(dtype) and got.shape == leaf.shape
         errors[name] = rel_err(got.cpu(), leaf.grad)

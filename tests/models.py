@@ -83,7 +83,12 @@ class LlamaBlock(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if self.repeat_kv:  # Hugging Face's repeat_kv: K/V heads repeated before attention
             groups = self.heads // self.kv_heads
-            k, v = (t[:, :, None].expand(b, self.kv_heads, groups, n, self.head_dim).reshape(b, self.heads, n, self.head_dim) for t in (k, v))
+            k, v = (
+                t[:, :, None]
+                .expand(b, self.kv_heads, groups, n, self.head_dim)
+                .reshape(b, self.heads, n, self.head_dim)
+                for t in (k, v)
+            )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.repeat_kv)
         x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
         h = self.norm2(x)
@@ -100,7 +105,9 @@ class Llama(nn.Module):
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         head_dim = dim // heads
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False
+        )
 
     def forward(self, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
@@ -281,8 +288,15 @@ class Spellings(nn.Module):
             probs = torch.softmax(scores.masked_fill(~self.causal[:n, :n], float("-inf")), dim=-1)
             return self.out(x + torch.einsum("bqk,bkd->bqd", probs, v))
         elif s == "sdpa_all_keywords":
-            y = F.scaled_dot_product_attention(query=q[:, None], key=k[:, None], value=v[:, None], attn_mask=None,
-                                               dropout_p=0.0, is_causal=True, scale=0.3)
+            y = F.scaled_dot_product_attention(
+                query=q[:, None],
+                key=k[:, None],
+                value=v[:, None],
+                attn_mask=None,
+                dropout_p=0.0,
+                is_causal=True,
+                scale=0.3,
+            )
             return self.out(x + y[:, 0])
         elif s == "scale_outside_bias_and_mask":  # CodeGen: (q kᵀ + bias + mask) / s scales the bias too
             idx = torch.arange(n, device=ids.device)
@@ -301,8 +315,15 @@ class Spellings(nn.Module):
         return self.out(x + y.reshape(x.shape))
 
 
-SPELLINGS = ("bmm_mT_tril_buffer_where", "matmul_permute_additive_method_softmax", "tril_ones_masked_fill_float32_softmax",
-             "sdpa_all_keywords", "einsum_scale_on_q", "scale_outside_bias_and_mask", "nan_to_num_after_softmax")
+SPELLINGS = (
+    "bmm_mT_tril_buffer_where",
+    "matmul_permute_additive_method_softmax",
+    "tril_ones_masked_fill_float32_softmax",
+    "sdpa_all_keywords",
+    "einsum_scale_on_q",
+    "scale_outside_bias_and_mask",
+    "nan_to_num_after_softmax",
+)
 
 
 class PositionTableAndPooling(nn.Module):

@@ -16,7 +16,6 @@ import random
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from models import RMSNorm
 
 VOCAB = 37
@@ -26,10 +25,16 @@ def draw(seed: int) -> dict:
     rng = random.Random(seed)
     kv_heads = rng.choice([1, 2])
     return dict(
-        positions=rng.choice(["learned", "rope", "none"]), norm=rng.choice(["layer", "rms"]),
-        mlp=rng.choice(["gelu", "swiglu"]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2]),
-        gqa=rng.choice(["enable_gqa", "repeat"]), spelling=rng.choice(["sdpa_causal", "sdpa_mask", "written"]),
-        padding=rng.random() < 0.4, layers=rng.choice([1, 2]), head_dim=rng.choice([4, 8]),
+        positions=rng.choice(["learned", "rope", "none"]),
+        norm=rng.choice(["layer", "rms"]),
+        mlp=rng.choice(["gelu", "swiglu"]),
+        kv_heads=kv_heads,
+        heads=kv_heads * rng.choice([1, 2]),
+        gqa=rng.choice(["enable_gqa", "repeat"]),
+        spelling=rng.choice(["sdpa_causal", "sdpa_mask", "written"]),
+        padding=rng.random() < 0.4,
+        layers=rng.choice([1, 2]),
+        head_dim=rng.choice([4, 8]),
         output=rng.choice(["logits", "loss", "sum"]),
     )
 
@@ -54,7 +59,9 @@ class _Block(nn.Module):
         k, v = self.kv(h).view(b, n, 2, s["kv_heads"], -1).permute(2, 0, 3, 1, 4)
         if rope is not None:
             cos, sin = rope
-            q, k = (t * cos + torch.cat((-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]), -1) * sin for t in (q, k))
+            q, k = (
+                t * cos + torch.cat((-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]), -1) * sin for t in (q, k)
+            )
         y = self._attention(q, k, v, keep)
         x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
         u = self.up(self.n2(x))

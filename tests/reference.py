@@ -22,9 +22,9 @@ def lse_fp64(q, k, *, is_causal: bool, scale: float | None = None, q_pos=None, k
     kv_pos = torch.arange(k.size(2)) if kv_pos is None else kv_pos
     rows = []
     for start in range(0, q.size(2), 512):  # 512 query rows at a time bounds the score matrix's memory
-        scores = q[:, :, start:start + 512] @ k.transpose(-1, -2) * scale
+        scores = q[:, :, start : start + 512] @ k.transpose(-1, -2) * scale
         if is_causal:
-            scores = scores.masked_fill(kv_pos[None, :] > q_pos[start:start + 512, None], float("-inf"))
+            scores = scores.masked_fill(kv_pos[None, :] > q_pos[start : start + 512, None], float("-inf"))
         rows.append(torch.logsumexp(scores, dim=-1))
     return torch.cat(rows, dim=-1)
 
@@ -35,8 +35,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
 
 
-def masked_attention_fp64(q, k, v, visible: torch.Tensor, scale: float | None = None, *, softcap=None,
-                          bias=None, fully_masked: str = "zero") -> torch.Tensor:
+def masked_attention_fp64(
+    q, k, v, visible: torch.Tensor, scale: float | None = None, *, softcap=None, bias=None, fully_masked: str = "zero"
+) -> torch.Tensor:
     """Attention in fp64 under a dense boolean ``visible`` mask (broadcast to [B, Hq, N, N]). ``softcap``
     caps the scaled scores (``c·tanh(s/c)``), then a dense ``bias`` is added. Rows with no visible key:
     ``fully_masked="zero"`` gives them 0 (SDPA's bool-mask convention); ``"uniform"`` hides keys as eager

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from reference import masked_attention_fp64, rel_err
 
 from lowering import Layout, simulate_ring
-from reference import masked_attention_fp64, rel_err
 
 
 def qkv_fp64(seq_len, heads=(4, 2), batch=2):

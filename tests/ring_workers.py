@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from reference import lse_fp64, rel_err
 
 from lowering import InvalidInputError, Layout, RingpassError, record_ring_events, ring_attention
 from lowering.masks import register_mask
 from lowering.ring_args import RingArgs
-from reference import lse_fp64, rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -38,33 +38,38 @@ class Case:
     def name(self) -> str:
         mask = "causal" if self.causal else "bidir"
         extra = "-lse_grad" if self.lse_grad else ""
-        return (f"{self.kind}-{mask}-{self.dtype}-N{self.seq_len}-H{self.heads}/{self.kv_heads}"
-                f"-D{self.head_dim}{extra}")
+        return f"{self.kind}-{mask}-{self.dtype}-N{self.seq_len}-H{self.heads}/{self.kv_heads}-D{self.head_dim}{extra}"
 
 
 def cases(world_size: int) -> list[Case]:
     awkward = 2 * world_size * 8 + 3  # divides by neither P nor 2P
     found = [
         Case(kind, causal, dtype, awkward)
-        for kind in ("contiguous", "zigzag") for causal in (False, True) for dtype in ("float64", "float32")
+        for kind in ("contiguous", "zigzag")
+        for causal in (False, True)
+        for dtype in ("float64", "float32")
     ]
     found += [
-        Case("zigzag", True, "float64", awkward, heads=4, kv_heads=1),                 # MQA
+        Case("zigzag", True, "float64", awkward, heads=4, kv_heads=1),  # MQA
         Case("contiguous", True, "float64", awkward, heads=5, kv_heads=5, head_dim=8),  # 5 heads, D=8
-        Case("zigzag", False, "float32", awkward, heads=4, kv_heads=4, head_dim=96),    # D=96
+        Case("zigzag", False, "float32", awkward, heads=4, kv_heads=4, head_dim=96),  # D=96
         Case("zigzag", True, "float64", awkward, lse_grad=True),
         Case("zigzag", True, "bfloat16", 4 * world_size * 16, heads=4, kv_heads=4, head_dim=64, batch=1),
     ]
     if world_size == 3:
         found.append(Case("zigzag", True, "float64", 1000, heads=4, kv_heads=2))
     if world_size == 4:
-        found += [Case("zigzag", True, "float64", 999, heads=4, kv_heads=2),
-                  Case("contiguous", True, "float32", 999, heads=4, kv_heads=2)]
+        found += [
+            Case("zigzag", True, "float64", 999, heads=4, kv_heads=2),
+            Case("contiguous", True, "float32", 999, heads=4, kv_heads=2),
+        ]
     return found
 
 
 def _broadcast_inputs(case: Case, rank: int):
-    shapes = [(case.batch, h, case.seq_len, case.head_dim) for h in (case.heads, case.kv_heads, case.kv_heads, case.heads)]
+    shapes = [
+        (case.batch, h, case.seq_len, case.head_dim) for h in (case.heads, case.kv_heads, case.kv_heads, case.heads)
+    ]
     shapes.append((case.batch, case.heads, case.seq_len))
     if rank == 0:
         generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
@@ -127,8 +132,9 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
         (unsharded * dout.to(dtype)).sum().backward()
         result["unsharded_errors"] = {
             name: rel_err(mine(got), mine(want))
-            for name, got, want in zip(("out", "dq", "dk", "dv"), (unsharded, *(t.grad for t in low)),
-                                       (ref_out, *(t.grad for t in ref)))
+            for name, got, want in zip(
+                ("out", "dq", "dk", "dv"), (unsharded, *(t.grad for t in low)), (ref_out, *(t.grad for t in ref))
+            )
         }
     return result
 
@@ -201,15 +207,26 @@ def opcheck_on_ranks(rank: int, world_size: int) -> dict:
         checks = torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
         out, lse = torch.ops.ringpass.ring_attention(*args)
         tensors = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None)
-        checks.update(torch.library.opcheck(torch.ops.ringpass.ring_attention_backward.default,
-                                            (*tensors, *config.op_args(), []),
-                                            test_utils=("test_schema", "test_faketensor")))
+        checks.update(
+            torch.library.opcheck(
+                torch.ops.ringpass.ring_attention_backward.default,
+                (*tensors, *config.op_args(), []),
+                test_utils=("test_schema", "test_faketensor"),
+            )
+        )
         # a trained bias program's input: its gradient is the backward op's fourth result
         table = torch.randn(8, 4, dtype=torch.float64)
         trained = config._replace(bias_id=register_mask(bucket_bias, source="opcheck bucket bias"), bias_inputs=[table])
-        checks.update({f"trained {check}": result for check, result in torch.library.opcheck(
-            torch.ops.ringpass.ring_attention_backward.default, (*tensors, *trained.op_args(), [0]),
-            test_utils=("test_schema", "test_faketensor")).items()})
+        checks.update(
+            {
+                f"trained {check}": result
+                for check, result in torch.library.opcheck(
+                    torch.ops.ringpass.ring_attention_backward.default,
+                    (*tensors, *trained.op_args(), [0]),
+                    test_utils=("test_schema", "test_faketensor"),
+                ).items()
+            }
+        )
         results[name] = checks
     return results
 
@@ -251,7 +268,9 @@ def rings_on_subgroups(rank: int, world_size: int) -> float:
     layout = Layout("zigzag", 2, 30)
     generator = torch.Generator().manual_seed(replica)
     q, k, v = (torch.randn(1, 4, 30, 8, dtype=torch.float64, generator=generator) for _ in range(3))
-    out = ring_attention(*(layout.shard(t, 2, ring_rank) for t in (q, k, v)), layout=layout, is_causal=True, group=group)
+    out = ring_attention(
+        *(layout.shard(t, 2, ring_rank) for t in (q, k, v)), layout=layout, is_causal=True, group=group
+    )
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return rel_err(out, layout.shard(expected, 2, ring_rank))
 
@@ -279,19 +298,24 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
         expected = masked_attention_fp64(*ref, _left_padded(pos, pos, keep), fully_masked=mode)
         (expected * dout).sum().backward()
         local = [layout.shard(t, 2, rank).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, layout=layout, is_causal=True, mask=_left_padded, mask_inputs=[keep],
-                             fully_masked=mode)
+        out = ring_attention(
+            *local, layout=layout, is_causal=True, mask=_left_padded, mask_inputs=[keep], fully_masked=mode
+        )
         (out * layout.shard(dout, 2, rank)).sum().backward()
-        errors[mode] = max(rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
-                           for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref))))
+        errors[mode] = max(
+            rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
+            for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref)))
+        )
     return errors
 
 
 def profiled_ring(rank: int, world_size: int) -> list:
     """The profiler ranges one causal ring forward and backward records on this rank (names, in order)."""
     layout = Layout("zigzag", world_size, 32)
-    q, k, v = (torch.randn(1, 2, layout.local_len, 8, generator=torch.Generator().manual_seed(rank + i)).requires_grad_()
-               for i in range(3))
+    q, k, v = (
+        torch.randn(1, 2, layout.local_len, 8, generator=torch.Generator().manual_seed(rank + i)).requires_grad_()
+        for i in range(3)
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         ring_attention(q, k, v, layout=layout, is_causal=True).sum().backward()
     return [e.name for e in profiler.events() if e.name.startswith("ringpass ")]

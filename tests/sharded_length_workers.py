@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import rel_err
 
 import ringpass
 from lowering import Layout, record_ring_events
-from reference import rel_err
 
 VOCAB = 61
 
@@ -42,16 +42,30 @@ def esm() -> nn.Module:
     rotary positions, no attention mask."""
     from transformers import EsmConfig, EsmForMaskedLM
 
-    config = EsmConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, pad_token_id=1, mask_token_id=2, token_dropout=True,
-                       position_embedding_type="rotary", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                       max_position_embeddings=512)
+    config = EsmConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        pad_token_id=1,
+        mask_token_id=2,
+        token_dropout=True,
+        position_embedding_type="rotary",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = "sdpa"
     return EsmForMaskedLM(config).eval()
 
 
-MODELS = {"scaled": ScaledByLength, "esm": esm, "specialized": lambda: ScaledByLength(specialize=True),
-          "shift": lambda: ScaledByLength(shift=True)}
+MODELS = {
+    "scaled": ScaledByLength,
+    "esm": esm,
+    "specialized": lambda: ScaledByLength(specialize=True),
+    "shift": lambda: ScaledByLength(shift=True),
+}
 
 
 def _ids(seq_len: int, seed: int) -> torch.Tensor:
@@ -89,7 +103,9 @@ def compare(rank: int, world_size: int, name: str, dynamic, lengths: tuple) -> d
         result["errors"].append(rel_err(got, Layout("zigzag", world_size, seq_len).shard(expected, 1, rank)))
         result["gathered"].append(rel_err(ringpass.unshard(got, 1, seq_len=seq_len), expected))
         result["kv"].append(sum(e.kind == "exchange" and e.fields.get("payload") == "kv" for e in events))
-        result["marks"].append(sorted(k for k in vars(shard) if k.startswith("_dynamo") or k == "_has_dynamo_dim_marking"))
+        result["marks"].append(
+            sorted(k for k in vars(shard) if k.startswith("_dynamo") or k == "_has_dynamo_dim_marking")
+        )
         result["compiles"].append(len(backend.reports))
     result["positions"] = [line for r in backend.reports for line in r.positions]
     return result

@@ -10,11 +10,11 @@ import re
 import tempfile
 from pathlib import Path
 
+import backend_workers
+import models
 import pytest
 import torch
 
-import backend_workers
-import models
 from ringpass.launch import RankFailure, spawn_ranks
 
 TIMEOUT = 400
@@ -22,9 +22,21 @@ MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")
 LEARNED = ("learned_bias", "learned_bias_padded")  # trained score biases: fp64 static here, fp32 and dynamic heavy
 # every family of backend_workers.MODELS with its inputs passed sharded and its outputs kept sharded (labels
 # shifted and padding masks read whole are all-gathered); dynamic shapes on 2 ranks where the family has them
-SHARDED_IO = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss", "llama_repeat_kv", "llama_last_tokens",
-              "gpt_regions", "position_table_pooling", "torch_layers", "encoder_padded", "hand_written_packed",
-              "learned_bias_padded")
+SHARDED_IO = (
+    "gpt",
+    "llama",
+    "hand_written",
+    "encoder",
+    "gpt_with_loss",
+    "llama_repeat_kv",
+    "llama_last_tokens",
+    "gpt_regions",
+    "position_table_pooling",
+    "torch_layers",
+    "encoder_padded",
+    "hand_written_packed",
+    "learned_bias_padded",
+)
 SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed")  # the rest: HEAVY_CASES (-m heavy)
 OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
 FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
@@ -34,12 +46,23 @@ SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_writ
 def _heavy_cases() -> list:
     """The other families' dynamic shapes with sharded inputs and outputs, and the trained score biases in fp32
     and dynamic shapes, on 2 ranks (a spawn of its own)."""
-    return [(f"{name}-sharded_io-dynamic", dict(name=name, seq_len=8, dynamic=True,
-                                                options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"}))
-            for name in SHARDED_IO if name not in SHARDED_IO_DYNAMIC] + \
-        [(f"{name}-{mode}", dict(name=name, seq_len=11, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype))
-         for name in LEARNED for mode, dynamic, dtype in (("static-float32", None, torch.float32),
-                                                          ("dynamic-float64", True, torch.float64))]
+    return [
+        (
+            f"{name}-sharded_io-dynamic",
+            dict(
+                name=name,
+                seq_len=8,
+                dynamic=True,
+                options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
+            ),
+        )
+        for name in SHARDED_IO
+        if name not in SHARDED_IO_DYNAMIC
+    ] + [
+        (f"{name}-{mode}", dict(name=name, seq_len=11, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype))
+        for name in LEARNED
+        for mode, dynamic, dtype in (("static-float32", None, torch.float32), ("dynamic-float64", True, torch.float64))
+    ]
 
 
 def _cases(world_size: int) -> list:
@@ -49,54 +72,113 @@ def _cases(world_size: int) -> list:
     cases = []
     for name in MODELS:  # float32 static on 2 ranks for FLOAT32; dynamic shapes on 2 ranks, and for the GPT on 4
         for dynamic in (None, True) if world_size == 2 or name == "gpt" else (None,):
-            for dtype in (torch.float64, torch.float32) if world_size == 2 and not dynamic and name in FLOAT32 \
-                    else (torch.float64,):
+            for dtype in (
+                (torch.float64, torch.float32)
+                if world_size == 2 and not dynamic and name in FLOAT32
+                else (torch.float64,)
+            ):
                 case_id = f"{name}-{'dynamic' if dynamic else 'static'}-{str(dtype)[6:]}"
-                cases.append((case_id, dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"},
-                                            dynamic=dynamic, dtype=dtype)))
-    cases += [(f"{name}-static-float64", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
-              for name in LEARNED]
+                cases.append(
+                    (
+                        case_id,
+                        dict(
+                            name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype
+                        ),
+                    )
+                )
+    cases += [
+        (f"{name}-static-float64", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
+        for name in LEARNED
+    ]
     cases += [  # recognition does not depend on the world size: the spellings run on 2 ranks
-        (f"spelling_{name}", dict(name=f"spelling_{name}", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None))
-        for name in models.SPELLINGS if world_size == 2
+        (
+            f"spelling_{name}",
+            dict(name=f"spelling_{name}", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None),
+        )
+        for name in models.SPELLINGS
+        if world_size == 2
     ]
     cases += [  # a sequence as long as the head dim, and as long as the hidden size
         ("gpt-seq_len_is_head_dim", dict(name="gpt", seq_len=8, options={"compiler": "aot_eager"}, dynamic=None)),
         ("gpt-seq_len_is_hidden", dict(name="gpt", seq_len=32, options={"compiler": "aot_eager"}, dynamic=None)),
-        ("position_table_pooling", dict(name="position_table_pooling", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
+        (
+            "position_table_pooling",
+            dict(name="position_table_pooling", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None),
+        ),
         ("gpt-eager", dict(name="gpt", seq_len=seq_len, options={"compiler": "eager"}, dynamic=None)),
         ("gpt_regions", dict(name="gpt_regions", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
         ("torch_layers", dict(name="torch_layers", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
-        ("llama_repeat_kv", dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
-        ("llama_last_tokens", dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None)),
+        (
+            "llama_repeat_kv",
+            dict(name="llama_repeat_kv", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None),
+        ),
+        (
+            "llama_last_tokens",
+            dict(name="llama_last_tokens", seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=None),
+        ),
     ]
     cases += [  # dynamic shapes: floats of the model (LayerNorm eps, nn.MultiheadAttention's dropout) traced as
         # inputs, nn.Transformer's S x S causal mask, the last tokens picked, nested compile regions
         (f"{name}-dynamic", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=True))
-        for name in OTHER_DYNAMIC if world_size == 2
+        for name in OTHER_DYNAMIC
+        if world_size == 2
     ]
     cases += [
-        ("gpt-grads_local", dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None)),
+        (
+            "gpt-grads_local",
+            dict(name="gpt", seq_len=seq_len, options={"compiler": "aot_eager", "grads": "local"}, dynamic=None),
+        ),
         # shares x P for an outer mean; a total fed back into every token (always reduced) and a sliced table
-        ("position_table_pooling-grads_mean", dict(name="position_table_pooling", seq_len=seq_len,
-                                                   options={"compiler": "aot_eager", "grads": "mean"}, dynamic=None)),
+        (
+            "position_table_pooling-grads_mean",
+            dict(
+                name="position_table_pooling",
+                seq_len=seq_len,
+                options={"compiler": "aot_eager", "grads": "mean"},
+                dynamic=None,
+            ),
+        ),
         ("llama-inductor", dict(name="llama", seq_len=seq_len, options={"compiler": "inductor"}, dynamic=None)),
-        ("encoder_mask_input-materialize", dict(name="encoder_mask_input", seq_len=seq_len,
-                                                options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
+        (
+            "encoder_mask_input-materialize",
+            dict(
+                name="encoder_mask_input",
+                seq_len=seq_len,
+                options={"compiler": "aot_eager", "masks": "materialize"},
+                dynamic=None,
+            ),
+        ),
         # a learned S x S bias held whole: its gradient comes back through the tiles the ring read
-        ("square_bias-materialize", dict(name="square_bias", seq_len=seq_len,
-                                         options={"compiler": "aot_eager", "masks": "materialize"}, dynamic=None)),
+        (
+            "square_bias-materialize",
+            dict(
+                name="square_bias",
+                seq_len=seq_len,
+                options={"compiler": "aot_eager", "masks": "materialize"},
+                dynamic=None,
+            ),
+        ),
     ]
     cases += [  # each rank passes its own shard and keeps its own shard of the outputs
-        (f"{name}-sharded_io-{'dynamic' if dynamic else 'static'}",
-         dict(name=name, seq_len=4 * world_size, options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
-              dynamic=dynamic))
+        (
+            f"{name}-sharded_io-{'dynamic' if dynamic else 'static'}",
+            dict(
+                name=name,
+                seq_len=4 * world_size,
+                options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
+                dynamic=dynamic,
+            ),
+        )
         for name in (SHARDED_IO if world_size == 2 else SHARDED_IO_ON_4)
         for dynamic in ((None, True) if world_size == 2 and name in SHARDED_IO_DYNAMIC else (None,))
     ]
     cases += [  # masks read from inputs: lifted programs evaluated per tile (dynamic shapes on 2 ranks only)
-        (f"{name}-{'dynamic' if dynamic else 'static'}", dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic))
-        for name in ("encoder_padded", "hand_written_packed") for dynamic in ((None, True) if world_size == 2 else (None,))
+        (
+            f"{name}-{'dynamic' if dynamic else 'static'}",
+            dict(name=name, seq_len=seq_len, options={"compiler": "aot_eager"}, dynamic=dynamic),
+        )
+        for name in ("encoder_padded", "hand_written_packed")
+        for dynamic in ((None, True) if world_size == 2 else (None,))
     ]
     return cases
 
@@ -139,7 +221,7 @@ class Matrix:
         """Every rank's result of one case (``world_size`` "heavy": the heavy cases, on 2 ranks)."""
         if (world_size, case_id) not in self.done:
             waiting = [c for c in self.to_run.get(world_size, []) if c != case_id]
-            self._spawn(world_size, [case_id, *waiting[:CHUNK - 1]])
+            self._spawn(world_size, [case_id, *waiting[: CHUNK - 1]])
             self.to_run[world_size] = [c for c in waiting if (world_size, c) not in self.done]
         found = self.done[world_size, case_id]
         if isinstance(found, CaseFailed):
@@ -152,18 +234,27 @@ class Matrix:
         ranks, arguments = 2 if world_size == "heavy" else world_size, dict(_cases(world_size))
         with tempfile.TemporaryDirectory() as record_dir:
             try:
-                spawn_ranks(backend_workers.run_cases, ranks, ([(c, arguments[c]) for c in chunk], record_dir),
-                            timeout=TIMEOUT)
+                spawn_ranks(
+                    backend_workers.run_cases, ranks, ([(c, arguments[c]) for c in chunk], record_dir), timeout=TIMEOUT
+                )
                 spawn_failure = None
             except RankFailure as failure:
                 spawn_failure = failure
             records = Path(record_dir)
-            per_case = [[torch.load(f, weights_only=False) if (f := records / f"{index}-{rank}.pt").exists() else None
-                         for rank in range(ranks)] for index in range(len(chunk))]
+            per_case = [
+                [
+                    torch.load(f, weights_only=False) if (f := records / f"{index}-{rank}.pt").exists() else None
+                    for rank in range(ranks)
+                ]
+                for index in range(len(chunk))
+            ]
             started = {f.read_text() for f in records.glob("started-*")}
         for index, (case_id, per_rank) in enumerate(zip(chunk, per_case)):
-            errors = "".join(f"\nrank {rank}: {result['error']}" for rank, result in enumerate(per_rank)
-                             if result is not None and "error" in result)
+            errors = "".join(
+                f"\nrank {rank}: {result['error']}"
+                for rank, result in enumerate(per_rank)
+                if result is not None and "error" in result
+            )
             if None not in per_rank:
                 self.done[world_size, case_id] = CaseFailed(f"{case_id} raised:{errors}") if errors else per_rank
                 continue
@@ -181,9 +272,11 @@ def matrix(request) -> Matrix:
 
 
 def _params():  # 4 ranks: heavy (the composition tests compile on 4 ranks in the default suite)
-    return [pytest.param(p, case_id, id=f"P{p}-{case_id}", marks=[pytest.mark.heavy] if p == 4 else [])
-            for p in (2, 4) for case_id, _ in _cases(p)] + \
-        [pytest.param("heavy", case_id, id=f"P2-{case_id}", marks=pytest.mark.heavy) for case_id, _ in _heavy_cases()]
+    return [
+        pytest.param(p, case_id, id=f"P{p}-{case_id}", marks=[pytest.mark.heavy] if p == 4 else [])
+        for p in (2, 4)
+        for case_id, _ in _cases(p)
+    ] + [pytest.param("heavy", case_id, id=f"P2-{case_id}", marks=pytest.mark.heavy) for case_id, _ in _heavy_cases()]
 
 
 @pytest.mark.timeout(TIMEOUT + 60)  # a case not run yet runs in a spawn of one chunk
@@ -196,17 +289,24 @@ def test_compiled_model_matches_the_unsharded_model(matrix, world_size, case_id)
 
 
 @pytest.mark.timeout(4 * (TIMEOUT + 60))  # run alone, every chunk's spawn
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy), pytest.param("heavy", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(4, marks=pytest.mark.heavy), pytest.param("heavy", marks=pytest.mark.heavy)]
+)
 def test_graph_has_one_ring_op_per_attention_and_no_sdpa(matrix, world_size):
     for case_id, _ in _cases(world_size):
         ops = matrix.results(world_size, case_id)[0]["ops"]
-        layers = 1 if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias", "square_bias")) else 2
+        layers = (
+            1
+            if case_id.startswith(("hand_written", "spelling", "position_table", "learned_bias", "square_bias"))
+            else 2
+        )
         assert ops.get("ring_attention.default") == layers, (case_id, ops)
         assert not any("scaled_dot_product" in op or op == "softmax" for op in ops), (case_id, ops)
 
 
-@pytest.mark.backend_cases(2, "gpt-static-float64", "gpt_with_loss-static-float64", "encoder-static-float64",
-                           "gpt-sharded_io-static")
+@pytest.mark.backend_cases(
+    2, "gpt-static-float64", "gpt_with_loss-static-float64", "encoder-static-float64", "gpt-sharded_io-static"
+)
 def test_expected_collectives_in_the_graph(matrix):
     gpt = matrix.results(2, "gpt-static-float64")[0]["ops"]
     assert gpt["shard_sequence.default"] == 1 and gpt["gather_sequence.default"] == 1  # ids in, logits out
@@ -271,6 +371,7 @@ def test_backend_by_its_registered_name_with_options():
 def test_bad_options_are_refused_with_the_choices():
     import ringpass
     from lowering import InvalidInputError
+
     with pytest.raises(InvalidInputError, match="layout='diagonal' is not one of 'auto', 'zigzag', 'contiguous'"):
         ringpass.backend(layout="diagonal")
     with pytest.raises(InvalidInputError, match="Unknown ring backend option\\(s\\) shards"):
@@ -282,8 +383,10 @@ def test_bad_options_are_refused_with_the_choices():
 
 
 def test_one_process_compiles_unchanged():
-    import ringpass
     import models
+
+    import ringpass
+
     model = models.GPT()
     ids = torch.randint(0, 61, (2, 8))
     backend = ringpass.backend(compiler="eager")
@@ -313,22 +416,34 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
         assert [a["mask"] for a in results["square_subsequent_mask"]["report"]["attentions"]] == ["causal"]
 
 
-@pytest.mark.parametrize("case,message", [
-    ("cumsum", r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
-               r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumsum`"),
-    ("dropout", r"dropout_p=0.1.*dropout inside ring attention is not supported"),
-    ("lengths", r"16 queries but 4 keys"),
-    ("reshape", r"`view`.*backend_workers.py.*splits the sequence axis"),
-    ("sort", r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence"),
-    ("max", r"`max`.*`max` runs along the sequence"),
-    ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
-    ("token_mixing_linear", r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim"),
-    ("sequence_long_weight", r"`linear` .* `linear` sums over the sequence"),
-    ("vmap_dynamic", r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid"),
-    ("sxs_mask", r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'"),
-    ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
-    ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        (
+            "cumsum",
+            r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
+            r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumsum`",
+        ),
+        ("dropout", r"dropout_p=0.1.*dropout inside ring attention is not supported"),
+        ("lengths", r"16 queries but 4 keys"),
+        ("reshape", r"`view`.*backend_workers.py.*splits the sequence axis"),
+        ("sort", r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence"),
+        ("max", r"`max`.*`max` runs along the sequence"),
+        ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
+        (
+            "token_mixing_linear",
+            r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim",
+        ),
+        ("sequence_long_weight", r"`linear` .* `linear` sums over the sequence"),
+        ("vmap_dynamic", r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid"),
+        (
+            "sxs_mask",
+            r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'",
+        ),
+        ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
+        ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
+    ],
+)
 def test_refusals_name_the_op_and_the_source_line(case, message):
     for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):
         assert error.startswith("NotSupportedError: "), error  # ringpass's own type and message, unwrapped

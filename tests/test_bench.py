@@ -4,9 +4,9 @@ the calibration fit and the cost model's additions, against hand-computed cases.
 
 import json
 
+import bench_workers
 import pytest
 
-import bench_workers
 from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, ring_cost
 from lowering.layout import Layout
 from ringpass import cli
@@ -51,9 +51,33 @@ def test_calibration_fits_latency_and_bandwidth():
 
 def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
     out, png, traces = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "traces"
-    assert cli.main(["bench", "--world-size", "2", "--seq-len", "64", "--heads", "4", "--kv-heads", "2",
-                     "--head-dim", "8", "--repeats", "2", "--json", str(out), "--plot", str(png),
-                     "--trace", str(traces), "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "64",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--repeats",
+                "2",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--trace",
+                str(traces),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     summary = json.loads(out.read_text())
     rows = {(r["method"], r["world_size"], r["threads"]): r for r in summary["rows"]}
@@ -83,10 +107,41 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
 @pytest.mark.heavy  # two compiles on two ranks and two in one process: ~40 s
 def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, capsys):
     out, traces = tmp_path / "model.json", tmp_path / "traces"
-    assert cli.main(["bench", "--what", "model", "--world-size", "2", "--seq-len", "32", "--hidden", "32",
-                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--vocab", "61",
-                     "--compiler", "aot_eager", "--repeats", "1", "--json", str(out), "--trace", str(traces),
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--what",
+                "model",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--hidden",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--intermediate",
+                "64",
+                "--vocab",
+                "61",
+                "--compiler",
+                "aot_eager",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+                "--trace",
+                str(traces),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = {(r["method"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
     ring = rows[("ring", 1)]
     assert ring["exchanges"] > 0  # the ring ran
@@ -99,8 +154,25 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
 
 def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    assert cli.main(["bench", "--what", "decode", "--world-size", "2", "--seq-len", "64", "--repeats", "2",
-                     "--json", str(out), "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--what",
+                "decode",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "64",
+                "--repeats",
+                "2",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = {(r["method"], r["world_size"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
     sharded, gathered, whole = rows[("sharded", 2, 1)], rows[("gathered", 2, 1)], rows[("sdpa", 1, 1)]
     assert all(r["error"] < 1e-5 for r in rows.values())
@@ -113,10 +185,41 @@ def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_pa
 @pytest.mark.heavy  # compiles a prefill and decode steps by three methods (~45 s)
 def test_bench_generate_keeps_the_cache_sharded_and_the_tokens_the_model_s(tmp_path, capsys):
     out = tmp_path / "generate.json"
-    assert cli.main(["bench", "--what", "generate", "--world-size", "2", "--seq-len", "40", "--hidden", "32",
-                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--vocab", "61",
-                     "--compiler", "aot_eager", "--repeats", "2", "--warmup", "3", "--json", str(out),
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--what",
+                "generate",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "40",
+                "--hidden",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--intermediate",
+                "64",
+                "--vocab",
+                "61",
+                "--compiler",
+                "aot_eager",
+                "--repeats",
+                "2",
+                "--warmup",
+                "3",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = {(r["method"], r["world_size"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
     sharded, gathered = rows[("sharded", 2, 1)], rows[("gathered", 2, 1)]
     for row in (sharded, gathered):
@@ -129,13 +232,41 @@ def test_bench_generate_keeps_the_cache_sharded_and_the_tokens_the_model_s(tmp_p
 @pytest.mark.heavy  # a compile on two ranks
 def test_bench_model_takes_a_hugging_face_config(tmp_path):
     transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"]
-                             ).save_pretrained(tmp_path / "cfg")
+    transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path / "cfg")
     out = tmp_path / "model.json"
-    assert cli.main(["bench", "--what", "model", "--hf-config", str(tmp_path / "cfg"), "--world-size", "2",
-                     "--seq-len", "32", "--methods", "ring", "--compiler", "aot_eager", "--repeats", "1",
-                     "--json", str(out), "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--what",
+                "model",
+                "--hf-config",
+                str(tmp_path / "cfg"),
+                "--world-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--methods",
+                "ring",
+                "--compiler",
+                "aot_eager",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     (ring,) = json.loads(out.read_text())["rows"]
     assert ring["exchanges"] > 0 and "cfg" in json.loads(out.read_text())["config"]["hf_config"]
 
@@ -145,8 +276,28 @@ def test_calibrate_then_plan_with_it(tmp_path, capsys):
     assert cli.main(["bench", "--calibrate", "--json", str(hardware)]) == 0
     data = json.loads(hardware.read_text())
     assert data["link_bytes_per_s"] > 0 and data["flops_per_s"] > 0
-    assert cli.main(["plan", "--world-size", "2", "--seq-len", "16384", "--heads", "8", "--kv-heads", "2",
-                     "--head-dim", "64", "--dtype", "fp32", "--hardware", str(hardware)]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "16384",
+                "--heads",
+                "8",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "64",
+                "--dtype",
+                "fp32",
+                "--hardware",
+                str(hardware),
+            ]
+        )
+        == 0
+    )
     assert "link calibrated" in capsys.readouterr().out
 
 
@@ -157,8 +308,12 @@ def test_bench_refuses_unknown_methods_and_bad_calibration_files(tmp_path, capsy
     assert "world sizes must be at least 2" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert cli.main(["plan", "--world-size", "2", "--seq-len", "64", "--heads", "1", "--head-dim", "8",
-                     "--hardware", str(bad)]) == 1
+    assert (
+        cli.main(
+            ["plan", "--world-size", "2", "--seq-len", "64", "--heads", "1", "--head-dim", "8", "--hardware", str(bad)]
+        )
+        == 1
+    )
     assert "not a calibration file" in capsys.readouterr().err
 
 
@@ -172,10 +327,32 @@ def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
 
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ringpass.cli",
-         "bench", "--seq-len", "64", "--methods", "sdpa", "ring-zigzag", "--repeats", "1", "--json", str(out),
-         "--no-progress"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ringpass.cli",
+            "bench",
+            "--seq-len",
+            "64",
+            "--methods",
+            "sdpa",
+            "ring-zigzag",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD},
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = {(r["method"], r["world_size"]): r for r in json.loads(out.read_text())["rows"]}
     ring = rows[("ring-zigzag", 2)]

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from lowering.kernels import block_attention, block_attention_backward, torch_attention
 from kernel_cases import SCORE_CASES, check_case
 from reference import lse_fp64, rel_err
+
+from lowering.kernels import block_attention, block_attention_backward, torch_attention
 
 
 def _math_reference(q, k, v, q_pos, kv_pos, scale, is_causal):
@@ -55,7 +55,16 @@ def test_block_forward_and_backward_fp64(case, heads):
         loss = (ref_out * dout).sum() + (ref_lse.masked_fill(no_keys, 0) * dlse).sum() * with_dlse
         loss.backward(retain_graph=True)
         grads = block_attention_backward(
-            dout, q.detach(), k.detach(), v.detach(), out, lse, q_pos, kv_pos, scale=scale, is_causal=causal,
+            dout,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out,
+            lse,
+            q_pos,
+            kv_pos,
+            scale=scale,
+            is_causal=causal,
             dlse=dlse.masked_fill(no_keys, 0) if with_dlse else None,
         )
         for got, want in zip(grads, (q.grad, k.grad, v.grad)):
@@ -72,15 +81,31 @@ def test_block_results_stay_in_fp32_for_low_precision_inputs(dtype, tol):
     assert out.dtype == lse.dtype == torch.float32  # unrounded partial results for the ring's merge
     assert rel_err(out, _math_reference(q, k, v, pos, pos, 0.25, True)[0]) < tol
     assert rel_err(lse, lse_fp64(q, k, is_causal=True, scale=0.25)) < tol
-    grads = block_attention_backward(torch.ones_like(out).to(dtype), q.to(dtype), k.to(dtype), v.to(dtype),
-                                     out.to(dtype), lse, pos, pos, scale=0.25, is_causal=True)
+    grads = block_attention_backward(
+        torch.ones_like(out).to(dtype),
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        out.to(dtype),
+        lse,
+        pos,
+        pos,
+        scale=0.25,
+        is_causal=True,
+    )
     assert all(g.dtype == torch.float32 for g in grads)
 
 
-@pytest.mark.parametrize("case,fused", [
-    ("full", True), ("aligned-causal (fused)", True), ("zigzag-causal (fused)", True),
-    ("offset-causal (math)", False), ("rows without keys (math)", False),
-])
+@pytest.mark.parametrize(
+    "case,fused",
+    [
+        ("full", True),
+        ("aligned-causal (fused)", True),
+        ("zigzag-causal (fused)", True),
+        ("offset-causal (math)", False),
+        ("rows without keys (math)", False),
+    ],
+)
 def test_fused_cpu_kernel_is_used_where_it_applies(case, fused, monkeypatch):
     calls = []
     real = torch_attention._fused

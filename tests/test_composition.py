@@ -4,28 +4,48 @@ case: loss and every parameter gradient of one step against the unsharded model 
 that the ring ran, and the gradient collectives counted. The 2-rank cases run in the default suite; the 2 x 2
 meshes (one 4-rank spawn) with ``-m heavy``."""
 
-from functools import lru_cache
-
-import pytest
+from functools import cache
 
 import composition_workers
+import pytest
+
 from lowering.errors import NotSupportedError
 from lowering.ulysses import check_heads
 from ringpass.launch import spawn_ranks
 
-TWO_RANKS = [("wrapped_step", ("fsdp2", 1)), ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
-             ("wrapped_step", ("fsdp2", 1, "reduced")), ("refused", ("fsdp2", "local")),
-             ("refused", ("ddp", "auto", True))]
-FOUR_RANKS = [("wrapped_step", ("fsdp2", 2)), ("wrapped_step", ("ddp", 2)), ("wrapped_step", ("ddp_dp", 2)),
-              ("tensor_parallel_step", ()), ("ulysses_step", ("llama", "option")), ("ulysses_step", ("hf_llama", "mesh")),
-              # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
-              ("ulysses_by_hand", ([(16, 4, 2, True, "zigzag"), (13, 4, 1, True, "zigzag"), (16, 4, 4, False, "contiguous"),
-                                    (11, 8, 2, True, "contiguous")],)),
-              ("wrapped_step", ("hsdp", 2)), ("ulysses_step", ("hf_llama", "mesh", "inductor")),
-              ("ulysses_hf_modes", (["left-padded", "packed"],))]
+TWO_RANKS = [
+    ("wrapped_step", ("fsdp2", 1)),
+    ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
+    ("wrapped_step", ("fsdp2", 1, "reduced")),
+    ("refused", ("fsdp2", "local")),
+    ("refused", ("ddp", "auto", True)),
+]
+FOUR_RANKS = [
+    ("wrapped_step", ("fsdp2", 2)),
+    ("wrapped_step", ("ddp", 2)),
+    ("wrapped_step", ("ddp_dp", 2)),
+    ("tensor_parallel_step", ()),
+    ("ulysses_step", ("llama", "option")),
+    ("ulysses_step", ("hf_llama", "mesh")),
+    # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
+    (
+        "ulysses_by_hand",
+        (
+            [
+                (16, 4, 2, True, "zigzag"),
+                (13, 4, 1, True, "zigzag"),
+                (16, 4, 4, False, "contiguous"),
+                (11, 8, 2, True, "contiguous"),
+            ],
+        ),
+    ),
+    ("wrapped_step", ("hsdp", 2)),
+    ("ulysses_step", ("hf_llama", "mesh", "inductor")),
+    ("ulysses_hf_modes", (["left-padded", "packed"],)),
+]
 
 
-@lru_cache(maxsize=None)
+@cache
 def results(world_size: int) -> list:
     calls = TWO_RANKS if world_size == 2 else FOUR_RANKS
     return spawn_ranks(composition_workers.runs, world_size, (calls,), timeout=600)
@@ -150,9 +170,9 @@ def test_ulysses_refuses_head_counts_it_cannot_split():
 
 
 def test_inspect_and_convert_refuse_ulysses_until_they_describe_it():
+    import models
     import torch
 
-    import models
     import ringpass
 
     ids = torch.randint(0, 61, (1, 16))

@@ -8,13 +8,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import backend_workers
+import convert_workers
 import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-import backend_workers
-import convert_workers
 import ringpass
 from lowering.masks import mask_program
 from ringpass.launch import spawn_ranks
@@ -34,8 +34,12 @@ def converted(name: str, world_size: int, seq_len: int, *, dynamic: bool = False
 def artifacts(tmp_path_factory):
     """Artifacts saved once for the module: {case: path}."""
     folder = tmp_path_factory.mktemp("artifacts")
-    cases = {"static": ("hand", 2, 16, False), "dynamic": ("hand-batch1", 2, 16, True), "hf": ("hf", 2, 20, False),
-             "other_world_size": ("hand", 3, 16, False)}
+    cases = {
+        "static": ("hand", 2, 16, False),
+        "dynamic": ("hand-batch1", 2, 16, True),
+        "hf": ("hf", 2, 20, False),
+        "other_world_size": ("hand", 3, 16, False),
+    }
     paths = {}
     for case, (name, world_size, seq_len, dynamic) in cases.items():
         paths[case] = str(folder / f"{case}.pt2")
@@ -51,11 +55,14 @@ def check_training(result: dict, tolerance: float, seq_lens: list) -> None:
         assert step["kv_exchanges"] > 0, "the ring did not run"
 
 
-@pytest.mark.parametrize("case,name,seq_lens,tolerance", [
-    ("static", "hand", [16], 1e-12),
-    ("dynamic", "hand-batch1", [16, 22], 1e-12),  # one artifact, two lengths (batch 1)
-    ("hf", "hf", [20], 1e-4),              # a Hugging Face Llama with labels and a left-padded mask, fp32
-])
+@pytest.mark.parametrize(
+    "case,name,seq_lens,tolerance",
+    [
+        ("static", "hand", [16], 1e-12),
+        ("dynamic", "hand-batch1", [16, 22], 1e-12),  # one artifact, two lengths (batch 1)
+        ("hf", "hf", [20], 1e-4),  # a Hugging Face Llama with labels and a left-padded mask, fp32
+    ],
+)
 def test_saved_model_trains_in_fresh_processes_like_the_unsharded_model(artifacts, case, name, seq_lens, tolerance):
     for result in spawn_ranks(convert_workers.train_and_compare, 2, (name, seq_lens, artifacts[case]), timeout=TIMEOUT):
         check_training(result, tolerance, seq_lens)
@@ -64,8 +71,15 @@ def test_saved_model_trains_in_fresh_processes_like_the_unsharded_model(artifact
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name,seq_lens,tolerance,dynamic", [("hand", [16], 1e-12, False), ("hf", [20], 1e-4, False),
-                                                             ("hand", [16, 23], 1e-12, True), ("hf", [20, 27], 1e-4, True)])
+@pytest.mark.parametrize(
+    "name,seq_lens,tolerance,dynamic",
+    [
+        ("hand", [16], 1e-12, False),
+        ("hf", [20], 1e-4, False),
+        ("hand", [16, 23], 1e-12, True),
+        ("hf", [20, 27], 1e-4, True),
+    ],
+)
 def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic):
     path = str(tmp_path / "model.pt2")
     converted(name, 4, seq_lens[0], dynamic=dynamic).save(path)
@@ -79,8 +93,9 @@ def test_sharded_inputs_and_outputs_with_local_gradients(tmp_path):
     sum to its gradient."""
     path = str(tmp_path / "sharded.pt2")
     ids = convert_workers.call("hand", 16)[0][0]
-    ringpass.convert(convert_workers.build("hand"), ids[:, :8], world_size=2, inputs="sharded", outputs="sharded",
-                     grads="local").save(path)
+    ringpass.convert(
+        convert_workers.build("hand"), ids[:, :8], world_size=2, inputs="sharded", outputs="sharded", grads="local"
+    ).save(path)
     for result in spawn_ranks(convert_workers.sharded_inputs_local_grads, 2, (path, 16), timeout=TIMEOUT):
         assert result["logits"] < 1e-12 and result["grads"] < 1e-12 and result["kv_exchanges"] > 0, result
 
@@ -106,8 +121,11 @@ def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts)
     program = torch.export.load(artifacts["hf"])  # plain torch.export reads it
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "ringpass.ring_attention.default" in targets and "ringpass.reduce_grad.default" in targets
-    meta = json.loads(zipfile.ZipFile(artifacts["hf"]).read(
-        next(n for n in zipfile.ZipFile(artifacts["hf"]).namelist() if n.endswith("extra/ringpass.json"))))
+    meta = json.loads(
+        zipfile.ZipFile(artifacts["hf"]).read(
+            next(n for n in zipfile.ZipFile(artifacts["hf"]).namelist() if n.endswith("extra/ringpass.json"))
+        )
+    )
     assert meta["conversion"]["world_size"] == 2 and meta["conversion"]["layout"] == "zigzag"
     assert meta["torch"] == torch.__version__ and meta["ringpass"] == ringpass.__version__
     assert len(meta["masks"]) == 1  # the left-padded mask: a lifted program, exported with the model
@@ -119,8 +137,12 @@ def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts)
 def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):
     moved = ringpass.load(artifacts["static"], device="meta")  # meta stands in for a GPU on this machine
     assert {p.device.type for p in moved.parameters()} == {"meta"}
-    devices = [a for n in moved._program.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs))
-               if isinstance(a, torch.device)]
+    devices = [
+        a
+        for n in moved._program.graph.nodes
+        for a in pytree.tree_leaves((n.args, n.kwargs))
+        if isinstance(a, torch.device)
+    ]
     assert devices and {d.type for d in devices} == {"meta"}
 
 
@@ -150,7 +172,10 @@ def test_calls_and_setups_a_converted_model_cannot_run_are_refused(artifacts):
     assert "converted for int64 [2, 16]" in found["length"] and "dynamic=True" in found["length"]
     assert "is int32 [2, 16]" in found["dtype"]
     assert found["keyword"] == found["no_grad"] == found["inference_mode"] == "no error"
-    assert "The ranks disagree before call" in found["disagree"] and "input `ids` holds different values" in found["disagree"]
+    assert (
+        "The ranks disagree before call" in found["disagree"]
+        and "input `ids` holds different values" in found["disagree"]
+    )
     assert "Argument `ids` was given when the model was converted" in found["missing"]
     assert "do not fit the model's forward(ids): got an unexpected keyword argument 'mask'" in found["extra"]
     assert "`use_cache` is True; the model was converted with False" in found["constant"]
@@ -171,7 +196,9 @@ def test_aliased_inputs_defaults_passed_explicitly_and_globals():
 
 def test_no_process_group_is_a_clear_error(artifacts):
     loaded = ringpass.load(artifacts["static"])
-    with pytest.raises(ringpass.InvalidInputError, match="needs a process group to run: call torch.distributed.init_process_group"):
+    with pytest.raises(
+        ringpass.InvalidInputError, match="needs a process group to run: call torch.distributed.init_process_group"
+    ):
         loaded(convert_workers.call("hand", 16)[0][0])
 
 
@@ -188,7 +215,9 @@ def _rewritten(path: str, tmp_path: Path, change) -> str:
 
 
 def test_a_changed_or_foreign_artifact_is_refused(artifacts, tmp_path):
-    changed = _rewritten(artifacts["static"], tmp_path, lambda meta: {**meta, "conversion": {**meta["conversion"], "world_size": 4}})
+    changed = _rewritten(
+        artifacts["static"], tmp_path, lambda meta: {**meta, "conversion": {**meta["conversion"], "world_size": 4}}
+    )
     with pytest.raises(ringpass.InvalidInputError, match="was changed after it was saved"):
         ringpass.load(changed)
     foreign = str(tmp_path / "plain.pt2")
@@ -204,7 +233,9 @@ def test_an_artifact_from_another_version_is_refused(artifacts, tmp_path, monkey
 
     written = re.escape(".".join(torch.__version__.split(".")[:2]))
     monkeypatch.setattr(torch, "__version__", "2.99.0")  # as if this process had another torch
-    with pytest.raises(ringpass.InvalidInputError, match=rf"written with torch {written}.*this process has torch 2\.99"):
+    with pytest.raises(
+        ringpass.InvalidInputError, match=rf"written with torch {written}.*this process has torch 2\.99"
+    ):
         artifact.load(artifacts["static"])
 
 
@@ -214,9 +245,13 @@ def test_convert_refuses_what_it_cannot_convert():
     with pytest.raises(ringpass.InvalidInputError, match="give world_size="):
         ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0])
     with pytest.raises(ringpass.InvalidInputError, match="option `compiler` does not apply"):
-        ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, compiler="eager")
+        ringpass.convert(
+            convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, compiler="eager"
+        )
     dynamic = converted("hand", 2, 16, dynamic=True)  # checked before any process group is needed
-    with pytest.raises(ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[2, 1\]\).*Sizes 0 and 1 are specialized"):
+    with pytest.raises(
+        ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[2, 1\]\).*Sizes 0 and 1 are specialized"
+    ):
         dynamic(convert_workers.call("hand", 1)[0][0])
     with pytest.raises(ringpass.InvalidInputError, match="the model raised on the example inputs"):
         ringpass.convert(convert_workers.build("hand"), convert_workers.call("hand", 16)[0][0].double(), world_size=2)
@@ -241,10 +276,29 @@ def test_convert_refuses_what_it_cannot_convert():
 
 def test_convert_command_writes_a_loadable_artifact(tmp_path):
     out = tmp_path / "llama.pt2"
-    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "convert", f"{TARGETS}:llama", "--world-size", "2",
-                          "--seq-len", "16", "-o", str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringpass.cli",
+            "convert",
+            f"{TARGETS}:llama",
+            "--world-size",
+            "2",
+            "--seq-len",
+            "16",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
-    assert "ringpass convert: every attention becomes ring attention over 2 ranks" in run.stdout and f"wrote {out}" in run.stdout
+    assert (
+        "ringpass convert: every attention becomes ring attention over 2 ranks" in run.stdout
+        and f"wrote {out}" in run.stdout
+    )
     assert ringpass.load(str(out)).conversion.world_size == 2
 
 
@@ -252,13 +306,38 @@ def test_convert_command_writes_a_loadable_artifact(tmp_path):
 def test_convert_command_from_a_hugging_face_config(tmp_path):
     import transformers
 
-    transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=64, architectures=["LlamaForCausalLM"]
-                             ).save_pretrained(tmp_path / "config")
+    transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path / "config")
     out = tmp_path / "llama.pt2"
-    run = subprocess.run([sys.executable, "-m", "ringpass.cli", "convert", "--hf-config", str(tmp_path / "config"), "--labels",
-                          "--world-size", "4", "--seq-len", "32", "--dynamic", "-o", str(out)],
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringpass.cli",
+            "convert",
+            "--hf-config",
+            str(tmp_path / "config"),
+            "--labels",
+            "--world-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--dynamic",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     loaded = ringpass.load(str(out))
     assert loaded.conversion.world_size == 4 and loaded.conversion.dynamic

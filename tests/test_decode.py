@@ -3,12 +3,12 @@ against fp64 attention over the whole cache (left padding, sliding windows, GQA,
 divide); the cache's ownership rule; one small all-gather per call and no KV traffic. The same steps through
 `lowering.sharded_cache`'s slots (prompt slots, appends, the model's mask over global positions)."""
 
-from functools import lru_cache
+from functools import cache
 
+import decode_workers
 import pytest
 import torch
 
-import decode_workers
 from lowering import InvalidInputError
 from lowering.decode import decode_attention, new_position_owner
 from ringpass.launch import spawn_ranks
@@ -17,7 +17,7 @@ from ringpass.launch import spawn_ranks
 CASES = [(11, 0, 1, None), (11, 5, 1, None), (13, 6, 3, None), (11, 5, 1, 4), (9, 2, 2, 2)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def results(world_size: int) -> list:
     return spawn_ranks(decode_workers.decode_step, world_size, (CASES,), timeout=300)
 

@@ -14,8 +14,25 @@ def test_demo_ring_matches_fp64_reference_and_reports_memory():
 
 
 def test_demo_command_prints_its_table(capsys):
-    assert cli.main(["demo", "--seq-len", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
-                     "--dtype", "float64", "--bidirectional"]) == 0
+    assert (
+        cli.main(
+            [
+                "demo",
+                "--seq-len",
+                "64",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "8",
+                "--dtype",
+                "float64",
+                "--bidirectional",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "bidirectional attention" in printed and "contiguous layout over 2 CPU processes" in printed
     ring_row = next(line for line in printed.splitlines() if line.startswith("ring, 2 ranks"))

@@ -35,11 +35,14 @@ def run_through(pass_name: str, model: nn.Module, *inputs, dynamic=None, **optio
         captured = fx.Graph()  # a copy the passes leave alone: what the compiled model runs
         captured.output(captured.graph_copy(gm.graph, {}))
         ctx = PassContext(gm, example_inputs, RingOptions.from_dict(options), 2, "", Report(world_size=2))
-        *earlier, tested = passes.PIPELINE[:[p.__name__ for p in passes.PIPELINE].index(pass_name) + 1]
+        *earlier, tested = passes.PIPELINE[: [p.__name__ for p in passes.PIPELINE].index(pass_name) + 1]
         for run_pass in earlier:
             run_pass(ctx)
-        found["before"] = {**{name: _copy(value) for name, value in vars(ctx).items()}, "nodes": _nodes(gm),
-                           "args": [node.args for node in gm.graph.nodes]}
+        found["before"] = {
+            **{name: _copy(value) for name, value in vars(ctx).items()},
+            "nodes": _nodes(gm),
+            "args": [node.args for node in gm.graph.nodes],
+        }
         tested(ctx)
         found["ctx"] = ctx
         return fx.GraphModule(gm, captured)
@@ -99,8 +102,17 @@ class Sdpa(nn.Module):
     def forward(self, x):
         q, k, v = self.heads(x)
         mask = self.mask(x) if self.mask is not None else None
-        return _tokens(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
-                                                      scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]))
+        return _tokens(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=self.causal and mask is None,
+                scale=self.scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+        )
 
 
 def _x():
@@ -123,8 +135,14 @@ class MultiHead(nn.Module):
         self.attention = nn.MultiheadAttention(8, 2)
 
     def forward(self, x):
-        return self.attention(x, x, x, need_weights=False, attn_mask=nn.Transformer.generate_square_subsequent_mask(
-            x.shape[0]), is_causal=True)[0]
+        return self.attention(
+            x,
+            x,
+            x,
+            need_weights=False,
+            attn_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[0]),
+            is_causal=True,
+        )[0]
 
 
 def test_expand_multi_head_attention_writes_the_projections_and_one_sdpa():
@@ -148,7 +166,8 @@ def test_devectorize_vmaps_writes_the_nest_as_broadcasting():
     ctx, before = run_through("devectorize_vmaps", model, _x())
     assert _names(before["nodes"]).count("_vmap_increment_nesting") == 2
     assert not {"_vmap_increment_nesting", "_add_batch_dim", "_remove_batch_dim", "_vmap_decrement_nesting"} & set(
-        _names(_nodes(ctx.gm)))
+        _names(_nodes(ctx.gm))
+    )
     assert "expand" in _names(_nodes(ctx.gm))
     (out,) = _run_graph(ctx)
     torch.testing.assert_close(out, model(_x()))
@@ -276,12 +295,16 @@ def test_find_sequence_axes_finds_the_length_the_axes_and_where_they_come_from()
     assert all(not ctx.axes.get(p) for p in ctx.gm.graph.nodes if p.op == "placeholder" and "weight" in p.name)
 
 
-@pytest.mark.parametrize("model,options,layout", [
-    (Sdpa(), {}, "zigzag"),  # causal: balanced over the ranks
-    (Sdpa(causal=False), {}, "contiguous"),
-    (Sdpa(causal=False), {"inputs": "sharded"}, "zigzag"),  # what ringpass.shard gives by default
-    (Sdpa(), {"layout": "contiguous"}, "contiguous"),
-], ids=["causal", "unmasked", "unmasked-sharded-inputs", "causal-as-asked"])
+@pytest.mark.parametrize(
+    "model,options,layout",
+    [
+        (Sdpa(), {}, "zigzag"),  # causal: balanced over the ranks
+        (Sdpa(causal=False), {}, "contiguous"),
+        (Sdpa(causal=False), {"inputs": "sharded"}, "zigzag"),  # what ringpass.shard gives by default
+        (Sdpa(), {"layout": "contiguous"}, "contiguous"),
+    ],
+    ids=["causal", "unmasked", "unmasked-sharded-inputs", "causal-as-asked"],
+)
 def test_choose_layout(model, options, layout):
     ctx, before = run_through("choose_layout", model, _x(), **options)
     assert (before["layout_kind"], ctx.layout_kind) == ("", layout)
@@ -338,7 +361,9 @@ def test_localize_shapes_writes_this_ranks_length_into_literal_sizes():
     views = [node for node in ctx.gm.graph.nodes if node.target == "view"]
     assert [node.args[1:] for node in views] == [(2, local, 2, 8), (2, local, 2, 4)]  # k and v, q
     assert [args[1:] for (_, target), args in zip(before["nodes"], before["args"]) if target == "view"] == [
-        (2, SEQ, 2, 8), (2, SEQ, 2, 4)]
+        (2, SEQ, 2, 8),
+        (2, SEQ, 2, 4),
+    ]
 
 
 def test_rewrite_attention_calls_the_ring_with_the_kv_heads_unrepeated():
@@ -363,7 +388,9 @@ def test_insert_boundaries_shards_inputs_sums_partial_values_and_gathers_outputs
     (output,) = [node for node in ctx.gm.graph.nodes if node.op == "output"]
     assert output.args[0][0] is gather and output.args[0][1].args[0] is reduced  # the summed means over the count
     assert [(c.kind, c.phase, c.what.split(" (")[0]) for c in ctx.report.collectives] == [
-        ("all-reduce", "forward", "the mean over the sequence"), ("all-gather", "forward", "output 0")]
+        ("all-reduce", "forward", "the mean over the sequence"),
+        ("all-gather", "forward", "output 0"),
+    ]
     assert [(o.name, o.placement) for o in ctx.report.outputs] == [("output 0", "gathered"), ("output 1", "replicated")]
 
 
@@ -391,7 +418,8 @@ def test_reduce_grads_reduces_shares_of_a_gradient_or_scales_whole_ones():
         assert ctx.report.gradients == grads and len(shared) == 4
         if grads == "reduced":
             assert (reduced, scaled) == (shared, [])
-            assert backward == sorted(f"the gradient of attention.heads.{name}" for name in (
-                "q.weight", "q.bias", "kv.weight", "kv.bias"))
+            assert backward == sorted(
+                f"the gradient of attention.heads.{name}" for name in ("q.weight", "q.bias", "kv.weight", "kv.bias")
+            )
         else:
             assert (reduced, scaled, backward) == (set(), [(offset, 0.5)], [])

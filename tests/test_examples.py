@@ -12,9 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _torchrun(script: str, timeout: float, processes: int = 2) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-         str(ROOT / "examples" / script)],
-        capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(processes),
+            str(ROOT / "examples" / script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
@@ -28,14 +37,18 @@ def test_ring_attention_by_hand_under_torchrun():
 
 def test_compile_with_ring_under_torchrun():
     output = _torchrun("compile_with_ring.py", timeout=300)
-    loss, unsharded, grad_error = re.search(r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output).groups()
+    loss, unsharded, grad_error = re.search(
+        r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output
+    ).groups()
     assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
     assert float(grad_error) < 1e-4
 
 
 def test_hf_llama_with_padding_under_torchrun():
     output = _torchrun("hf_llama_with_padding.py", timeout=300)
-    loss, unsharded, grad_error = re.search(r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output).groups()
+    loss, unsharded, grad_error = re.search(
+        r"loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output
+    ).groups()
     assert abs(float(loss) - float(unsharded)) <= 1e-5 * abs(float(unsharded))
     assert float(grad_error) < 1e-4
     assert "lifted mask program + causal" in output
@@ -55,15 +68,26 @@ def test_convert_and_run_under_torchrun():
 def test_first_call_memory_is_a_one_time_import():
     """docs/performance.md: the first ring call's one-time memory is paid by a 64-token call as well (an import,
     not memory the long call needs), and kept; a later long call costs what every call costs."""
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "first_call_memory.py"), "--seq-len", "1024"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "first_call_memory.py"), "--seq-len", "1024"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
-            for m in re.finditer(r"^(long first|long again|64 tokens first|then long)\s+(\S+)\s+(\S+)$", result.stdout, re.M)}
+    rows = {
+        m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
+        for m in re.finditer(
+            r"^(long first|long again|64 tokens first|then long)\s+(\S+)\s+(\S+)$", result.stdout, re.M
+        )
+    }
     assert len(rows) == 4, result.stdout
     one_time = rows["long first"][0] - rows["long again"][0]
     assert one_time > 50, rows  # torch._dynamo's import: ~100 MiB
-    assert rows["64 tokens first"][1] > 0.5 * one_time and abs(rows["then long"][0] - rows["long again"][0]) < 0.2 * one_time, rows
+    assert (
+        rows["64 tokens first"][1] > 0.5 * one_time
+        and abs(rows["then long"][0] - rows["long again"][0]) < 0.2 * one_time
+    ), rows
 
 
 @pytest.mark.heavy  # 4 processes (~40 s)

@@ -3,9 +3,9 @@ forward or the backward ring, or disagrees with its peers (length, options, a re
 batch, other weights). Every survivor must raise a RingpassError that names the victim and the cause,
 within seconds, and a group whose ranks all agree again must work after the disagreements."""
 
+import failure_workers
 import pytest
 
-import failure_workers
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 240
@@ -17,16 +17,29 @@ DETECTED_WITHIN = 10.0  # seconds; measured 0.15-0.7 s (docs/reliability.md)
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])  # P=4: -m heavy (suite time)
 @pytest.mark.parametrize("how,phase", [("raise", "forward"), ("kill", "forward"), ("kill", "backward")])
 def test_every_survivor_names_the_failed_rank(world_size, how, phase):
-    results = spawn_ranks(failure_workers.fail_in_the_ring, world_size, (how, VICTIM, phase), timeout=TIMEOUT,
-                          may_die=[VICTIM] if how == "kill" else [])
+    results = spawn_ranks(
+        failure_workers.fail_in_the_ring,
+        world_size,
+        (how, VICTIM, phase),
+        timeout=TIMEOUT,
+        may_die=[VICTIM] if how == "kill" else [],
+    )
     for rank, result in enumerate(results):
         if rank == VICTIM:
-            assert result is None if how == "kill" else result["error"] == f"RuntimeError: injected failure on rank {VICTIM}"
+            assert (
+                result is None
+                if how == "kill"
+                else result["error"] == f"RuntimeError: injected failure on rank {VICTIM}"
+            )
             continue
         error = result["error"]
         assert error is not None and error.startswith("PeerFailure: "), (rank, error)
         assert f"rank {rank} stopped while exchanging the kv block of {phase} step" in error, error
-        cause = "rank 1 failed: RuntimeError: injected failure on rank 1" if how == "raise" else "the connection to rank 1 broke"
+        cause = (
+            "rank 1 failed: RuntimeError: injected failure on rank 1"
+            if how == "raise"
+            else "the connection to rank 1 broke"
+        )
         assert cause in error, (rank, error)
         assert result["seconds"] < DETECTED_WITHIN, (rank, result)
 
@@ -47,14 +60,20 @@ def test_disagreeing_ranks_all_refuse_before_the_ring(world_size):
     for rank, outcomes in enumerate(results):
         for case, expected in DISAGREEMENTS.items():
             error = outcomes[case]["error"]
-            assert error is not None and error.startswith("InvalidInputError: The ranks disagree before call"), (rank, case, error)
+            assert error is not None and error.startswith("InvalidInputError: The ranks disagree before call"), (
+                rank,
+                case,
+                error,
+            )
             assert expected.format(others=others) in error, (rank, case, error)
             assert outcomes[case]["seconds"] < DETECTED_WITHIN + 5, (rank, case, outcomes[case])  # includes a compile
         refused = outcomes["refused"]["error"]
         if rank == VICTIM:
             assert "NotSupportedError: `cumsum`" in refused, refused
         else:
-            assert refused.startswith("PeerFailure: ") and "rank 1 failed: NotSupportedError: `cumsum`" in refused, refused
+            assert refused.startswith("PeerFailure: ") and "rank 1 failed: NotSupportedError: `cumsum`" in refused, (
+                refused
+            )
         assert outcomes["agree"]["error"] is None, (rank, outcomes["agree"])
 
 
@@ -68,18 +87,24 @@ def test_unsharded_graphs_warn_and_autocast_runs_through_the_ring():
 
 
 def test_a_multi_process_launch_without_a_process_group_warns(monkeypatch):
-    import torch
     import models
+    import torch
+
     import ringpass
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     torch._dynamo.reset()
     with pytest.warns(ringpass.RingpassWarning, match="WORLD_SIZE=2 but no process group is initialised"):
-        torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off"))(torch.zeros(1, 8, dtype=torch.long))
+        torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off"))(
+            torch.zeros(1, 8, dtype=torch.long)
+        )
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="InvalidInputError: graph 0: WORLD_SIZE=2 .*unsharded='error'"):  # Dynamo wraps it
+    with pytest.raises(
+        Exception, match="InvalidInputError: graph 0: WORLD_SIZE=2 .*unsharded='error'"
+    ):  # Dynamo wraps it
         torch.compile(models.GPT(), backend=ringpass.backend(compiler="eager", report="off", unsharded="error"))(
-            torch.zeros(1, 8, dtype=torch.long))
+            torch.zeros(1, 8, dtype=torch.long)
+        )
 
 
 def test_edges_nan_no_grad_inference_and_fifty_steps_without_growth():
@@ -104,7 +129,9 @@ def test_ranks_out_of_step_raise_at_the_timeout():
         error = result["error"]
         waits = "waiting for every rank to reach call 3" if rank == 1 else "exchanging the kv block of forward step 0"
         assert error.startswith(f"PeerFailure: rank {rank} stopped while {waits}"), (rank, error)
-        assert "(timeout=3) while every peer is alive and waiting inside ringpass too: the ranks are out of step" in error
+        assert (
+            "(timeout=3) while every peer is alive and waiting inside ringpass too: the ranks are out of step" in error
+        )
         assert 3 <= result["seconds"] < 3 + DETECTED_WITHIN, (rank, result)
 
 

@@ -2,9 +2,9 @@
 (ring attention for flex, where PyTorch's context parallelism all-gathers K/V), exact against eager flex
 run whole."""
 
+import backend_workers
 import pytest
 
-import backend_workers
 from ringpass.launch import spawn_ranks
 
 SEQ = 22  # not a multiple of 2P: the layout's padding is exercised
@@ -17,10 +17,15 @@ CASES = {  # the score modifiers the report names
 }
 
 
-@pytest.mark.parametrize("case,world_size", [
-    *((case, 2) for case in CASES),
-    *(pytest.param(case, 4, marks=pytest.mark.heavy) for case in ("document-alibi", "softcap", "plain")),  # -m heavy
-])
+@pytest.mark.parametrize(
+    "case,world_size",
+    [
+        *((case, 2) for case in CASES),
+        *(
+            pytest.param(case, 4, marks=pytest.mark.heavy) for case in ("document-alibi", "softcap", "plain")
+        ),  # -m heavy
+    ],
+)
 def test_flex_attention_trains_through_the_ring(case, world_size):
     for r in spawn_ranks(backend_workers.flex_training_step, world_size, (case, SEQ), timeout=600):
         assert r["out"] <= 1e-5 and r["grads"] <= 1e-4, r

@@ -14,14 +14,14 @@ and 2 to 4 ranks under ``-m heavy``).
 
 import os
 
+import failure_workers
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import failure_workers
-from lowering import Layout, simulate_ring
 from reference import masked_attention_fp64, masked_lse_fp64, rel_err
+
+from lowering import Layout, simulate_ring
 from ringpass.launch import spawn_ranks
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -32,15 +32,26 @@ def ring_cases(draw):
     world_size = draw(st.integers(1, 4))
     seq_len = draw(st.one_of(st.integers(1, 2 * world_size + 1), st.integers(1, 40)))
     kv_heads = draw(st.integers(1, 3))
-    mask = draw(st.sampled_from(["none", "causal", "window", "padding", "documents", "causal+padding", "causal+documents"]))
+    mask = draw(
+        st.sampled_from(["none", "causal", "window", "padding", "documents", "causal+padding", "causal+documents"])
+    )
     return dict(
-        world_size=world_size, seq_len=seq_len, kv_heads=kv_heads, groups=draw(st.integers(1, 3)),
-        batch=draw(st.integers(1, 2)), head_dim=draw(st.sampled_from([1, 4, 8, 16])),
-        layout=draw(st.sampled_from(["contiguous", "zigzag"])), mask=mask,
+        world_size=world_size,
+        seq_len=seq_len,
+        kv_heads=kv_heads,
+        groups=draw(st.integers(1, 3)),
+        batch=draw(st.integers(1, 2)),
+        head_dim=draw(st.sampled_from([1, 4, 8, 16])),
+        layout=draw(st.sampled_from(["contiguous", "zigzag"])),
+        mask=mask,
         window=draw(st.integers(1, seq_len)) if mask == "window" else None,
-        fully_masked=draw(st.sampled_from(["zero", "uniform", "uniform_values"])) if "+" in mask or mask in ("padding", "documents") else "zero",
-        softcap=draw(st.sampled_from([None, None, 2.0])), scale=draw(st.sampled_from([None, 0.3, 1.5])),
-        dtype=draw(st.sampled_from([torch.float64, torch.float32])), seed=draw(st.integers(0, 2**16)),
+        fully_masked=draw(st.sampled_from(["zero", "uniform", "uniform_values"]))
+        if "+" in mask or mask in ("padding", "documents")
+        else "zero",
+        softcap=draw(st.sampled_from([None, None, 2.0])),
+        scale=draw(st.sampled_from([None, 0.3, 1.5])),
+        dtype=draw(st.sampled_from([torch.float64, torch.float32])),
+        seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -58,8 +69,13 @@ def check_ring_case(case: dict) -> None:
         visible &= pos[None, :] <= pos[:, None]
     if case["window"] is not None:
         visible &= pos[:, None] - pos[None, :] < case["window"]
-    options = dict(is_causal=causal, window=case["window"], softcap=case["softcap"], scale=case["scale"],
-                   fully_masked=case["fully_masked"])
+    options = dict(
+        is_causal=causal,
+        window=case["window"],
+        softcap=case["softcap"],
+        scale=case["scale"],
+        fully_masked=case["fully_masked"],
+    )
     if "padding" in case["mask"]:  # some keys of each row hidden, sometimes all of them
         keep = torch.rand(b, n, generator=gen) < 0.6
         visible &= keep[:, None, None, :]
@@ -67,11 +83,14 @@ def check_ring_case(case: dict) -> None:
     if "documents" in case["mask"]:
         doc = torch.randint(0, 3, (b, n), generator=gen).sort(dim=1).values
         visible &= (doc[:, :, None] == doc[:, None, :])[:, None]
-        options.update(mask=lambda q_pos, kv_pos, doc: (doc[:, None, q_pos, None] == doc[:, None, None, kv_pos]),
-                       mask_inputs=[doc])
+        options.update(
+            mask=lambda q_pos, kv_pos, doc: doc[:, None, q_pos, None] == doc[:, None, None, kv_pos], mask_inputs=[doc]
+        )
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = masked_attention_fp64(*leaves, visible, case["scale"], softcap=case["softcap"], fully_masked=case["fully_masked"])
+    expected = masked_attention_fp64(
+        *leaves, visible, case["scale"], softcap=case["softcap"], fully_masked=case["fully_masked"]
+    )
     dout = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
     expected.backward(dout)
     expected_lse = masked_lse_fp64(q, k, visible, case["scale"], softcap=case["softcap"])
@@ -103,8 +122,11 @@ def test_fuzzed_ring_matches_fp64_attention(case):
 
 
 @pytest.mark.heavy
-@settings(max_examples=int(os.environ.get("RINGPASS_FUZZ_EXAMPLES", "1000")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("RINGPASS_FUZZ_EXAMPLES", "1000")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(ring_cases())
 def test_fuzzed_ring_matches_fp64_attention_long(case):
     check_ring_case(case)

@@ -2,14 +2,14 @@
 (`ringpass.ShardedCache`, `ringpass.generate`): greedy tokens and per-step logits against the unsharded model,
 and proof that the ring ran, the cache is sharded and no key or value was gathered."""
 
-from functools import lru_cache
+from functools import cache
 
+import generation_workers
+import hf_workers
 import pytest
 import torch
 import torch.nn.functional as F
 
-import generation_workers
-import hf_workers
 import ringpass
 from lowering import whole_cache
 from lowering.sharded_cache import slot_count
@@ -19,7 +19,7 @@ from ringpass.launch import spawn_ranks
 CASES = [("llama", 11, False, 5), ("llama", 13, True, 6), ("mistral", 13, True, 7)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def generated(world_size: int, cases: tuple = tuple(CASES)) -> list:
     return spawn_ranks(generation_workers.hf_generate, world_size, (list(cases),), timeout=600)
 
@@ -99,16 +99,20 @@ def test_one_process_generates_with_a_sharded_cache_and_refuses_what_it_cannot_h
     with pytest.raises(ringpass.InvalidInputError, match="The sharded KV cache is full"):
         model.generate(ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=2), **options)
     with pytest.raises(ringpass.NotSupportedError, match="beam search"):
-        model.generate(ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=4), num_beams=2,
-                       **options)
+        model.generate(
+            ids, past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=4), num_beams=2, **options
+        )
     with pytest.raises(ringpass.NotSupportedError, match="cannot be cropped"):
         cache.crop(3)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"cache": "gathered"}, "cache='gathered'; drop the option or pass a DynamicCache"),
-    ({"inputs": "sharded"}, "takes the whole prompt"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"cache": "gathered"}, "cache='gathered'; drop the option or pass a DynamicCache"),
+        ({"inputs": "sharded"}, "takes the whole prompt"),
+    ],
+)
 def test_a_sharded_cache_prefill_is_refused_where_it_cannot_stay_sharded(options, message):
     model = hf_workers.build("llama").eval()
     ids = torch.randint(1, hf_workers.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -131,28 +135,38 @@ class _DecodeStep(torch.nn.Module):
         if self.spelling == "is_causal":
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         if self.spelling == "soft-cap":  # Gemma 2's written-out attention: c·tanh(scores / c)
-            scores = torch.tanh(q @ keys.repeat_interleave(2, dim=1).mT * 8 ** -0.5 / 50.0) * 50.0
+            scores = torch.tanh(q @ keys.repeat_interleave(2, dim=1).mT * 8**-0.5 / 50.0) * 50.0
             return torch.softmax(scores, dim=-1) @ values.repeat_interleave(2, dim=1)
         if self.spelling == "with a prompt":  # a chunk of prompt attending to itself next to a decode step
-            return F.scaled_dot_product_attention(q, q, q) + F.scaled_dot_product_attention(q, keys, values,
-                                                                                              enable_gqa=True)
+            return F.scaled_dot_product_attention(q, q, q) + F.scaled_dot_product_attention(
+                q, keys, values, enable_gqa=True
+            )
         if self.spelling == "float mask":
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=q.new_zeros(1, 1, 1, k_whole.size(2)),
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=q.new_zeros(1, 1, 1, k_whole.size(2)), enable_gqa=True
+            )
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
 
-@pytest.mark.parametrize("spelling, options, status, message", [
-    ("plain cache", {}, "refused", "pass past_key_values=ringpass.ShardedCache"),
-    ("plain cache", {"cache": "gathered"}, "no attention", ""),
-    ("is_causal", {}, "refused", "is_causal=True"),
-    ("float mask", {}, "refused", "float mask"),
-    ("soft-cap", {}, "refused", "modifies its scores"),
-    ("with a prompt", {}, "refused", "one per graph"),
-    ("no mask", {}, "rewritten", ""),
-])
+@pytest.mark.parametrize(
+    "spelling, options, status, message",
+    [
+        ("plain cache", {}, "refused", "pass past_key_values=ringpass.ShardedCache"),
+        ("plain cache", {"cache": "gathered"}, "no attention", ""),
+        ("is_causal", {}, "refused", "is_causal=True"),
+        ("float mask", {}, "refused", "float mask"),
+        ("soft-cap", {}, "refused", "modifies its scores"),
+        ("with a prompt", {}, "refused", "one per graph"),
+        ("no mask", {}, "rewritten", ""),
+    ],
+)
 def test_decode_steps_are_recognised_from_the_graph(spelling, options, status, message):
-    q, slots, slot_pos, whole = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.arange(6), torch.randn(1, 2, 6, 8)
+    q, slots, slot_pos, whole = (
+        torch.randn(1, 4, 1, 8),
+        torch.randn(1, 2, 6, 8),
+        torch.arange(6),
+        torch.randn(1, 2, 6, 8),
+    )
     found = ringpass.inspect(_DecodeStep(spelling), (q, slots, slots, slot_pos, whole, whole), world_size=2, **options)
     report = found.reports[0]
     assert found.status == status, str(report)

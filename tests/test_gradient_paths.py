@@ -19,11 +19,15 @@ import ringpass
 import ringpass.passes as passes
 from lowering.masks import register_mask
 from ringpass.graph import copy_origin, user_name
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.gradient_reach import (
+    GRADIENT_ARGUMENTS,
+    differentiable_arguments,
+    gradient_reach,
+    has_autograd_formula,
+)
 from ringpass.options import RingOptions
 from ringpass.passes.check_gradient_paths import check_gradient_paths
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.gradient_reach import (GRADIENT_ARGUMENTS, differentiable_arguments, gradient_reach,
-                                                 has_autograd_formula)
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.report import Report
@@ -93,8 +97,9 @@ def test_comparisons_sizes_and_integer_casts_carry_no_gradient():
 def _ring_graph(table_also_added: bool) -> fx.GraphModule:
     graph = fx.Graph()
     q, k, v, table = (graph.placeholder(name) for name in ("q", "k", "v", "table"))
-    ring = graph.call_function(RING, (q, k, v, "contiguous", 2, 16, False, 0.5, "", None, "", [], None, None,
-                                      "bias-id", [table], "zero", 1))
+    ring = graph.call_function(
+        RING, (q, k, v, "contiguous", 2, 16, False, 0.5, "", None, "", [], None, None, "bias-id", [table], "zero", 1)
+    )
     out = graph.call_function(operator.getitem, (ring, 0))
     if table_also_added:
         out = graph.call_function(operator.add, (out, table))
@@ -111,8 +116,9 @@ def test_the_ring_op_passes_gradient_to_the_arguments_its_backward_differentiate
 def test_an_op_without_an_autograd_formula_raises_in_the_backward_so_it_cuts_nothing_silently():
     graph = fx.Graph()
     q, k, v, q_pos, kv_pos = (graph.placeholder(name) for name in ("q", "k", "v", "q_pos", "kv_pos"))
-    call = graph.call_function(torch.ops.ringpass.decode_attention.default,
-                               (q, k, v, q_pos, kv_pos, None, None, False, None, 0.5, ""))
+    call = graph.call_function(
+        torch.ops.ringpass.decode_attention.default, (q, k, v, q_pos, kv_pos, None, None, False, None, 0.5, "")
+    )
     graph.output((call,))
     assert not has_autograd_formula("decode_attention")
     assert differentiable_arguments(call) == {q, k, v, q_pos, kv_pos}
@@ -264,8 +270,10 @@ def test_a_pass_that_detaches_a_parameter_is_refused_naming_it_the_op_and_the_li
     assert inspection.status == "refused" and inspection.exit_code == 2
     refusal = inspection.reports[0].refusal
     assert (refusal.op, refusal.source) == ("detach", f"{HERE}:{_line('TEMPERATURE')}")
-    assert refusal.message.startswith("The gradient of `temperature` no longer reaches the outputs after the ring "
-                                      f"rewrite: it reaches `detach` at {HERE}:{_line('TEMPERATURE')}"), refusal.message
+    assert refusal.message.startswith(
+        "The gradient of `temperature` no longer reaches the outputs after the ring "
+        f"rewrite: it reaches `detach` at {HERE}:{_line('TEMPERATURE')}"
+    ), refusal.message
     assert "silently" in refusal.message and "requires_grad_(False)" in refusal.message
 
 
@@ -279,8 +287,10 @@ def test_a_pass_that_drops_a_parameters_use_is_refused_naming_the_removed_op(mon
     _with_pass(monkeypatch, drop_the_temperature)
     refusal = ringpass.inspect(Tempered(), (torch.randn(1, 16, 8),), world_size=2).reports[0].refusal
     assert refusal is not None and (refusal.op, refusal.source) == ("mul", f"{HERE}:{_line('TEMPERATURE')}")
-    assert f"`temperature` no longer reaches the outputs after the ring rewrite: it fed `mul` at {HERE}:" \
-           f"{_line('TEMPERATURE')}, which the rewrite removed" in refusal.message, refusal.message
+    assert (
+        f"`temperature` no longer reaches the outputs after the ring rewrite: it fed `mul` at {HERE}:"
+        f"{_line('TEMPERATURE')}, which the rewrite removed" in refusal.message
+    ), refusal.message
 
 
 def test_a_learned_bias_table_trains_through_the_ring_op_or_is_refused(monkeypatch):
@@ -294,9 +304,11 @@ def test_a_learned_bias_table_trains_through_the_ring_op_or_is_refused(monkeypat
     refusal = inspection.reports[0].refusal
     where = f"{HERE}:{_line('RELATIVE')}"
     assert inspection.status == "refused" and (refusal.op, refusal.source) == ("ring_attention", where)
-    assert "The gradient of `table` no longer reaches the outputs after the ring rewrite: it reaches `ring_attention` " \
-           f"at {where} as its argument `bias_inputs`, for which the op's backward returns no " \
-           "gradient" in refusal.message, refusal.message
+    assert (
+        "The gradient of `table` no longer reaches the outputs after the ring rewrite: it reaches `ring_attention` "
+        f"at {where} as its argument `bias_inputs`, for which the op's backward returns no "
+        "gradient" in refusal.message
+    ), refusal.message
 
 
 def test_inference_never_refuses(monkeypatch):

@@ -15,24 +15,34 @@ B, HKV, G, S, D = 2, 2, 3, 5, 4  # 2 distinct heads, 3 query heads each
 
 def _falcon(k, cos):  # [B, S, Hkv, 1, D] broadcast over its group, merged into heads, then rotary
     k = torch.broadcast_to(k, (B, S, HKV, G, D)).flatten(2, 3).transpose(1, 2).reshape(B, HKV * G, S, D)
-    x1, x2 = k[..., : D // 2], k[..., D // 2:]
+    x1, x2 = k[..., : D // 2], k[..., D // 2 :]
     return k * cos[:, None] + torch.cat((-x2, x1), dim=-1) * cos[:, None]
 
 
 CASES = {  # name: (keys from k [B, S, Hkv, 1, D] and cos [B, S, D], the group size to prove)
     "falcon: broadcast, merge, rotary": (_falcon, G),
     "expand, reshape, scaled, cast": (
-        lambda k, cos: (k.expand(B, S, HKV, G, D).reshape(B, S, HKV * G, D).transpose(1, 2) * 0.5).float(), G),
+        lambda k, cos: (k.expand(B, S, HKV, G, D).reshape(B, S, HKV * G, D).transpose(1, 2) * 0.5).float(),
+        G,
+    ),
     "tiled, not grouped (h -> h % Hkv)": (
-        lambda k, cos: k.squeeze(3)[:, :, None].expand(B, S, G, HKV, D).reshape(B, S, G * HKV, D).transpose(1, 2), 1),
+        lambda k, cos: k.squeeze(3)[:, :, None].expand(B, S, G, HKV, D).reshape(B, S, G * HKV, D).transpose(1, 2),
+        1,
+    ),
     "a per-head weight after the repeat": (
-        lambda k, cos: _falcon(k, cos) * torch.arange(HKV * G, dtype=k.dtype)[None, :, None, None], 1),
+        lambda k, cos: _falcon(k, cos) * torch.arange(HKV * G, dtype=k.dtype)[None, :, None, None],
+        1,
+    ),
     "a weight constant over each group (true, not proven)": (
-        lambda k, cos: _falcon(k, cos) * torch.arange(HKV, dtype=k.dtype).repeat_interleave(G)[None, :, None, None], 1),
+        lambda k, cos: _falcon(k, cos) * torch.arange(HKV, dtype=k.dtype).repeat_interleave(G)[None, :, None, None],
+        1,
+    ),
     "a slice of the heads": (lambda k, cos: _falcon(k, cos)[:, 1:], 1),
     "noise after the repeat": (lambda k, cos: F.dropout(_falcon(k, cos), 0.5), 1),
     "heads concatenated (true, not proven)": (
-        lambda k, cos: torch.cat((_falcon(k, cos)[:, :G], _falcon(k, cos)[:, G:]), dim=1), 1),
+        lambda k, cos: torch.cat((_falcon(k, cos)[:, :G], _falcon(k, cos)[:, G:]), dim=1),
+        1,
+    ),
 }
 
 
@@ -40,7 +50,7 @@ def _claimed(build) -> tuple[int, torch.Tensor]:
     found = []
 
     def backend(gm, example_inputs):
-        sdpa, = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+        (sdpa,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
         found.append(repeated_groups(sdpa.args[1], 1))
         return gm.forward
 

@@ -5,15 +5,17 @@ import subprocess
 import sys
 
 import pytest
-
 import ring_workers
+
 from ringpass.launch import spawn_ranks
 
 
 @pytest.mark.heavy
 def test_four_ranks_long_sequence_fp32_and_fp64():
-    big = [ring_workers.Case("zigzag", True, "float32", 8191, heads=8, kv_heads=2, head_dim=64, batch=1),
-           ring_workers.Case("contiguous", False, "float64", 4099, heads=4, kv_heads=1, head_dim=32, batch=1)]
+    big = [
+        ring_workers.Case("zigzag", True, "float32", 8191, heads=8, kv_heads=2, head_dim=64, batch=1),
+        ring_workers.Case("contiguous", False, "float64", 4099, heads=4, kv_heads=1, head_dim=32, batch=1),
+    ]
     for per_rank in spawn_ranks(ring_workers.run_cases, 4, (big,), timeout=900):
         for case in big:
             bound = 1e-5 if case.dtype == "float32" else 1e-10
@@ -46,14 +48,39 @@ def test_inspect_a_llama_3_8b_shaped_config_at_128k_tokens_on_8_ranks(tmp_path):
 
     import transformers
 
-    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
-                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                             dtype="bfloat16").save_pretrained(tmp_path)
-    command = ("import resource, sys; from ringpass.cli import main; code = main(sys.argv[1:]); "
-               "print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+    transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ).save_pretrained(tmp_path)
+    command = (
+        "import resource, sys; from ringpass.cli import main; code = main(sys.argv[1:]); "
+        "print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
+    )
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", command, "inspect", "--hf-config", str(tmp_path), "--world-size", "8",
-                           "--labels", "--json", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            command,
+            "inspect",
+            "--hf-config",
+            str(tmp_path),
+            "--world-size",
+            "8",
+            "--labels",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     seconds = time.perf_counter() - started
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     peak_gib = int(re.search(r"peak KiB (\d+)", done.stdout).group(1)) / 2**20

@@ -9,9 +9,9 @@ parameter gradient.
 (e) Mistral's sliding window (read as causal + window 5; with padding, a program + window).
 """
 
+import hf_workers
 import pytest
 
-import hf_workers
 from ringpass.launch import spawn_ranks
 
 SEQ = 13  # not a multiple of 2P: zigzag padding is exercised at every world size
@@ -49,12 +49,23 @@ def _check(results, expected, world_size=None):
             assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), (case, r["kv_exchanges"])
 
 
-@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), pytest.param("llama", 4, marks=pytest.mark.heavy),
-                                             pytest.param("gpt2", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "name,world_size",
+    [
+        ("llama", 2),
+        ("gpt2", 2),
+        pytest.param("llama", 4, marks=pytest.mark.heavy),
+        pytest.param("gpt2", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_training_matches_the_unsharded_model(name, world_size):
     cases = ["labels", "left-padded", "packed"] + (["rank-all-padding"] if name == "llama" else [])
-    expected = {"labels": CAUSAL, "left-padded": PROGRAM_AND_CAUSAL, "packed": PROGRAM,
-                "rank-all-padding": PROGRAM_AND_CAUSAL}
+    expected = {
+        "labels": CAUSAL,
+        "left-padded": PROGRAM_AND_CAUSAL,
+        "packed": PROGRAM,
+        "rank-all-padding": PROGRAM_AND_CAUSAL,
+    }
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
         _check(results, expected, world_size)
 
@@ -67,22 +78,30 @@ HAND_WRITTEN = {"spelling": "hand-written"}
 
 LEARNED_BIAS_RUNS = {  # (world size, heavy): family -> cases, sequence length[, dynamic]
     (2, False): {"t5": (["right-padded"], SEQ), "mpnet-eager": (["labels"], SEQ)},
-    (2, True): {"t5-eager": (["labels", "right-padded"], SEQ), "t5 dynamic": (["right-padded"], SEQ, True),
-                "mpnet-eager padded": (["right-padded"], SEQ),
-                "mpnet-eager dynamic": (["labels"], SEQ, True), "t5 checkpointed": (["right-padded"], SEQ, None, "non-reentrant")},
+    (2, True): {
+        "t5-eager": (["labels", "right-padded"], SEQ),
+        "t5 dynamic": (["right-padded"], SEQ, True),
+        "mpnet-eager padded": (["right-padded"], SEQ),
+        "mpnet-eager dynamic": (["labels"], SEQ, True),
+        "t5 checkpointed": (["right-padded"], SEQ, None, "non-reentrant"),
+    },
     (4, True): {"t5": (["right-padded"], SEQ), "mpnet-eager": (["right-padded"], SEQ)},
 }
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size,heavy", [(2, False), pytest.param(2, True, marks=pytest.mark.heavy),
-                                              pytest.param(4, True, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "world_size,heavy",
+    [(2, False), pytest.param(2, True, marks=pytest.mark.heavy), pytest.param(4, True, marks=pytest.mark.heavy)],
+)
 def test_learned_relative_position_biases_train_through_the_ring(world_size, heavy):
     """T5's encoder (SDPA with the bias as its float mask, and eager) and MPNet (eager): a learned table of
     relative-position buckets, looked up per tile from positions and trained tile by tile (no S x S tensor),
     with and without padding, static and dynamic (then also at a second length), with gradient checkpointing."""
-    tables = {"t5": "transformer.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-              "mpnet": "mpnet.encoder.relative_attention_bias.weight"}
+    tables = {
+        "t5": "transformer.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "mpnet": "mpnet.encoder.relative_attention_bias.weight",
+    }
     runs = LEARNED_BIAS_RUNS[world_size, heavy]
     for results in spawn_ranks(hf_workers.training_steps, world_size, (runs,), timeout=850):
         for name, per_case in results.items():
@@ -91,9 +110,15 @@ def test_learned_relative_position_biases_train_through_the_ring(world_size, hea
             assert all(r.get("longer", 0.0) <= 1e-4 for r in per_case.values()), per_case
 
 
-@pytest.mark.parametrize("name,world_size", [("llama-eager", 2), pytest.param("gpt2-eager", 2, marks=pytest.mark.heavy),
-                                             ("biogpt-eager", 2),
-                                             pytest.param("llama-eager", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "name,world_size",
+    [
+        ("llama-eager", 2),
+        pytest.param("gpt2-eager", 2, marks=pytest.mark.heavy),
+        ("biogpt-eager", 2),
+        pytest.param("llama-eager", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_eager_attention_trains_through_the_ring(name, world_size):
     """Hugging Face's written-out attention (matmul, additive mask, softmax in fp32, dropout p=0, cast,
     matmul; Llama's K/V heads repeated) is found and rewritten. Left padding leaves the padded queries no
@@ -101,15 +126,32 @@ def test_eager_attention_trains_through_the_ring(name, world_size):
     position's prediction enters the shifted loss), and the ring gives the same, gradients included."""
     cases = ["labels", "packed", "left-padded"] + (["rank-all-padding"] if name.startswith("biogpt") else [])
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
-        _check(results, {"labels": {**HAND_WRITTEN, "mask": "lifted mask program"},
-                         "packed": {**HAND_WRITTEN, "mask": "lifted mask program"},
-                         "left-padded": AVERAGES, "rank-all-padding": AVERAGES}, world_size)
+        _check(
+            results,
+            {
+                "labels": {**HAND_WRITTEN, "mask": "lifted mask program"},
+                "packed": {**HAND_WRITTEN, "mask": "lifted mask program"},
+                "left-padded": AVERAGES,
+                "rank-all-padding": AVERAGES,
+            },
+            world_size,
+        )
 
 
-@pytest.mark.parametrize("name,cases,expected", [
-    ("gpt_neo", ["labels", "packed"], [{"mask": "lifted mask program + causal, evaluated"},
-                                       {"mask": "lifted mask program + causal, sliding window 5"}]),
-    ("codegen", ["labels", "left-padded"], [{"scale": 0.3536}, AVERAGES])])
+@pytest.mark.parametrize(
+    "name,cases,expected",
+    [
+        (
+            "gpt_neo",
+            ["labels", "packed"],
+            [
+                {"mask": "lifted mask program + causal, evaluated"},
+                {"mask": "lifted mask program + causal, sliding window 5"},
+            ],
+        ),
+        ("codegen", ["labels", "left-padded"], [{"scale": 0.3536}, AVERAGES]),
+    ],
+)
 def test_older_eager_spellings_train_through_the_ring(name, cases, expected):
     """GPT-Neo: ``where(buffer, scores, torch.tensor(finfo.min)) + mask``, a second mask inside the first, read
     from a causal buffer (global layers) or a banded one (local layers: a sliding window of 5). CodeGen:
@@ -127,8 +169,11 @@ def test_two_masks_with_padding_warn_where_eager_averages_fewer_keys():
     for results in spawn_ranks(hf_workers.training_step, 2, ("gpt_neo", ["left-padded"], SEQ), timeout=600):
         reports = results["left-padded"]["reports"]
         assert _rewrote_two(reports), reports
-        assert any("applies two masks: where the mask program hides every key" in difference
-                   for report in reports for difference in report["differs"]), reports
+        assert any(
+            "applies two masks: where the mask program hides every key" in difference
+            for report in reports
+            for difference in report["differs"]
+        ), reports
 
 
 @pytest.mark.parametrize("name,kv_heads", [("falcon", 2), ("falcon_mqa", 1)])
@@ -149,14 +194,24 @@ ALIBI = {"score_mods": ["ALiBi slopes, computed in-kernel from positions"]}
 SOFT_CAP = {"score_mods": ["soft-cap 0.5"]}
 SCORE_MODELS = {  # name: {case: what the report says of its attention}
     "bloom": {"labels": ALIBI, "right-padded": {"score_mods": ["lifted bias program, evaluated per tile"]}},
-    "mpt": {"labels": ALIBI, "right-padded": ALIBI,
-            "left-padded": {**ALIBI, "fully_masked": "uniform_values"}},  # masked_fill(finfo.min): averages, grads to v
+    "mpt": {
+        "labels": ALIBI,
+        "right-padded": ALIBI,
+        "left-padded": {**ALIBI, "fully_masked": "uniform_values"},
+    },  # masked_fill(finfo.min): averages, grads to v
     "gemma2": {"labels": SOFT_CAP, "packed": SOFT_CAP, "left-padded": {**SOFT_CAP, **AVERAGES}},
 }
 
 
-@pytest.mark.parametrize("name,world_size", [("bloom", 2), pytest.param("mpt", 2, marks=pytest.mark.heavy), ("gemma2", 2),
-                                             pytest.param("bloom", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "name,world_size",
+    [
+        ("bloom", 2),
+        pytest.param("mpt", 2, marks=pytest.mark.heavy),
+        ("gemma2", 2),
+        pytest.param("bloom", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_score_modifiers_train_through_the_ring(name, world_size):
     """ALiBi (BLOOM: ``baddbmm`` over merged batch and heads, slopes times key positions, from the padding
     mask's cumsum when one is passed; MPT: a bias sliced from a max-length table) and logit soft-capping
@@ -166,8 +221,14 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
         _check(results, {case: {**HAND_WRITTEN, **fields} for case, fields in expected.items()}, world_size)
 
 
-@pytest.mark.parametrize("name,world_size", [("mixtral", 2), pytest.param("llama4", 2, marks=pytest.mark.heavy),
-                                             pytest.param("mixtral", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "name,world_size",
+    [
+        ("mixtral", 2),
+        pytest.param("llama4", 2, marks=pytest.mark.heavy),
+        pytest.param("mixtral", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_mixture_of_experts_trains_through_the_ring(name, world_size):
     """Mixtral's grouped experts sort this rank's tokens by expert, count them per expert (segment offsets
     of the grouped matmuls) and restore their order: a token-local permutation, no gather of the sequence.
@@ -184,17 +245,32 @@ def test_mixture_of_experts_trains_through_the_ring(name, world_size):
 def test_multi_head_latent_attention_trains_through_the_ring():
     """DeepSeek-V3: keys assembled by ``copy_`` into ``new_empty`` slices (in-place writes the rewrite must
     keep), values narrower than keys (padded to travel), a router built with ``scatter_`` / ``gather``."""
-    for results in spawn_ranks(hf_workers.training_step, 2, ("deepseek_v3", ["labels", "right-padded"], SEQ), timeout=600):
-        _check(results, {"labels": {"spelling": "sdpa", **CAUSAL, "scale": 0.2887, "query_heads": 4, "kv_heads": 4,
-                                    "head_dim": 12},
-                         "right-padded": PROGRAM_AND_CAUSAL}, 2)
+    for results in spawn_ranks(
+        hf_workers.training_step, 2, ("deepseek_v3", ["labels", "right-padded"], SEQ), timeout=600
+    ):
+        _check(
+            results,
+            {
+                "labels": {
+                    "spelling": "sdpa",
+                    **CAUSAL,
+                    "scale": 0.2887,
+                    "query_heads": 4,
+                    "kv_heads": 4,
+                    "head_dim": 12,
+                },
+                "right-padded": PROGRAM_AND_CAUSAL,
+            },
+            2,
+        )
 
 
 def test_a_mask_built_with_vmap_is_lifted():
     """Bidirectional Gemma 3 (EmbeddingGemma) builds its mask by vmap over (batch, head, query, key): the
     vmap nest is rewritten into broadcasting and lifted as a mask program."""
-    for results in spawn_ranks(hf_workers.training_step, 2, ("embeddinggemma", ["labels", "right-padded"], SEQ),
-                               timeout=600):
+    for results in spawn_ranks(
+        hf_workers.training_step, 2, ("embeddinggemma", ["labels", "right-padded"], SEQ), timeout=600
+    ):
         program = {"spelling": "sdpa", "mask": "lifted mask program"}
         _check(results, {"labels": program, "right-padded": program}, 2)
 
@@ -207,11 +283,17 @@ def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     backward's own: 2 layers x (P-1) each)."""
     cases = ["labels", "left-padded"]
     expected = {"labels": {"spelling": "sdpa", **CAUSAL}, "left-padded": PROGRAM_AND_CAUSAL}
-    plain, = spawn_ranks(hf_workers.training_step, 2, ("llama", ["labels"], SEQ), timeout=600)[:1]
+    (plain,) = spawn_ranks(hf_workers.training_step, 2, ("llama", ["labels"], SEQ), timeout=600)[:1]
     for results in spawn_ranks(hf_workers.training_step, 2, ("llama", cases, SEQ, None, checkpointed), timeout=600):
         _check(results, expected, 2)
-        assert all(any("activation-checkpoint region(s) opened: recomputed" in warning
-                       for report in r["reports"] for warning in report["warnings"]) for r in results.values()), results
+        assert all(
+            any(
+                "activation-checkpoint region(s) opened: recomputed" in warning
+                for report in r["reports"]
+                for warning in report["warnings"]
+            )
+            for r in results.values()
+        ), results
         assert results["labels"]["saved_bytes"] < 0.8 * plain["labels"]["saved_bytes"], (results, plain)
 
 
@@ -232,12 +314,15 @@ def test_dynamic_shapes_in_families_that_spell_sizes_their_own_way():
     break), so the resumed frame gets ``logits_to_keep`` as a symbolic int that slices the sequence (read as
     its number, guarded), and whose Conv1D reshapes to ``x.size()[:-1] + (nf,)`` (a ``torch.Size`` of the
     length); BLOOM's merged batch x heads with ALiBi slopes; RoFormer's ``torch.zeros(input_ids.size())``."""
-    runs = {"gpt2_as_shipped": (["left-padded"], SEQ, True, "", "", False), "bloom": (["labels"], SEQ, True),
-            "roformer": (["left-padded"], SEQ, True)}
+    runs = {
+        "gpt2_as_shipped": (["left-padded"], SEQ, True, "", "", False),
+        "bloom": (["labels"], SEQ, True),
+        "roformer": (["left-padded"], SEQ, True),
+    }
     expected = {"gpt2_as_shipped": PROGRAM_AND_CAUSAL, "bloom": ALIBI, "roformer": {"mask": "lifted mask program"}}
     for by_family in spawn_ranks(hf_workers.training_steps, 2, (runs,), timeout=600):
         for name, results in by_family.items():
-            _check(results, {case: expected[name] for case in results}, 2)
+            _check(results, dict.fromkeys(results, expected[name]), 2)
             assert all(r["longer"] <= 1e-4 for r in results.values()), (name, results)
 
 
@@ -253,14 +338,23 @@ def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]
-    expected = {"labels": {"mask": "causal, sliding window 5", "window": 5},
-                "left-padded": {"mask": "lifted mask program + causal, sliding window 5", "window": 5}}
+    expected = {
+        "labels": {"mask": "causal, sliding window 5", "window": 5},
+        "left-padded": {"mask": "lifted mask program + causal, sliding window 5", "window": 5},
+    }
     for results in spawn_ranks(hf_workers.training_step, world_size, ("mistral", cases, SEQ), timeout=600):
         _check(results, expected)
 
 
-@pytest.mark.parametrize("name,world_size", [("llama", 2), ("gpt2", 2), pytest.param("gpt2", 4, marks=pytest.mark.heavy),
-                                             pytest.param("llama", 4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "name,world_size",
+    [
+        ("llama", 2),
+        ("gpt2", 2),
+        pytest.param("gpt2", 4, marks=pytest.mark.heavy),
+        pytest.param("llama", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_use_cache_forward_in_eval_matches_the_unsharded_model(name, world_size):
     for result in spawn_ranks(hf_workers.generate_prefill, world_size, (name, SEQ), timeout=300):
         assert result["logits"] <= 1e-4 and result["cache"] <= 1e-4, result
@@ -303,7 +397,9 @@ def test_sequence_classification_picks_the_last_non_padding_token(world_size):
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
 
 
-@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.heavy)], ids=["fullgraph", "graph-breaks"])
+@pytest.mark.parametrize(
+    "fullgraph", [True, pytest.param(False, marks=pytest.mark.heavy)], ids=["fullgraph", "graph-breaks"]
+)
 def test_hugging_face_flex_attention_trains_through_the_ring(fullgraph):
     """``attn_implementation="flex_attention"``: HF's block mask (causal, padding, packed documents) becomes a
     mask program evaluated per tile; the same weights with SDPA, run whole, are the reference. (HF's flex mask

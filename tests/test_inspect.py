@@ -12,14 +12,14 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import inspect_targets
+import models
 import networkx as nx
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 
-import inspect_targets
-import models
 import ringpass
 from lowering import Layout
 from lowering.schedule import schedule_table
@@ -32,6 +32,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "inspect.md"
 @pytest.fixture(autouse=True)
 def no_process_group(monkeypatch):
     """Inspection must never create a process group (or need one)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("inspect created a process group")
 
@@ -47,8 +48,8 @@ def _cli(tmp_path, *args) -> tuple[int, dict]:
 
 
 def _visible_pairs_brute_force(layout: Layout, q_rank: int, kv_rank: int, window=None) -> int:
-    q = layout.positions(q_rank)[:layout.valid_len(q_rank)]
-    k = layout.positions(kv_rank)[:layout.valid_len(kv_rank)]
+    q = layout.positions(q_rank)[: layout.valid_len(q_rank)]
+    k = layout.positions(kv_rank)[: layout.valid_len(kv_rank)]
     visible = k[None, :] <= q[:, None]
     if window is not None:
         visible &= q[:, None] - k[None, :] < window
@@ -58,8 +59,18 @@ def _visible_pairs_brute_force(layout: Layout, q_rank: int, kv_rank: int, window
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_factory_through_the_cli(tmp_path, capsys, layout):
     world, n, batch = 4, 64, 2
-    code, data = _cli(tmp_path, f"{TARGETS}:llama", "--world-size", str(world), "--seq-len", str(n),
-                      "--batch", str(batch), "--layout", layout)
+    code, data = _cli(
+        tmp_path,
+        f"{TARGETS}:llama",
+        "--world-size",
+        str(world),
+        "--seq-len",
+        str(n),
+        "--batch",
+        str(batch),
+        "--layout",
+        layout,
+    )
     assert code == 0 and data["status"] == "rewritten" and data["schema_version"] == 1
     (graph,) = data["graphs"]
     assert len(graph["attentions"]) == 2 and graph["status"] == "rewritten"
@@ -74,8 +85,10 @@ def test_factory_through_the_cli(tmp_path, capsys, layout):
     assert ring["exchanges"] == {"forward_kv": world - 1, "backward_kv": world - 1, "backward_dkv": world}
     assert ring["schedule"] == schedule_table(Layout(layout, world, n), True)
     assert ring["contiguous_schedule"] == schedule_table(Layout("contiguous", world, n), True)
-    pairs = [[_visible_pairs_brute_force(Layout(layout, world, n), r, (r - s) % world) for s in range(world)]
-             for r in range(world)]
+    pairs = [
+        [_visible_pairs_brute_force(Layout(layout, world, n), r, (r - s) % world) for s in range(world)]
+        for r in range(world)
+    ]
     assert ring["pairs"] == pairs and sum(map(sum, pairs)) == n * (n + 1) // 2
     assert ring["flops_forward"] == [[4 * batch * 4 * 8 * p for p in row] for row in pairs]
     if layout == "zigzag":  # balanced: every rank scores the same number of pairs
@@ -96,9 +109,18 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     graph = data["graphs"][0]
     _, refused = _cli(tmp_path, f"{TARGETS}:refused", "--world-size", "2")
     ring = graph["ring"][0]
-    keys = set(data) | set(graph) | set(graph["attentions"][0]) | set(graph["inputs"][0]) | set(ring) \
-        | set(graph["collectives"][0]) | set(graph["activations"]) | set(ring["exchanges"]) | set(ring["memory_per_rank"]) \
+    keys = (
+        set(data)
+        | set(graph)
+        | set(graph["attentions"][0])
+        | set(graph["inputs"][0])
+        | set(ring)
+        | set(graph["collectives"][0])
+        | set(graph["activations"])
+        | set(ring["exchanges"])
+        | set(ring["memory_per_rank"])
         | set(refused["graphs"][0]["refusal"])
+    )
     missing = sorted(k for k in keys if f"`{k}`" not in documented)
     assert not missing, f"keys not documented in docs/inspect.md: {missing}"
 
@@ -151,8 +173,10 @@ def test_refused_model_exits_2_with_the_op_its_line_and_the_chain(tmp_path, caps
     assert code == 2 and data["status"] == "refused"
     refusal = data["graphs"][0]["refusal"]
     lines = Path(TARGETS).read_text().splitlines()
-    attention, blocking = (next(i + 1 for i, line in enumerate(lines) if code in line)
-                           for code in ("y = F.scaled_dot_product_attention(q, q, q", "cumsum(dim=1)"))
+    attention, blocking = (
+        next(i + 1 for i, line in enumerate(lines) if code in line)
+        for code in ("y = F.scaled_dot_product_attention(q, q, q", "cumsum(dim=1)")
+    )
     assert refusal["op"] == "cumsum" and refusal["source"] == f"inspect_targets.py:{blocking}"
     chain = refusal["chain"]
     assert chain[0].startswith("`scaled_dot_product_attention`") and f"inspect_targets.py:{attention}" in chain[0]
@@ -168,10 +192,13 @@ def test_no_attention_is_stated_loudly(tmp_path, capsys):
     assert "NO ATTENTION FOUND" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--seq-len", "8"], "takes no `seq_len`"),
-    ([], "must return \\(model, example_inputs\\)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seq-len", "8"], "takes no `seq_len`"),
+        ([], "must return \\(model, example_inputs\\)"),
+    ],
+)
 def test_bad_targets_exit_1_with_a_reason(capsys, args, message):
     target = "no_attention" if args else "not_a_pair"
     assert main(["inspect", f"{TARGETS}:{target}", "--world-size", "2", *args]) == 1
@@ -193,15 +220,23 @@ def test_causal_buffer_is_read_from_the_real_buffer():
     """A registered tril buffer is meta inside inspect; its real values decide that the mask is causal."""
     import models
 
-    inspection = ringpass.inspect(models.Spellings("bmm_mT_tril_buffer_where"), torch.zeros(2, 12, dtype=torch.long),
-                                  world_size=2)
+    inspection = ringpass.inspect(
+        models.Spellings("bmm_mT_tril_buffer_where"), torch.zeros(2, 12, dtype=torch.long), world_size=2
+    )
     assert inspection.status == "rewritten" and inspection.reports[0].attention[0].mask == "causal"
 
 
 def _hf_config(tmp_path, **overrides) -> str:
     config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=1000, max_position_embeddings=8192, **overrides)
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=8192,
+        **overrides,
+    )
     config.save_pretrained(tmp_path)
     return str(tmp_path / "config.json")
 
@@ -211,8 +246,21 @@ def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
     config = _hf_config(tmp_path)
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [str(Path(sys.executable).with_name("ringpass")), "inspect", "--hf-config", config, "--world-size", "8",
-         "--labels", "--json", str(out)], capture_output=True, text=True, timeout=240)
+        [
+            str(Path(sys.executable).with_name("ringpass")),
+            "inspect",
+            "--hf-config",
+            config,
+            "--world-size",
+            "8",
+            "--labels",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     graph = json.loads(out.read_text())["graphs"][0]
     n, world = 8192, 8  # the config's max_position_embeddings
@@ -226,35 +274,61 @@ def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
 
 def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(_hf_config(tmp_path)))
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(_hf_config(tmp_path))
+        )
     ids = torch.zeros(2, 96, dtype=torch.long)
-    inspection = ringpass.inspect(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False},
-                                  world_size=4)
+    inspection = ringpass.inspect(
+        model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}, world_size=4
+    )
     attention = inspection.reports[0].attention[0]
     assert attention.mask.startswith("lifted mask program + causal") and "attention_mask" in attention.mask_inputs
     assert {v.name: v.placement for v in inspection.reports[0].inputs}["attention_mask"] == "whole"
 
 
 def test_sliding_window_schedule_skips_blocks_outside_the_window(tmp_path):
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=100, sliding_window=100)
+    config = transformers.MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        sliding_window=100,
+    )
     with torch.device("meta"):
         model = transformers.MistralForCausalLM(config)
     n, world = 1024, 4
-    inspection = ringpass.inspect(model, {"input_ids": torch.zeros(1, n, dtype=torch.long), "use_cache": False},
-                                  world_size=world)
+    inspection = ringpass.inspect(
+        model, {"input_ids": torch.zeros(1, n, dtype=torch.long), "use_cache": False}, world_size=world
+    )
     ring = inspection.as_dict()["graphs"][0]["ring"][0]
     layout = Layout("zigzag", world, n)
-    pairs = [[_visible_pairs_brute_force(layout, r, (r - s) % world, window=100) for s in range(world)] for r in range(world)]
+    pairs = [
+        [_visible_pairs_brute_force(layout, r, (r - s) % world, window=100) for s in range(world)] for r in range(world)
+    ]
     assert ring["pairs"] == pairs
-    assert all((word == "skipped") == (count == 0) for row, counts in zip(ring["schedule"], pairs) for word, count in zip(row, counts))
-    assert sum(row.count("skipped") for row in ring["schedule"]) > sum(row.count("skipped") for row in schedule_table(layout, True))
+    assert all(
+        (word == "skipped") == (count == 0)
+        for row, counts in zip(ring["schedule"], pairs)
+        for word, count in zip(row, counts)
+    )
+    assert sum(row.count("skipped") for row in ring["schedule"]) > sum(
+        row.count("skipped") for row in schedule_table(layout, True)
+    )
 
 
 def test_meta_device_large_config_stays_fast_and_small():
     """A Llama-3-8B-shaped layer pair at 16k tokens on 8 ranks (the 128k target is in test_heavy)."""
-    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
-                                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384)
+    config = transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=16384,
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     ids = torch.zeros(1, 16384, dtype=torch.long)
@@ -307,7 +381,8 @@ def test_attention_output_returned_directly_is_gathered(tmp_path, capsys):
     assert code == 0
     (graph,) = data["graphs"]
     assert [(o["name"], o["shape"], o["dtype"], o["placement"], o["dim"], o["nbytes"]) for o in graph["outputs"]] == [
-        ("output 0", [2, 2, 16, 4], "float32", "gathered", 2, 1024)]
+        ("output 0", [2, 2, 16, 4], "float32", "gathered", 2, 1024)
+    ]
     assert "torch.ops.ringpass.gather_sequence.default" in capsys.readouterr().out  # --code: the rewritten FX code
     # a plain tensor attribute, named as the model's code names it
     assert ("me.gain", [8], "float32") in [(v["name"], v["shape"], v["dtype"]) for v in graph["inputs"]]
@@ -346,7 +421,9 @@ def test_window_blocks_are_named_from_their_visible_pairs():
             pairs = _visible_pairs_brute_force(layout, r, kv, window=20)
             word = cost.schedule[r][s]
             assert cost.pairs[r][s] == pairs
-            assert word == ("skipped" if pairs == 0 else "diagonal" if kv == r else "full" if pairs == 16 * 16 else "partial")
+            assert word == (
+                "skipped" if pairs == 0 else "diagonal" if kv == r else "full" if pairs == 16 * 16 else "partial"
+            )
     assert cost.schedule[3][3] == "skipped" and cost.pairs[3][2] == 6 and cost.schedule[3][2] == "partial"  # not "full"
 
 
@@ -378,7 +455,7 @@ def test_an_attention_it_cannot_read_is_refused_not_run_unsharded(tmp_path):
 def test_soft_capped_scores_with_a_distance_bias_are_rewritten(tmp_path):
     code, data = _cli(tmp_path, f"{TARGETS}:soft_capped_scores", "--world-size", "2")
     assert code == 0
-    attention, = data["graphs"][0]["attentions"]
+    (attention,) = data["graphs"][0]["attentions"]
     assert attention["score_mods"] == ["soft-cap 30", "lifted bias program, evaluated per tile"]
     assert attention["scale"] == 0.5
 
@@ -433,14 +510,23 @@ def test_a_sharded_padding_mask_is_gathered_and_a_sharded_activation_needed_whol
     report = ringpass.inspect(KeyPadding(), (x, keep), world_size=2, inputs="sharded").reports[0]
     assert report.status == "rewritten", report.refusal
     gathered = [c for c in report.collectives if c.what == "input keep (passed sharded, needed whole)"]
-    assert len(gathered) == 1 and gathered[0].kind == "all-gather" and gathered[0].nbytes == 2 * 8 * 2, report.collectives
+    assert len(gathered) == 1 and gathered[0].kind == "all-gather" and gathered[0].nbytes == 2 * 8 * 2, (
+        report.collectives
+    )
     refusal = ringpass.inspect(RunningSumOfInput(), (x,), world_size=2, inputs="sharded").reports[0].refusal
-    assert refusal is not None and "Input x is passed sharded (inputs='sharded') but `cumsum`" in refusal.message, refusal
+    assert refusal is not None and "Input x is passed sharded (inputs='sharded') but `cumsum`" in refusal.message, (
+        refusal
+    )
 
 
-@pytest.mark.parametrize("fill,plan,warned", [(float("-inf"), "zero", False),
-                                              (torch.finfo(torch.float32).min, "uniform_values", False),
-                                              (-1e4, "uniform_values", True)])
+@pytest.mark.parametrize(
+    "fill,plan,warned",
+    [
+        (float("-inf"), "zero", False),
+        (torch.finfo(torch.float32).min, "uniform_values", False),
+        (-1e4, "uniform_values", True),
+    ],
+)
 def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, warned, capsys):
     """A -inf fill gives 0 there (eager: NaN); finfo.min makes eager's softmax uniform, and the ring averages
     too; -1e4 does not swamp the scores (eager still weighs them): averaged, and rank 0 prints a WARNING."""
@@ -448,7 +534,7 @@ def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, w
     ids = torch.randint(0, 61, (2, 12))
     doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     inspection = ringpass.inspect(model, (ids, doc), world_size=2)
-    report, = inspection.reports
+    (report,) = inspection.reports
     assert report.attention[0].mask.startswith("lifted mask program")
     assert report.attention[0].fully_masked == plan
     assert any("still weighs those keys" in w for w in report.differs) == warned
@@ -457,12 +543,15 @@ def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, w
     assert ("WARNING: " in capsys.readouterr().err) == warned
 
 
-@pytest.mark.parametrize("target,words", [
-    ("mask_before_a_break", "a sequence x sequence tensor"),  # and why it arrives whole: the graph break
-    ("attention_in_a_cond", "holds an attention in its body"),
-    ("einsum_with_heads_last", "an attention the ring backend does not recognise"),
-    ("scores_copied_first", "an attention the ring backend does not recognise"),
-])
+@pytest.mark.parametrize(
+    "target,words",
+    [
+        ("mask_before_a_break", "a sequence x sequence tensor"),  # and why it arrives whole: the graph break
+        ("attention_in_a_cond", "holds an attention in its body"),
+        ("einsum_with_heads_last", "an attention the ring backend does not recognise"),
+        ("scores_copied_first", "an attention the ring backend does not recognise"),
+    ],
+)
 def test_what_the_ring_cannot_rewrite_is_refused_saying_why_not_run_unsharded(tmp_path, target, words):
     code, data = _cli(tmp_path, f"{TARGETS}:{target}", "--world-size", "2")
     assert code == 2, data
@@ -475,7 +564,7 @@ def test_what_the_ring_cannot_rewrite_is_refused_saying_why_not_run_unsharded(tm
 def test_soft_capped_scores_without_a_mask_are_rewritten(tmp_path):
     code, data = _cli(tmp_path, f"{TARGETS}:capped_without_mask", "--world-size", "2")
     assert code == 0, data
-    attention, = data["graphs"][0]["attentions"]
+    (attention,) = data["graphs"][0]["attentions"]
     assert attention["score_mods"] == ["soft-cap 3"] and attention["scale"] == 0.5
 
 
@@ -496,7 +585,10 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
     class Weights(torch.nn.Module):
         def __init__(self, **options):
             super().__init__()
-            self.embed, self.attn = torch.nn.Embedding(61, 32), torch.nn.MultiheadAttention(32, 4, batch_first=True, **options)
+            self.embed, self.attn = (
+                torch.nn.Embedding(61, 32),
+                torch.nn.MultiheadAttention(32, 4, batch_first=True, **options),
+            )
 
         def forward(self, ids):
             x = self.embed(ids)
@@ -507,9 +599,9 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
         refused = ringpass.inspect(Weights(**options), (ids,), world_size=2)
         assert refused.status == "refused" and words in refused.reports[0].refusal.message
 
-    from ringpass.passes import run_pipeline
     from ringpass.graph_utils.context import PassContext
     from ringpass.options import RingOptions
+    from ringpass.passes import run_pipeline
     from ringpass.report import Report
 
     messages = []

@@ -3,12 +3,12 @@ tile by tile (so mask memory does not grow with the sequence), empty tiles skipp
 
 import pytest
 import torch
+from reference import masked_attention_fp64, rel_err
+from ring_checks import check_simulated_ring, qkv_fp64
 
 import lowering.masks
 from lowering import InvalidInputError, Layout, record_ring_events, simulate_ring
 from lowering.kernels import block_attention, block_attention_backward
-from reference import masked_attention_fp64, rel_err
-from ring_checks import check_simulated_ring, qkv_fp64
 
 
 def packed_documents(q_pos, kv_pos, document):
@@ -28,12 +28,13 @@ def _cases(seq_len):
     keep[0, :7] = False  # left padding: the first 7 queries of sequence 0 see no key at all
     causal = pos[None, :] <= pos[:, None]
     return {
-        "packed": (dict(mask=packed_documents, mask_inputs=[document]),
-                   packed_documents(pos, pos, document)),
+        "packed": (dict(mask=packed_documents, mask_inputs=[document]), packed_documents(pos, pos, document)),
         "left-padded": (dict(mask=left_padding, mask_inputs=[keep]), left_padding(pos, pos, keep)),
         "window": (dict(window=6), causal & (pos[:, None] - pos[None, :] < 6)),
-        "window+packed": (dict(window=9, mask=packed_documents, mask_inputs=[document]),
-                          packed_documents(pos, pos, document) & (pos[:, None] - pos[None, :] < 9)),
+        "window+packed": (
+            dict(window=9, mask=packed_documents, mask_inputs=[document]),
+            packed_documents(pos, pos, document) & (pos[:, None] - pos[None, :] < 9),
+        ),
     }
 
 
@@ -79,8 +80,15 @@ def test_mask_memory_is_bounded_by_the_tile_not_the_sequence(monkeypatch):
         q, k, v = qkv_fp64(seq_len, heads=(2, 1))
         document = torch.arange(seq_len) // 300
         with record_ring_events() as events:
-            simulate_ring(q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, mask=packed_documents,
-                          mask_inputs=[document])
+            simulate_ring(
+                q,
+                k,
+                v,
+                layout=Layout("zigzag", 2, seq_len),
+                is_causal=True,
+                mask=packed_documents,
+                mask_inputs=[document],
+            )
         tiles = [e.fields["numel"] for e in events if e.kind == "mask_tile"]
         largest[seq_len] = max(tiles)
     assert largest[512] == largest[2048] == 16 * 2 * 16
@@ -92,8 +100,15 @@ def test_tiles_that_the_mask_empties_are_never_computed(monkeypatch):
     q, k, v = qkv_fp64(seq_len, heads=(2, 2), batch=1)
     document = torch.arange(seq_len) // 16  # four documents: most of the causal triangle is masked
     with record_ring_events() as events:
-        simulate_ring(q, k, v, layout=Layout("contiguous", 2, seq_len), is_causal=True, mask=packed_documents,
-                      mask_inputs=[document])
+        simulate_ring(
+            q,
+            k,
+            v,
+            layout=Layout("contiguous", 2, seq_len),
+            is_causal=True,
+            mask=packed_documents,
+            mask_inputs=[document],
+        )
     calls = [e for e in events if e.kind == "block_forward"]
     assert len(calls) == 4  # the four documents' diagonal tiles; every other tile is empty and skipped
     assert all(e.fields["causal"] and not e.fields["masked"] for e in calls)  # each one exactly causal: fused path
@@ -114,7 +129,9 @@ def test_a_window_or_program_that_hides_nothing_keeps_each_task_whole(monkeypatc
     plain, _ = _calls(monkeypatch)
     window, evaluated = _calls(monkeypatch, window=128)
     assert len(window) == len(plain) and not evaluated and not any(e.fields["masked"] for e in window)
-    one_document, evaluated = _calls(monkeypatch, mask=packed_documents, mask_inputs=[torch.zeros(128, dtype=torch.long)])
+    one_document, evaluated = _calls(
+        monkeypatch, mask=packed_documents, mask_inputs=[torch.zeros(128, dtype=torch.long)]
+    )
     assert len(one_document) == len(plain) and not any(e.fields["masked"] for e in one_document)
     assert evaluated and max(e.fields["numel"] for e in evaluated) <= 8 * 8 * lowering.masks.MASK_STRIP
 
@@ -138,8 +155,9 @@ def test_an_additive_mask_carrying_a_bias_applies_both():
         distance = (kv_pos[None, :] - q_pos[:, None]).double()
         return torch.where(distance <= 0, 0.3 * distance, float("-inf"))[None, None]
 
-    expected = masked_attention_fp64(q, k, v, (pos[None, :] <= pos[:, None])[None, None],
-                                     bias=0.3 * (pos[None, :] - pos[:, None]).double())
+    expected = masked_attention_fp64(
+        q, k, v, (pos[None, :] <= pos[:, None])[None, None], bias=0.3 * (pos[None, :] - pos[:, None]).double()
+    )
     for kind in ("contiguous", "zigzag"):
         sim = simulate_ring(q, k, v, layout=Layout(kind, 2, seq_len), mask=alibi_and_causal)
         assert rel_err(sim.out, expected) < 1e-12
@@ -163,13 +181,17 @@ def test_block_kernel_with_a_mask_and_a_window_on_scattered_positions():
     assert rel_err(out, expected) < 1e-12
     dout = torch.randn_like(expected)
     expected.backward(dout)
-    grads = block_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, q_pos, kv_pos,
-                                     is_causal=True, window=4, mask=mask)
+    grads = block_attention_backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, q_pos, kv_pos, is_causal=True, window=4, mask=mask
+    )
     for got, leaf in zip(grads, (q, k, v)):
         assert rel_err(got, leaf.grad) < 1e-12
 
 
 def test_two_mask_functions_never_share_an_id():
-    first, second = (lambda q, k: (k[None, :] <= q[:, None])[None, None]), (lambda q, k: (k[None, :] >= q[:, None])[None, None])
+    first, second = (
+        (lambda q, k: (k[None, :] <= q[:, None])[None, None]),
+        (lambda q, k: (k[None, :] >= q[:, None])[None, None]),
+    )
     assert lowering.masks.register_mask(first) != lowering.masks.register_mask(second)
     assert lowering.masks.mask_program(lowering.masks.register_mask(second)) is second

@@ -1,9 +1,9 @@
 """The log-sum-exp merge against attention over the union of two key sets, in fp64."""
 
 import torch
+from reference import rel_err
 
 from lowering.kernels import merge
-from reference import rel_err
 
 
 def _attend(q, k, v):

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from lowering.masks import register_mask
-from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
 from reference import attention_fp64, rel_err
+
+from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
+from lowering.masks import register_mask
 
 
 def _qkv(n, heads=4, kv_heads=2, dim=8, dtype=torch.float64):
@@ -37,10 +37,27 @@ def test_opcheck(contiguous, scores):
         q, k, v = _qkv(n)
     else:
         q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
-    modifiers = (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)],
-                 "uniform") if scores else (None, None, "", [], "zero")
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "zigzag", 1, n, True, 0.3, "", None, "", [],
-            *modifiers, 1)
+    modifiers = (
+        (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)], "uniform")
+        if scores
+        else (None, None, "", [], "zero")
+    )
+    args = (
+        q.requires_grad_(),
+        k.requires_grad_(),
+        v.requires_grad_(),
+        "zigzag",
+        1,
+        n,
+        True,
+        0.3,
+        "",
+        None,
+        "",
+        [],
+        *modifiers,
+        1,
+    )
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
 
 
@@ -56,18 +73,39 @@ BAD_INPUTS = {
     "mixed dtypes": (dict(k=k.float()), InvalidInputError, r"share one dtype"),
     "k on another device": (dict(k=k.to("meta")), InvalidInputError, r"on one device.*\.to\(\)"),
     "k and v differ": (dict(v=v[:, :1]), InvalidInputError, r"k and v must have the same shape"),
-    "v wider than k": (dict(v=torch.randn(2, 2, 6, 12, dtype=torch.float64)), NotSupportedError, r"values wider than keys"),
+    "v wider than k": (
+        dict(v=torch.randn(2, 2, 6, 12, dtype=torch.float64)),
+        NotSupportedError,
+        r"values wider than keys",
+    ),
     "batch differs": (dict(k=k[:1], v=v[:1]), InvalidInputError, r"agree in batch"),
-    "Hq not a multiple of Hkv": (dict(k=torch.randn(2, 3, 6, 8, dtype=torch.float64), v=torch.randn(2, 3, 6, 8, dtype=torch.float64)),
-                                 InvalidInputError, r"4 heads, k/v have 3.*multiple"),
-    "full sequence passed as a shard": (dict(layout=Layout("contiguous", 1, 5)), InvalidInputError,
-                                        r"q has 6 tokens on this rank but .* gives every rank 5; .*layout.shard"),
-    "layout for 2 ranks without a process group": (dict(layout=Layout("zigzag", 2, 12)), InvalidInputError,
-                                                   r"spans 2 ranks but no process group is initialised"),
+    "Hq not a multiple of Hkv": (
+        dict(k=torch.randn(2, 3, 6, 8, dtype=torch.float64), v=torch.randn(2, 3, 6, 8, dtype=torch.float64)),
+        InvalidInputError,
+        r"4 heads, k/v have 3.*multiple",
+    ),
+    "full sequence passed as a shard": (
+        dict(layout=Layout("contiguous", 1, 5)),
+        InvalidInputError,
+        r"q has 6 tokens on this rank but .* gives every rank 5; .*layout.shard",
+    ),
+    "layout for 2 ranks without a process group": (
+        dict(layout=Layout("zigzag", 2, 12)),
+        InvalidInputError,
+        r"spans 2 ranks but no process group is initialised",
+    ),
     "not a layout": (dict(layout="zigzag"), InvalidInputError, r"layout must be a lowering.Layout"),
-    "empty head dim": (dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), InvalidInputError, r"must not have an empty dimension"),
+    "empty head dim": (
+        dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]),
+        InvalidInputError,
+        r"must not have an empty dimension",
+    ),
     "scale not a number": (dict(scale="0.5"), InvalidInputError, r"scale must be a Python number"),
-    "group without a process group": (dict(group=object()), InvalidInputError, r"not initialised; call init_process_group"),
+    "group without a process group": (
+        dict(group=object()),
+        InvalidInputError,
+        r"not initialised; call init_process_group",
+    ),
 }
 
 

@@ -80,7 +80,7 @@ def test_a_second_run_of_a_graph_leaves_no_file_of_the_first(tmp_path, monkeypat
     assert refused.status == "refused"
     names = _written(tmp_path)
     assert names[-1].endswith("_decide_placements_refused.py")
-    assert names[:-1] == _named((passes.PREPARE, *passes.PREFILL, passes.CHECK))[:len(names) - 1]
+    assert names[:-1] == _named((passes.PREPARE, *passes.PREFILL, passes.CHECK))[: len(names) - 1]
     refused_graph = (tmp_path / "graph_0" / names[-1]).read_text()
     assert "# NotSupportedError: `cumsum`" in refused_graph and "cumsum" in refused_graph.split("class ", 1)[1]
 
@@ -104,16 +104,22 @@ def test_a_decode_graph_runs_the_decode_stage(tmp_path, monkeypatch):
 def test_each_pass_is_logged_at_debug_with_its_stage(caplog):
     with caplog.at_level(logging.DEBUG, logger="ringpass.passes"):
         ringpass.inspect(Causal(), (torch.randint(0, 50, (2, 32)),), world_size=2)
-    found = [re.match(r"graph 0, pass (\d+) \((\w+)\): (\w+):", r.getMessage()).groups() for r in caplog.records
-             if r.name == "ringpass.passes"]
+    found = [
+        re.match(r"graph 0, pass (\d+) \((\w+)\): (\w+):", r.getMessage()).groups()
+        for r in caplog.records
+        if r.name == "ringpass.passes"
+    ]
     stages = (passes.PREPARE, *passes.PREFILL, passes.CHECK)
-    assert found == [(str(i), stage, name) for i, (stage, name) in
-                     enumerate(((s.name, p.__name__) for s in stages for p in s.passes), 1)]
+    assert found == [
+        (str(i), stage, name)
+        for i, (stage, name) in enumerate(((s.name, p.__name__) for s in stages for p in s.passes), 1)
+    ]
 
 
 def _run_pipeline_on(model, inputs, caught: list):
     """Compiles ``model`` with a backend that runs the pipeline for 2 ranks (offline) and keeps what it raises;
     the compiled model returns what the captured graph computed."""
+
     def backend(gm, example_inputs):
         outputs = gm(*example_inputs)  # before the pipeline rewrites the graph
         try:
@@ -140,8 +146,9 @@ def test_a_pass_that_leaves_a_graph_that_no_longer_runs_is_caught_at_that_pass(m
     _run_pipeline_on(Causal(), (torch.randint(0, 50, (2, 32)),), caught)
     (error,) = caught
     assert isinstance(error, PassCheckError)
-    assert str(error).startswith("After the pass `_wrong_view` the graph no longer runs on fake tensors: `view` at "
-                                 f"{__file__}, line"), error
+    assert str(error).startswith(
+        f"After the pass `_wrong_view` the graph no longer runs on fake tensors: `view` at {__file__}, line"
+    ), error
     monkeypatch.setenv("RINGPASS_CHECK_PASSES", "0")  # the check is what caught it
     caught.clear()
     _run_pipeline_on(Causal(), (torch.randint(0, 50, (2, 32)),), caught)
@@ -158,7 +165,8 @@ def test_a_pass_that_leaves_a_malformed_graph_is_caught_by_the_lint(monkeypatch)
     _run_pipeline_on(Causal(), (torch.randint(0, 50, (2, 32)),), caught)
     (error,) = caught
     assert isinstance(error, PassCheckError) and str(error).startswith(
-        "After the pass `use_before_definition` the graph is malformed:"), error
+        "After the pass `use_before_definition` the graph is malformed:"
+    ), error
 
 
 @pytest.fixture(autouse=True)

@@ -10,15 +10,19 @@ import lowering  # noqa: F401 -- registers the ops
 from lowering.ring_args import PROGRAM_INPUTS, RingArgs
 
 # The schemas as they were before RingArgs spelled them: a saved program calls the ops by these positions.
-FORWARD = ("ringpass::ring_attention(Tensor q, Tensor k, Tensor v, str layout_kind, SymInt world_size, SymInt seq_len, "
-           "bool is_causal, float scale, str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, "
-           "float? softcap, float[]? alibi_slopes, str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses)"
-           " -> (Tensor, Tensor)")
-BACKWARD = ("ringpass::ring_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-            "Tensor? dlse, str layout_kind, SymInt world_size, SymInt seq_len, bool is_causal, float scale, "
-            "str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, float? softcap, float[]? alibi_slopes, "
-            "str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses, SymInt[] trained) "
-            "-> (Tensor, Tensor, Tensor, Tensor[])")
+FORWARD = (
+    "ringpass::ring_attention(Tensor q, Tensor k, Tensor v, str layout_kind, SymInt world_size, SymInt seq_len, "
+    "bool is_causal, float scale, str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, "
+    "float? softcap, float[]? alibi_slopes, str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses)"
+    " -> (Tensor, Tensor)"
+)
+BACKWARD = (
+    "ringpass::ring_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor? dlse, str layout_kind, SymInt world_size, SymInt seq_len, bool is_causal, float scale, "
+    "str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, float? softcap, float[]? alibi_slopes, "
+    "str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses, SymInt[] trained) "
+    "-> (Tensor, Tensor, Tensor, Tensor[])"
+)
 
 
 def test_the_op_schemas_are_the_ones_saved_programs_call():
@@ -38,8 +42,23 @@ def test_every_field_sits_where_the_schemas_name_it():
 def _example() -> tuple[RingArgs, list[torch.Tensor]]:
     """Arguments with no field at its default, and the tensors the programs read."""
     mask_input, first_bias, second_bias = torch.zeros(3), torch.ones(2), torch.full((4,), 2.0)
-    args = RingArgs("contiguous", 2, 16, True, 0.5, "7", 4, "mask-1", (mask_input,), 30.0, (0.5, 0.25), "bias-2",
-                    (first_bias, second_bias), "uniform", 2)
+    args = RingArgs(
+        "contiguous",
+        2,
+        16,
+        True,
+        0.5,
+        "7",
+        4,
+        "mask-1",
+        (mask_input,),
+        30.0,
+        (0.5, 0.25),
+        "bias-2",
+        (first_bias, second_bias),
+        "uniform",
+        2,
+    )
     return args, [mask_input, first_bias, second_bias]
 
 
@@ -52,8 +71,9 @@ def test_a_call_built_from_the_fields_reads_back_as_them():
     node = graph.call_function(torch.ops.ringpass.ring_attention.default, (q, k, v, *op_args))
     graph.output(graph.call_function(operator.getitem, (node, 0)))
     read = RingArgs.of_call(node.args, node.kwargs)
-    assert read == args._replace(mask_inputs=list(args.mask_inputs), alibi_slopes=[0.5, 0.25],
-                                 bias_inputs=list(args.bias_inputs))
+    assert read == args._replace(
+        mask_inputs=list(args.mask_inputs), alibi_slopes=[0.5, 0.25], bias_inputs=list(args.bias_inputs)
+    )
     keyword = RingArgs.of_call(node.args[:3], dict(zip(RingArgs._fields, op_args), q=q))  # as a normalised call
     assert keyword == read
 

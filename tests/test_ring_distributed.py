@@ -5,13 +5,13 @@ fp64 relative error <= 1e-10 (measured <= 4e-15), fp32 <= 1e-5 (measured <= 1.5e
 error of unsharded bf16 SDPA (lse <= 5e-3). Every spawn has a timeout: a dead or stuck rank fails the test.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
-
 import ring_workers
+
 from lowering import Layout
-from lowering.schedule import plan_block, kv_source
+from lowering.schedule import kv_source, plan_block
 from ringpass.launch import RankFailure, spawn_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -19,7 +19,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 TIMEOUT = 240
 
 
-@lru_cache(maxsize=None)
+@cache
 def results(world_size: int) -> list[dict]:
     return spawn_ranks(ring_workers.all_cases, world_size, timeout=TIMEOUT)
 
@@ -43,9 +43,9 @@ def test_ring_matches_unsharded_attention(world_size, case):
             assert error <= bound, f"rank {rank}: {name} relative error {error:.2e} > {bound:.0e}"
 
 
-@pytest.mark.parametrize("world_size,case", [
-    p for p in _params() if p.values[1].dtype == "float64" and not p.values[1].lse_grad
-])
+@pytest.mark.parametrize(
+    "world_size,case", [p for p in _params() if p.values[1].dtype == "float64" and not p.values[1].lse_grad]
+)
 def test_communication_and_kernel_calls_are_counted(world_size, case):
     layout = Layout(case.kind, world_size, case.seq_len)
     for rank, per_rank in enumerate(results(world_size)):
@@ -53,8 +53,9 @@ def test_communication_and_kernel_calls_are_counted(world_size, case):
         assert forward["kv"] == world_size - 1 and forward["dkv"] == 0
         assert backward["kv"] == world_size - 1
         assert backward["dkv"] == (world_size if world_size > 1 else 0)
-        planned = sum(len(plan_block(layout, rank, kv_source(rank, s, world_size), case.causal))
-                      for s in range(world_size))
+        planned = sum(
+            len(plan_block(layout, rank, kv_source(rank, s, world_size), case.causal)) for s in range(world_size)
+        )
         assert forward["blocks"] == backward["blocks"] == planned
         assert forward["masked_blocks"] == backward["masked_blocks"] == 0
 
@@ -128,8 +129,10 @@ def test_ranks_that_disagree_on_a_call_by_hand_all_refuse_then_agreeing_calls_ru
             f"Layout(kind='zigzag', world_size={world_size}, seq_len=192) on rank 0; "
             f"Layout(kind='zigzag', world_size={world_size}, seq_len=96) on {others}. Every rank of the ring must make "
             "the same ring_attention calls, in the same order: the same layout and options, on shards of the same "
-            "shape."), (rank, result["refused"])
+            "shape."
+        ), (rank, result["refused"])
         mine = 192 if rank == 0 else 96
-        assert result["agreements"] == [f"Layout(kind='zigzag', world_size={world_size}, seq_len={n})"
-                                        for n in (mine, 96, 40)], (rank, result["agreements"])
+        assert result["agreements"] == [
+            f"Layout(kind='zigzag', world_size={world_size}, seq_len={n})" for n in (mine, 96, 40)
+        ], (rank, result["agreements"])
         assert len(result["errors"]) == 5 and max(result["errors"]) < 1e-12, (rank, result["errors"])

@@ -58,11 +58,11 @@ def test_tasks_cover_exactly_the_visible_pairs_once(kind, is_causal, world_size,
             for t in plan_block(layout, r, src, is_causal):
                 rect = torch.ones(t.q_stop - t.q_start, t.kv_stop - t.kv_start, dtype=torch.int64)
                 if t.causal:
-                    q_pos = layout.positions(r)[t.q_start:t.q_stop]
-                    kv_pos = layout.positions(src)[t.kv_start:t.kv_stop]
+                    q_pos = layout.positions(r)[t.q_start : t.q_stop]
+                    kv_pos = layout.positions(src)[t.kv_start : t.kv_stop]
                     rect = (kv_pos[None, :] <= q_pos[:, None]).long()
                 assert rect.any(), "a planned task must see at least one key"
-                covered[t.q_start:t.q_stop, t.kv_start:t.kv_stop] += rect
+                covered[t.q_start : t.q_stop, t.kv_start : t.kv_stop] += rect
             assert covered.max() <= 1, "no pair may be computed twice"
             assert torch.equal(covered.bool(), _visible(layout, r, src, is_causal)), (r, step)
 

@@ -4,11 +4,11 @@ the tile."""
 
 import pytest
 import torch
+from reference import masked_attention_fp64, rel_err
+from ring_checks import check_simulated_ring, qkv_fp64
 
 import lowering.masks
 from lowering import InvalidInputError, Layout, record_ring_events, ring_attention, simulate_ring
-from reference import masked_attention_fp64, rel_err
-from ring_checks import check_simulated_ring, qkv_fp64
 
 SLOPES = [2.0 ** -(h + 1) for h in range(4)]
 
@@ -31,12 +31,23 @@ def _cases(seq_len):
     return {
         "softcap": (dict(softcap=0.6), dict(softcap=0.6), causal),
         "alibi": (dict(alibi_slopes=SLOPES), dict(bias=alibi), causal),
-        "bias-program": (dict(bias=document_bias, bias_inputs=[document]),
-                         dict(bias=document_bias(pos, pos, document)), causal),
-        "all+mask-program": (dict(softcap=1.2, alibi_slopes=SLOPES, bias=document_bias, bias_inputs=[document],
-                                  mask=packed_documents, mask_inputs=[document]),
-                             dict(softcap=1.2, bias=alibi + document_bias(pos, pos, document)),
-                             packed_documents(pos, pos, document)),
+        "bias-program": (
+            dict(bias=document_bias, bias_inputs=[document]),
+            dict(bias=document_bias(pos, pos, document)),
+            causal,
+        ),
+        "all+mask-program": (
+            dict(
+                softcap=1.2,
+                alibi_slopes=SLOPES,
+                bias=document_bias,
+                bias_inputs=[document],
+                mask=packed_documents,
+                mask_inputs=[document],
+            ),
+            dict(softcap=1.2, bias=alibi + document_bias(pos, pos, document)),
+            packed_documents(pos, pos, document),
+        ),
     }
 
 
@@ -83,21 +94,36 @@ def test_trainable_program_inputs_get_the_gradient_of_fp64_attention(monkeypatch
     keep[0, :6] = False  # left padding: queries 0-5 of row 0 see no key
     causal = (pos[None, :] <= pos[:, None])[None, None]
     options, bias, visible, trained = {
-        "bucket-table": (dict(bias=bucket_bias, bias_inputs=[table]), lambda: bucket_bias(pos, pos, table), causal,
-                         [table]),
+        "bucket-table": (
+            dict(bias=bucket_bias, bias_inputs=[table]),
+            lambda: bucket_bias(pos, pos, table),
+            causal,
+            [table],
+        ),
         "materialised-bias": (dict(bias=sliced_bias, bias_inputs=[whole]), lambda: whole, causal, [whole]),
-        "bias-in-the-mask": (dict(mask=padded_mask, mask_inputs=[keep, whole], bias=bucket_bias, bias_inputs=[table],
-                                  fully_masked="uniform"),
-                             lambda: bucket_bias(pos, pos, table) + padded_mask(pos, pos, keep, whole), None, [whole, table]),
+        "bias-in-the-mask": (
+            dict(
+                mask=padded_mask,
+                mask_inputs=[keep, whole],
+                bias=bucket_bias,
+                bias_inputs=[table],
+                fully_masked="uniform",
+            ),
+            lambda: bucket_bias(pos, pos, table) + padded_mask(pos, pos, keep, whole),
+            None,
+            [whole, table],
+        ),
     }[case]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    scores = leaves[0] @ leaves[1].repeat_interleave(2, 1).mT * 8 ** -0.5 + bias()
-    expected = torch.softmax(scores if visible is None else scores.masked_fill(~visible, float("-inf")), -1) \
-        @ leaves[2].repeat_interleave(2, 1)
+    scores = leaves[0] @ leaves[1].repeat_interleave(2, 1).mT * 8**-0.5 + bias()
+    expected = torch.softmax(scores if visible is None else scores.masked_fill(~visible, float("-inf")), -1) @ leaves[
+        2
+    ].repeat_interleave(2, 1)
     dout = torch.randn_like(expected)
     want = torch.autograd.grad(expected, [*leaves, *trained], dout)
-    sim = simulate_ring(q, k, v, layout=Layout(kind, world_size, n), is_causal=visible is not None, dout=dout,
-                        **options)
+    sim = simulate_ring(
+        q, k, v, layout=Layout(kind, world_size, n), is_causal=visible is not None, dout=dout, **options
+    )
     assert rel_err(sim.out, expected) < 1e-12
     assert len(sim.program_grads) == len(trained)
     for got, expected_grad in zip([sim.dq, sim.dk, sim.dv, *sim.program_grads], want):
@@ -110,36 +136,41 @@ def test_bias_memory_is_bounded_by_the_tile_not_the_sequence():
         q, k, v = qkv_fp64(seq_len, heads=(4, 1), batch=1)
         document = torch.arange(seq_len) // 300
         with record_ring_events() as events:
-            simulate_ring(q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, bias=document_bias,
-                          bias_inputs=[document])
+            simulate_ring(
+                q, k, v, layout=Layout("zigzag", 2, seq_len), is_causal=True, bias=document_bias, bias_inputs=[document]
+            )
         largest[seq_len] = max(e.fields["numel"] for e in events if e.kind == "bias_tile")
-    assert largest[512] == largest[1536] == 4 * lowering.masks.MASK_TILE ** 2  # one tile per head
+    assert largest[512] == largest[1536] == 4 * lowering.masks.MASK_TILE**2  # one tile per head
 
 
 def test_public_entry_point_with_slopes_and_softcap_and_lse():
     q, k, v = (t.requires_grad_() for t in qkv_fp64(12))
     pos = torch.arange(12)
-    out, lse = ring_attention(q, k, v, layout=Layout("zigzag", 1, 12), is_causal=True, softcap=2.0,
-                              alibi_slopes=SLOPES, return_lse=True)
+    out, lse = ring_attention(
+        q, k, v, layout=Layout("zigzag", 1, 12), is_causal=True, softcap=2.0, alibi_slopes=SLOPES, return_lse=True
+    )
     alibi = torch.tensor(SLOPES, dtype=torch.float64)[:, None, None] * (pos[None, :] - pos[:, None]).double()
     visible = (pos[None, :] <= pos[:, None])[None, None]
     expected = masked_attention_fp64(q, k, v, visible, softcap=2.0, bias=alibi)
     assert rel_err(out, expected) < 1e-12
-    scores = 2.0 * torch.tanh(q @ k.repeat_interleave(2, 1).mT * 8 ** -0.5 / 2.0) + alibi
+    scores = 2.0 * torch.tanh(q @ k.repeat_interleave(2, 1).mT * 8**-0.5 / 2.0) + alibi
     assert rel_err(lse, torch.logsumexp(scores.masked_fill(~visible, float("-inf")), -1)) < 1e-12
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     want = torch.autograd.grad(expected.sum(), (q, k, v))
     assert all(rel_err(g, w) < 1e-11 for g, w in zip(grads, want))
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(softcap=0.0), "softcap=0.0"),
-    (dict(softcap=float("inf")), "positive finite"),
-    (dict(alibi_slopes=[0.5, 0.25]), "one per query head"),
-    (dict(alibi_slopes=[float("nan")] * 4), "finite numbers"),
-    (dict(bias=lambda q_pos, kv_pos: (q_pos[:, None] > kv_pos[None, :])), "float tensor"),
-    (dict(bias=lambda q_pos, kv_pos: torch.zeros(3, 1, 1, 1)), "must broadcast"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(softcap=0.0), "softcap=0.0"),
+        (dict(softcap=float("inf")), "positive finite"),
+        (dict(alibi_slopes=[0.5, 0.25]), "one per query head"),
+        (dict(alibi_slopes=[float("nan")] * 4), "finite numbers"),
+        (dict(bias=lambda q_pos, kv_pos: q_pos[:, None] > kv_pos[None, :]), "float tensor"),
+        (dict(bias=lambda q_pos, kv_pos: torch.zeros(3, 1, 1, 1)), "must broadcast"),
+    ],
+)
 def test_bad_score_options_are_refused(options, message):
     q, k, v = qkv_fp64(8)
     with pytest.raises(InvalidInputError, match=message):

@@ -9,20 +9,25 @@ A length fixed while tracing, and a read that is neither a size nor a number, ar
 line and what to do.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
+import sharded_length_workers as workers
 import torch
 
 import ringpass
-import sharded_length_workers as workers
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 240
 CASES = [
-    *[(f"scaled-{mode}", dict(name="scaled", dynamic=dynamic, lengths=(16, 24)))
-      for mode, dynamic in (("static", None), ("dynamic", True))],
-    *[(f"esm-{mode}", dict(name="esm", dynamic=dynamic, lengths=(32,))) for mode, dynamic in (("static", None), ("dynamic", True))],
+    *[
+        (f"scaled-{mode}", dict(name="scaled", dynamic=dynamic, lengths=(16, 24)))
+        for mode, dynamic in (("static", None), ("dynamic", True))
+    ],
+    *[
+        (f"esm-{mode}", dict(name="esm", dynamic=dynamic, lengths=(32,)))
+        for mode, dynamic in (("static", None), ("dynamic", True))
+    ],
     ("scaled-static-false", dict(name="scaled", dynamic=False, lengths=(16,))),  # dynamic=False: the same retrace
     ("specialized-static", dict(name="specialized", dynamic=None, lengths=(16,))),
     ("specialized-dynamic", dict(name="specialized", dynamic=True, lengths=(16,))),
@@ -30,7 +35,7 @@ CASES = [
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def results() -> list[dict]:
     return spawn_ranks(workers.run_cases, 2, (CASES,), timeout=TIMEOUT)
 

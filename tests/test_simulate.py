@@ -3,16 +3,23 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import attention_fp64, rel_err
 
 from lowering import Layout, record_ring_events, simulate_ring
-from reference import attention_fp64, rel_err
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("world_size,seq_len,heads,head_dim", [
-    (1, 9, (4, 4), 8), (2, 64, (8, 2), 16), (3, 1000, (5, 5), 8), (4, 999, (8, 1), 96), (8, 70, (4, 2), 16),
-])
+@pytest.mark.parametrize(
+    "world_size,seq_len,heads,head_dim",
+    [
+        (1, 9, (4, 4), 8),
+        (2, 64, (8, 2), 16),
+        (3, 1000, (5, 5), 8),
+        (4, 999, (8, 1), 96),
+        (8, 70, (4, 2), 16),
+    ],
+)
 def test_simulated_ring_matches_unsharded_fp64(kind, is_causal, world_size, seq_len, heads, head_dim):
     torch.manual_seed(0)
     hq, hkv = heads
@@ -54,8 +61,9 @@ def test_simulated_half_precision_error_is_within_twice_the_unsharded_error(dtyp
     low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     unsharded = F.scaled_dot_product_attention(*low, is_causal=True)
     unsharded_grads = torch.autograd.grad(unsharded, low, dout.to(dtype))
-    sim = simulate_ring(*(t.detach() for t in low), layout=Layout("zigzag", world_size, 384), is_causal=True,
-                        dout=dout.to(dtype))
+    sim = simulate_ring(
+        *(t.detach() for t in low), layout=Layout("zigzag", world_size, 384), is_causal=True, dout=dout.to(dtype)
+    )
     assert sim.out.dtype == dtype and sim.lse.dtype == torch.float32
     assert rel_err(sim.out, reference) <= 2 * rel_err(unsharded, reference)
     for got, base, want in zip((sim.dq, sim.dk, sim.dv), unsharded_grads, expected):

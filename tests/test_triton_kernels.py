@@ -18,8 +18,9 @@ else:
     os.environ["TRITON_INTERPRET"] = _previous
 
 from kernel_cases import CASES, DTYPES, TOLERANCE, case_inputs, check_case, inputs, visible  # noqa: E402
-from lowering.kernels import block_attention, block_attention_backward, block_attention_merge_  # noqa: E402
 from reference import masked_attention_fp64, masked_lse_fp64, rel_err  # noqa: E402
+
+from lowering.kernels import block_attention, block_attention_backward, block_attention_merge_  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -33,13 +34,23 @@ def test_forward_and_backward_match_fp64_and_the_torch_kernels(case, dtype):
     check_case(case, dtype)
 
 
-@pytest.mark.parametrize("case,dtype,with_dlse", [
-    pytest.param(case, DTYPES[name], with_dlse, id=f"{case}-{name}" + "-dlse" * with_dlse)
-    for case, name, with_dlse in (
-        ("full-GQA", "fp32", False), ("causal-zigzag", "fp32", True), ("window", "fp32", False),
-        ("dense-mask", "fp32", True), ("padding-bound", "fp32", False), ("padding-bound", "bf16", True),
-        ("rows-without-keys", "fp32", True), ("bias+softcap+mask", "fp32", True), ("alibi-causal-zigzag", "fp32", False),
-    )])
+@pytest.mark.parametrize(
+    "case,dtype,with_dlse",
+    [
+        pytest.param(case, DTYPES[name], with_dlse, id=f"{case}-{name}" + "-dlse" * with_dlse)
+        for case, name, with_dlse in (
+            ("full-GQA", "fp32", False),
+            ("causal-zigzag", "fp32", True),
+            ("window", "fp32", False),
+            ("dense-mask", "fp32", True),
+            ("padding-bound", "fp32", False),
+            ("padding-bound", "bf16", True),
+            ("rows-without-keys", "fp32", True),
+            ("bias+softcap+mask", "fp32", True),
+            ("alibi-causal-zigzag", "fp32", False),
+        )
+    ],
+)
 def test_score_gradients_are_the_gradients_of_a_bias(case, dtype, with_dlse):
     """``score_grads=True`` adds ds, the gradient with respect to the modified scores: an fp64 bias's
     autograd gradient (a gradient into the LSE included), exactly 0 on hidden pairs."""
@@ -71,8 +82,9 @@ def test_storing_score_gradients_leaves_the_others_unchanged():
     options = dict(scale=0.25, is_causal=True, softcap=0.7, bias=bias)
     out, lse = triton_attention.forward(q, k, v, pos[4:], pos, **options)
     grads = triton_attention.backward(torch.ones_like(out), q, k, v, out, lse, pos[4:], pos, **options)
-    *with_ds, _ = triton_attention.backward(torch.ones_like(out), q, k, v, out, lse, pos[4:], pos, **options,
-                                            score_grads=True)
+    *with_ds, _ = triton_attention.backward(
+        torch.ones_like(out), q, k, v, out, lse, pos[4:], pos, **options, score_grads=True
+    )
     assert len(grads) == 3 and all(torch.equal(a, b) for a, b in zip(grads, with_ds))
 
 
@@ -81,8 +93,9 @@ def test_merging_variant_folds_blocks_into_accumulators():
     q_pos, kv_pos = torch.arange(20, 40), torch.arange(40)
     out, lse = torch.zeros(2, 4, 20, 16), torch.full((2, 4, 20), float("-inf"))
     for part in (slice(24, 40), slice(0, 24)):  # the later keys first: some rows see nothing at first
-        block_attention_merge_(q, k[:, :, part], v[:, :, part], q_pos, kv_pos[part], out, lse,
-                               is_causal=True, backend="triton")
+        block_attention_merge_(
+            q, k[:, :, part], v[:, :, part], q_pos, kv_pos[part], out, lse, is_causal=True, backend="triton"
+        )
     causal = visible(q_pos, kv_pos, is_causal=True)
     assert rel_err(out, masked_attention_fp64(q, k, v, causal)) <= 1e-5
     assert rel_err(lse, masked_lse_fp64(q, k, causal)) <= 1e-5
@@ -94,8 +107,8 @@ def test_invisible_tiles_are_never_loaded():
     q, k, v = inputs(n, 3 * tile, (2, 2), 16, torch.float32)
     q_pos = torch.arange(100, 116)
     kv_pos = torch.cat([torch.arange(0, tile), torch.arange(96, 96 + tile), torch.arange(200, 200 + tile)])
-    k[:, :, :tile], v[:, :, :tile] = float("nan"), float("nan")          # out of the window
-    k[:, :, 2 * tile:], v[:, :, 2 * tile:] = float("nan"), float("nan")  # after every query
+    k[:, :, :tile], v[:, :, :tile] = float("nan"), float("nan")  # out of the window
+    k[:, :, 2 * tile :], v[:, :, 2 * tile :] = float("nan"), float("nan")  # after every query
     options = dict(is_causal=True, window=50)
     out, lse = block_attention(q, k, v, q_pos, kv_pos, backend="triton", **options)
     kept = slice(tile, 2 * tile)
@@ -103,7 +116,9 @@ def test_invisible_tiles_are_never_loaded():
     k_kept, v_kept = k[:, :, kept], v[:, :, kept]
     assert rel_err(out, masked_attention_fp64(q, k_kept, v_kept, seen)) <= 1e-5
     assert rel_err(lse, masked_lse_fp64(q, k_kept, seen)) <= 1e-5
-    dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, q_pos, kv_pos, backend="triton", **options)
+    dq, dk, dv = block_attention_backward(
+        torch.ones_like(out), q, k, v, out, lse, q_pos, kv_pos, backend="triton", **options
+    )
     assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, kept]).all()
 
 
@@ -112,14 +127,16 @@ def test_tiles_the_dense_mask_hides_are_never_loaded():
     n, tile = 16, 16
     q, k, v = inputs(n, 3 * tile, (2, 1), 16, torch.float32)
     mask = torch.ones(2, 1, n, 3 * tile, dtype=torch.bool)
-    mask[..., tile:2 * tile] = False
-    mask[..., 2 * tile:2 * tile + 5] = False
-    k[:, :, tile:2 * tile], v[:, :, tile:2 * tile] = float("nan"), float("nan")
+    mask[..., tile : 2 * tile] = False
+    mask[..., 2 * tile : 2 * tile + 5] = False
+    k[:, :, tile : 2 * tile], v[:, :, tile : 2 * tile] = float("nan"), float("nan")
     pos = torch.arange(3 * tile)
     out, lse = block_attention(q, k, v, pos[:n], pos, mask=mask, backend="triton")
     kept = torch.cat([torch.arange(tile), torch.arange(2 * tile, 3 * tile)])
     assert rel_err(out, masked_attention_fp64(q, k[:, :, kept], v[:, :, kept], mask[..., kept])) <= 1e-5
-    dq, dk, dv = block_attention_backward(torch.ones_like(out), q, k, v, out, lse, pos[:n], pos, mask=mask, backend="triton")
+    dq, dk, dv = block_attention_backward(
+        torch.ones_like(out), q, k, v, out, lse, pos[:n], pos, mask=mask, backend="triton"
+    )
     assert torch.isfinite(dq).all()
 
 
@@ -145,11 +162,14 @@ def test_an_fp32_output_gradient_with_half_inputs():
     assert all(rel_err(g, leaf.grad) <= 3e-2 for g, leaf in zip(got, leaves))
 
 
-@pytest.mark.parametrize("bad,message", [
-    (dict(window=2.5), "whole number of keys"),
-    (dict(seq_bound=4.5), "must be an int"),
-    (dict(mask=torch.zeros(16, 16)), "block masks are bool"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(window=2.5), "whole number of keys"),
+        (dict(seq_bound=4.5), "must be an int"),
+        (dict(mask=torch.zeros(16, 16)), "block masks are bool"),
+    ],
+)
 def test_inputs_the_kernels_cannot_honour_are_refused(bad, message):
     from lowering import InvalidInputError
 

@@ -38,24 +38,61 @@ from lowering.kernels import torch_attention
 from lowering.kernels.torch_attention import accumulation_dtype, merge
 from lowering.scores import check_score_options
 
-__all__ = ["block_attention", "block_attention_backward", "block_attention_merge_", "accumulation_dtype", "merge",
-           "kernel_applies_window"]
+__all__ = [
+    "block_attention",
+    "block_attention_backward",
+    "block_attention_merge_",
+    "accumulation_dtype",
+    "merge",
+    "kernel_applies_window",
+]
 
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def block_attention(q, k, v, q_pos, kv_pos, *, scale=None, is_causal: bool = False, window=None, mask=None,
-                    seq_bound=None, softcap=None, alibi_slopes=None, bias=None, backend: str = "auto"):
+def block_attention(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    *,
+    scale=None,
+    is_causal: bool = False,
+    window=None,
+    mask=None,
+    seq_bound=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    backend: str = "auto",
+):
     impl = _implementation(q, backend)
     _record("block_forward", q_pos, kv_pos, is_causal, mask)
     options = _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound, softcap, alibi_slopes, bias)
     return impl.forward(q, k, v, q_pos, kv_pos, **options)
 
 
-def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_causal: bool = False, window=None,
-                           mask=None, seq_bound=None, softcap=None, alibi_slopes=None, bias=None,
-                           backend: str = "auto") -> None:
+def block_attention_merge_(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    out,
+    lse,
+    *,
+    scale=None,
+    is_causal: bool = False,
+    window=None,
+    mask=None,
+    seq_bound=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    backend: str = "auto",
+) -> None:
     """Fold this block's attention into running accumulators ``out [B, Hq, n, D]`` and ``lse [B, Hq, n]``
     (accumulation dtype), in place, by the log-sum-exp identity."""
     impl = _implementation(q, backend)
@@ -67,9 +104,28 @@ def block_attention_merge_(q, k, v, q_pos, kv_pos, out, lse, *, scale=None, is_c
         merge(out, lse, *impl.forward(q, k, v, q_pos, kv_pos, **options))
 
 
-def block_attention_backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale=None, is_causal: bool = False,
-                             window=None, mask=None, seq_bound=None, softcap=None, alibi_slopes=None, bias=None,
-                             dlse=None, score_grads: bool = False, backend: str = "auto"):
+def block_attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_pos,
+    kv_pos,
+    *,
+    scale=None,
+    is_causal: bool = False,
+    window=None,
+    mask=None,
+    seq_bound=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    dlse=None,
+    score_grads: bool = False,
+    backend: str = "auto",
+):
     impl = _implementation(q, backend)
     _record("block_backward", q_pos, kv_pos, is_causal, mask)
     options = _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound, softcap, alibi_slopes, bias)
@@ -88,11 +144,15 @@ def _implementation(q, backend: str):
     if backend == "torch" or (backend == "auto" and not (q.is_cuda and q.dtype in TRITON_DTYPES)):
         return torch_attention
     if q.dtype not in TRITON_DTYPES:
-        raise InvalidInputError(f"The Triton kernels take float16, bfloat16 or float32, not {q.dtype}; use backend='torch'.")
+        raise InvalidInputError(
+            f"The Triton kernels take float16, bfloat16 or float32, not {q.dtype}; use backend='torch'."
+        )
     try:
         from lowering.kernels import triton_attention
     except ImportError as error:
-        raise NotSupportedError(f"backend='triton' needs Triton ({error}); install it or use backend='torch'.") from None
+        raise NotSupportedError(
+            f"backend='triton' needs Triton ({error}); install it or use backend='torch'."
+        ) from None
     if not q.is_cuda and not triton_attention.INTERPRETED:
         raise InvalidInputError(
             "backend='triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 before "
@@ -110,18 +170,28 @@ def _options(impl, q, k, kv_pos, scale, is_causal, window, mask, seq_bound, soft
         raise InvalidInputError(f"mask has dtype {mask.dtype}; block masks are bool (True = visible).")
     check_score_options(softcap, None)
     if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape != (q.size(1),)):
-        raise InvalidInputError(f"alibi_slopes must be a tensor of one slope per query head ({q.size(1)}), "
-                                f"got {getattr(alibi_slopes, 'shape', alibi_slopes)!r}.")
+        raise InvalidInputError(
+            f"alibi_slopes must be a tensor of one slope per query head ({q.size(1)}), "
+            f"got {getattr(alibi_slopes, 'shape', alibi_slopes)!r}."
+        )
     if bias is not None and not (isinstance(bias, torch.Tensor) and bias.is_floating_point()):
         raise InvalidInputError("bias must be a float tensor that broadcasts to [B, Hq, n, m].")
     if q.size(1) % k.size(1):
-        raise InvalidInputError(f"q has {q.size(1)} heads and k/v {k.size(1)}: query heads must be a multiple of key heads.")
+        raise InvalidInputError(
+            f"q has {q.size(1)} heads and k/v {k.size(1)}: query heads must be a multiple of key heads."
+        )
     if impl is torch_attention and seq_bound is not None:  # the torch path takes padding as part of the mask
         keys = (kv_pos < seq_bound).to(q.device)[None, None, None, :]
         mask, seq_bound = (keys if mask is None else mask.to(q.device) & keys), None
-    options = dict(scale=q.size(-1) ** -0.5 if scale is None else float(scale), is_causal=bool(is_causal),
-                   window=window, mask=mask, softcap=None if softcap is None else float(softcap),
-                   alibi_slopes=alibi_slopes, bias=bias)
+    options = dict(
+        scale=q.size(-1) ** -0.5 if scale is None else float(scale),
+        is_causal=bool(is_causal),
+        window=window,
+        mask=mask,
+        softcap=None if softcap is None else float(softcap),
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+    )
     return options if impl is torch_attention else {**options, "seq_bound": seq_bound}
 
 

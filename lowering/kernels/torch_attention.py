@@ -11,8 +11,6 @@ inputs are widened first) and return their results in it, so the ring merges unr
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from lowering.masks import aligned
@@ -26,8 +24,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None, softcap=None,
-            alibi_slopes=None, bias=None):
+def forward(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    *,
+    scale: float,
+    is_causal: bool,
+    window=None,
+    mask=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+):
     acc = accumulation_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias):
@@ -37,12 +48,32 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
     return probs @ _repeat_heads(v, q.size(1)), lse
 
 
-def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-             softcap=None, alibi_slopes=None, bias=None, dlse=None, score_grads: bool = False):
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_pos,
+    kv_pos,
+    *,
+    scale: float,
+    is_causal: bool,
+    window=None,
+    mask=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    dlse=None,
+    score_grads: bool = False,
+):
     """(dq, dk, dv), and with ``score_grads`` the gradient with respect to the modified scores (a bias's)."""
     acc = accumulation_dtype(q.dtype)
     dout, q, k, v, out, lse = (t.to(acc) for t in (dout, q, k, v, out, lse))
-    if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse, score_grads or None):
+    if _fused_applies(
+        q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse, score_grads or None
+    ):
         return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
     scores, capped = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
     probs, _ = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
@@ -82,7 +113,7 @@ def _fused_applies(q, q_pos, kv_pos, is_causal: bool, *options) -> bool:
     return not is_causal or aligned(q_pos, kv_pos)
 
 
-def visible_pairs(q_pos, kv_pos, is_causal: bool, window, mask, device) -> Optional[torch.Tensor]:
+def visible_pairs(q_pos, kv_pos, is_causal: bool, window, mask, device) -> torch.Tensor | None:
     """bool, broadcastable to the scores: which pairs the positions, the window and the mask leave visible
     (None: all of them)."""
     q_pos, kv_pos = q_pos.to(device).unsqueeze(1), kv_pos.to(device).unsqueeze(0)
@@ -112,7 +143,7 @@ def _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias):
     return scores, capped
 
 
-def _probabilities(scores, visible, lse: Optional[torch.Tensor] = None):
+def _probabilities(scores, visible, lse: torch.Tensor | None = None):
     """Softmax probabilities of the block (rows with no visible key are all zero) and their LSE.
     With ``lse`` given, probabilities are taken against it (the backward pass's global LSE)."""
     if visible is not None:

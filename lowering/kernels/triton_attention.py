@@ -23,7 +23,6 @@ chain rule), so the ring can train bias tables tile by tile.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -46,8 +45,26 @@ def _tile_ranges(pos_ptr, start, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, tile_m, tile_n, stb, sth, stm, stn,
-                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+def _may_be_visible(
+    q_lo,
+    q_hi,
+    kv_lo,
+    kv_hi,
+    seq_bound,
+    window,
+    TILES,
+    b,
+    h,
+    tile_m,
+    tile_n,
+    stb,
+    sth,
+    stm,
+    stn,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
     """False when nothing in the tile can be visible (all keys padding, after every query, out of the
     window, or hidden by the dense mask's per-tile summary): the tile is skipped without loading it."""
     see = kv_lo < seq_bound
@@ -61,8 +78,9 @@ def _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, ti
 
 
 @triton.jit
-def _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr):
+def _needs_mask(
+    q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
     """False when the positions leave every pair of the tile visible: no mask arithmetic needed."""
     partial = some_invalid | (kv_hi >= seq_bound)
     if IS_CAUSAL:
@@ -73,16 +91,38 @@ def _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CA
 
 
 @triton.jit
-def _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
-            smb, smh, smn, smm, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+def _masked(
+    scores,
+    b,
+    h,
+    rows,
+    row_ok,
+    q_pos,
+    cols,
+    col_ok,
+    kv_pos,
+    seq_bound,
+    window,
+    MASK,
+    smb,
+    smh,
+    smn,
+    smm,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
     visible = row_ok[:, None] & col_ok[None, :] & (kv_pos[None, :] < seq_bound)
     if IS_CAUSAL:
         visible = visible & (kv_pos[None, :] <= q_pos[:, None])
     if HAS_WINDOW:
         visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
     if HAS_MASK:
-        tile = tl.load(MASK + b * smb + h * smh + rows[:, None] * smn + cols[None, :] * smm,
-                       mask=row_ok[:, None] & col_ok[None, :], other=0)
+        tile = tl.load(
+            MASK + b * smb + h * smh + rows[:, None] * smn + cols[None, :] * smm,
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0,
+        )
         visible = visible & (tile != 0)
     return tl.where(visible, scores, float("-inf"))
 
@@ -99,8 +139,27 @@ def _tanh(x):
 
 
 @triton.jit
-def _modified(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _modified(
+    scores,
+    b,
+    h,
+    rows,
+    row_ok,
+    q_pos,
+    cols,
+    col_ok,
+    kv_pos,
+    softcap,
+    SLOPES,
+    BIAS,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """(scores with the score modifiers applied, the soft-capped scores before any bias), natural units."""
     if HAS_SOFTCAP:
         scores = softcap * _tanh(scores / softcap)
@@ -108,8 +167,11 @@ def _modified(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, softcap, 
     if HAS_ALIBI:
         scores = scores + tl.load(SLOPES + h) * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
     if HAS_BIAS:
-        scores = scores + tl.load(BIAS + b * sbb + h * sbh + rows[:, None] * sbn + cols[None, :] * sbm,
-                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        scores = scores + tl.load(
+            BIAS + b * sbb + h * sbh + rows[:, None] * sbn + cols[None, :] * sbm,
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
     return scores, capped
 
 
@@ -125,59 +187,267 @@ def _program(length, heads, BLOCK: tl.constexpr):
 @triton.jit
 def _load_tile(PTR, b, h, offs, ok, dims, dim_ok, sb, sh, sn, sd, UPCAST: tl.constexpr):
     """Rows ``offs`` of one (batch, head) as a [rows, BLOCK_D] tile; rows and dims past the end read 0."""
-    tile = tl.load(PTR + b * sb + h * sh + offs[:, None] * sn + dims[None, :] * sd,
-                   mask=ok[:, None] & dim_ok[None, :], other=0.0)
+    tile = tl.load(
+        PTR + b * sb + h * sh + offs[:, None] * sn + dims[None, :] * sd, mask=ok[:, None] & dim_ok[None, :], other=0.0
+    )
     if UPCAST:
         tile = tile.to(tl.float32)
     return tile
 
 
 @triton.jit
-def _scores(q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi, some_invalid,
-            seq_bound, window, MASK, smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm,
-            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+def _scores(
+    q,
+    k,
+    scale,
+    b,
+    h,
+    rows,
+    row_ok,
+    q_pos,
+    q_lo,
+    q_hi,
+    cols,
+    col_ok,
+    kv_pos,
+    kv_lo,
+    kv_hi,
+    some_invalid,
+    seq_bound,
+    window,
+    MASK,
+    smb,
+    smh,
+    smn,
+    smm,
+    softcap,
+    SLOPES,
+    BIAS,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(the modified scores of a tile in base-2 units, hidden pairs -inf and no mask arithmetic when all
     are visible; the soft-capped scores in natural units, for the backward's chain rule)."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    scores, capped = _modified(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, softcap, SLOPES, BIAS,
-                               sbb, sbh, sbn, sbm, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS)
+    scores, capped = _modified(
+        scores,
+        b,
+        h,
+        rows,
+        row_ok,
+        q_pos,
+        cols,
+        col_ok,
+        kv_pos,
+        softcap,
+        SLOPES,
+        BIAS,
+        sbb,
+        sbh,
+        sbn,
+        sbm,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_BIAS,
+    )
     scores = scores * LOG2E
-    if HAS_MASK:  # a dense mask always applies (its per-tile summary already skipped hidden tiles)
-        scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
-                         smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
-    elif _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
-        scores = _masked(scores, b, h, rows, row_ok, q_pos, cols, col_ok, kv_pos, seq_bound, window, MASK,
-                         smb, smh, smn, smm, IS_CAUSAL, HAS_WINDOW, HAS_MASK)
+    if HAS_MASK or _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):  # a dense mask always applies (its per-tile summary already skipped hidden tiles)
+        scores = _masked(
+            scores,
+            b,
+            h,
+            rows,
+            row_ok,
+            q_pos,
+            cols,
+            col_ok,
+            kv_pos,
+            seq_bound,
+            window,
+            MASK,
+            smb,
+            smh,
+            smn,
+            smm,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_MASK,
+        )
     return scores, capped
 
 
 @triton.jit
-def _key_tile(q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo,
-              kv_hi, some_invalid, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
-              smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _key_tile(
+    q,
+    K,
+    V,
+    MASK,
+    b,
+    h,
+    kv_h,
+    scale,
+    rows,
+    row_ok,
+    q_pos,
+    q_lo,
+    q_hi,
+    cols,
+    col_ok,
+    kv_pos,
+    kv_lo,
+    kv_hi,
+    some_invalid,
+    dims,
+    dim_ok,
+    seq_bound,
+    window,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    smb,
+    smh,
+    smn,
+    smm,
+    softcap,
+    SLOPES,
+    BIAS,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """A key tile as a query tile's kernels see it: (k, v, the scores in base-2 units, the capped scores)."""
     k = _load_tile(K, b, kv_h, cols, col_ok, dims, dim_ok, skb, skh, skn, skd, UPCAST)
     v = _load_tile(V, b, kv_h, cols, col_ok, dims, dim_ok, svb, svh, svn, svd, UPCAST)
-    scores, capped = _scores(q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                             some_invalid, seq_bound, window, MASK, smb, smh, smn, smm, softcap, SLOPES, BIAS,
-                             sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                             PRECISION)
+    scores, capped = _scores(
+        q,
+        k,
+        scale,
+        b,
+        h,
+        rows,
+        row_ok,
+        q_pos,
+        q_lo,
+        q_hi,
+        cols,
+        col_ok,
+        kv_pos,
+        kv_lo,
+        kv_hi,
+        some_invalid,
+        seq_bound,
+        window,
+        MASK,
+        smb,
+        smh,
+        smn,
+        smm,
+        softcap,
+        SLOPES,
+        BIAS,
+        sbb,
+        sbh,
+        sbn,
+        sbm,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_MASK,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_BIAS,
+        PRECISION,
+    )
     return k, v, scores, capped
 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, OUT, LSE,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, sob, soh, son, sod, slb, slh, sln,
-    H, n, m, scale, window, seq_bound, softcap,
-    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MERGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    QPOS,
+    KVPOS,
+    MASK,
+    TILES,
+    SLOPES,
+    BIAS,
+    OUT,
+    LSE,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    smb,
+    smh,
+    smn,
+    smm,
+    stb,
+    sth,
+    stm,
+    stn,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    sob,
+    soh,
+    son,
+    sod,
+    slb,
+    slh,
+    sln,
+    H,
+    n,
+    m,
+    scale,
+    window,
+    seq_bound,
+    softcap,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MERGE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m, b, h = _program(n, H, BLOCK_M)
     kv_h = h // GROUP
@@ -190,13 +460,78 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
-                           stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+        if _may_be_visible(
+            q_lo,
+            q_hi,
+            kv_lo,
+            kv_hi,
+            seq_bound,
+            window,
+            TILES,
+            b,
+            h,
+            pid_m,
+            start // BLOCK_N,
+            stb,
+            sth,
+            stm,
+            stn,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_MASK,
+        ):
             k, v, scores, capped = _key_tile(
-                q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                start + BLOCK_N > m, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
-                smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, UPCAST, PRECISION)
+                q,
+                K,
+                V,
+                MASK,
+                b,
+                h,
+                kv_h,
+                scale,
+                rows,
+                row_ok,
+                q_pos,
+                q_lo,
+                q_hi,
+                cols,
+                col_ok,
+                kv_pos,
+                kv_lo,
+                kv_hi,
+                start + BLOCK_N > m,
+                dims,
+                dim_ok,
+                seq_bound,
+                window,
+                skb,
+                skh,
+                skn,
+                skd,
+                svb,
+                svh,
+                svn,
+                svd,
+                smb,
+                smh,
+                smn,
+                smm,
+                softcap,
+                SLOPES,
+                BIAS,
+                sbb,
+                sbh,
+                sbn,
+                sbm,
+                IS_CAUSAL,
+                HAS_WINDOW,
+                HAS_MASK,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_BIAS,
+                UPCAST,
+                PRECISION,
+            )
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - shift[:, None])
@@ -249,13 +584,72 @@ def _uncapped(ds, capped, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DQ, DS,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, slb, slh, sln,
-    H, n, m, scale, window, seq_bound, softcap,
-    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    QPOS,
+    KVPOS,
+    MASK,
+    TILES,
+    SLOPES,
+    BIAS,
+    DQ,
+    DS,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    smb,
+    smh,
+    smn,
+    smm,
+    stb,
+    sth,
+    stm,
+    stn,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    slb,
+    slh,
+    sln,
+    H,
+    n,
+    m,
+    scale,
+    window,
+    seq_bound,
+    softcap,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STORE_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m, b, h = _program(n, H, BLOCK_M)
     kv_h = h // GROUP
@@ -268,33 +662,162 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, m, BLOCK_N):
         cols, col_ok, kv_pos, kv_lo, kv_hi = _tile_ranges(KVPOS, start, m, BLOCK_N)
-        if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h, pid_m, start // BLOCK_N,
-                           stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+        if _may_be_visible(
+            q_lo,
+            q_hi,
+            kv_lo,
+            kv_hi,
+            seq_bound,
+            window,
+            TILES,
+            b,
+            h,
+            pid_m,
+            start // BLOCK_N,
+            stb,
+            sth,
+            stm,
+            stn,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_MASK,
+        ):
             k, v, scores, capped = _key_tile(
-                q, K, V, MASK, b, h, kv_h, scale, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                start + BLOCK_N > m, dims, dim_ok, seq_bound, window, skb, skh, skn, skd, svb, svh, svn, svd,
-                smb, smh, smn, smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, UPCAST, PRECISION)
+                q,
+                K,
+                V,
+                MASK,
+                b,
+                h,
+                kv_h,
+                scale,
+                rows,
+                row_ok,
+                q_pos,
+                q_lo,
+                q_hi,
+                cols,
+                col_ok,
+                kv_pos,
+                kv_lo,
+                kv_hi,
+                start + BLOCK_N > m,
+                dims,
+                dim_ok,
+                seq_bound,
+                window,
+                skb,
+                skh,
+                skn,
+                skd,
+                svb,
+                svh,
+                svn,
+                svd,
+                smb,
+                smh,
+                smn,
+                smm,
+                softcap,
+                SLOPES,
+                BIAS,
+                sbb,
+                sbh,
+                sbn,
+                sbm,
+                IS_CAUSAL,
+                HAS_WINDOW,
+                HAS_MASK,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_BIAS,
+                UPCAST,
+                PRECISION,
+            )
             p = tl.exp2(scores - lse2[:, None])
             ds = _score_grads(p, do, v, delta, PRECISION)
             if STORE_DS:  # the gradient with respect to a bias, into DS (contiguous [B, H, n, m])
-                tl.store(DS + ((b * H + h) * n + rows[:, None]) * m + cols[None, :], ds,
-                         mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(
+                    DS + ((b * H + h) * n + rows[:, None]) * m + cols[None, :],
+                    ds,
+                    mask=row_ok[:, None] & col_ok[None, :],
+                )
             ds = _uncapped(ds, capped, softcap, HAS_SOFTCAP)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd, dq * scale,
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        DQ + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :] * sqd,
+        dq * scale,
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, QPOS, KVPOS, MASK, TILES, SLOPES, BIAS, DK, DV,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    smb, smh, smn, smm, stb, sth, stm, stn, sbb, sbh, sbn, sbm, slb, slh, sln,
-    HKV, n, m, scale, window, seq_bound, softcap,
-    GROUP: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    QPOS,
+    KVPOS,
+    MASK,
+    TILES,
+    SLOPES,
+    BIAS,
+    DK,
+    DV,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    smb,
+    smh,
+    smn,
+    smm,
+    stb,
+    sth,
+    stm,
+    stn,
+    sbb,
+    sbh,
+    sbn,
+    sbm,
+    slb,
+    slh,
+    sln,
+    HKV,
+    n,
+    m,
+    scale,
+    window,
+    seq_bound,
+    softcap,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_n, b, kv_h = _program(m, HKV, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -308,16 +831,68 @@ def _dkdv_kernel(
         h = kv_h * GROUP + g
         for start in range(0, n, BLOCK_M):
             rows, row_ok, q_pos, q_lo, q_hi = _tile_ranges(QPOS, start, n, BLOCK_M)
-            if _may_be_visible(q_lo, q_hi, kv_lo, kv_hi, seq_bound, window, TILES, b, h,
-                               start // BLOCK_M, pid_n, stb, sth, stm, stn, IS_CAUSAL, HAS_WINDOW, HAS_MASK):
+            if _may_be_visible(
+                q_lo,
+                q_hi,
+                kv_lo,
+                kv_hi,
+                seq_bound,
+                window,
+                TILES,
+                b,
+                h,
+                start // BLOCK_M,
+                pid_n,
+                stb,
+                sth,
+                stm,
+                stn,
+                IS_CAUSAL,
+                HAS_WINDOW,
+                HAS_MASK,
+            ):
                 q = _load_tile(Q, b, h, rows, row_ok, dims, dim_ok, sqb, sqh, sqn, sqd, UPCAST)
                 do = _load_tile(DO, b, h, rows, row_ok, dims, dim_ok, sdb, sdh, sdn, sdd, UPCAST)
                 lse2, delta = _row_stats(LSE, DELTA, b, h, rows, row_ok, slb, slh, sln)
                 scores, capped = _scores(
-                    q, k, scale, b, h, rows, row_ok, q_pos, q_lo, q_hi, cols, col_ok, kv_pos, kv_lo, kv_hi,
-                    (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m), seq_bound, window, MASK, smb, smh, smn,
-                    smm, softcap, SLOPES, BIAS, sbb, sbh, sbn, sbm, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_SOFTCAP,
-                    HAS_ALIBI, HAS_BIAS, PRECISION)
+                    q,
+                    k,
+                    scale,
+                    b,
+                    h,
+                    rows,
+                    row_ok,
+                    q_pos,
+                    q_lo,
+                    q_hi,
+                    cols,
+                    col_ok,
+                    kv_pos,
+                    kv_lo,
+                    kv_hi,
+                    (start + BLOCK_M > n) | (pid_n * BLOCK_N + BLOCK_N > m),
+                    seq_bound,
+                    window,
+                    MASK,
+                    smb,
+                    smh,
+                    smn,
+                    smm,
+                    softcap,
+                    SLOPES,
+                    BIAS,
+                    sbb,
+                    sbh,
+                    sbn,
+                    sbm,
+                    IS_CAUSAL,
+                    HAS_WINDOW,
+                    HAS_MASK,
+                    HAS_SOFTCAP,
+                    HAS_ALIBI,
+                    HAS_BIAS,
+                    PRECISION,
+                )
                 p = tl.exp2(scores - lse2[:, None])
                 dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
                 ds = _uncapped(_score_grads(p, do, v, delta, PRECISION), capped, softcap, HAS_SOFTCAP)
@@ -333,7 +908,10 @@ def _config(q: torch.Tensor) -> dict:
     block_d = max(16, triton.next_power_of_2(d))
     block = 16 if INTERPRETED else (64 if block_d > 64 else 128)
     return dict(
-        D=d, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block,
+        BLOCK_N=block,
         UPCAST=INTERPRETED,  # the interpreter's dot mishandles bf16: it computes in fp32 instead
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -343,7 +921,7 @@ def _positions(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return pos.to(device=like.device, dtype=torch.int64).contiguous()
 
 
-def _mask_args(mask: Optional[torch.Tensor], shape, block_m: int, block_n: int, device) -> tuple:
+def _mask_args(mask: torch.Tensor | None, shape, block_m: int, block_n: int, device) -> tuple:
     """The mask broadcast to [B, Hq, n, m] (strides 0 where it broadcasts) as bytes, and its per-tile
     summary (does any pair of the BLOCK_M x BLOCK_N tile see?), each with its strides."""
     if mask is None:
@@ -372,8 +950,24 @@ def _score_args(softcap, alibi_slopes, bias, shape, device) -> tuple[tuple, tupl
     return (alibi_slopes, bias), strides, float(softcap or 1.0), flags
 
 
-def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-            seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, out=None, lse=None):
+def forward(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    *,
+    scale: float,
+    is_causal: bool,
+    window=None,
+    mask=None,
+    seq_bound: int | None = None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    out=None,
+    lse=None,
+):
     """(out, lse) fp32; with ``out``/``lse`` fp32 accumulators given, merges into them and returns them."""
     b, hq, n, d = q.shape
     m = k.size(2)
@@ -384,23 +978,68 @@ def forward(q, k, v, q_pos, kv_pos, *, scale: float, is_causal: bool, window=Non
         lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
     config = _config(q)
     mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
-        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
+        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device
+    )
     score_ptrs, bias_strides, cap, score_flags = _score_args(softcap, alibi_slopes, bias, (b, hq, n, m), q.device)
     grid = (triton.cdiv(n, config["BLOCK_M"]) * b * hq,)
     _forward_kernel[grid](
-        q, k, v, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *tile_strides, *bias_strides, *out.stride(),
-        *lse.stride(), hq, n, m, float(scale), int(window or 0),
-        int(NO_BOUND.value if seq_bound is None else seq_bound), cap,
-        GROUP=hq // k.size(1), IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
-        **score_flags, MERGE=merge, **config,
+        q,
+        k,
+        v,
+        q_pos,
+        kv_pos,
+        mask_bytes,
+        tiles,
+        *score_ptrs,
+        out,
+        lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *mask_strides,
+        *tile_strides,
+        *bias_strides,
+        *out.stride(),
+        *lse.stride(),
+        hq,
+        n,
+        m,
+        float(scale),
+        int(window or 0),
+        int(NO_BOUND.value if seq_bound is None else seq_bound),
+        cap,
+        GROUP=hq // k.size(1),
+        IS_CAUSAL=bool(is_causal),
+        HAS_WINDOW=window is not None,
+        HAS_MASK=mask is not None,
+        **score_flags,
+        MERGE=merge,
+        **config,
     )
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal: bool, window=None, mask=None,
-             seq_bound: Optional[int] = None, softcap=None, alibi_slopes=None, bias=None, dlse=None,
-             score_grads: bool = False):
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_pos,
+    kv_pos,
+    *,
+    scale: float,
+    is_causal: bool,
+    window=None,
+    mask=None,
+    seq_bound: int | None = None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    dlse=None,
+    score_grads: bool = False,
+):
     """(dq, dk, dv) fp32, given the final (merged) out and lse of every query row; with ``score_grads``
     also ``ds`` [B, Hq, n, m] fp32, the gradient with respect to the modified scores (0 where hidden)."""
     b, hq, n, d = q.shape
@@ -418,17 +1057,66 @@ def backward(dout, q, k, v, out, lse, q_pos, kv_pos, *, scale: float, is_causal:
     ds = torch.zeros((b, hq, n, m), dtype=torch.float32, device=q.device) if score_grads else None
     config = _config(q)
     mask_bytes, mask_strides, tiles, tile_strides = _mask_args(
-        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device)
+        mask, (b, hq, n, m), config["BLOCK_M"], config["BLOCK_N"], q.device
+    )
     score_ptrs, bias_strides, cap, score_flags = _score_args(softcap, alibi_slopes, bias, (b, hq, n, m), q.device)
-    flags = dict(GROUP=hq // hkv, IS_CAUSAL=bool(is_causal), HAS_WINDOW=window is not None, HAS_MASK=mask is not None,
-                 **score_flags)
+    flags = dict(
+        GROUP=hq // hkv,
+        IS_CAUSAL=bool(is_causal),
+        HAS_WINDOW=window is not None,
+        HAS_MASK=mask is not None,
+        **score_flags,
+    )
     scalars = (n, m, float(scale), int(window or 0), int(NO_BOUND.value if seq_bound is None else seq_bound), cap)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *mask_strides, *tile_strides, *bias_strides,
-               *lse.stride())
+    strides = (
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *mask_strides,
+        *tile_strides,
+        *bias_strides,
+        *lse.stride(),
+    )
     _dq_kernel[(triton.cdiv(n, config["BLOCK_M"]) * b * hq,)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dq, ds, *strides, hq, *scalars,
-        **flags, STORE_DS=bool(score_grads), **config)
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        q_pos,
+        kv_pos,
+        mask_bytes,
+        tiles,
+        *score_ptrs,
+        dq,
+        ds,
+        *strides,
+        hq,
+        *scalars,
+        **flags,
+        STORE_DS=bool(score_grads),
+        **config,
+    )
     _dkdv_kernel[(triton.cdiv(m, config["BLOCK_N"]) * b * hkv,)](
-        q, k, v, dout, lse, delta, q_pos, kv_pos, mask_bytes, tiles, *score_ptrs, dk, dv, *strides, hkv, *scalars,
-        **flags, **config)
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        q_pos,
+        kv_pos,
+        mask_bytes,
+        tiles,
+        *score_ptrs,
+        dk,
+        dv,
+        *strides,
+        hkv,
+        *scalars,
+        **flags,
+        **config,
+    )
     return (dq, dk, dv, ds) if score_grads else (dq, dk, dv)

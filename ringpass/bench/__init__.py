@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,11 +30,19 @@ from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
 from ringpass.launch import spawn_ranks
 
-RANK_FUNCTIONS = {"attention": attention.attention_rank, "model": model.model_rank, "decode": decode.decode_rank,
-                  "generate": decode.generate_rank}
+RANK_FUNCTIONS = {
+    "attention": attention.attention_rank,
+    "model": model.model_rank,
+    "decode": decode.decode_rank,
+    "generate": decode.generate_rank,
+}
 WHAT = tuple(RANK_FUNCTIONS)
-METHODS = {"attention": attention.METHODS, "model": model.METHODS, "decode": decode.METHODS,
-           "generate": decode.GENERATE_METHODS}
+METHODS = {
+    "attention": attention.METHODS,
+    "model": model.METHODS,
+    "decode": decode.METHODS,
+    "generate": decode.GENERATE_METHODS,
+}
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,11 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
     threads_per_rank: int = 0  # 0: the machine's cores // P
-    trace: Optional[str] = None
+    trace: str | None = None
     progress: bool = True
     timeout: float = 3600.0
     model: model.ModelSize = model.ModelSize()
-    hf_config: Optional[str] = None
+    hf_config: str | None = None
     compiler: str = "aot_eager"
     new_tokens: int = 1  # decode: queries per step
 
@@ -68,17 +75,21 @@ class BenchConfig:
         known = METHODS[self.what]
         unknown = [m for m in self.methods if m not in known]
         if unknown:
-            raise InvalidInputError(f"bench: unknown method(s) {', '.join(unknown)} for --what {self.what}; "
-                                    f"the methods are {', '.join(known)}.")
+            raise InvalidInputError(
+                f"bench: unknown method(s) {', '.join(unknown)} for --what {self.what}; "
+                f"the methods are {', '.join(known)}."
+            )
         if min(self.world_sizes) < 2 or min(self.seq_lens) < 1 or self.repeats < 1 or self.warmup < 0:
-            raise InvalidInputError("bench: world sizes must be at least 2 (the single-process baselines always run), "
-                                    "sequence lengths and repeats positive.")
+            raise InvalidInputError(
+                "bench: world sizes must be at least 2 (the single-process baselines always run), "
+                "sequence lengths and repeats positive."
+            )
         if self.what == "decode" and not 1 <= self.new_tokens <= min(self.seq_lens):
             raise InvalidInputError(f"bench: --new-tokens {self.new_tokens} must be between 1 and the cache length.")
         if self.what in ("attention", "decode") and self.dtype not in attention.DTYPES:
             raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
 
-    def for_world_size(self, world_size: int) -> "BenchConfig":
+    def for_world_size(self, world_size: int) -> BenchConfig:
         """The config a ``world_size`` job runs with: threads per rank resolved."""
         threads = self.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         return dataclasses.replace(self, threads_per_rank=threads)
@@ -108,10 +119,10 @@ def _singles(config: BenchConfig) -> list[str]:
 def _spawned(config: BenchConfig) -> list[dict]:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's malloc (measure.py)
     distributed = [m for m in config.methods if m not in _singles(config)]
-    thread_counts = sorted({1} | {min(os.cpu_count() or 1, p * config.for_world_size(p).threads_per_rank)
-                                  for p in config.world_sizes})
-    cases_per_len = len(distributed) * len(config.world_sizes) + \
-        len(_singles(config)) * len(thread_counts)
+    thread_counts = sorted(
+        {1} | {min(os.cpu_count() or 1, p * config.for_world_size(p).threads_per_rank) for p in config.world_sizes}
+    )
+    cases_per_len = len(distributed) * len(config.world_sizes) + len(_singles(config)) * len(thread_counts)
     total, done, records = cases_per_len * len(config.seq_lens), 0, []
     run = _rank_function(config)
     for p in config.world_sizes:
@@ -127,7 +138,7 @@ def _spawned(config: BenchConfig) -> list[dict]:
     return records
 
 
-def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
+def _in_launched_ranks(config: BenchConfig) -> list[dict] | None:
     """Under torchrun: this launch's world size, then the single-device baselines on rank 0. Rank 0 gets
     the records; the other ranks None."""
     if not dist.is_initialized():
@@ -137,9 +148,11 @@ def _in_launched_ranks(config: BenchConfig) -> Optional[list[dict]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     distributed = [m for m in config.methods if m not in _singles(config)]
     if world_size == 1 and distributed:
-        raise InvalidInputError(f"bench: torchrun started one process; {', '.join(distributed)} need at least 2 "
-                                "(--nproc-per-node 2 or more), or ask for --methods "
-                                f"{results.SINGLE_PROCESS[config.what]} only.")
+        raise InvalidInputError(
+            f"bench: torchrun started one process; {', '.join(distributed)} need at least 2 "
+            "(--nproc-per-node 2 or more), or ask for --methods "
+            f"{results.SINGLE_PROCESS[config.what]} only."
+        )
     job = dataclasses.replace(config.for_world_size(world_size), world_sizes=(world_size,))
     total = len(config.seq_lens) * (len(distributed) + len(_singles(config)))
     run = _rank_function(config)

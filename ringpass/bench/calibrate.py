@@ -72,8 +72,9 @@ def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     sw = sum(w)
     mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
     my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
-    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / \
-        sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / sum(
+        wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points)
+    )
     return 1.0 / slope, max(0.0, my - slope * mx)
 
 
@@ -81,17 +82,26 @@ def calibrate(timeout: float = 600.0) -> dict:
     """Measure on two spawned ranks (one per half of the cores); the calibration file's contents."""
     result = spawn_ranks(_calibrate_rank, 2, timeout=timeout)[0]
     bandwidth, latency = fit_link(result["points"])
-    return {"link_bytes_per_s": bandwidth, "link_latency_s": latency, "flops_per_s": result["flops_per_s"],
-            "link": "calibrated", "device": "calibrated", "measured": date.today().isoformat(),
-            "threads_per_rank": result["threads"], "cores": os.cpu_count(),
-            "message_seconds": [{"bytes": b, "seconds": s} for b, s in result["points"]]}
+    return {
+        "link_bytes_per_s": bandwidth,
+        "link_latency_s": latency,
+        "flops_per_s": result["flops_per_s"],
+        "link": "calibrated",
+        "device": "calibrated",
+        "measured": date.today().isoformat(),
+        "threads_per_rank": result["threads"],
+        "cores": os.cpu_count(),
+        "message_seconds": [{"bytes": b, "seconds": s} for b, s in result["points"]],
+    }
 
 
 def format_calibration(data: dict) -> str:
-    lines = [f"ringpass bench --calibrate ({data['measured']}, {data['threads_per_rank']} thread(s) per rank, "
-             f"{data['cores']} cores)",
-             f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
-             f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs)",
-             "  message seconds: " + ", ".join(f"{m['bytes'] // 1024} KiB {m['seconds'] * 1e3:.2f} ms"
-                                               for m in data["message_seconds"])]
+    lines = [
+        f"ringpass bench --calibrate ({data['measured']}, {data['threads_per_rank']} thread(s) per rank, "
+        f"{data['cores']} cores)",
+        f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
+        f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs)",
+        "  message seconds: "
+        + ", ".join(f"{m['bytes'] // 1024} KiB {m['seconds'] * 1e3:.2f} ms" for m in data["message_seconds"]),
+    ]
     return "\n".join(lines)

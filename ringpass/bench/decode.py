@@ -70,6 +70,7 @@ def _step(method: str, config, seq_len: int, rank: int, world_size: int, device)
 
         def run():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
     return run, reference, sum(t.numel() * t.element_size() for t in (k, v))
 
 
@@ -82,8 +83,15 @@ def _once(run, reference, memory: PeakMemory, device) -> dict:
     peak = memory.peak()
     error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
     merges = sum(1 for e in events if e.kind == "decode_merge")
-    return {"forward_s": seconds, "total_s": seconds, "forward_bytes": peak, "total_bytes": peak, "error": error,
-            "merges": merges, "kv_exchanges": sum(1 for e in events if e.kind == "exchange")}
+    return {
+        "forward_s": seconds,
+        "total_s": seconds,
+        "forward_bytes": peak,
+        "total_bytes": peak,
+        "error": error,
+        "merges": merges,
+        "kv_exchanges": sum(1 for e in events if e.kind == "exchange"),
+    }
 
 
 def decode_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:
@@ -102,8 +110,12 @@ def decode_rank(rank: int, world_size: int, config, methods, progress_done: int,
                 if world_size > 1:
                     dist.barrier()
                 samples.append(_once(run, reference, memory, device))
-            mine = {"samples": samples, "memory_note": memory.unavailable, "first_call_bytes": None,
-                    "cache_bytes": cache_bytes}
+            mine = {
+                "samples": samples,
+                "memory_note": memory.unavailable,
+                "first_call_bytes": None,
+                "cache_bytes": cache_bytes,
+            }
             records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
             del run, reference
     return records
@@ -111,16 +123,18 @@ def decode_rank(rank: int, world_size: int, config, methods, progress_done: int,
 
 def _generator(method: str, model, compiler: str, steps: int):
     """(the forward to call, a fresh cache) for one generation by ``method``."""
-    import ringpass
     from transformers import DynamicCache
+
+    import ringpass
 
     torch._dynamo.reset()  # each method compiles from scratch
     if method == "unsharded":
         forward = model if compiler == "eager" else torch.compile(model, backend=compiler)
         return forward, DynamicCache(config=model.config)
     cache = "sharded" if method == "sharded" else "gathered"
-    forward = torch.compile(model.__class__.forward.__get__(model),
-                            backend=ringpass.backend(compiler=compiler, report="off", cache=cache))
+    forward = torch.compile(
+        model.__class__.forward.__get__(model), backend=ringpass.backend(compiler=compiler, report="off", cache=cache)
+    )
     if method == "sharded":
         return forward, ringpass.ShardedCache(model.config, max_new_tokens=steps)
     return forward, DynamicCache(config=model.config)
@@ -162,12 +176,19 @@ def generate_rank(rank: int, world_size: int, config, methods, progress_done: in
                     seconds = seconds_since(start, device)
                     if i >= config.warmup:
                         peak = memory.peak()
-                        samples.append({"forward_s": seconds, "total_s": seconds, "forward_bytes": peak,
-                                        "total_bytes": peak})
+                        samples.append(
+                            {"forward_s": seconds, "total_s": seconds, "forward_bytes": peak, "total_bytes": peak}
+                        )
             merges = sum(1 for e in events if e.kind == "decode_merge")
-            mine = {"samples": samples, "memory_note": memory.unavailable, "first_call_bytes": None,
-                    "cache_bytes": _cache_bytes(cache), "tokens": tokens, "merges": merges,
-                    "cache_gathers": sum(1 for e in events if e.kind == "cache_gather")}
+            mine = {
+                "samples": samples,
+                "memory_note": memory.unavailable,
+                "first_call_bytes": None,
+                "cache_bytes": _cache_bytes(cache),
+                "tokens": tokens,
+                "merges": merges,
+                "cache_gathers": sum(1 for e in events if e.kind == "cache_gather"),
+            }
             records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
         del model
     return records

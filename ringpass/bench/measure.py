@@ -15,7 +15,6 @@ import os
 import re
 import sys
 import time
-from typing import Optional
 
 import torch
 
@@ -32,13 +31,15 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.unavailable: Optional[str] = None
+        self.unavailable: str | None = None
         if device.type == "cpu":
             if not os.path.exists("/proc/self/clear_refs"):
                 self.unavailable = "peak memory on CPU needs Linux's /proc/self/clear_refs"
             elif os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-                self.unavailable = ("peak memory on CPU needs MALLOC_MMAP_THRESHOLD_=131072 set before the process "
-                                    "starts (ringpass bench sets it for the ranks it spawns; export it under torchrun)")
+                self.unavailable = (
+                    "peak memory on CPU needs MALLOC_MMAP_THRESHOLD_=131072 set before the process "
+                    "starts (ringpass bench sets it for the ranks it spawns; export it under torchrun)"
+                )
 
     def start(self) -> None:
         if self.unavailable:
@@ -52,7 +53,7 @@ class PeakMemory:
                 clear.write("5")
             self._base = _status_kib("VmRSS") * 1024
 
-    def peak(self) -> Optional[int]:
+    def peak(self) -> int | None:
         if self.unavailable:
             return None
         if self.device.type == "cuda":
@@ -119,8 +120,9 @@ def start_rank(rank: int, config, progress_done: int, progress_total: int):
     return device, Progress(progress_total, progress_done, enabled=rank == 0 and config.progress)
 
 
-def gather_record(mine: dict, *, method: str, world_size: int, seq_len: int, device: torch.device,
-                  messages=None) -> dict:
+def gather_record(
+    mine: dict, *, method: str, world_size: int, seq_len: int, device: torch.device, messages=None
+) -> dict:
     """One case's record: every rank's measurements (``mine`` on this rank), gathered on every rank."""
     ranks = [mine]
     if world_size > 1:
@@ -128,5 +130,12 @@ def gather_record(mine: dict, *, method: str, world_size: int, seq_len: int, dev
 
         ranks = [None] * world_size
         dist.all_gather_object(ranks, mine)
-    return {"method": method, "world_size": world_size, "seq_len": seq_len, "threads": torch.get_num_threads(),
-            "device": device.type, "ranks": ranks, "messages": messages}
+    return {
+        "method": method,
+        "world_size": world_size,
+        "seq_len": seq_len,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "ranks": ranks,
+        "messages": messages,
+    }

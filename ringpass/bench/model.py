@@ -50,16 +50,25 @@ def build_model(config, seq_len: int, device):
 
     size = config.model
     llama = transformers.LlamaConfig(
-        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
-        max_position_embeddings=max(config.seq_lens), attn_implementation="sdpa", use_cache=False)
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=max(config.seq_lens),
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(llama).to(device).train(), size.vocab
 
 
 def _compiled(model, method: str, compiler: str):
     torch._dynamo.reset()  # each method compiles from scratch, with nothing cached from the other
     if method == "ring":
-        return torch.compile(model, backend="ring", options={"compiler": compiler, "report": "off", "outputs": "sharded"})
+        return torch.compile(
+            model, backend="ring", options={"compiler": compiler, "report": "off", "outputs": "sharded"}
+        )
     return model if compiler == "eager" else torch.compile(model, backend=compiler)
 
 
@@ -76,8 +85,15 @@ def _step(compiled, model, ids, memory: PeakMemory, device) -> dict:
         total_bytes = memory.peak()
     exchanges = sum(1 for e in events if e.kind == "exchange")
     ring_s = sum(e.fields["seconds"] for e in events if e.kind == "span")  # inside the ring's steps
-    return {"forward_s": forward_s, "total_s": total_s, "forward_bytes": forward_bytes, "total_bytes": total_bytes,
-            "loss": loss.item(), "exchanges": exchanges, "ring_s": ring_s}
+    return {
+        "forward_s": forward_s,
+        "total_s": total_s,
+        "forward_bytes": forward_bytes,
+        "total_bytes": total_bytes,
+        "loss": loss.item(),
+        "exchanges": exchanges,
+        "ring_s": ring_s,
+    }
 
 
 def model_rank(rank: int, world_size: int, config, methods, progress_done: int, progress_total: int) -> list:
@@ -101,10 +117,16 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
                     dist.barrier()
                 samples.append(_step(compiled, model, ids, memory, device))
             if config.trace:
-                write_trace(functools.partial(_step, compiled, model, ids, memory, device), device,
-                            os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-T{threads}-rank{rank}.json"))
-            mine = {"samples": samples, "memory_note": memory.unavailable,
-                    "first_call_bytes": warmups[0]["total_bytes"] if warmups else None}
+                write_trace(
+                    functools.partial(_step, compiled, model, ids, memory, device),
+                    device,
+                    os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-T{threads}-rank{rank}.json"),
+                )
+            mine = {
+                "samples": samples,
+                "memory_note": memory.unavailable,
+                "first_call_bytes": warmups[0]["total_bytes"] if warmups else None,
+            }
             records.append(gather_record(mine, method=method, world_size=world_size, seq_len=seq_len, device=device))
         del model
     return records

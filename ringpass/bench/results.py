@@ -34,8 +34,18 @@ import json
 import statistics
 from dataclasses import asdict
 
-from lowering.costmodel import DEVICES, LINKS, MEMORY, AttentionShape, DecodeCost, Hardware, all_gather_seconds, \
-    decode_seconds, predict, ring_cost
+from lowering.costmodel import (
+    DEVICES,
+    LINKS,
+    MEMORY,
+    AttentionShape,
+    DecodeCost,
+    Hardware,
+    all_gather_seconds,
+    decode_seconds,
+    predict,
+    ring_cost,
+)
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass.bench.attention import layout_kind
@@ -56,11 +66,18 @@ def load_hardware(path: str) -> Hardware:
     try:
         with open(path) as f:
             data = json.load(f)
-        return Hardware(float(data["link_bytes_per_s"]), float(data["link_latency_s"]), float(data["flops_per_s"]),
-                        link=str(data.get("link", "calibrated")), device=str(data.get("device", "calibrated")))
+        return Hardware(
+            float(data["link_bytes_per_s"]),
+            float(data["link_latency_s"]),
+            float(data["flops_per_s"]),
+            link=str(data.get("link", "calibrated")),
+            device=str(data.get("device", "calibrated")),
+        )
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise InvalidInputError(f"--hardware {path!r}: not a calibration file written by `ringpass bench --calibrate "
-                                f"--json FILE` ({type(error).__name__}: {error}).") from None
+        raise InvalidInputError(
+            f"--hardware {path!r}: not a calibration file written by `ringpass bench --calibrate "
+            f"--json FILE` ({type(error).__name__}: {error})."
+        ) from None
 
 
 def _spread(values: list[float]) -> dict:
@@ -82,8 +99,9 @@ def _peak_mib(record: dict, key: str):
 
 
 def _shape(config) -> AttentionShape:
-    return AttentionShape(config.batch, config.heads, config.kv_heads, config.head_dim, ITEMSIZE[config.dtype],
-                          is_causal=config.causal)
+    return AttentionShape(
+        config.batch, config.heads, config.kv_heads, config.head_dim, ITEMSIZE[config.dtype], is_causal=config.causal
+    )
 
 
 def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
@@ -94,13 +112,18 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
     cost = ring_cost(Layout(layout_kind(method, config.causal), p, n), _shape(config))
     if method.startswith("ring"):
         prediction = predict(cost, hardware)
-        row["predicted"] = {"forward_s": prediction.forward_s, "total_s": prediction.forward_s + prediction.backward_s,
-                            "hides": prediction.hides}
+        row["predicted"] = {
+            "forward_s": prediction.forward_s,
+            "total_s": prediction.forward_s + prediction.backward_s,
+            "hides": prediction.hides,
+        }
         row["need_mib"] = {k: v / MIB for k, v in cost.working_memory().items()}
     elif method == "all-gather":
-        row["predicted"] = {"forward_s": all_gather_seconds(cost, hardware),
-                            "total_s": all_gather_seconds(cost, hardware) + all_gather_seconds(cost, hardware, backward=True),
-                            "hides": False}
+        row["predicted"] = {
+            "forward_s": all_gather_seconds(cost, hardware),
+            "total_s": all_gather_seconds(cost, hardware) + all_gather_seconds(cost, hardware, backward=True),
+            "hides": False,
+        }
     compute = [statistics.median(s["compute_s"] for s in r["samples"]) for r in record["ranks"]]
     row["balance"] = max(compute) / statistics.mean(compute) if statistics.mean(compute) > 0 else None
     if record["device"] == "cuda":
@@ -110,8 +133,9 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
     elif method.startswith("ring") and record["messages"]:
         m = record["messages"]
         communication = (p - 1) * (2 * m["kv"] + m["dkv"])  # the hideable messages, each alone
-        exposed = statistics.mean(_exposed_seconds(record, rank, i) for rank in range(p)
-                                  for i in range(len(record["ranks"][0]["samples"])))
+        exposed = statistics.mean(
+            _exposed_seconds(record, rank, i) for rank in range(p) for i in range(len(record["ranks"][0]["samples"]))
+        )
         row["hidden"] = min(1.0, max(0.0, 1.0 - exposed / communication)) if communication > 0 else None
 
 
@@ -139,8 +163,13 @@ def _decode_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
     ranks = record["world_size"] if record["method"] == "sharded" else 1
     cost = DecodeCost(_shape(config), record["seq_len"], ranks, config.new_tokens)
     predicted = decode_seconds(cost, hardware)
-    row["predicted"] = {"forward_s": predicted["total"], "total_s": predicted["total"], "hides": False,
-                        "compute_s": predicted["compute"], "merge_s": predicted["merge"]}
+    row["predicted"] = {
+        "forward_s": predicted["total"],
+        "total_s": predicted["total"],
+        "hides": False,
+        "compute_s": predicted["compute"],
+        "merge_s": predicted["merge"],
+    }
 
 
 def _generate_extras(row: dict, record: dict) -> None:
@@ -156,8 +185,9 @@ def _model_extras(row: dict, record: dict, config) -> None:
     row["tokens_per_s"] = config.batch * record["seq_len"] / row["total_s"]["median"]
     row["loss"] = statistics.median(s["loss"] for r in record["ranks"] for s in r["samples"])
     row["exchanges"] = min(s["exchanges"] for r in record["ranks"] for s in r["samples"])
-    row["ring_s"] = statistics.median(max(r["samples"][i]["ring_s"] for r in record["ranks"])
-                                      for i in range(len(record["ranks"][0]["samples"])))
+    row["ring_s"] = statistics.median(
+        max(r["samples"][i]["ring_s"] for r in record["ranks"]) for i in range(len(record["ranks"][0]["samples"]))
+    )
 
 
 def summarise(records: list[dict], config, hardware: Hardware) -> dict:
@@ -225,17 +255,28 @@ def format_table(summary: dict) -> str:
     model = c["what"] == "model"
     if model:
         m = c["model"]
-        described = c["hf_config"] or (f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
-                                       f"{m['kv_heads']} KV heads, vocab {m['vocab']}")
-        title = f"ringpass bench --what model: {described}, batch {c['batch']}, one training step, compiler {c['compiler']}"
+        described = c["hf_config"] or (
+            f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
+            f"{m['kv_heads']} KV heads, vocab {m['vocab']}"
+        )
+        title = (
+            f"ringpass bench --what model: {described}, batch {c['batch']}, one training step, compiler {c['compiler']}"
+        )
     else:
-        title = (f"ringpass bench: {'causal' if c['causal'] else 'bidirectional'} attention, B={c['batch']} "
-                 f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, forward+backward")
-    lines = [title, f"  {c['warmup']} warm-up call(s), {c['repeats']} measured; times: median (min..max) of the slowest "
-             f"rank; memory: per-rank peak above the call's start; predicted on link {h['link']}, device {h['device']}",
-             ""]
-    head = (f"{'method':<17}{'P':>3}{'thr':>4}{'N':>7}{'fwd s':>9}{'fwd+bwd s (min..max)':>26}{'pred s':>8}"
-            f"{'MiB fwd/all':>13}{'need':>7}{'eff':>6}{'vs same':>8}")
+        title = (
+            f"ringpass bench: {'causal' if c['causal'] else 'bidirectional'} attention, B={c['batch']} "
+            f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, forward+backward"
+        )
+    lines = [
+        title,
+        f"  {c['warmup']} warm-up call(s), {c['repeats']} measured; times: median (min..max) of the slowest "
+        f"rank; memory: per-rank peak above the call's start; predicted on link {h['link']}, device {h['device']}",
+        "",
+    ]
+    head = (
+        f"{'method':<17}{'P':>3}{'thr':>4}{'N':>7}{'fwd s':>9}{'fwd+bwd s (min..max)':>26}{'pred s':>8}"
+        f"{'MiB fwd/all':>13}{'need':>7}{'eff':>6}{'vs same':>8}"
+    )
     head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'error':>9}"
     lines.append(head)
     for r in summary["rows"]:
@@ -247,22 +288,28 @@ def format_table(summary: dict) -> str:
         total = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
         memory = f"{_fmt(r['forward_mib'], '.0f')}/{_fmt(r['total_mib'], '.0f')}"
         need = r.get("need_mib")
-        line = (f"{start}{r['forward_s']['median']:>9.3f}{total:>26}{_fmt(r.get('predicted', {}).get('total_s'), '.3f'):>8}"
-                f"{memory:>13}{_fmt(need and need['backward'], '.0f'):>7}{_fmt(r['efficiency'], '.2f'):>6}"
-                f"{_fmt(r['vs_same_cores'], '.2f'):>8}")
+        line = (
+            f"{start}{r['forward_s']['median']:>9.3f}{total:>26}{_fmt(r.get('predicted', {}).get('total_s'), '.3f'):>8}"
+            f"{memory:>13}{_fmt(need and need['backward'], '.0f'):>7}{_fmt(r['efficiency'], '.2f'):>6}"
+            f"{_fmt(r['vs_same_cores'], '.2f'):>8}"
+        )
         if model:
             line += f"{r['tokens_per_s']:>9.0f}{_fmt(r.get('loss_error'), '.1e'):>9}"
             if r["method"] == "ring" and not r["exchanges"]:
                 line += "  (no ring exchange: ran unsharded)"
         else:
             hidden = r.get("hidden")
-            line += f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}" \
-                    f"{_fmt(r.get('balance'), '.2f'):>6}{r['error']:>9.1e}"
+            line += (
+                f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}"
+                f"{_fmt(r.get('balance'), '.2f'):>6}{r['error']:>9.1e}"
+            )
         lines.append(line)
     notes = {r["memory_note"] for r in summary["rows"] if r.get("memory_note")}
     lines += [f"  memory not measured: {note}" for note in notes]
-    lines.append("  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
-                 "working memory per rank (fwd+bwd)")
+    lines.append(
+        "  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
+        "working memory per rank (fwd+bwd)"
+    )
     return "\n".join(lines)
 
 
@@ -272,35 +319,48 @@ def _decode_table(summary: dict) -> str:
     generate = c["what"] == "generate"
     if generate:
         m = c["model"]
-        described = c["hf_config"] or (f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
-                                       f"{m['kv_heads']} KV heads")
-        title = (f"ringpass bench --what generate: {described}, batch {c['batch']}, a prompt of N tokens, then one "
-                 f"token per step, compiler {c['compiler']}")
+        described = c["hf_config"] or (
+            f"Llama-style hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, {m['kv_heads']} KV heads"
+        )
+        title = (
+            f"ringpass bench --what generate: {described}, batch {c['batch']}, a prompt of N tokens, then one "
+            f"token per step, compiler {c['compiler']}"
+        )
     else:
-        title = (f"ringpass bench --what decode: {c['new_tokens']} new token(s) against a KV cache of N positions, "
-                 f"B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, causal, one attention")
-    lines = [title, f"  {c['warmup']} warm-up step(s), {c['repeats']} measured; per-step time: median (min..max) of the "
-             f"slowest rank; cache: what one rank holds; peak: what the step adds" +
-             ("" if generate else f"; predicted on link {h['link']}, device {h['device']}"), "",
-             f"{'method':<10}{'P':>3}{'thr':>4}{'N':>9}{'step ms (min..max)':>24}{'pred ms':>9}{'cache MiB':>11}"
-             f"{'peak MiB':>10}{'eff':>6}{'vs same':>8}{'merges':>7}" + (f"{'tokens':>8}" if generate else f"{'error':>9}")]
+        title = (
+            f"ringpass bench --what decode: {c['new_tokens']} new token(s) against a KV cache of N positions, "
+            f"B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, causal, one attention"
+        )
+    lines = [
+        title,
+        f"  {c['warmup']} warm-up step(s), {c['repeats']} measured; per-step time: median (min..max) of the "
+        f"slowest rank; cache: what one rank holds; peak: what the step adds"
+        + ("" if generate else f"; predicted on link {h['link']}, device {h['device']}"),
+        "",
+        f"{'method':<10}{'P':>3}{'thr':>4}{'N':>9}{'step ms (min..max)':>24}{'pred ms':>9}{'cache MiB':>11}"
+        f"{'peak MiB':>10}{'eff':>6}{'vs same':>8}{'merges':>7}" + (f"{'tokens':>8}" if generate else f"{'error':>9}"),
+    ]
     for r in summary["rows"]:
         start = f"{r['method']:<10}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>9}"
         t = {k: v * 1e3 for k, v in r["total_s"].items()}
         step = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
         predicted = r.get("predicted", {}).get("total_s")
-        line = (f"{start}{step:>24}{_fmt(predicted and predicted * 1e3, '.3f'):>9}{r['cache_mib']:>11.1f}"
-                f"{_fmt(r['total_mib'], '.1f'):>10}{_fmt(r['efficiency'], '.2f'):>6}{_fmt(r['vs_same_cores'], '.2f'):>8}"
-                f"{r['merges']:>7}")
+        line = (
+            f"{start}{step:>24}{_fmt(predicted and predicted * 1e3, '.3f'):>9}{r['cache_mib']:>11.1f}"
+            f"{_fmt(r['total_mib'], '.1f'):>10}{_fmt(r['efficiency'], '.2f'):>6}{_fmt(r['vs_same_cores'], '.2f'):>8}"
+            f"{r['merges']:>7}"
+        )
         if generate:
             same = r.get("same_tokens")
             line += f"{'-' if same is None else ('same' if same and r['same_on_every_rank'] else 'DIFFER'):>8}"
         else:
             line += f"{r['error']:>9.1e}"
         lines.append(line)
-    lines.append("  sharded: every rank reads its slots and the ranks merge out and LSE (one all-gather); gathered: every "
-                 "rank holds and reads the whole cache; eff: T(1 thread, 1 process) / (cores x T); vs same: "
-                 "T(1 process, same cores) / T" + ("; tokens: the same as the unsharded model's" if generate else ""))
+    lines.append(
+        "  sharded: every rank reads its slots and the ranks merge out and LSE (one all-gather); gathered: every "
+        "rank holds and reads the whole cache; eff: T(1 thread, 1 process) / (cores x T); vs same: "
+        "T(1 process, same cores) / T" + ("; tokens: the same as the unsharded model's" if generate else "")
+    )
     return "\n".join(lines)
 
 
@@ -331,7 +391,9 @@ def plot(summary: dict, path: str) -> None:
         time_axis.plot(n, [r["total_s"]["median"] for r in rows], marker="o", label=label)
         if all(r["total_mib"] is not None for r in rows):
             memory_axis.plot(n, [r["total_mib"] for r in rows], marker="o", label=label)
-    time_axis.set_ylabel("forward+backward s (median)" if summary["config"]["what"] == "attention" else "training step s")
+    time_axis.set_ylabel(
+        "forward+backward s (median)" if summary["config"]["what"] == "attention" else "training step s"
+    )
     memory_axis.set_ylabel("peak MiB per rank above start")
     memory_axis.set_xlabel("sequence length N")
     for axis in (time_axis, memory_axis):

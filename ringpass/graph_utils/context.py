@@ -20,10 +20,10 @@ class Placement(str, Enum):
     """Where a value lives (DESIGN.md, "Placements"). A str: outside the passes it reads as its value
     (`ringpass.graph_view` names placements by it)."""
 
-    LOCAL = "local"      # this rank's tokens, in the layout's order (Sharded along the sequence)
-    FULL = "full"        # the whole sequence, computed on every rank
+    LOCAL = "local"  # this rank's tokens, in the layout's order (Sharded along the sequence)
+    FULL = "full"  # the whole sequence, computed on every rank
     PARTIAL = "partial"  # this rank's share of a sum over the sequence: made whole by an all-reduce
-    NOSEQ = "noseq"      # no sequence axis: the same on every rank (Replicated)
+    NOSEQ = "noseq"  # no sequence axis: the same on every rank (Replicated)
 
 
 LOCAL, FULL, PARTIAL, NOSEQ = Placement.LOCAL, Placement.FULL, Placement.PARTIAL, Placement.NOSEQ
@@ -70,16 +70,16 @@ class PassContext:
     # find_attention
     attention: list = field(default_factory=list)
     # lift_masks
-    masks: dict = field(default_factory=dict)             # attention output -> MaskPlan
-    lifted: set = field(default_factory=set)              # mask nodes the ring evaluates instead
-    whole_values: set = field(default_factory=set)        # mask program inputs: kept whole on every rank
+    masks: dict = field(default_factory=dict)  # attention output -> MaskPlan
+    lifted: set = field(default_factory=set)  # mask nodes the ring evaluates instead
+    whole_values: set = field(default_factory=set)  # mask program inputs: kept whole on every rank
     # find_sequence_axes
-    seq_len: int = 0            # the sequence length as the graph sees it (local length for inputs="sharded")
-    global_seq_len: int = 0     # the sequence length of the whole model input
+    seq_len: int = 0  # the sequence length as the graph sees it (local length for inputs="sharded")
+    global_seq_len: int = 0  # the sequence length of the whole model input
     axes: dict[fx.Node, tuple[SeqDim, ...]] = field(default_factory=dict)
-    mixing: dict[fx.Node, str] = field(default_factory=dict)      # node -> why it mixes tokens
+    mixing: dict[fx.Node, str] = field(default_factory=dict)  # node -> why it mixes tokens
     reductions: dict[fx.Node, str] = field(default_factory=dict)  # node -> "sum" | "mean" | "cross_entropy" | "pick"
-    sources: dict[fx.Node, str] = field(default_factory=dict)     # node -> "input" | "positions" | "created" | "sliced"
+    sources: dict[fx.Node, str] = field(default_factory=dict)  # node -> "input" | "positions" | "created" | "sliced"
     length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
     # choose_layout
     layout_kind: str = ""

@@ -31,9 +31,12 @@ class FlexProgram:
 
     def __call__(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, *buffers: torch.Tensor) -> torch.Tensor:
         device = q_pos.device
-        index = (torch.arange(self.batch, device=device).view(-1, 1, 1, 1),
-                 torch.arange(self.heads, device=device).view(1, -1, 1, 1), q_pos.view(1, 1, -1, 1),
-                 kv_pos.view(1, 1, 1, -1))
+        index = (
+            torch.arange(self.batch, device=device).view(-1, 1, 1, 1),
+            torch.arange(self.heads, device=device).view(1, -1, 1, 1),
+            q_pos.view(1, 1, -1, 1),
+            kv_pos.view(1, 1, 1, -1),
+        )
         if self.score:
             return self.mod(torch.zeros((), dtype=torch.float64, device=device), *index, *buffers)
         return self.mod(*index, *buffers)
@@ -60,5 +63,7 @@ def read_score_mod(score_mod: fx.GraphModule, call: fx.Node) -> ScoreReading:
     if scores is not score:
         raise refusal(
             f"The score_mod of {describe(call)} computes {describe(scores)} from the score: ring attention's "
-            "kernels apply a scale, a soft-cap tanh(s / c) * c and a bias that does not depend on the score.", call)
+            "kernels apply a scale, a soft-cap tanh(s / c) * c and a bias that does not depend on the score.",
+            call,
+        )
     return ScoreReading(scale, softcap, bias is not None)

@@ -52,13 +52,56 @@ GRADIENT_ARGUMENTS: dict[str, tuple] = {
 }
 
 # Ops that return no gradient to any argument: sizes, detaching, comparisons, fresh tensors shaped like one.
-NO_GRADIENT = LIKE | INTEGER_CASTS | {
-    "detach", "detach_", "size", "dim", "numel", "stride", "data_ptr", "item", "tolist",
-    "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "logical_xor",
-    "bitwise_not", "invert", "isnan", "isinf", "isfinite", "signbit", "argmax", "argmin", "argsort", "argwhere",
-    "nonzero", "searchsorted", "bucketize", "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones",
-    "new_empty", "new_full", "new_tensor", "short", "byte", "char", "_set_grad_enabled",
-}
+NO_GRADIENT = (
+    LIKE
+    | INTEGER_CASTS
+    | {
+        "detach",
+        "detach_",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "data_ptr",
+        "item",
+        "tolist",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "logical_not",
+        "logical_and",
+        "logical_or",
+        "logical_xor",
+        "bitwise_not",
+        "invert",
+        "isnan",
+        "isinf",
+        "isfinite",
+        "signbit",
+        "argmax",
+        "argmin",
+        "argsort",
+        "argwhere",
+        "nonzero",
+        "searchsorted",
+        "bucketize",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "new_tensor",
+        "short",
+        "byte",
+        "char",
+        "_set_grad_enabled",
+    }
+)
 IN_PLACE_FUNCTIONS = {operator.setitem}
 # flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)
 FLEX_MASK_BUFFERS = 8
@@ -68,10 +111,10 @@ FLEX_MASK_BUFFERS = 8
 class CapturedGradients:
     """What `record_gradient_paths` found in the captured graph."""
 
-    inputs: list = field(default_factory=list)     # placeholders whose gradient reached an output, in graph order
-    targets: dict = field(default_factory=dict)    # placeholder -> its target (to find it if a pass replaced it)
-    step: dict = field(default_factory=dict)       # node -> the next node on one gradient path to an output
-    trusted: dict = field(default_factory=dict)    # id(example value) -> (value, {(op, target)} of captured nodes)
+    inputs: list = field(default_factory=list)  # placeholders whose gradient reached an output, in graph order
+    targets: dict = field(default_factory=dict)  # placeholder -> its target (to find it if a pass replaced it)
+    step: dict = field(default_factory=dict)  # node -> the next node on one gradient path to an output
+    trusted: dict = field(default_factory=dict)  # id(example value) -> (value, {(op, target)} of captured nodes)
 
     def path(self, start: fx.Node) -> list[fx.Node]:
         """``start`` and the captured nodes on its recorded path to an output (the output node last)."""
@@ -79,7 +122,6 @@ class CapturedGradients:
         while path[-1] in self.step and len(path) <= len(self.step):
             path.append(self.step[path[-1]])
         return path
-
 
 
 class GradientRules:
@@ -170,8 +212,9 @@ def has_autograd_formula(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"ringpass::{name}", "Autograd")
 
 
-def gradient_reach(gm: fx.GraphModule, rules: GradientRules | None = None,
-                   outputs: set | None = None) -> tuple[set, dict]:
+def gradient_reach(
+    gm: fx.GraphModule, rules: GradientRules | None = None, outputs: set | None = None
+) -> tuple[set, dict]:
     """(the nodes of ``gm`` whose gradient reaches an output, node -> the next node on one such path), in one
     walk from the outputs back. ``outputs``: only these positions of the output tuple count (a body's)."""
     rules = rules or GradientRules()
@@ -214,7 +257,7 @@ def _enter_body(gm: fx.GraphModule, call: fx.Node, live: set, rules: GradientRul
     else:
         wanted = {u.args[1] for u in users}
     body_live, _ = gradient_reach(body, GradientRules(rules.trusted), wanted) if users else (set(), {})
-    operands = call.args[BODY_CALLS[call.target]:]
+    operands = call.args[BODY_CALLS[call.target] :]
     inside = [n for n in body.graph.nodes if n.op == "placeholder"]
     rules.through_body[call] = {a for a, p in zip(operands, inside) if isinstance(a, fx.Node) and p in body_live}
 
@@ -229,8 +272,14 @@ def _output_nodes(output: fx.Node, positions: set | None) -> set:
 def _writes_in_place(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in IN_PLACE_FUNCTIONS
-    return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__") \
-        and node.target not in NO_GRADIENT and bool(node.args) and isinstance(node.args[0], fx.Node)
+    return (
+        node.op == "call_method"
+        and node.target.endswith("_")
+        and not node.target.startswith("__")
+        and node.target not in NO_GRADIENT
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
@@ -239,8 +288,11 @@ def _written(node: fx.Node) -> list[fx.Node]:
     while isinstance(current, fx.Node) and current not in found:
         found.append(current)
         value = example_value(current)
-        if not (isinstance(value, torch.Tensor) and value._is_view()) or not current.args \
-                or not isinstance(current.args[0], fx.Node):
+        if (
+            not (isinstance(value, torch.Tensor) and value._is_view())
+            or not current.args
+            or not isinstance(current.args[0], fx.Node)
+        ):
             break
         current = current.args[0]
     return found

@@ -117,14 +117,18 @@ def _gcd(size: int, groups: list) -> int:
 @cache
 def _random(name: str) -> bool:
     packet = getattr(torch.ops.aten, name, None)
-    return packet is not None and hasattr(packet, "overloads") and any(
-        torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+    return (
+        packet is not None
+        and hasattr(packet, "overloads")
+        and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+    )
 
 
 def _merged_dims(source: tuple, out: tuple, dim: int):
     """The consecutive source dims whose sizes multiply to ``out[dim]`` and that start where ``out[:dim]``
     ends (a flatten, or the dim kept), or None (the dim is split or mixed). Symbolic sizes compare only
     where the comparison is known without a guard."""
+
     def equal(a, b) -> bool:
         return bool(statically_known_true(a == b))
 

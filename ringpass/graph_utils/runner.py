@@ -91,9 +91,16 @@ class PassRunner:
                 if refused:
                     error.args = (f"{error}\n(Refused by the pass `{name}`.)",)
                 raise
-            log.debug("graph %d, pass %d (%s): %s: %d nodes (%+d), %.3f s", self.ctx.report.graph_index, self.done,
-                      stage.name, name, len(self.ctx.gm.graph.nodes), len(self.ctx.gm.graph.nodes) - nodes,
-                      time.perf_counter() - started)
+            log.debug(
+                "graph %d, pass %d (%s): %s: %d nodes (%+d), %.3f s",
+                self.ctx.report.graph_index,
+                self.done,
+                stage.name,
+                name,
+                len(self.ctx.gm.graph.nodes),
+                len(self.ctx.gm.graph.nodes) - nodes,
+                time.perf_counter() - started,
+            )
             if self.folder is not None:
                 self._write(name)
             if self.check:
@@ -118,12 +125,16 @@ class PassRunner:
         node, error = run_on_fake_values(self.ctx.gm)
         ran, self.runs = self.runs, error is None
         if error is not None and ran:
-            raise PassCheckError(f"After {where} the graph no longer runs on fake tensors: {describe(node)} raised "
-                                 f"{type(error).__name__}: {error}") from error
+            raise PassCheckError(
+                f"After {where} the graph no longer runs on fake tensors: {describe(node)} raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def _write(self, name: str, error: BaseException | None = None) -> None:
-        header = (f"# graph {self.ctx.report.graph_index}, after pass {self.done}: {name}\n"
-                  "# (shapes in annotations are the traced values: `PassContext`, on example values)\n")
+        header = (
+            f"# graph {self.ctx.report.graph_index}, after pass {self.done}: {name}\n"
+            "# (shapes in annotations are the traced values: `PassContext`, on example values)\n"
+        )
         if error is not None:
             header += "".join(f"# {line}\n" for line in f"{type(error).__name__}: {error}".splitlines())
         try:

@@ -35,7 +35,7 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
     ``n``) is ``in_axis``; refuses a reshape that splits the sequence."""
     in_shape, out_shape = example_value(node.args[0]).shape, example_value(node).shape
     stride = in_axis.inner
-    for s in in_shape[in_axis.dim + 1:]:
+    for s in in_shape[in_axis.dim + 1 :]:
         stride *= s
     suffix = 1
     for j in range(len(out_shape) - 1, -1, -1):
@@ -46,7 +46,8 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
         suffix *= out_shape[j]
     raise refusal(
         f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
-        "mixes it with other axes; the tokens of a shard would not stay together.", node
+        "mixes it with other axes; the tokens of a shard would not stay together.",
+        node,
     )
 
 

@@ -26,14 +26,57 @@ VIEWS = frozenset({"view", "reshape", torch.reshape})
 EXPANDS = frozenset({"expand", "repeat", torch.broadcast_to})
 FLATTENS = frozenset({"flatten", torch.flatten})  # reshapes that spell no sizes
 LIKE = frozenset({"zeros_like", "ones_like", "full_like", "empty_like"})  # shaped like their first argument
-CREATORS = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand,
-                      "new_zeros", "new_ones", "new_empty", "new_full"})  # new tensors of sizes given as numbers
-REARRANGE = KEEP_VALUES | LIKE | {
-    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "unflatten", "flatten",
-    "view_as", "reshape_as", "t", "size", "dim", "numel", "repeat", "requires_grad_", "stack", "getattr", "pad",
-    "movedim", "swapaxes", "broadcast_to", "copy_", "new_empty", "new_zeros", "new_ones", "new_full", "view_as_real",
-    "view_as_complex",
-}  # ops that only move, cast or copy values, or read sizes
+CREATORS = frozenset(
+    {
+        torch.zeros,
+        torch.ones,
+        torch.empty,
+        torch.full,
+        torch.randn,
+        torch.rand,
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+    }
+)  # new tensors of sizes given as numbers
+REARRANGE = (
+    KEEP_VALUES
+    | LIKE
+    | {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "unflatten",
+        "flatten",
+        "view_as",
+        "reshape_as",
+        "t",
+        "size",
+        "dim",
+        "numel",
+        "repeat",
+        "requires_grad_",
+        "stack",
+        "getattr",
+        "pad",
+        "movedim",
+        "swapaxes",
+        "broadcast_to",
+        "copy_",
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "view_as_real",
+        "view_as_complex",
+    }
+)  # ops that only move, cast or copy values, or read sizes
 
 # ---- arithmetic on scores ------------------------------------------------------------------------------
 MUL = frozenset({operator.mul, torch.mul, "mul"})
@@ -50,8 +93,16 @@ BODY_CALLS = {CHECKPOINT: 1, torch.ops.higher_order.invoke_subgraph: 2, torch.op
 PROMPT_SLOTS = (torch.ops.ringpass.prompt_slots, torch.ops.ringpass.prompt_slots.default)  # a ShardedCache's prefill
 
 OPERATOR_NAMES = {
-    "truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "or_": "bitwise_or",
-    "xor": "bitwise_xor", "invert": "bitwise_not", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
+    "truediv": "div",
+    "floordiv": "floor_divide",
+    "and_": "bitwise_and",
+    "or_": "bitwise_or",
+    "xor": "bitwise_xor",
+    "invert": "bitwise_not",
+    "iadd": "add",
+    "isub": "sub",
+    "imul": "mul",
+    "itruediv": "div",
 }
 
 
@@ -82,4 +133,3 @@ def is_pointwise_name(name: str) -> bool:
     if packet is None or not hasattr(packet, "overloads"):
         return False
     return any(torch.Tag.pointwise in getattr(packet, overload).tags for overload in packet.overloads())
-

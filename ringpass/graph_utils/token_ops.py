@@ -24,21 +24,78 @@ from ringpass.graph_utils.sizes import same, value_of
 from ringpass.graph_utils.spellings import PROMPT_SLOTS, REARRANGE, is_pointwise_name, op_name
 
 PER_TOKEN_LAYERS = {
-    "linear", "embedding", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "dropout",
-    "scaled_dot_product_attention", "flex_attention",
+    "linear",
+    "embedding",
+    "matmul",
+    "bmm",
+    "mm",
+    "addmm",
+    "baddbmm",
+    "einsum",
+    "dropout",
+    "scaled_dot_product_attention",
+    "flex_attention",
 }  # over feature dims; a contraction over the sequence loses the sequence axis and is caught above
 TRAILING_NORMS = {"layer_norm", "rms_norm"}  # normalise over trailing (feature) dims
 REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "norm", "var", "std", "prod", "logsumexp", "argmax", "argmin",
-    "all", "any", "median", "nansum", "nanmean", "var_mean", "std_mean", "count_nonzero",
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "norm",
+    "var",
+    "std",
+    "prod",
+    "logsumexp",
+    "argmax",
+    "argmin",
+    "all",
+    "any",
+    "median",
+    "nansum",
+    "nanmean",
+    "var_mean",
+    "std_mean",
+    "count_nonzero",
 }
 ALONG_DIM = {
-    "softmax", "log_softmax", "cat", "concat", "split", "chunk", "unbind", "repeat_interleave", "sort", "argsort",
-    "topk", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "roll", "gather", "take_along_dim",
-    "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "softmax",
+    "log_softmax",
+    "cat",
+    "concat",
+    "split",
+    "chunk",
+    "unbind",
+    "repeat_interleave",
+    "sort",
+    "argsort",
+    "topk",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "logcumsumexp",
+    "flip",
+    "roll",
+    "gather",
+    "take_along_dim",
+    "index_select",
+    "scatter",
+    "scatter_",
+    "scatter_add",
+    "scatter_add_",
 }
-DIM_POSITION = {"split": 2, "chunk": 2, "repeat_interleave": 2, "norm": 2, "topk": 2, "roll": 2,
-                "take_along_dim": 2}  # else the 2nd
+DIM_POSITION = {
+    "split": 2,
+    "chunk": 2,
+    "repeat_interleave": 2,
+    "norm": 2,
+    "topk": 2,
+    "roll": 2,
+    "take_along_dim": 2,
+}  # else the 2nd
 
 
 def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: bool) -> tuple[str, str | None]:
@@ -96,14 +153,20 @@ def _dtensor_conversion(node: fx.Node, first, seq_dims) -> tuple[str, str | None
     dims = seq_dims(first) if first is not None else set()
     rank = value_of(first).dim() if first is not None else 0
     if any(getattr(p, "dim", None) is not None and p.dim % max(rank, 1) in dims for p in placements):
-        return "mixing", ("a DTensor placement shards the sequence dim (sequence parallel); the ring shards the "
-                          "sequence already: keep tensor parallel's activations replicated along it")
+        return "mixing", (
+            "a DTensor placement shards the sequence dim (sequence parallel); the ring shards the "
+            "sequence already: keep tensor parallel's activations replicated along it"
+        )
     return "token", None
 
 
 CONTRACTED = {  # the operands a matrix product sums over, and the dim it sums over in each
-    "linear": ((0, -1), (1, -1)), "matmul": ((0, -1), (1, -2)), "mm": ((0, -1), (1, -2)), "bmm": ((0, -1), (1, -2)),
-    "addmm": ((1, -1), (2, -2)), "baddbmm": ((1, -1), (2, -2)),
+    "linear": ((0, -1), (1, -1)),
+    "matmul": ((0, -1), (1, -2)),
+    "mm": ((0, -1), (1, -2)),
+    "bmm": ((0, -1), (1, -2)),
+    "addmm": ((1, -1), (2, -2)),
+    "baddbmm": ((1, -1), (2, -2)),
 }
 
 
@@ -115,8 +178,11 @@ def _contracts_sequence(node: fx.Node, name: str, seq_dims) -> bool:
         inputs, _, output = node.args[0].replace(" ", "").partition("->")
         tensors = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         for letters, tensor in zip(inputs.split(","), tensors):
-            if isinstance(tensor, fx.Node) and "." not in letters and \
-                    any(letters[d] not in output for d in seq_dims(tensor) if d < len(letters)):
+            if (
+                isinstance(tensor, fx.Node)
+                and "." not in letters
+                and any(letters[d] not in output for d in seq_dims(tensor) if d < len(letters))
+            ):
                 return True
         return False
     for position, dim in CONTRACTED.get(name, ()):

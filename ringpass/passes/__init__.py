@@ -45,14 +45,35 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.report import Refusal
 
-PREPARE = Stage("prepare", (record_gradient_paths, inline_subgraphs, pin_model_numbers, expand_multi_head_attention,
-                            devectorize_vmaps, find_attention))
+PREPARE = Stage(
+    "prepare",
+    (
+        record_gradient_paths,
+        inline_subgraphs,
+        pin_model_numbers,
+        expand_multi_head_attention,
+        devectorize_vmaps,
+        find_attention,
+    ),
+)
 PREFILL = (
-    Stage("analyse", (lift_masks, invert_permutations, find_sequence_axes, choose_layout, globalize_sharded_lengths,
-                      find_local_permutations, decide_placements, keep_cache_sharded)),
+    Stage(
+        "analyse",
+        (
+            lift_masks,
+            invert_permutations,
+            find_sequence_axes,
+            choose_layout,
+            globalize_sharded_lengths,
+            find_local_permutations,
+            decide_placements,
+            keep_cache_sharded,
+        ),
+    ),
     # from the whole sequence to this rank's tokens: the graph computes its values again after the last
-    Stage("shard", (rewrite_positions, localize_shapes, rewrite_attention, insert_boundaries),
-          runs_between_passes=False),
+    Stage(
+        "shard", (rewrite_positions, localize_shapes, rewrite_attention, insert_boundaries), runs_between_passes=False
+    ),
     Stage("gradients", (reduce_grads,)),
 )
 DECODE = Stage("decode", (rewrite_decode_attention,))
@@ -80,8 +101,12 @@ def run_pipeline(ctx: PassContext) -> None:
     except NotSupportedError as error:
         node = getattr(error, "node", None)
         chain = op_chain(ctx.gm, [m.output for m in ctx.attention], node) if node is not None else []
-        report.refusal = Refusal(str(error), op_label(node) if node is not None else "",
-                                 short_source(node) if node is not None else "", chain)
+        report.refusal = Refusal(
+            str(error),
+            op_label(node) if node is not None else "",
+            short_source(node) if node is not None else "",
+            chain,
+        )
         if len(chain) > 1:
             error.args = (f"{error}\nChain of ops between the attention and the blocking op: {' -> '.join(chain)}",)
         raise

@@ -17,8 +17,15 @@ import torch.fx as fx
 
 from ringpass.graph import op_label, refusal, user_name
 from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.gradient_reach import (GRADIENT_ARGUMENTS, NO_GRADIENT, CapturedGradients, GradientRules,
-                                                 flat_nodes, gradient_reach, ringpass_op)
+from ringpass.graph_utils.gradient_reach import (
+    GRADIENT_ARGUMENTS,
+    NO_GRADIENT,
+    CapturedGradients,
+    GradientRules,
+    flat_nodes,
+    gradient_reach,
+    ringpass_op,
+)
 
 SHOWN = 3  # other values named after the first
 
@@ -51,11 +58,14 @@ def check_gradient_paths(ctx: PassContext) -> None:
         f"The gradient of `{name}` no longer reaches the outputs after the ring rewrite: {cut}. Training would "
         f"silently leave this value unchanged{also}. This is a ringpass bug: please report this model. To run it "
         "now, freeze the value (`requires_grad_(False)`) if it need not train, or run inference under "
-        "`torch.no_grad()`.", blocking)
+        "`torch.no_grad()`.",
+        blocking,
+    )
 
 
-def _where_cut(graph: fx.Graph, rules: GradientRules, live: set, record: CapturedGradients, start: fx.Node,
-               current) -> tuple[str, fx.Node]:
+def _where_cut(
+    graph: fx.Graph, rules: GradientRules, live: set, record: CapturedGradients, start: fx.Node, current
+) -> tuple[str, fx.Node]:
     """(what cut the path, in words; the node to name as the blocking op)."""
     if current is None:
         return "the rewritten graph no longer reads it", start
@@ -65,8 +75,14 @@ def _where_cut(graph: fx.Graph, rules: GradientRules, live: set, record: Capture
     order = {n: i for i, n in enumerate(graph.nodes)}
     blocked = [(r, u) for r in reached for u in r.users if u in live and not rules.passes(r, u)]
     if blocked:  # an op that reads it (or a value carrying its gradient) and passes no gradient on
-        r, u = max(blocked, key=lambda e: (ringpass_op(e[1]) is not None or not rules.is_trusted(e[1]),
-                                           on_path.get(e[0], -1), order[e[0]]))
+        r, u = max(
+            blocked,
+            key=lambda e: (
+                ringpass_op(e[1]) is not None or not rules.is_trusted(e[1]),
+                on_path.get(e[0], -1),
+                order[e[0]],
+            ),
+        )
         via = f" through {user_name(r)}" if r is not current and rules.is_trusted(r) else ""
         return f"it reaches {user_name(u)}{via}{_as_argument(u, r)}, {_why_not(u)}", u
     last = max((i for i, n in enumerate(path) if n in reached), default=0)
@@ -92,7 +108,7 @@ def _reached_from(start: fx.Node, rules: GradientRules) -> list[fx.Node]:
 
 
 def _as_argument(op: fx.Node, arg: fx.Node) -> str:
-    """" as its `bias_inputs`" for a ringpass op reading ``arg`` in that argument, else ""."""
+    """ " as its `bias_inputs`" for a ringpass op reading ``arg`` in that argument, else ""."""
     found = ringpass_op(op)
     if found is None:
         return ""

@@ -91,4 +91,3 @@ def _removal_chain(removes: list[fx.Node], levels: list[int]):
     if any(later.args[0] is not earlier or len(earlier.users) != 1 for earlier, later in zip(chain, chain[1:])):
         return None
     return chain
-

@@ -49,19 +49,28 @@ def _check(call: fx.Node, a: dict) -> None:
     unsupported = [name for name in ("bias_k", "bias_v", "static_k", "static_v") if a[name] is not None]
     unsupported += ["add_zero_attn"] if a["add_zero_attn"] else []
     if unsupported:
-        raise refusal(f"{describe(call)} (nn.MultiheadAttention) uses {', '.join(unsupported)}, which the ring backend "
-                      "does not write out; build the module without it.", call)
+        raise refusal(
+            f"{describe(call)} (nn.MultiheadAttention) uses {', '.join(unsupported)}, which the ring backend "
+            "does not write out; build the module without it.",
+            call,
+        )
     if example_value(a["query"]).dim() != 3:
         raise refusal(f"{describe(call)} (nn.MultiheadAttention) has unbatched inputs; pass a batch dimension.", call)
     masks = [example_value(m).dtype == torch.bool for m in (a["attn_mask"], a["key_padding_mask"]) if m is not None]
     if len(set(masks)) > 1:
-        raise refusal(f"{describe(call)} (nn.MultiheadAttention) combines a bool mask with a float one; pass both as "
-                      "bool (True = hidden) or both as float (added to the scores).", call)
+        raise refusal(
+            f"{describe(call)} (nn.MultiheadAttention) combines a bool mask with a float one; pass both as "
+            "bool (True = hidden) or both as float (added to the scores).",
+            call,
+        )
     weights = [u for u in call.users if not (u.target is operator.getitem and u.args[1] == 0)]
     if weights:
-        raise refusal(f"{describe(weights[0])} reads the attention weights of {describe(call)} "
-                      "(nn.MultiheadAttention with need_weights=True): a sequence x sequence tensor, which ring "
-                      "attention never holds. Call it with need_weights=False.", weights[0])
+        raise refusal(
+            f"{describe(weights[0])} reads the attention weights of {describe(call)} "
+            "(nn.MultiheadAttention with need_weights=True): a sequence x sequence tensor, which ring "
+            "attention never holds. Call it with need_weights=False.",
+            weights[0],
+        )
 
 
 def _written_out(graph: fx.Graph, call: fx.Node, a: dict) -> list[fx.Node]:
@@ -79,8 +88,11 @@ def _written_out(graph: fx.Graph, call: fx.Node, a: dict) -> list[fx.Node]:
         weights = [a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]]
     else:
         weights = [op(operator.getitem, a["in_proj_weight"], slice(i * embed, (i + 1) * embed)) for i in range(3)]
-    biases = [None] * 3 if a["in_proj_bias"] is None else \
-        [op(operator.getitem, a["in_proj_bias"], slice(i * embed, (i + 1) * embed)) for i in range(3)]
+    biases = (
+        [None] * 3
+        if a["in_proj_bias"] is None
+        else [op(operator.getitem, a["in_proj_bias"], slice(i * embed, (i + 1) * embed)) for i in range(3)]
+    )
     q, k, v = (
         op("permute", op("unflatten", op(F.linear, x, w, b), -1, (heads, -1), method=True), 1, 2, 0, 3, method=True)
         for x, w, b in zip((a["query"], a["key"], a["value"]), weights, biases)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -43,8 +42,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import (ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in,
-                            refusal)
+from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in, refusal
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.head_groups import repeated_groups
 from ringpass.graph_utils.score_terms import peel_scale, peel_softcap, split_sum
@@ -70,15 +68,15 @@ class AttentionMatch:
     key: fx.Node
     value: fx.Node
     is_causal: bool
-    scale: Optional[float]
+    scale: float | None
     spelling: str  # "sdpa" or "hand-written"
     internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
-    mask: Optional[tuple[str, fx.Node]] = None  # ("kept" | "masked_out" | "additive", the mask's node)
-    fill: Optional[float] = None  # the value masked scores get (masked_fill / where), when it is one number
-    softcap: Optional[float] = None  # scores c·tanh(s / c)
-    bias: Optional[fx.Node] = None  # an additive score bias inside the mask (ALiBi, a position bias)
-    batch: Optional[int] = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
-    flex: Optional["FlexMods"] = None  # a flex_attention call's mask_mod and score_mod
+    mask: tuple[str, fx.Node] | None = None  # ("kept" | "masked_out" | "additive", the mask's node)
+    fill: float | None = None  # the value masked scores get (masked_fill / where), when it is one number
+    softcap: float | None = None  # scores c·tanh(s / c)
+    bias: fx.Node | None = None  # an additive score bias inside the mask (ALiBi, a position bias)
+    batch: int | None = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
+    flex: FlexMods | None = None  # a flex_attention call's mask_mod and score_mod
     outer_scale: float = 1.0  # a scale applied outside the mask and bias: their values scale with it
     inner_masks: tuple = ()  # further masks inside ``mask``: ((kind, node), fill) each, outermost first
     kv_groups: int = 1  # K and V heads repeat in consecutive groups of this size: one of each travels
@@ -101,7 +99,9 @@ def find_attention(ctx: PassContext) -> None:
             raise refusal(
                 f"{describe(node)} is PyTorch's fused Transformer fast path (nn.TransformerEncoderLayer or "
                 "nn.MultiheadAttention in eval without gradients): one opaque op the ring cannot open. Turn the fast "
-                "path off with torch.backends.mha.set_fastpath_enabled(False).", node)
+                "path off with torch.backends.mha.set_fastpath_enabled(False).",
+                node,
+            )
         if node.op == "call_function" and node.target is FLEX:
             ctx.attention.append(_match_flex(ctx.gm, node))
         elif calls(node, SDPA):
@@ -140,12 +140,29 @@ def _refuse_unrecognised_attention(gm: fx.GraphModule) -> None:
                 f"{describe(node)} is a softmax whose probabilities multiply values: an attention the ring backend "
                 "does not recognise, so nothing would be sharded (recognised: a scale, soft-cap tanh(x / c) * c, "
                 "a bias and masks over q @ k^T, then softmax @ v); for Hugging Face models try "
-                "attn_implementation='sdpa'.", node)
+                "attn_implementation='sdpa'.",
+                node,
+            )
 
 
-PASS_THROUGH = KEEP_FLOATS | DROPOUTS | VIEWS | TRANSPOSE | {
-    "flatten", "unflatten", "expand", "unsqueeze", "squeeze", "masked_fill", torch.masked_fill, torch.where, F.pad,
-    "__getitem__"}  # ops between probabilities and the values they weigh that keep the probabilities' meaning
+PASS_THROUGH = (
+    KEEP_FLOATS
+    | DROPOUTS
+    | VIEWS
+    | TRANSPOSE
+    | {
+        "flatten",
+        "unflatten",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "masked_fill",
+        torch.masked_fill,
+        torch.where,
+        F.pad,
+        "__getitem__",
+    }
+)  # ops between probabilities and the values they weigh that keep the probabilities' meaning
 PRODUCTS = MATMUL | BADDBMM | {torch.einsum, torch.functional.einsum}
 
 
@@ -203,46 +220,86 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     if isinstance(args.get("dropout_p"), fx.Node):
         raise refusal(
             f"Attention {describe(node)} takes dropout_p from a value computed in the graph or passed to forward; "
-            "it must be the number 0 for ring attention: pass 0.0 (or set the model's attention dropout to 0).", node
+            "it must be the number 0 for ring attention: pass 0.0 (or set the model's attention dropout to 0).",
+            node,
         )
     if args.get("dropout_p", 0.0):
         raise refusal(
             f"Attention {describe(node)} uses dropout_p={args['dropout_p']}; dropout inside ring attention is "
-            "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config).", node
+            "not supported. Set the attention dropout to 0 (e.g. attn_pdrop / attention_dropout in the config).",
+            node,
         )
     scale = args.get("scale")
     if isinstance(scale, fx.Node):
         raise refusal(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.", node)
     q, k = example_value(args["query"]), example_value(args["key"])
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False) and k.shape[1] != 1:  # one KV head broadcasts
-        raise refusal(f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.", node)
+        raise refusal(
+            f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.",
+            node,
+        )
     key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
     mask = args.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
-        raise refusal(f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.", node)
+        raise refusal(
+            f"Attention {describe(node)} has a constant attn_mask; build it in the model from positions.", node
+        )
     kind = "kept" if mask is None or example_value(mask).dtype == torch.bool else "additive"  # SDPA adds float masks
-    return AttentionMatch(node, args["query"], key, value, bool(args.get("is_causal", False)), scale, "sdpa",
-                          mask=None if mask is None else (kind, mask))
+    return AttentionMatch(
+        node,
+        args["query"],
+        key,
+        value,
+        bool(args.get("is_causal", False)),
+        scale,
+        "sdpa",
+        mask=None if mask is None else (kind, mask),
+    )
 
 
 def _match_flex(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     """A ``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)``
     call; its block mask's construction joins ``internal``."""
-    names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_buffers",
-             "mask_buffers")
+    names = (
+        "query",
+        "key",
+        "value",
+        "score_mod",
+        "block_mask",
+        "scale",
+        "kernel_options",
+        "score_buffers",
+        "mask_buffers",
+    )
     args = dict(zip(names, node.args), **node.kwargs)
     unused = [u for u in node.users if not (u.target is operator.getitem and u.args[1] in (0, 1))]
     if unused:
-        raise refusal(f"{describe(unused[0])} reads a result of flex_attention other than its output and LSE; the "
-                      "ring returns those two.", unused[0])
+        raise refusal(
+            f"{describe(unused[0])} reads a result of flex_attention other than its output and LSE; the "
+            "ring returns those two.",
+            unused[0],
+        )
     if not isinstance(args["scale"], (int, float)):
         raise refusal(f"Attention {describe(node)} takes its scale from a tensor; pass a Python float.", node)
-    mods = FlexMods(getattr(gm, args["block_mask"][-1].target), getattr(gm, args["score_mod"].target),
-                    tuple(args.get("mask_buffers", ())), tuple(args.get("score_buffers", ())))
+    mods = FlexMods(
+        getattr(gm, args["block_mask"][-1].target),
+        getattr(gm, args["score_mod"].target),
+        tuple(args.get("mask_buffers", ())),
+        tuple(args.get("score_buffers", ())),
+    )
     operands = {args["query"], args["key"], args["value"], *mods.mask_buffers, *mods.score_buffers}
     roots = [a for a in (args["score_mod"], *args["block_mask"]) if isinstance(a, fx.Node) and a.op != "placeholder"]
-    return AttentionMatch(node, args["query"], args["key"], args["value"], False, float(args["scale"]),
-                          "flex_attention", tuple(_feeding_only(node, roots, operands)), flex=mods)
+    return AttentionMatch(
+        node,
+        args["query"],
+        args["key"],
+        args["value"],
+        False,
+        float(args["scale"]),
+        "flex_attention",
+        tuple(_feeding_only(node, roots, operands)),
+        flex=mods,
+    )
 
 
 def _feeding_only(call: fx.Node, roots: list, keep: set) -> set:
@@ -287,9 +344,11 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     if not calls(expanded, ("expand",)) or not isinstance(expanded.args[0], fx.Node):
         return node
     unsqueezed = expanded.args[0]
-    if calls(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2:
-        source = unsqueezed.args[0]
-    elif unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem and _new_axis_at_2(unsqueezed.args[1]):
+    if calls(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2 or (
+        unsqueezed.op == "call_function"
+        and unsqueezed.target is operator.getitem
+        and _new_axis_at_2(unsqueezed.args[1])
+    ):
         source = unsqueezed.args[0]
     else:
         return node
@@ -306,7 +365,7 @@ def _new_axis_at_2(index) -> bool:
     return all(isinstance(i, slice) and i == slice(None) for j, i in enumerate(index) if j != 2)
 
 
-def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionMatch]:
+def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> AttentionMatch | None:
     """``out = probs @ v`` with ``probs = softmax(scores, -1)``; None when ``out`` is another matmul."""
     probs, value, transposed = _product(out)
     if not isinstance(probs, fx.Node) or transposed:
@@ -320,8 +379,11 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
         return None
     active = next((n for n in internal if calls(n, DROPOUTS) and _drops(n)), None)
     if active is not None:
-        raise refusal(f"Attention probabilities go through dropout at {describe(active)}; dropout inside ring "
-                      "attention is not supported. Set the attention dropout to 0.", active)
+        raise refusal(
+            f"Attention probabilities go through dropout at {describe(active)}; dropout inside ring "
+            "attention is not supported. Set the attention dropout to 0.",
+            active,
+        )
     internal.append(probs)
     scores = _peel_value_keeping(probs.args[0], internal)  # softmax(scores.float(), -1)
     scores, outer = _peel_outer_scale(scores, internal)  # softmax((q kᵀ + mask) / s): CodeGen
@@ -363,9 +425,23 @@ def _match_hand_written(gm: fx.GraphModule, out: fx.Node) -> Optional[AttentionM
     q, p = example_value(query), example_value(probs)
     batch = p.shape[0] if q.dim() == 3 and p.dim() == 4 else None  # BLOOM: [B·H, S, D] against [B, H, S, S]
     softcap = None if softcap is None else softcap * outer  # c · C·tanh(x/C) = (cC)·tanh(c·x / (cC))
-    return AttentionMatch(out, query, _unrepeated(key), _unrepeated(value), False, scale * outer, "hand-written",
-                          tuple(internal), mask, fill, softcap, bias, batch, outer_scale=outer,
-                          inner_masks=tuple(inner_masks))
+    return AttentionMatch(
+        out,
+        query,
+        _unrepeated(key),
+        _unrepeated(value),
+        False,
+        scale * outer,
+        "hand-written",
+        tuple(internal),
+        mask,
+        fill,
+        softcap,
+        bias,
+        batch,
+        outer_scale=outer,
+        inner_masks=tuple(inner_masks),
+    )
 
 
 def _product(node: fx.Node):
@@ -393,8 +469,11 @@ def _product(node: fx.Node):
 def _peel_value_keeping(node, internal: list):
     """The value under any casts, dropouts and batch-head views around it, which join ``internal`` (a
     dropout that acts is refused by the caller once the value is known to be attention probabilities)."""
-    while isinstance(node, fx.Node) and (calls(node, AROUND_PROBABILITIES) or _merges_heads(node)) \
-            and isinstance(node.args[0], fx.Node):
+    while (
+        isinstance(node, fx.Node)
+        and (calls(node, AROUND_PROBABILITIES) or _merges_heads(node))
+        and isinstance(node.args[0], fx.Node)
+    ):
         internal.append(node)
         node = node.args[0]
     return node
@@ -461,12 +540,17 @@ def _peel_mask(scores: fx.Node, internal: list, filled_only: bool = False):
     return scores, None, None
 
 
-def _constant_number(value) -> Optional[float]:
+def _constant_number(value) -> float | None:
     """A Python number, or the number of a 0-d tensor made from one (``torch.tensor(c, dtype=...)``), else None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, fx.Node) and calls(value, (torch.tensor, torch.scalar_tensor)) and value.args \
-            and isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
+    if (
+        isinstance(value, fx.Node)
+        and calls(value, (torch.tensor, torch.scalar_tensor))
+        and value.args
+        and isinstance(value.args[0], (int, float))
+        and not isinstance(value.args[0], bool)
+    ):
         return float(value.args[0])
     return None
 
@@ -492,7 +576,9 @@ def _only_adds(term: fx.Node) -> bool:
 
 def _hides_or_is_input(node: fx.Node) -> bool:
     value = example_value(node)
-    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))):
+    if isinstance(value, torch.Tensor) and (
+        value.dtype == torch.bool or (node.op == "placeholder" and not is_module_state(node))
+    ):
         return True
     return any(c <= MASKED_AT_OR_BELOW for c in numbers_in(node))
 
@@ -518,7 +604,7 @@ def _baddbmm(node: fx.Node, bias):
     return operands["batch1"], operands["batch2"], (operands["input"] if beta == 1 else bias), float(alpha)
 
 
-def _transposed_last_two(node: fx.Node) -> Optional[fx.Node]:
+def _transposed_last_two(node: fx.Node) -> fx.Node | None:
     if not isinstance(node, fx.Node):
         return None
     rank = example_value(node).dim()

@@ -52,13 +52,14 @@ def inline_subgraphs(ctx: PassContext) -> None:
     if checkpoints:
         ctx.report.warnings.append(
             f"{checkpoints} activation-checkpoint region(s) opened: recomputed in the backward except ring attention "
-            "(its out and LSE are saved, so no forward ring is repeated); with compiler='eager' nothing is recomputed")
+            "(its out and LSE are saved, so no forward ring is repeated); with compiler='eager' nothing is recomputed"
+        )
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
     graph, body_attr = gm.graph, call.args[0]
     body: fx.GraphModule = getattr(gm, body_attr.target)
-    env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], call.args[BODY_CALLS[call.target]:]))
+    env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], call.args[BODY_CALLS[call.target] :]))
     with graph.inserting_before(call):
         for node in body.graph.nodes:
             if node.op == "output":
@@ -74,8 +75,9 @@ def _inline(gm: fx.GraphModule, call: fx.Node, tags: dict) -> None:
                 env[node].meta.update(tags)
     for user in list(call.users):
         if user.target is not operator.getitem:
-            raise refusal(f"The result of {describe(call)} is used whole by {describe(user)}; please report this model.",
-                          user)
+            raise refusal(
+                f"The result of {describe(call)} is used whole by {describe(user)}; please report this model.", user
+            )
         user.replace_all_uses_with(results[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(call)
@@ -120,6 +122,9 @@ def _refuse_attention_in_other_bodies(gm: fx.GraphModule) -> None:
         for arg in call.args:
             body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
             if isinstance(body, fx.GraphModule) and _calls_attention(body):
-                raise refusal(f"{describe(call)} ({call.target.name()}) holds an attention in its body; the ring backend "
-                              "does not rewrite attention there, and running it unsharded would be wrong quietly. Move "
-                              "the attention out of it (e.g. replace torch.cond with a plain branch).", call)
+                raise refusal(
+                    f"{describe(call)} ({call.target.name()}) holds an attention in its body; the ring backend "
+                    "does not rewrite attention there, and running it unsharded would be wrong quietly. Move "
+                    "the attention out of it (e.g. replace torch.cond with a plain branch).",
+                    call,
+                )

@@ -60,14 +60,17 @@ def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
     if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.seq_len):
         raise refusal(
             f"{describe(node)} would have to be sharded or gathered along a sequence axis merged with others "
-            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'.", node
+            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'.",
+            node,
         )
     return axes[0].dim
 
 
 def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
     dim = _shard_dim(ctx, node)
-    shard = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args())), node)
+    shard = copy_origin(
+        ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args())), node
+    )
     shard.meta["example_value"] = example_value(node)  # the full value's metadata (dtype, rank) for later passes
     ctx.placement[shard] = LOCAL
     ctx.axes[shard] = ctx.axes[node]
@@ -89,7 +92,9 @@ def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
     users = list(placeholder.users)
     args = (placeholder, ctx.axes[placeholder][0].dim, *ctx.layout_args())
     order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
-    with ctx.gm.graph.inserting_after(max((a for a in args if isinstance(a, fx.Node)), key=order.get)):  # after the length
+    with ctx.gm.graph.inserting_after(
+        max((a for a in args if isinstance(a, fx.Node)), key=order.get)
+    ):  # after the length
         whole = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, args), placeholder)
     whole.meta["example_value"] = example_value(placeholder)
     ctx.placement[whole], ctx.axes[whole] = FULL, ctx.axes[placeholder]
@@ -97,9 +102,15 @@ def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
         ctx.whole_values.add(whole)
     for user in users:
         user.replace_input_with(placeholder, whole)
-    ctx.report.collectives.append(CollectiveRecord(
-        "all-gather", "forward", f"input {user_name(placeholder)} (passed sharded, needed whole)",
-        short_source(placeholder), nbytes(example_value(placeholder)) * ctx.world_size))
+    ctx.report.collectives.append(
+        CollectiveRecord(
+            "all-gather",
+            "forward",
+            f"input {user_name(placeholder)} (passed sharded, needed whole)",
+            short_source(placeholder),
+            nbytes(example_value(placeholder)) * ctx.world_size,
+        )
+    )
 
 
 def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:
@@ -113,8 +124,15 @@ def _record_shard(ctx: PassContext, node: fx.Node) -> None:
     """Sharding is free forward; a value that needs a gradient gathers it in the backward."""
     value = example_value(node)
     if getattr(value, "requires_grad", False):
-        ctx.report.collectives.append(CollectiveRecord(
-            "all-gather", "backward", f"the gradient of {user_name(node)} (sharded here)", short_source(node), nbytes(value)))
+        ctx.report.collectives.append(
+            CollectiveRecord(
+                "all-gather",
+                "backward",
+                f"the gradient of {user_name(node)} (sharded here)",
+                short_source(node),
+                nbytes(value),
+            )
+        )
 
 
 def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
@@ -177,8 +195,12 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
     if kind == "sum":
         return _reduce(ctx, node, node, "the sum over the sequence", size)
     # mean: local mean x local count, summed, over the global count (counts measured at run time)
-    local_count = graph.call_function(operator.floordiv, (graph.call_method("numel", (local_input,)), graph.call_method("numel", (node,))))
-    reduced = _reduce(ctx, graph.call_function(operator.mul, (node, local_count)), node, "the mean over the sequence (as a sum)", size)
+    local_count = graph.call_function(
+        operator.floordiv, (graph.call_method("numel", (local_input,)), graph.call_method("numel", (node,)))
+    )
+    reduced = _reduce(
+        ctx, graph.call_function(operator.mul, (node, local_count)), node, "the mean over the sequence (as a sum)", size
+    )
     per_token = graph.call_function(operator.floordiv, (local_count, ctx.insert_length("local")))
     global_count = graph.call_function(operator.mul, (per_token, ctx.insert_length("global")))
     return graph.call_function(operator.truediv, (reduced, global_count))
@@ -196,25 +218,41 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     elif ctx.dynamic:
         positions = _last_positions(index)
         if positions is None:
-            raise refusal(f"{describe(node)} picks a slice of tokens whose length depends on the sequence length; "
-                          "with dynamic shapes only single positions (x[:, 0], x[:, -1]) and the last tokens "
-                          "(x[:, -4:]) are supported. Compile with dynamic=False.", node)
+            raise refusal(
+                f"{describe(node)} picks a slice of tokens whose length depends on the sequence length; "
+                "with dynamic shapes only single positions (x[:, 0], x[:, -1]) and the last tokens "
+                "(x[:, -4:]) are supported. Compile with dynamic=False.",
+                node,
+            )
     else:
         positions = list(range(*index.indices(plain(ctx.global_seq_len))))
     graph = ctx.gm.graph
     with graph.inserting_before(node):
-        rows = graph.call_function(torch.ops.ringpass.take_positions.default, (node.args[0], dim, positions, *ctx.layout_args()))
+        rows = graph.call_function(
+            torch.ops.ringpass.take_positions.default, (node.args[0], dim, positions, *ctx.layout_args())
+        )
         if isinstance(index, int):
             rows = graph.call_method("squeeze", (rows, dim))
-        return _reduce(ctx, rows, node, f"the token(s) at position(s) {positions} picked by every rank", nbytes(example_value(node)))
+        return _reduce(
+            ctx,
+            rows,
+            node,
+            f"the token(s) at position(s) {positions} picked by every rank",
+            nbytes(example_value(node)),
+        )
 
 
 def _last_positions(index: slice):
     """``x[:, -k:]`` (``-k:-j``, a positive step): the positions counted from the end, whatever the length;
     else None."""
     start, stop, step = index.start, index.stop, 1 if index.step is None else index.step
-    if not (isinstance(start, int) and start < 0 and (stop is None or isinstance(stop, int) and start <= stop < 0)
-            and isinstance(step, int) and step > 0):
+    if not (
+        isinstance(start, int)
+        and start < 0
+        and (stop is None or isinstance(stop, int) and start <= stop < 0)
+        and isinstance(step, int)
+        and step > 0
+    ):
         return None
     return list(range(start, 0 if stop is None else stop, step))
 
@@ -232,8 +270,9 @@ def _pick_at_data_positions(ctx: PassContext, node: fx.Node, entry: int) -> fx.N
         rows = graph.call_function(operator.getitem, (source, tuple(index)))
         held = graph.call_function(operator.getitem, (held, (Ellipsis, *[None] * trailing)))
         rows = graph.call_function(torch.where, (held, rows, graph.call_method("new_zeros", (rows, ()))))
-        return _reduce(ctx, rows, node, "the tokens at data-dependent positions picked by every rank",
-                       nbytes(example_value(node)))
+        return _reduce(
+            ctx, rows, node, "the tokens at data-dependent positions picked by every rank", nbytes(example_value(node))
+        )
 
 
 def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:
@@ -241,14 +280,18 @@ def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:
     graph = ctx.gm.graph
     args = node.normalized_arguments(ctx.gm, normalize_to_only_use_kwargs=True).kwargs
     if args.get("weight") is not None or args.get("label_smoothing", 0.0):
-        raise refusal(f"{describe(node)}: cross_entropy with class weights or label smoothing is not supported yet.", node)
+        raise refusal(
+            f"{describe(node)}: cross_entropy with class weights or label smoothing is not supported yet.", node
+        )
     target, ignore = args["target"], args.get("ignore_index", -100)
     if ctx.placement.get(target) != LOCAL or example_value(target).dtype.is_floating_point:
         raise refusal(f"{describe(node)}: the cross-entropy target must be per-token class indices.", node)
     if padded:
         target = _masked(ctx, node, target, ignore)
     with graph.inserting_before(node):
-        token_sum = graph.call_function(F.cross_entropy, (args["input"], target), {"ignore_index": ignore, "reduction": "sum"})
+        token_sum = graph.call_function(
+            F.cross_entropy, (args["input"], target), {"ignore_index": ignore, "reduction": "sum"}
+        )
         loss = _reduce(ctx, token_sum, node, "the cross-entropy loss sum", nbytes(example_value(node)))
         if args.get("reduction", "mean") == "sum":
             return loss
@@ -275,12 +318,31 @@ def _gather_outputs(ctx: PassContext) -> None:
             kind = "gathered"
             if arg not in gathered:
                 with ctx.gm.graph.inserting_before(output):
-                    gathered[arg] = copy_origin(ctx.gm.graph.call_function(
-                        torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args())), arg)
+                    gathered[arg] = copy_origin(
+                        ctx.gm.graph.call_function(
+                            torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args())
+                        ),
+                        arg,
+                    )
                 output.replace_input_with(arg, gathered[arg])
                 ctx.placement[gathered[arg]] = FULL
-                ctx.report.collectives.append(CollectiveRecord(
-                    "all-gather", "forward", f"output {index} (outputs='sharded' keeps each rank's tokens instead)",
-                    short_source(arg), size))
-        ctx.report.outputs.append(ValueRecord(f"output {index}", shape, str(value.dtype).replace("torch.", ""), kind,
-                                              dim, f"from {user_name(arg)}", size))
+                ctx.report.collectives.append(
+                    CollectiveRecord(
+                        "all-gather",
+                        "forward",
+                        f"output {index} (outputs='sharded' keeps each rank's tokens instead)",
+                        short_source(arg),
+                        size,
+                    )
+                )
+        ctx.report.outputs.append(
+            ValueRecord(
+                f"output {index}",
+                shape,
+                str(value.dtype).replace("torch.", ""),
+                kind,
+                dim,
+                f"from {user_name(arg)}",
+                size,
+            )
+        )

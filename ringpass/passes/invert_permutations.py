@@ -24,12 +24,19 @@ def invert_permutations(ctx: PassContext) -> None:
         inverse, perm, values = store.args
         if not (_is_empty_like(inverse, perm) and _is_arange_over(values, perm)):
             continue
-        if not all(user is store or (user.target is operator.getitem and user.args[1] is inverse) for user in inverse.users):
+        if not all(
+            user is store or (user.target is operator.getitem and user.args[1] is inverse) for user in inverse.users
+        ):
             continue  # the buffer is read otherwise than as an index
         with graph.inserting_before(store):
             argsort = graph.call_function(torch.argsort, (perm,))
-        argsort.meta.update({key: inverse.meta[key] for key in ("example_value", "stack_trace", "nn_module_stack")
-                             if key in inverse.meta})
+        argsort.meta.update(
+            {
+                key: inverse.meta[key]
+                for key in ("example_value", "stack_trace", "nn_module_stack")
+                if key in inverse.meta
+            }
+        )
         graph.erase_node(store)
         inverse.replace_all_uses_with(argsort)
         graph.erase_node(inverse)
@@ -38,8 +45,13 @@ def invert_permutations(ctx: PassContext) -> None:
 
 
 def _is_empty_like(node, perm) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.empty_like \
-        and node.args[:1] == (perm,) and len(node.users) >= 2
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is torch.empty_like
+        and node.args[:1] == (perm,)
+        and len(node.users) >= 2
+    )
 
 
 def _is_arange_over(node, perm) -> bool:

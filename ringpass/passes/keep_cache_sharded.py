@@ -22,16 +22,24 @@ def keep_cache_sharded(ctx: PassContext) -> None:
             continue
         k, v, capacity, prompt_len, _, _, group_name = node.args
         if ctx.options.cache == "gathered":
-            raise refusal(f"{describe(node)}: the model's cache is a ringpass.ShardedCache, which keeps the cache "
-                          "sharded, but the backend has cache='gathered'; drop the option or pass a DynamicCache.", node)
+            raise refusal(
+                f"{describe(node)}: the model's cache is a ringpass.ShardedCache, which keeps the cache "
+                "sharded, but the backend has cache='gathered'; drop the option or pass a DynamicCache.",
+                node,
+            )
         if ctx.options.inputs == "sharded":
-            raise refusal(f"{describe(node)}: a ringpass.ShardedCache takes the whole prompt (inputs='full'); with "
-                          "inputs='sharded' it would count only this rank's tokens.", node)
+            raise refusal(
+                f"{describe(node)}: a ringpass.ShardedCache takes the whole prompt (inputs='full'); with "
+                "inputs='sharded' it would count only this rank's tokens.",
+                node,
+            )
         if ctx.placement.get(k) == LOCAL and ctx.placement.get(v) == LOCAL:
             node.args = (k, v, capacity, prompt_len, ctx.layout_kind, True, group_name)
         k_slots, v_slots, _ = example_value(node)
         layers, slots = layers + 1, plain(k_slots.shape[2])
         slot_bytes += nbytes(k_slots) + nbytes(v_slots)
     if layers:
-        ctx.report.cache = (f"kept sharded: {layers} layer(s) of {slots} slots per rank "
-                            f"({slot_bytes} bytes of keys and values per rank)")
+        ctx.report.cache = (
+            f"kept sharded: {layers} layer(s) of {slots} slots per rank "
+            f"({slot_bytes} bytes of keys and values per rank)"
+        )

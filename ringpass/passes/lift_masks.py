@@ -39,15 +39,22 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from lowering.masks import MASKED_AT_OR_BELOW, register_mask, split_additive
-from ringpass.graph import (ancestors, describe, example_value, is_module_state, numbers_in, placeholders_of, refusal,
-                            user_name)
+from ringpass.graph import (
+    ancestors,
+    describe,
+    example_value,
+    is_module_state,
+    numbers_in,
+    placeholders_of,
+    refusal,
+    user_name,
+)
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.flex_mods import FlexProgram, read_score_mod
 from ringpass.graph_utils.sizes import same
@@ -67,11 +74,11 @@ class MaskPlan:
     modifiers (soft-cap, ALiBi slopes, a bias program with its whole inputs)."""
 
     is_causal: bool = False
-    window: Optional[int] = None
+    window: int | None = None
     program_id: str = ""
     inputs: list = field(default_factory=list)
-    softcap: Optional[float] = None
-    slopes: Optional[list] = None
+    softcap: float | None = None
+    slopes: list | None = None
     bias_id: str = ""
     bias_inputs: list = field(default_factory=list)
     fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
@@ -83,15 +90,24 @@ class MaskPlan:
 
     def score_mods(self) -> list[str]:
         """The score modifiers in words, for the report."""
-        return ([f"soft-cap {self.softcap:g}"] if self.softcap is not None else []) + \
-            (["ALiBi slopes, computed in-kernel from positions"] if self.slopes is not None else []) + \
-            (["lifted bias program, evaluated per tile"] if self.bias_id else [])
+        return (
+            ([f"soft-cap {self.softcap:g}"] if self.softcap is not None else [])
+            + (["ALiBi slopes, computed in-kernel from positions"] if self.slopes is not None else [])
+            + (["lifted bias program, evaluated per tile"] if self.bias_id else [])
+        )
 
     def op_args(self) -> dict:
         """The ring op's mask and score arguments, by their `lowering.ring_args.RingArgs` names."""
-        return dict(window=self.window, mask_id=self.program_id, mask_inputs=list(self.inputs), softcap=self.softcap,
-                    alibi_slopes=self.slopes, bias_id=self.bias_id, bias_inputs=list(self.bias_inputs),
-                    fully_masked=self.fully_masked)
+        return dict(
+            window=self.window,
+            mask_id=self.program_id,
+            mask_inputs=list(self.inputs),
+            softcap=self.softcap,
+            alibi_slopes=self.slopes,
+            bias_id=self.bias_id,
+            bias_inputs=list(self.bias_inputs),
+            fully_masked=self.fully_masked,
+        )
 
     def _window(self) -> str:
         return f", sliding window {self.window}" if self.window is not None else ""
@@ -117,13 +133,17 @@ def _plan_flex(ctx: PassContext, match):
     q = example_value(match.query)
     batch, heads = q.shape[0], q.shape[1]
     if isinstance(batch, torch.SymInt) or isinstance(heads, torch.SymInt):
-        raise refusal(f"flex_attention {describe(match.output)} with a dynamic batch or head count: its mask_mod is "
-                      "evaluated per (batch, head); compile with dynamic=False.", match.output)
+        raise refusal(
+            f"flex_attention {describe(match.output)} with a dynamic batch or head count: its mask_mod is "
+            "evaluated per (batch, head); compile with dynamic=False.",
+            match.output,
+        )
     mods = match.flex
     reading = read_score_mod(mods.score_mod, match.output)
     mask = FlexProgram(mods.mask_mod, int(batch), int(heads), score=False)
-    plan = MaskPlan(program_id=register_mask(mask, source=mask.code), inputs=list(mods.mask_buffers),
-                    softcap=reading.softcap)
+    plan = MaskPlan(
+        program_id=register_mask(mask, source=mask.code), inputs=list(mods.mask_buffers), softcap=reading.softcap
+    )
     ctx.whole_values |= set(mods.mask_buffers)
     if reading.bias:
         bias = FlexProgram(mods.score_mod, int(batch), int(heads), score=True)
@@ -147,8 +167,12 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
                 f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
                 "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
                 "so no rank holds S x S values. Build the bias from positions, or allow holding it whole on every rank "
-                "with options={'masks': 'materialize'}.", big)
-        ctx.report.warnings.append(f"bias materialised (masks='materialize'): {describe(big)} is held whole on every rank")
+                "with options={'masks': 'materialize'}.",
+                big,
+            )
+        ctx.report.warnings.append(
+            f"bias materialised (masks='materialize'): {describe(big)} is held whole on every rank"
+        )
     program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)), match.outer_scale)
     ctx.whole_values |= set(region.input_nodes)
     plan.bias_id, plan.bias_inputs = register_mask(program, source=program.code), region.input_nodes
@@ -167,7 +191,7 @@ def _to_4d(match, value):
     return ("unflatten", 0, (-1, _query_heads(match)))
 
 
-def _alibi_slopes(ctx: PassContext, match) -> Optional[list]:
+def _alibi_slopes(ctx: PassContext, match) -> list | None:
     """Per-query-head slopes when the bias depends on shapes and frozen state only and equals
     ``slope[h] · kv_pos + c[h]`` at every key (with dynamic shapes: at two lengths, with the same slopes),
     else None. A bias computed from a trainable value (learned slopes) stays a program, which trains it."""
@@ -211,8 +235,11 @@ def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> Mask
     the keys the other mask keeps (keys both hide get -inf), which the ring does not reproduce: such a
     query gets 0, and the report says so."""
     if outer.program_id and inner.program_id:
-        raise refusal(f"{describe(match.output)} applies two masks that both need evaluating per tile; ring attention "
-                      "takes one mask program. Combine them into one mask (e.g. `keep & causal`).", match.output)
+        raise refusal(
+            f"{describe(match.output)} applies two masks that both need evaluating per tile; ring attention "
+            "takes one mask program. Combine them into one mask (e.g. `keep & causal`).",
+            match.output,
+        )
     windows = [w for w in (outer.window, inner.window) if w is not None]
     program = outer if outer.program_id else inner
     combined = replace(program, is_causal=outer.is_causal or inner.is_causal, window=min(windows) if windows else None)
@@ -221,7 +248,8 @@ def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> Mask
         ctx.report.differs.append(
             f"{describe(match.output)} applies two masks: where the mask program hides every key of a query (left "
             "padding), eager attention averages the keys the other mask keeps; the ring gives 0 there, so such a "
-            "batch differs from eager at those positions (their labels should be ignored)")
+            "batch differs from eager at those positions (their labels should be ignored)"
+        )
     return combined
 
 
@@ -233,8 +261,11 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     n = example_value(match.output).shape[-2]
     if region.oversized:
         dynamic = isinstance(n, torch.SymInt)
-        flags = None if _trainable(mask) else (
-            _causal_from_sizes_alone(ctx, region, kind, n) if dynamic else _shape_only_flags(ctx, mask, kind, n))
+        flags = (
+            None
+            if _trainable(mask)
+            else (_causal_from_sizes_alone(ctx, region, kind, n) if dynamic else _shape_only_flags(ctx, mask, kind, n))
+        )
         if flags is not None:
             return MaskPlan(*flags)
         big = region.oversized[0]
@@ -243,22 +274,37 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
                 "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
-                "`pos[:, None] >= pos[None, :]`)" + (", or compile with dynamic=False (a mask that computes with "
-                "the length is then checked at each length)" if dynamic else "")
-                + ", or allow holding it whole on every rank with options={'masks': 'materialize'}." + _unreadable_state(ctx, mask) + _after_graph_break(ctx, big), big
+                "`pos[:, None] >= pos[None, :]`)"
+                + (
+                    ", or compile with dynamic=False (a mask that computes with "
+                    "the length is then checked at each length)"
+                    if dynamic
+                    else ""
+                )
+                + ", or allow holding it whole on every rank with options={'masks': 'materialize'}."
+                + _unreadable_state(ctx, mask)
+                + _after_graph_break(ctx, big),
+                big,
             )
-        ctx.report.warnings.append(f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank")
+        ctx.report.warnings.append(
+            f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank"
+        )
     implied, exact = _read(ctx, region, kind, n)
     is_causal, window = _flags(implied)
     if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
         return MaskPlan(is_causal, window)
     program = _program(ctx, region, kind, factor=match.outer_scale if kind == "additive" else 1.0)
     ctx.whole_values |= set(region.input_nodes)
-    return MaskPlan(is_causal, window, register_mask(program, source=program.code), region.input_nodes,
-                    fully_masked=_fully_masked(ctx, match, kind, region))
+    return MaskPlan(
+        is_causal,
+        window,
+        register_mask(program, source=program.code),
+        region.input_nodes,
+        fully_masked=_fully_masked(ctx, match, kind, region),
+    )
 
 
-def _fully_masked(ctx: PassContext, match, kind: str, region: "_Region") -> str:
+def _fully_masked(ctx: PassContext, match, kind: str, region: _Region) -> str:
     """What the model gives a query whose keys are all hidden (left padding), for the ring to give the same
     (`lowering.fully_masked`): an added finite mask (``+ finfo.min``) makes its softmax uniform over every key,
     with gradients into the scores; a finite fill (``masked_fill``, ``where``) too, with none; a bool mask
@@ -273,17 +319,18 @@ def _fully_masked(ctx: PassContext, match, kind: str, region: "_Region") -> str:
         hiding, mode = [match.fill], "uniform_values"
     else:
         return "zero"
-    weak = sorted({x for x in hiding if SWAMPS_EVERY_SCORE < x})
+    weak = sorted({x for x in hiding if x > SWAMPS_EVERY_SCORE})
     if weak:
         ctx.report.differs.append(
             f"{describe(match.output)} hides keys with {', '.join(f'{x:g}' for x in weak)}: where a query's keys are "
             "all hidden (left padding) the ring gives the mean of every key's value, as a fill of finfo.min gives; "
             "eager attention with this fill still weighs those keys by their scores there, so such a batch "
-            "differs from eager at those positions (hide keys with torch.finfo(dtype).min to match)")
+            "differs from eager at those positions (hide keys with torch.finfo(dtype).min to match)"
+        )
     return mode
 
 
-def _read(ctx: PassContext, region: "_Region", kind: str, n) -> tuple[frozenset, bool]:
+def _read(ctx: PassContext, region: _Region, kind: str, n) -> tuple[frozenset, bool]:
     """The symbolic reading at the graph's length; with dynamic shapes also at another length, and only
     what both readings agree on counts (a table that is ``arange`` at one length only is not trusted)."""
     if not isinstance(n, torch.SymInt):
@@ -303,17 +350,19 @@ def _check_additive(match, kind: str, mask: fx.Node) -> None:
             raise refusal(
                 f"The attention mask of {describe(match.output)} is a boolean mask cast to a float ({describe(mask)}): "
                 "SDPA adds float masks to the scores, so its 0 / 1 values mask nothing (a bias the ring does not "
-                "support). Pass the boolean mask itself (True = attend).", mask
+                "support). Pass the boolean mask itself (True = attend).",
+                mask,
             )
 
 
 def _keeps_values(node: fx.Node) -> bool:
     """A cast, or a reshaping that only adds or broadcasts axes."""
     return node.op in ("call_function", "call_method") and (
-        op_name(node) in KEEP_VALUES | {"expand", "unsqueeze"} or _only_new_axes(node))
+        op_name(node) in KEEP_VALUES | {"expand", "unsqueeze"} or _only_new_axes(node)
+    )
 
 
-def _flags(implied: frozenset) -> tuple[bool, Optional[int]]:
+def _flags(implied: frozenset) -> tuple[bool, int | None]:
     """(causal, window) that the implied constraints guarantee: the ring's position-based fast paths."""
     if CAUSAL not in implied:
         return False, None
@@ -333,7 +382,10 @@ class _Region:
 
     def __init__(self, mask: fx.Node):
         rank, shape = example_value(mask).dim(), example_value(mask).shape
-        self.mask: Use = (mask, tuple((d, r) for d, r in ((rank - 2, Q), (rank - 1, KV)) if rank >= 2 and not same(shape[d], 1)))
+        self.mask: Use = (
+            mask,
+            tuple((d, r) for d, r in ((rank - 2, Q), (rank - 1, KV)) if rank >= 2 and not same(shape[d], 1)),
+        )
         self.ops: dict[Use, dict[fx.Node, Use]] = {}
         self.inputs: list[Use] = []
         pending: dict[fx.Node, set] = {mask: {self.mask[1]}}
@@ -371,7 +423,11 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
         ids, table = node.args[:2]
         return [(ids, {d: r for d, r in roles.items() if d < example_value(ids).dim()}), (table, {})]
     if name in KEEP_VALUES or name in LIKE or name == "expand" or is_pointwise(node):
-        args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
+        args = [
+            a
+            for a in (*node.args, *node.kwargs.values())
+            if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)
+        ]
         return [(a, _aligned(example_value(a), out, roles)) for a in args]
     return None
 
@@ -379,7 +435,9 @@ def _arg_roles(node: fx.Node, roles: dict[int, str]):
 def _aligned(arg_value, out_value, roles) -> dict[int, str]:
     """Roles of a broadcast operand: right-aligned dims of equal size (a size-1 dim broadcasts: no role)."""
     shift = out_value.dim() - arg_value.dim()
-    return {d - shift: r for d, r in roles.items() if d >= shift and same(arg_value.shape[d - shift], out_value.shape[d])}
+    return {
+        d - shift: r for d, r in roles.items() if d >= shift and same(arg_value.shape[d - shift], out_value.shape[d])
+    }
 
 
 def _getitem_roles(node: fx.Node, roles):
@@ -400,7 +458,9 @@ def _getitem_roles(node: fx.Node, roles):
         expanded = []
         for i in index:
             if i is Ellipsis:
-                expanded += [slice(None)] * (source_value.dim() - sum(1 for j in index if j is not None and j is not Ellipsis))
+                expanded += [slice(None)] * (
+                    source_value.dim() - sum(1 for j in index if j is not None and j is not Ellipsis)
+                )
             else:
                 expanded.append(i)
         for i in expanded:
@@ -436,7 +496,7 @@ class _Linear:
     b: int
     c: int
 
-    def shifted(self, c: int) -> "_Linear":
+    def shifted(self, c: int) -> _Linear:
         return _Linear(self.a, self.b, self.c + c)
 
 
@@ -448,7 +508,7 @@ COMPARE = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # x OP y a
 class _Symbolic:
     """Evaluates the region over symbols; anything it cannot read makes the whole reading None."""
 
-    def __init__(self, ctx: PassContext, region: _Region, resize: Optional[tuple]):
+    def __init__(self, ctx: PassContext, region: _Region, resize: tuple | None):
         self.ctx, self.region, self.resize = ctx, region, resize
         self.values: dict[fx.Node, object] = {}
 
@@ -489,7 +549,7 @@ class _Symbolic:
             return value  # a table (or a scalar): indexed or broadcast by the region
         if len(roles) != 1:
             raise LookupError
-        (dim, role), = roles.items()
+        ((dim, role),) = roles.items()
         if not _constant_over_others(value, dim):
             raise LookupError
         offset = _offset_from_arange(value, dim)
@@ -563,8 +623,11 @@ def _shape_op(node: fx.Node) -> bool:
         return isinstance(example_value(node), torch.SymInt)
     if node.op not in ("call_function", "call_method") or op_name(node) not in SHAPE_FORMULA:
         return False
-    return not (op_name(node) == "getitem" and isinstance(example_value(node.args[0]), torch.Tensor)
-                and not _new_axes_only(node.args[1]))
+    return not (
+        op_name(node) == "getitem"
+        and isinstance(example_value(node.args[0]), torch.Tensor)
+        and not _new_axes_only(node.args[1])
+    )
 
 
 def _casts_to_bool(node: fx.Node) -> bool:
@@ -607,7 +670,7 @@ def _constant_over_others(value: torch.Tensor, dim: int) -> bool:
     return bool((lines == lines.reshape(-1, value.size(dim))[0]).all())
 
 
-def _offset_from_arange(value: torch.Tensor, dim: int) -> Optional[int]:
+def _offset_from_arange(value: torch.Tensor, dim: int) -> int | None:
     """c when ``value`` equals ``arange(size) + c`` along ``dim`` (integers), else None."""
     if value.is_floating_point() or value.dtype == torch.bool:
         return None
@@ -617,8 +680,9 @@ def _offset_from_arange(value: torch.Tensor, dim: int) -> Optional[int]:
 
 
 # ---- 2. the mask program ------------------------------------------------------------------------------
-def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tuple] = None,
-             factor: float = 1.0) -> fx.GraphModule:
+def _program(
+    ctx: PassContext, region: _Region, kind: str, reshape: tuple | None = None, factor: float = 1.0
+) -> fx.GraphModule:
     """``program(q_pos, kv_pos, *inputs)``: the region, with its per-token inputs restricted to the
     positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts); a
     ``reshape`` (method name and arguments) brings its result to the ring's ``[B, H, n, m]``; a float
@@ -656,12 +720,14 @@ def _program(ctx: PassContext, region: _Region, kind: str, reshape: Optional[tup
 def _unpassable(arg: fx.Node):
     raise refusal(
         f"The attention mask uses {describe(arg)}, a size or value the ring cannot pass to its mask program; "
-        "please report this model.", arg
+        "please report this model.",
+        arg,
     )
 
 
-def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n, resize: Optional[tuple] = None
-                      ) -> Optional[tuple[bool, Optional[int]]]:
+def _shape_only_flags(
+    ctx: PassContext, mask: fx.Node, kind: str, n, resize: tuple | None = None
+) -> tuple[bool, int | None] | None:
     """A mask from an S x S tensor that depends on shapes only, evaluated once (at length ``n``; see
     `_evaluate` for ``resize``): (True, None) when it is exactly causal, (True, W) when it is causal within a
     band of W keys (a sliding-window buffer), else None."""
@@ -678,7 +744,9 @@ def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n, resize: Opt
         raise refusal(
             f"The attention mask at {describe(mask)} adds a bias held as a sequence x sequence tensor; ring attention "
             "computes biases per tile from positions (ALiBi slopes, a bias built from position vectors), so no rank "
-            "holds S x S values. Build the bias from positions.", mask)
+            "holds S x S values. Build the bias from positions.",
+            mask,
+        )
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     width = int(visible[..., -1, :].sum(-1).max()) if visible.numel() else 0
     for window in (None, width):
@@ -688,8 +756,9 @@ def _shape_only_flags(ctx: PassContext, mask: fx.Node, kind: str, n, resize: Opt
     return None
 
 
-def _causal_from_sizes_alone(ctx: PassContext, region: "_Region", kind: str, n: torch.SymInt
-                             ) -> Optional[tuple[bool, Optional[int]]]:
+def _causal_from_sizes_alone(
+    ctx: PassContext, region: _Region, kind: str, n: torch.SymInt
+) -> tuple[bool, int | None] | None:
     """With dynamic shapes, a mask from an S x S tensor that reads the sequence length only as the size of new
     tensors (``triu(full((S, S), -inf), 1)``: ``nn.Transformer.generate_square_subsequent_mask``) or as the end
     of a prefix of module state (a causal buffer ``self.bias[:, :, :S, :S]``), and is causal, or causal within
@@ -713,14 +782,17 @@ CHECK_LENGTHS = (1, 2, 3, 5, 8, 13, 32, 67)
 FACTORIES = CREATORS | {torch.arange}
 
 
-def _prefix_limits(node: fx.Node) -> Optional[list[int]]:
+def _prefix_limits(node: fx.Node) -> list[int] | None:
     """The lengths of the module state ``node`` reads prefixes of, when every symbolic size it is computed
     from goes only into the sizes of tensor factories or the ends of such prefixes; else None."""
     limits = []
     for op in ancestors(node):
         sizes = [a for a in op.all_input_nodes if isinstance(example_value(a), torch.SymInt)]
-        if not sizes or op.target == "size" or (op.target is operator.getitem
-                                                 and isinstance(example_value(op.args[0]), (torch.Size, tuple))):
+        if (
+            not sizes
+            or op.target == "size"
+            or (op.target is operator.getitem and isinstance(example_value(op.args[0]), (torch.Size, tuple)))
+        ):
             continue
         prefix = _prefix_of_state(op)
         if prefix is not None:
@@ -734,16 +806,21 @@ def _prefix_limits(node: fx.Node) -> Optional[list[int]]:
     return limits
 
 
-def _prefix_of_state(op: fx.Node) -> Optional[list[int]]:
+def _prefix_of_state(op: fx.Node) -> list[int] | None:
     """``state[:, :S, :S]`` on a parameter or buffer (slices from 0 with step 1): the state's sizes along the
     sliced dims; else None."""
     state = op.args[0] if op.target is operator.getitem else None
-    if not isinstance(state, fx.Node) or not (state.op == "get_attr" or is_module_state(state)) \
-            or not isinstance(example_value(state), torch.Tensor):
+    if (
+        not isinstance(state, fx.Node)
+        or not (state.op == "get_attr" or is_module_state(state))
+        or not isinstance(example_value(state), torch.Tensor)
+    ):
         return None
     index = op.args[1] if isinstance(op.args[1], tuple) else (op.args[1],)
     shape = example_value(state).shape
-    if not all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in index) or len(index) > len(shape):
+    if not all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in index) or len(
+        index
+    ) > len(shape):
         return None
     return [int(shape[d]) for d, i in enumerate(index) if i.stop is not None]
 
@@ -753,22 +830,35 @@ def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:
     graph between building its mask and its attention (Hugging Face passes its 4-D mask on)."""
     if big.op != "placeholder" or is_module_state(big) or ctx.report.graph_index == 0:
         return ""
-    return (f" (This is graph {ctx.report.graph_index} of the model: it receives the mask whole because the model "
-            "breaks the graph between building the mask and using it, e.g. a loop over experts or `.tolist()` / "
-            "`.nonzero()` on routing data. Compile with fullgraph=True to see where, and remove the break; "
-            "torch._dynamo.config.capture_scalar_outputs / capture_dynamic_output_shape_ops may help.)")
+    return (
+        f" (This is graph {ctx.report.graph_index} of the model: it receives the mask whole because the model "
+        "breaks the graph between building the mask and using it, e.g. a loop over experts or `.tolist()` / "
+        "`.nonzero()` on routing data. Compile with fullgraph=True to see where, and remove the break; "
+        "torch._dynamo.config.capture_scalar_outputs / capture_dynamic_output_shape_ops may help.)"
+    )
 
 
 def _unreadable_state(ctx: PassContext, mask: fx.Node) -> str:
     """A note naming the module state the mask reads whose values are not known (a model on the meta
     device): a causal buffer there cannot be checked."""
-    names = [user_name(p) for p in placeholders_of(mask) if is_module_state(p) and "grapharg" in p.meta
-             and ctx.host_values.get(id(p.meta["grapharg"].example), p.meta["grapharg"].example).device.type == "meta"]
-    return (f" (The mask reads {', '.join(sorted(names))}, on the meta device: its values are unknown, so a causal "
-            "buffer cannot be recognised. Build the model, or at least that buffer, on the CPU.)") if names else ""
+    names = [
+        user_name(p)
+        for p in placeholders_of(mask)
+        if is_module_state(p)
+        and "grapharg" in p.meta
+        and ctx.host_values.get(id(p.meta["grapharg"].example), p.meta["grapharg"].example).device.type == "meta"
+    ]
+    return (
+        (
+            f" (The mask reads {', '.join(sorted(names))}, on the meta device: its values are unknown, so a causal "
+            "buffer cannot be recognised. Build the model, or at least that buffer, on the CPU.)"
+        )
+        if names
+        else ""
+    )
 
 
-def _evaluate(ctx: PassContext, node: fx.Node, resize: Optional[tuple] = None):
+def _evaluate(ctx: PassContext, node: fx.Node, resize: tuple | None = None):
     """The value of ``node`` when it depends on module state and shapes only (else None), computed on the
     host (CPU), whatever device the graph runs on. With dynamic shapes, sizes take the example's values;
     ``resize=(n, length)`` gives size inputs equal to the symbolic sequence length ``n`` the value

@@ -18,7 +18,6 @@ op is refused as before.
 from __future__ import annotations
 
 import operator
-from typing import Optional
 
 import torch.fx as fx
 
@@ -40,14 +39,14 @@ def find_local_permutations(ctx: PassContext) -> None:
                 ctx.reductions.pop(node, None)
 
 
-def _permutation(sort: fx.Node) -> Optional[fx.Node]:
+def _permutation(sort: fx.Node) -> fx.Node | None:
     if op_name(sort) == "argsort":
         return sort
     indices = [u for u in sort.users if u.target is operator.getitem and u.args[1] == 1]
     return indices[0] if len(indices) == 1 else None
 
 
-def _island(ctx: PassContext, sort: fx.Node) -> Optional[set]:
+def _island(ctx: PassContext, sort: fx.Node) -> set | None:
     """The island's nodes (sort, gathers, exits included), or None when one of its conditions fails."""
     perm = _permutation(sort)
     if perm is None:
@@ -78,8 +77,12 @@ def _is_gather(node: fx.Node, perm: fx.Node) -> bool:
     if node.target is not operator.getitem:
         return False
     index = node.args[1]
-    return index is perm or (isinstance(index, fx.Node) and index.target is operator.floordiv and
-                             index.args[0] is perm and isinstance(index.args[1], int))
+    return index is perm or (
+        isinstance(index, fx.Node)
+        and index.target is operator.floordiv
+        and index.args[0] is perm
+        and isinstance(index.args[1], int)
+    )
 
 
 def _only_offsets(node: fx.Node) -> bool:
@@ -88,5 +91,6 @@ def _only_offsets(node: fx.Node) -> bool:
     name = op_name(node)
     if name not in COUNTS and name not in OFFSET_STEPS:
         return False
-    return all(node in (user.kwargs.get("offs"), user.kwargs.get("offsets")) or _only_offsets(user)
-               for user in node.users)
+    return all(
+        node in (user.kwargs.get("offs"), user.kwargs.get("offsets")) or _only_offsets(user) for user in node.users
+    )

@@ -88,8 +88,9 @@ def _created_args(ctx: PassContext, node, local):
     if isinstance(args[first], fx.Node) and isinstance(example_value(args[first]), tuple):  # zeros(ids.size())
         size, rank = args[first], example_value(node).dim()
         with ctx.gm.graph.inserting_before(node):
-            args[first] = tuple(local if d in seq_dims else ctx.gm.graph.call_function(operator.getitem, (size, d))
-                                for d in range(rank))
+            args[first] = tuple(
+                local if d in seq_dims else ctx.gm.graph.call_function(operator.getitem, (size, d)) for d in range(rank)
+            )
     elif isinstance(args[first], (list, tuple)):  # zeros((B, N, H)), full((B, N), value)
         sizes = list(args[first])
         for d in seq_dims:

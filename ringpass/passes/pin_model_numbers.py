@@ -54,8 +54,12 @@ def _model_float(node: fx.Node) -> float | None:
     if not isinstance(source, Source) or not _from_model(source):
         return None
     example = getattr(grapharg, "example", None)
-    if not isinstance(example, torch.Tensor) or example.dim() != 0 or not example.is_floating_point() \
-            or example.device.type == "meta":
+    if (
+        not isinstance(example, torch.Tensor)
+        or example.dim() != 0
+        or not example.is_floating_point()
+        or example.device.type == "meta"
+    ):
         return None
     return example.item()
 
@@ -72,16 +76,23 @@ def _int_argument(node: fx.Node) -> bool:
     from torch._dynamo.source import TensorPropertySource
 
     source = getattr(node.meta.get("grapharg"), "source", None)
-    return isinstance(node.meta.get("example_value"), torch.SymInt) and isinstance(source, Source) \
+    return (
+        isinstance(node.meta.get("example_value"), torch.SymInt)
+        and isinstance(source, Source)
         and not isinstance(source, TensorPropertySource)
+    )
 
 
 def _replace_by_number(node: fx.Node, number: int) -> None:
     """Every use of ``node`` reads ``number``; int arithmetic on it (``-logits_to_keep``) is computed."""
     for user in list(node.users):
         user.replace_input_with(node, number)
-        if isinstance(user.meta.get("example_value"), torch.SymInt) and not user.all_input_nodes \
-                and user.op == "call_function" and not user.kwargs:
+        if (
+            isinstance(user.meta.get("example_value"), torch.SymInt)
+            and not user.all_input_nodes
+            and user.op == "call_function"
+            and not user.kwargs
+        ):
             _replace_by_number(user, user.target(*user.args))
     if node.op != "placeholder":
         node.graph.erase_node(node)

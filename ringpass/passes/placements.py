@@ -55,11 +55,27 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
         if node.op == "placeholder" and not is_module_state(node) and isinstance(value, torch.Tensor):
             kind = {LOCAL: "sharded", FULL: "whole"}.get(placement, "replicated")
             needed_by = needs_full.get(node, node)
-            why = "" if kind != "whole" else (
-                "read by the ring's mask program" if needed_by in ctx.whole_values else f"read by {describe(needed_by)}")
+            why = (
+                ""
+                if kind != "whole"
+                else (
+                    "read by the ring's mask program"
+                    if needed_by in ctx.whole_values
+                    else f"read by {describe(needed_by)}"
+                )
+            )
             dim = ctx.axes[node][0].dim if kind != "replicated" else None
-            ctx.report.inputs.append(ValueRecord(user_name(node), [plain(s) for s in value.shape],
-                                                 str(value.dtype).replace("torch.", ""), kind, dim, why, nbytes(value)))
+            ctx.report.inputs.append(
+                ValueRecord(
+                    user_name(node),
+                    [plain(s) for s in value.shape],
+                    str(value.dtype).replace("torch.", ""),
+                    kind,
+                    dim,
+                    why,
+                    nbytes(value),
+                )
+            )
         elif placement == FULL and node.op != "placeholder":
             whole_ops[user_name(node)] = None
     ctx.report.computed_whole = list(whole_ops)
@@ -73,7 +89,13 @@ def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
     while changed:
         changed = False
         for node in ctx.gm.graph.nodes:
-            if node not in gone and node not in operands and node.op != "placeholder" and node.users and all(u in gone for u in node.users):
+            if (
+                node not in gone
+                and node not in operands
+                and node.op != "placeholder"
+                and node.users
+                and all(u in gone for u in node.users)
+            ):
                 gone.add(node)
                 changed = True
     return gone
@@ -110,11 +132,15 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
         raise refusal(
             f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
             "the tokens of sharded activations; move this op onto per-token inputs before attention, or compile "
-            "this part of the model without the ring backend.", mixing_op
+            "this part of the model without the ring backend.",
+            mixing_op,
         )
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
         if mixing_op in ctx.whole_values or example_value(node).dim() <= 2:  # per-token vectors: all-gathered
             ctx.gathered_inputs.add(node)
             return
-        raise refusal(f"Input {user_name(node)} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs "
-                      f"the whole sequence ({why}); pass full inputs (inputs='full') instead.", mixing_op)
+        raise refusal(
+            f"Input {user_name(node)} is passed sharded (inputs='sharded') but {describe(mixing_op)} needs "
+            f"the whole sequence ({why}); pass full inputs (inputs='full') instead.",
+            mixing_op,
+        )

@@ -26,8 +26,9 @@ def record_gradient_paths(ctx: PassContext) -> None:
     ctx.gradient_paths = None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    if not any(requires_grad(example_value(p)) for p in placeholders) or \
-            not any(requires_grad(example_value(a)) for a in output.all_input_nodes):
+    if not any(requires_grad(example_value(p)) for p in placeholders) or not any(
+        requires_grad(example_value(a)) for a in output.all_input_nodes
+    ):
         return  # inference: nothing trains
     record = CapturedGradients(trusted=captured_values(gm))
     live, record.step = gradient_reach(gm, GradientRules(record.trusted))

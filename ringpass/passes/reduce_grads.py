@@ -43,7 +43,9 @@ REDUCE = "all-reduce"
 
 def reduce_grads(ctx: PassContext) -> None:
     graph = ctx.gm.graph
-    plan = ctx.gradients or GradientMode("reduced" if ctx.options.grads == "auto" else ctx.options.grads, ctx.world_size)
+    plan = ctx.gradients or GradientMode(
+        "reduced" if ctx.options.grads == "auto" else ctx.options.grads, ctx.world_size
+    )
     kinds: dict[fx.Node, set[str]] = {}
     only_parameters: dict[fx.Node, bool] = {}
     for node in reversed(list(graph.nodes)):
@@ -125,8 +127,11 @@ def _wrap(ctx: PassContext, node: fx.Node, users: list[fx.Node], action) -> None
     with graph.inserting_before(node.next):
         if action is REDUCE:
             wrapped = graph.call_function(reduce_grad, (node, ctx.group_name))
-            ctx.report.collectives.append(CollectiveRecord(
-                "all-reduce", "backward", f"the gradient of {user_name(node)}", "", nbytes(example_value(node))))
+            ctx.report.collectives.append(
+                CollectiveRecord(
+                    "all-reduce", "backward", f"the gradient of {user_name(node)}", "", nbytes(example_value(node))
+                )
+            )
         else:
             wrapped = graph.call_function(scale_grad, (node, action))
     copy_origin(wrapped, node)

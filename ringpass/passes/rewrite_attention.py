@@ -24,10 +24,21 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lowering.errors import NotSupportedError
 from lowering.ring_args import RingArgs
 from lowering.ulysses import check_heads
-from ringpass.graph import (copy_origin, describe, example_value, inputs_read, module_path, placeholders_of, plain,
-                            refusal, remove_dead_code, source_line, user_name)
-from ringpass.report import AttentionRecord
+from ringpass.graph import (
+    copy_origin,
+    describe,
+    example_value,
+    inputs_read,
+    module_path,
+    placeholders_of,
+    plain,
+    refusal,
+    remove_dead_code,
+    source_line,
+    user_name,
+)
 from ringpass.graph_utils.context import LOCAL, PassContext
+from ringpass.report import AttentionRecord
 
 
 def rewrite_attention(ctx: PassContext) -> None:
@@ -39,7 +50,8 @@ def rewrite_attention(ctx: PassContext) -> None:
             if ctx.placement.get(operand) != LOCAL or [a.dim % q.dim() for a in axes] != [q.dim() - 2]:
                 raise refusal(
                     f"Attention {describe(match.output)}: its {role} does not carry the sequence on the "
-                    "second-to-last axis; ringpass expects q, k, v as [batch, heads, sequence, head_dim].", match.output
+                    "second-to-last axis; ringpass expects q, k, v as [batch, heads, sequence, head_dim].",
+                    match.output,
                 )
         scale = match.scale if match.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         plan = ctx.masks[match.output]
@@ -57,8 +69,16 @@ def rewrite_attention(ctx: PassContext) -> None:
             ring_group = ctx.group_name
             if ctx.ulysses:
                 operands, ring_group = _ulysses_operands(ctx, match, plan, operands)
-            args = RingArgs(ctx.layout_kind, ctx.world_size, ctx.insert_length("global"), plan.is_causal, float(scale),
-                            ring_group, ulysses=ctx.ulysses[0] if ctx.ulysses else 1, **plan.op_args())
+            args = RingArgs(
+                ctx.layout_kind,
+                ctx.world_size,
+                ctx.insert_length("global"),
+                plan.is_causal,
+                float(scale),
+                ring_group,
+                ulysses=ctx.ulysses[0] if ctx.ulysses else 1,
+                **plan.op_args(),
+            )
             ring = graph.call_function(torch.ops.ringpass.ring_attention.default, (*operands, *args.op_args()))
             copy_origin(ring, match.output)
             ctx.placement[ring] = LOCAL
@@ -66,8 +86,10 @@ def rewrite_attention(ctx: PassContext) -> None:
                 ring.meta.update(recompute=CheckpointPolicy.MUST_SAVE, ac_graph_id=match.output.meta.get("ac_graph_id"))
             if match.flex is not None:  # flex returns (out, lse), as the ring op does
                 if narrower:
-                    raise refusal(f"flex_attention {describe(match.output)} with values narrower than keys is not "
-                                  "supported yet.", match.output)
+                    raise refusal(
+                        f"flex_attention {describe(match.output)} with values narrower than keys is not supported yet.",
+                        match.output,
+                    )
                 match.output.replace_all_uses_with(ring)
             else:
                 _replace_output(ctx, match, ring, back if q.dim() == 3 else None, narrower)
@@ -88,7 +110,10 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     out.meta.update({key: ring.meta[key] for key in ("recompute", "ac_graph_id") if key in ring.meta})
     if ctx.ulysses:  # the output goes back to the ranks that hold its tokens, with every head
         ctx.placement[out] = LOCAL
-        out = copy_origin(graph.call_function(torch.ops.ringpass.ulysses_tokens_to_heads.default, (out, *_ulysses_args(ctx))), match.output)
+        out = copy_origin(
+            graph.call_function(torch.ops.ringpass.ulysses_tokens_to_heads.default, (out, *_ulysses_args(ctx))),
+            match.output,
+        )
     if narrower:
         out = graph.call_function(operator.getitem, (out, (Ellipsis, slice(None, -narrower))))
     if back is not None:
@@ -110,8 +135,11 @@ def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[li
     graph = ctx.gm.graph
     if match.flex is not None or plan.slopes is not None or plan.bias_id:
         what = "flex_attention" if match.flex is not None else "ALiBi slopes or a score bias"
-        raise refusal(f"Attention {describe(match.output)}: {what} with Ulysses x ring is not supported yet (the heads "
-                      "are split across the Ulysses group); use a plain ring (ulysses=1).", match.output)
+        raise refusal(
+            f"Attention {describe(match.output)}: {what} with Ulysses x ring is not supported yet (the heads "
+            "are split across the Ulysses group); use a plain ring (ulysses=1).",
+            match.output,
+        )
     heads = [example_value(t).shape[1] if example_value(t).dim() == 4 else 1 for t in (match.query, match.key)]
     kv_heads = heads[1] // match.kv_groups
     try:
@@ -120,7 +148,10 @@ def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[li
         raise refusal(f"Attention {describe(match.output)}: {error}", match.output) from None
     if repeat > 1:
         operands[1:] = [graph.call_method("repeat_interleave", (t, repeat, 1)) for t in operands[1:]]
-    exchanged = [graph.call_function(torch.ops.ringpass.ulysses_heads_to_tokens.default, (t, *_ulysses_args(ctx))) for t in operands]
+    exchanged = [
+        graph.call_function(torch.ops.ringpass.ulysses_heads_to_tokens.default, (t, *_ulysses_args(ctx)))
+        for t in operands
+    ]
     for node in exchanged + [t for t in operands if t.op == "call_method" and t.target == "repeat_interleave"]:
         copy_origin(node, match.output)
         ctx.placement[node] = LOCAL
@@ -140,10 +171,17 @@ def _mask_inputs(plan) -> list[str]:
     length alone, and the trainable values they read (a learned bias table), which the ring trains."""
     programs_read = [*plan.inputs, *plan.bias_inputs]
     read = [inputs_read(node) for node in programs_read]
-    trained = {user_name(p) for node in programs_read for p in placeholders_of(node)
-               if getattr(example_value(p), "requires_grad", False)}
-    return sorted({name for names in read for name in names}) + (["positions"] if any(not names for names in read) else []) \
+    trained = {
+        user_name(p)
+        for node in programs_read
+        for p in placeholders_of(node)
+        if getattr(example_value(p), "requires_grad", False)
+    }
+    return (
+        sorted({name for names in read for name in names})
+        + (["positions"] if any(not names for names in read) else [])
         + [f"{name} (trained: its gradient summed per tile)" for name in sorted(trained)]
+    )
 
 
 def _record(match, plan, scale: float) -> AttentionRecord:
@@ -153,10 +191,20 @@ def _record(match, plan, scale: float) -> AttentionRecord:
     if match.batch is not None:  # merged batch x heads
         heads = (plain(q.shape[0]) // batch, plain(k.shape[0]) // batch)
     return AttentionRecord(
-        module=module_path(match.output), source=source_line(match.output), spelling=match.spelling,
-        mask=plan.describe(), is_causal=plan.is_causal, window=plan.window,
-        mask_inputs=_mask_inputs(plan), batch=batch,
+        module=module_path(match.output),
+        source=source_line(match.output),
+        spelling=match.spelling,
+        mask=plan.describe(),
+        is_causal=plan.is_causal,
+        window=plan.window,
+        mask_inputs=_mask_inputs(plan),
+        batch=batch,
         query_heads=heads[0],
-        kv_heads=heads[1], head_dim=plain(q.shape[-1]), dtype=str(q.dtype).replace("torch.", ""),
-        itemsize=q.element_size(), scale=float(scale), score_mods=plan.score_mods(), fully_masked=plan.fully_masked,
+        kv_heads=heads[1],
+        head_dim=plain(q.shape[-1]),
+        dtype=str(q.dtype).replace("torch.", ""),
+        itemsize=q.element_size(),
+        scale=float(scale),
+        score_mods=plan.score_mods(),
+        fully_masked=plan.fully_masked,
     )

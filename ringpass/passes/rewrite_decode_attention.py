@@ -41,9 +41,12 @@ def rewrite_decode_attention(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for match in ctx.attention:
         if not is_decode_step(match):
-            raise refusal(f"Attention {describe(match.output)} attends a query to its own keys in a graph whose other "
-                          "attentions are decode steps against a KV cache (a chunk of a prompt after a cache was "
-                          "filled?): ringpass shards either a whole prompt or decode steps, one per graph.", match.output)
+            raise refusal(
+                f"Attention {describe(match.output)} attends a query to its own keys in a graph whose other "
+                "attentions are decode steps against a KV cache (a chunk of a prompt after a cache was "
+                "filled?): ringpass shards either a whole prompt or decode steps, one per graph.",
+                match.output,
+            )
         keys, values = _cache_read(match.key), _cache_read(match.value)
         if keys is None or values is None:
             if ctx.options.cache == "gathered":
@@ -55,14 +58,18 @@ def rewrite_decode_attention(ctx: PassContext) -> None:
                 "against a KV cache held whole on every rank (a DynamicCache), or cross-attention. To keep the "
                 "cache sharded, pass past_key_values=ringpass.ShardedCache(model.config, max_new_tokens=...) to "
                 "generate (or call ringpass.generate); options={'cache': 'gathered'} runs such steps unsharded on "
-                "every rank; for training compile with use_cache=False.", match.output)
+                "every rank; for training compile with use_cache=False.",
+                match.output,
+            )
         _check(match, keys, values)
         visible = match.mask[1] if match.mask is not None else None
         with graph.inserting_before(match.output):
             if match.mask is not None and match.mask[0] == "masked_out":
                 visible = graph.call_function(operator.invert, (visible,))
-            out = graph.call_function(decode_over_slots, (match.query, keys.args[0], values.args[0], keys.args[1],
-                                                          visible, match.scale, ctx.group_name))
+            out = graph.call_function(
+                decode_over_slots,
+                (match.query, keys.args[0], values.args[0], keys.args[1], visible, match.scale, ctx.group_name),
+            )
         copy_origin(out, match.output)
         out.meta["example_value"] = example_value(match.output)
         match.output.replace_all_uses_with(out)
@@ -84,16 +91,25 @@ def _check(match, keys: fx.Node, values: fx.Node) -> None:
     if keys.args[1] is not values.args[1]:
         raise refusal(f"{where} reads keys and values of different cache layers.", match.output)
     if match.is_causal:
-        raise refusal(f"{where} has is_causal=True, which for fewer queries than keys hides the latest keys "
-                      "(top-left alignment); build the mask from positions instead.", match.output)
+        raise refusal(
+            f"{where} has is_causal=True, which for fewer queries than keys hides the latest keys "
+            "(top-left alignment); build the mask from positions instead.",
+            match.output,
+        )
     if match.softcap is not None or match.bias is not None or match.outer_scale != 1.0 or match.inner_masks:
-        raise refusal(f"{where} modifies its scores (soft-cap, bias, nested masks): decode steps against a sharded "
-                      "cache do not support that yet.", match.output)
+        raise refusal(
+            f"{where} modifies its scores (soft-cap, bias, nested masks): decode steps against a sharded "
+            "cache do not support that yet.",
+            match.output,
+        )
     if example_value(match.query).dim() != 4:
         raise refusal(f"{where} is not 4-D [batch, heads, tokens, head_dim].", match.output)
     if match.mask is not None and (match.mask[0] == "additive" or example_value(match.mask[1]).dtype != torch.bool):
-        raise refusal(f"{where} adds a float mask; decode steps read boolean masks (Hugging Face's "
-                      "attn_implementation='sdpa' gives them).", match.output)
+        raise refusal(
+            f"{where} adds a float mask; decode steps read boolean masks (Hugging Face's "
+            "attn_implementation='sdpa' gives them).",
+            match.output,
+        )
 
 
 def _record(ctx: PassContext, match, keys: fx.Node) -> None:
@@ -102,5 +118,8 @@ def _record(ctx: PassContext, match, keys: fx.Node) -> None:
     itemsize = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
     ctx.report.decode += 1
     ctx.report.cache = f"sharded: {plain(example_value(keys.args[0]).shape[2])} slots per rank per layer"
-    ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", "decode attention's out and LSE",
-                                                   short_source(match.output), numbers * itemsize))
+    ctx.report.collectives.append(
+        CollectiveRecord(
+            "all-gather", "forward", "decode attention's out and LSE", short_source(match.output), numbers * itemsize
+        )
+    )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from typing import Optional
 
 import torch
 import torch._refs
@@ -53,7 +52,9 @@ PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no spe
 def find_sequence_axes(ctx: PassContext) -> None:
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
     if not all(same(n, lengths[0]) for n in lengths):
-        raise NotSupportedError(f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence.")
+        raise NotSupportedError(
+            f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence."
+        )
     ctx.seq_len = lengths[0]
     ctx.global_seq_len = ctx.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.seq_len
     _Probe(ctx).run()
@@ -70,7 +71,8 @@ class _Probe:
         self.attention_outputs = {m.output: m for m in ctx.attention}
         self.inside_attention = {n for m in ctx.attention for n in m.internal if n is not m.output}
         self.fake_mode = next(
-            example_value(n).fake_mode for n in ctx.gm.graph.nodes
+            example_value(n).fake_mode
+            for n in ctx.gm.graph.nodes
             if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
         )
 
@@ -82,7 +84,7 @@ class _Probe:
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)
         try:
-            with self.fake_mode, (shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()):
+            with self.fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
                 for node in self.ctx.gm.graph.nodes:
                     if node.op == "output":
                         continue
@@ -105,8 +107,10 @@ class _Probe:
             match = self.attention_outputs[node]
             q, v = self.values[match.query], self.values[match.value]
             if isinstance(original, tuple):
-                return tuple(q.new_empty((*q.shape[:-1], v.shape[-1]) if i == 0 else q.shape[:-1], dtype=item.dtype)
-                             for i, item in enumerate(original))
+                return tuple(
+                    q.new_empty((*q.shape[:-1], v.shape[-1]) if i == 0 else q.shape[:-1], dtype=item.dtype)
+                    for i, item in enumerate(original)
+                )
             return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
         if node.op == "call_method" and node.target in CREATORS and self._source_kind(node, original):
             self.ctx.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
@@ -133,7 +137,8 @@ class _Probe:
                 "value that follows the sequence length with one whose size stays at the traced length: typically "
                 "a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, linear attention), "
                 "which cannot be sharded along the sequence, or a size read from a tensor's data. If neither fits, "
-                "please report this model.", node
+                "please report this model.",
+                node,
             ) from None
 
     def _probe_placeholder(self, node: fx.Node, original):
@@ -150,7 +155,7 @@ class _Probe:
             return self._resized(original, [2, 3])  # a [B, 1 or H, S, S] mask
         return self._resized(original, [1 if 1 in dims else dims[0]])
 
-    def _source_kind(self, node: fx.Node, original) -> Optional[str]:
+    def _source_kind(self, node: fx.Node, original) -> str | None:
         if not isinstance(original, torch.Tensor) or not any(same(s, self.n) for s in original.shape):
             return None
         if node.target is torch.arange and original.dim() == 1:
@@ -208,7 +213,11 @@ class _Probe:
         for d in moved:
             size = original.shape[d]
             inner = self._inner(node, d, size)
-            aligned = inner is not None and same(size % (self.n * inner), 0) and same(probe.shape[d], size // self.n * self.probe_len)
+            aligned = (
+                inner is not None
+                and same(size % (self.n * inner), 0)
+                and same(probe.shape[d], size // self.n * self.probe_len)
+            )
             axes.append(SeqDim(d, inner or 1, aligned))
             if aligned:
                 self.inner_by_size.setdefault(_key(size), inner)
@@ -218,7 +227,7 @@ class _Probe:
         if any(not a.aligned for arg in node.all_input_nodes for a in self.ctx.axes.get(arg, ())):
             self.ctx.mixing.setdefault(node, "it reads a shifted or resized sequence")
 
-    def _inner(self, node: fx.Node, dim: int, size: int) -> Optional[int]:
+    def _inner(self, node: fx.Node, dim: int, size: int) -> int | None:
         if is_size_op(node) or node.target in FLATTENS:
             return _view_inner(node, self.ctx.axes[node.args[0]], dim, self.n)
         if same(size, self.n):
@@ -243,7 +252,7 @@ def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:
     return is_vmap_bookkeeping(node) and node.target.__name__ in ("_vmap_increment_nesting", "_vmap_decrement_nesting")
 
 
-def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> Optional[int]:
+def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> int | None:
     in_shape = example_value(node.args[0]).shape
     out_shape = example_value(node).shape
     for axis in in_axes:

@@ -40,17 +40,87 @@ from ringpass.graph_utils.spellings import CREATORS, op_name
 SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # the number becomes (part of) a tensor's values
 VALUE_OPS = {
-    "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "mod", "pow", "rsub", "radd",
-    "rmul", "rtruediv", "rdiv", "rfloordiv", "rpow", "rmod", "lt", "le", "gt", "ge", "eq", "ne", "maximum",
-    "minimum", "clamp", "clip", "clamp_min", "clamp_max", "where", "masked_fill", "masked_fill_", "fill_", "tensor",
-    "as_tensor", "scalar_tensor", "full_like", "lerp", "add_", "sub_", "mul_", "div_", "addcmul", "addcdiv",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "floor_divide",
+    "remainder",
+    "fmod",
+    "mod",
+    "pow",
+    "rsub",
+    "radd",
+    "rmul",
+    "rtruediv",
+    "rdiv",
+    "rfloordiv",
+    "rpow",
+    "rmod",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "eq",
+    "ne",
+    "maximum",
+    "minimum",
+    "clamp",
+    "clip",
+    "clamp_min",
+    "clamp_max",
+    "where",
+    "masked_fill",
+    "masked_fill_",
+    "fill_",
+    "tensor",
+    "as_tensor",
+    "scalar_tensor",
+    "full_like",
+    "lerp",
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "addcmul",
+    "addcdiv",
 }
 # the number is a size, a count or an index along an axis: the graph's own (local) sizes are right
 SIZE_OPS = {
-    "view", "reshape", "expand", "repeat", "broadcast_to", "unflatten", "narrow", "split", "split_with_sizes",
-    "tensor_split", "select", "getitem", "pad", "Size", "empty_strided", "as_strided", "new_empty_strided",
-    "_check", "_check_is_size", "_assert", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",
-    "eye", "zeros", "ones", "empty", "randn", "rand", "randint", "new_zeros", "new_ones", "new_empty",
+    "view",
+    "reshape",
+    "expand",
+    "repeat",
+    "broadcast_to",
+    "unflatten",
+    "narrow",
+    "split",
+    "split_with_sizes",
+    "tensor_split",
+    "select",
+    "getitem",
+    "pad",
+    "Size",
+    "empty_strided",
+    "as_strided",
+    "new_empty_strided",
+    "_check",
+    "_check_is_size",
+    "_assert",
+    "_assert_scalar",
+    "sym_constrain_range",
+    "sym_constrain_range_for_size",
+    "eye",
+    "zeros",
+    "ones",
+    "empty",
+    "randn",
+    "rand",
+    "randint",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
 }
 FILL = {torch.full: (1, "fill_value"), "new_full": (2, "fill_value")}  # (argument position, keyword) of the value
 
@@ -67,7 +137,9 @@ class StaticShardedLengths(NotSupportedError):
 def globalize_sharded_lengths(ctx: PassContext) -> None:
     if ctx.options.inputs != "sharded":
         return
-    inputs = [(node, tuple(axis.dim for axis in ctx.axes[node])) for node, kind in ctx.sources.items() if kind == "input"]
+    inputs = [
+        (node, tuple(axis.dim for axis in ctx.axes[node])) for node, kind in ctx.sources.items() if kind == "input"
+    ]
     specialized = _specialized(ctx, inputs)
     if specialized is not None:
         raise specialized
@@ -87,7 +159,8 @@ def _static(ctx: PassContext, inputs: list) -> StaticShardedLengths:
         f"(`x.shape[1]`) into a number, which the ring cannot correct to the whole sequence's {global_length}. "
         "Compile with dynamic=True, or mark the sequence dims dynamic before the first call "
         "(torch._dynamo.mark_dynamic(x, 1)), so that the reads stay symbolic; or pass full inputs (inputs='full').",
-        inputs)
+        inputs,
+    )
 
 
 def _specialized(ctx: PassContext, inputs: list) -> NotSupportedError | None:
@@ -96,7 +169,10 @@ def _specialized(ctx: PassContext, inputs: list) -> NotSupportedError | None:
     for length in lengths:
         if not isinstance(length, torch.SymInt):
             continue
-        shape_env, traced = length.node.shape_env, getattr(length.node, "_expr", length.node.expr)  # before replacements
+        shape_env, traced = (
+            length.node.shape_env,
+            getattr(length.node, "_expr", length.node.expr),
+        )  # before replacements
         expr = shape_env.replace(traced) if shape_env is not None else length.node.expr
         if not expr.is_number:
             continue
@@ -110,7 +186,8 @@ def _specialized(ctx: PassContext, inputs: list) -> NotSupportedError | None:
             f"With inputs='sharded' the model fixes the sequence length to this rank's {int(expr)} while it is traced"
             f"{where} (a Python branch on it, int() of it, a loop over it): from there on Dynamo folds every read of "
             "the length into that number, which the ring cannot correct to the whole sequence's. Pass full inputs "
-            "(inputs='full'), or compute from the length without fixing it (torch ops on x.shape[1] keep it symbolic).")
+            "(inputs='full'), or compute from the length without fixing it (torch ops on x.shape[1] keep it symbolic)."
+        )
     return None
 
 
@@ -162,7 +239,9 @@ class _Globalize:
             f"tell whether it means this rank's {plain(self.n)} tokens (inputs='sharded': the graph sees its shard) or "
             f"the whole sequence's {plain(self.n) * self.ctx.world_size}: it is neither a size of the sequence nor a "
             "number in a tensor's values. Pass full inputs (inputs='full'); if this op reads the length as either, "
-            "please report it.", user)
+            "please report it.",
+            user,
+        )
 
     def _read_global(self, user: fx.Node, node: fx.Node, positions) -> None:
         twin = self._twin(node, user)
@@ -171,12 +250,13 @@ class _Globalize:
         else:
             position, keyword = positions
             if len(user.args) > position and user.args[position] is node:
-                user.args = (*user.args[:position], twin, *user.args[position + 1:])
+                user.args = (*user.args[:position], twin, *user.args[position + 1 :])
             else:
                 user.kwargs = {**user.kwargs, keyword: twin}
         self.ctx.report.positions.append(
             f"sequence length read by {'the output' if user.op == 'output' else f'`{op_label(user)}`'} -> the whole "
-            f"sequence's ({source_line(user)})")
+            f"sequence's ({source_line(user)})"
+        )
 
     def _twin(self, node: fx.Node, user: fx.Node) -> fx.Node:
         """``node`` computed from the global length: the length itself, or the same arithmetic on it."""
@@ -194,7 +274,8 @@ class _Globalize:
             raise refusal(
                 f"{describe(user)} reads a number computed from the sequence length by {describe(node)}, which ringpass "
                 "cannot recompute for the whole sequence. Pass full inputs (inputs='full'), or please report this model.",
-                user)
+                user,
+            )
         self.twins[node] = twin
         return twin
 
