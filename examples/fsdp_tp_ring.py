@@ -63,7 +63,8 @@ def compare(name, model, loss, expected, expected_grads):
     if dist.get_rank() == 0:
         print(ringpass.last_report().summary())
         print(
-            f"{name}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), max relative gradient error {max(errors):.2e}"
+            f"{name}: loss {loss.item():.6f} (unsharded {expected.item():.6f}), "
+            f"max relative gradient error {max(errors):.2e}"
         )
 
 

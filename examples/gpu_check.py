@@ -15,6 +15,7 @@ Prints markdown tables (paste them into docs/performance.md with the date and th
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -99,10 +100,33 @@ def _flash_sdpa(q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def _kernel_fns(q, k, v, pos, dout, causal):
+    """The four timed calls of one ``time_kernels`` case: ours and SDPA, forward and forward+backward."""
+
+    def ours_forward():
+        return block_attention(q.detach(), k.detach(), v.detach(), pos, pos, is_causal=causal, backend="triton")
+
+    def ours_both():
+        out, lse = ours_forward()
+        return block_attention_backward(
+            dout, q.detach(), k.detach(), v.detach(), out, lse, pos, pos, is_causal=causal, backend="triton"
+        )
+
+    def sdpa_forward():
+        with torch.no_grad():
+            return _flash_sdpa(q, k, v, causal)
+
+    def sdpa_both():
+        return torch.autograd.grad(_flash_sdpa(q, k, v, causal), (q, k, v), dout)
+
+    return ours_forward, ours_both, sdpa_forward, sdpa_both
+
+
 def time_kernels() -> None:
     print("## bf16 kernels vs flash SDPA (B=1, H=16)\n")
     print(
-        "| N | D | causal | ours fwd ms | TFLOP/s | SDPA fwd ms | ratio | ours fwd+bwd ms | TFLOP/s | SDPA fwd+bwd ms | ratio |"
+        "| N | D | causal | ours fwd ms | TFLOP/s | SDPA fwd ms | ratio "
+        "| ours fwd+bwd ms | TFLOP/s | SDPA fwd+bwd ms | ratio |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     lengths = (128, 256) if SMOKE else (4096, 16384, 32768)
@@ -118,24 +142,7 @@ def time_kernels() -> None:
                 dout = torch.randn_like(q)
                 forward_flops = 4 * heads * n * n * d * (0.5 if causal else 1.0)
 
-                def ours_forward():
-                    return block_attention(
-                        q.detach(), k.detach(), v.detach(), pos, pos, is_causal=causal, backend="triton"
-                    )
-
-                def ours_both():
-                    out, lse = ours_forward()
-                    return block_attention_backward(
-                        dout, q.detach(), k.detach(), v.detach(), out, lse, pos, pos, is_causal=causal, backend="triton"
-                    )
-
-                def sdpa_forward():
-                    with torch.no_grad():
-                        return _flash_sdpa(q, k, v, causal)
-
-                def sdpa_both():
-                    return torch.autograd.grad(_flash_sdpa(q, k, v, causal), (q, k, v), dout)
-
+                ours_forward, ours_both, sdpa_forward, sdpa_both = _kernel_fns(q, k, v, pos, dout, causal)
                 t_ours, t_sdpa = _timed(ours_forward, repeats), _timed(sdpa_forward, repeats)
                 b_ours, b_sdpa = _timed(ours_both, repeats), _timed(sdpa_both, repeats)
                 print(
@@ -143,7 +150,7 @@ def time_kernels() -> None:
                     f"{t_sdpa / t_ours:.2f} | {b_ours:.2f} | {_tflops(3.5 * forward_flops, b_ours):.0f} | "
                     f"{b_sdpa:.2f} | {b_sdpa / b_ours:.2f} |"
                 )
-                del q, k, v, dout
+                del q, k, v, dout, ours_forward, ours_both, sdpa_forward, sdpa_both
     print("\nratio = SDPA time / our time (above 1: ours is faster).")
 
 
@@ -162,7 +169,7 @@ def time_simulated_ring() -> None:
     expected, _ = block_attention(q, k, v, pos, pos, is_causal=True, backend="triton")
     for p in (4, 8):
         layout = Layout("zigzag", p, n)
-        ring = _timed(lambda: simulate_ring(q, k, v, layout=layout, is_causal=True), 1 if SMOKE else 3)
+        ring = _timed(functools.partial(simulate_ring, q, k, v, layout=layout, is_causal=True), 1 if SMOKE else 3)
         got = simulate_ring(q, k, v, layout=layout, is_causal=True).out.float()
         print(f"| {n} | {p} | {ring:.2f} | {whole:.2f} | {(got - expected).abs().max().item():.1e} |")
     print(
@@ -192,7 +199,9 @@ def time_masks() -> None:
     }
     plain = None
     for name, options in cases.items():
-        ms = _timed(lambda: simulate_ring(q, k, v, layout=layout, is_causal=True, **options), 1 if SMOKE else 3)
+        ms = _timed(
+            functools.partial(simulate_ring, q, k, v, layout=layout, is_causal=True, **options), 1 if SMOKE else 3
+        )
         plain = plain or ms
         print(f"| {name} | {ms:.2f} | {100 * (ms / plain - 1):+.1f}% |")
 

@@ -1,6 +1,7 @@
 """Which Hugging Face families train through the ring: builds each from a small config (random weights,
-no downloads; a causal LM, or a masked LM for encoders), runs one training step (labels, loss, backward) compiled with backend="ring" on P gloo
-processes against the same model run whole, and writes the table in docs/models.md.
+no downloads; a causal LM, or a masked LM for encoders), runs one training step (labels, loss, backward)
+compiled with backend="ring" on P gloo processes against the same model run whole, and writes the table in
+docs/models.md.
 
     python examples/model_coverage.py                     # every family, P=2, writes docs/models.md
     python examples/model_coverage.py llama gemma2 --world-size 4 --no-write

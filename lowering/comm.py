@@ -61,7 +61,10 @@ class RingExchange:
                 "exchange", payload=payload, step=step, phase=phase, bytes=tensor.numel() * tensor.element_size()
             )
         received = torch.empty_like(tensor)
-        what = f"exchanging the {payload} block of {phase} step {step} with ranks {self.next_rank} (next) and {self.prev_rank} (previous)"
+        what = (
+            f"exchanging the {payload} block of {phase} step {step} "
+            f"with ranks {self.next_rank} (next) and {self.prev_rank} (previous)"
+        )
         try:
             works = dist.batch_isend_irecv(
                 [

@@ -10,9 +10,9 @@ On given `Hardware` (a link's bandwidth and latency, the FLOP rate one rank's ke
 `LINKS`, `DEVICES`), `predict` gives each step's compute and transfer time and whether the transfer hides,
 `hiding_slice` the fewest tokens per rank at which it does, and `all_gather_seconds` the alternative's
 forward time (`ringpass plan` prints them and recommends); `ulysses_seconds` the same attention as Ulysses x
-ring (all-to-all over heads on the fast links inside groups, the ring over the slow ones). A decode step (`DecodeCost`, `decode_seconds`):
-every rank reads its part of the cache (memory-bound: `MEMORY` presets) and the ranks merge their out and
-LSE in one small all-gather.
+ring (all-to-all over heads on the fast links inside groups, the ring over the slow ones). A decode step
+(`DecodeCost`, `decode_seconds`): every rank reads its part of the cache (memory-bound: `MEMORY` presets) and
+the ranks merge their out and LSE in one small all-gather.
 
 Conventions (docs/inspect.md):
 - FLOPs are useful FLOPs: ``4 · B · Hq · D`` per visible (query, key) pair forward (q·kᵀ and p·v, a

@@ -11,8 +11,8 @@ The rendezvous store every rank of a process group already shares (the TCPStore 
   heartbeat stopped for ``dead_after`` seconds (killed or frozen), or the wait outlived ``timeout``
   seconds while every peer was alive and waiting inside ringpass too (a deadlock: the ranks are out of
   step). A peer that is compiling, or busy in the user's code between calls, is waited for (up to the
-  process group's own timeout): a long checkpoint save on one rank is not a failure. CUDA tensors (NCCL) are waited as NCCL waits (the CPU does
-  not block); NCCL's own watchdog and the process group's ``timeout`` bound those.
+  process group's own timeout): a long checkpoint save on one rank is not a failure. CUDA tensors (NCCL) are
+  waited as NCCL waits (the CPU does not block); NCCL's own watchdog and the process group's ``timeout`` bound those.
 - `agree`: every rank posts a fingerprint of its next call and reads every peer's; a difference raises
   the same `InvalidInputError` on every rank, naming the field and the ranks. `agree_once` agrees on a
   fingerprint the first time a rank posts it, and remembers it (calls by hand, `lowering.ring_attention`).
@@ -324,7 +324,10 @@ def agree(group_name: str, topic: str, mine: dict, describe) -> None:
     ch, call = channel(group_name), _process.call
     text = json.dumps(mine, sort_keys=True)
     digest = f"{call}:{hashlib.sha1(text.encode()).hexdigest()}"
-    key = lambda kind, rank: f"{PREFIX}agree/{topic}/{kind}/{rank}/{call % 4}"  # four calls' slots, reused
+
+    def key(kind, rank):
+        return f"{PREFIX}agree/{topic}/{kind}/{rank}/{call % 4}"  # four calls' slots, reused
+
     started = time.monotonic()
     try:
         ch.store.multi_set([key("digest", ch.rank), key("full", ch.rank)], [digest, text])

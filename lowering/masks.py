@@ -4,10 +4,10 @@ A *mask program* is a function ``program(q_pos, kv_pos, *inputs) -> bool`` that 
 positions ``q_pos [n]`` and key positions ``kv_pos [m]``, which pairs are visible; its result broadcasts
 to ``[B, Hq, n, m]``. A program may instead return an additive float mask, as models add it to the
 scores: values at or below `MASKED_AT_OR_BELOW` hide their key, and any other nonzero value is a bias
-the kernels add to the score (a position bias combined with the mask in one tensor). The ``inputs`` are small replicated tensors it reads (position ids, segment ids, a
-padding mask: ``[B, S]``-sized, never ``S x S``). The compiler lifts such programs out of model graphs
-(see ``ringpass/passes/lift_masks.py``); they travel to the ring op by id (`register_mask`), since a
-custom op cannot take a function.
+the kernels add to the score (a position bias combined with the mask in one tensor). The ``inputs`` are small
+replicated tensors it reads (position ids, segment ids, a padding mask: ``[B, S]``-sized, never ``S x S``).
+The compiler lifts such programs out of model graphs (see ``ringpass/passes/lift_masks.py``); they travel to
+the ring op by id (`register_mask`), since a custom op cannot take a function.
 
 The ring never evaluates a mask for a whole block. `tile_states` classifies a planned task's tiles of
 ``MASK_TILE x MASK_TILE`` pairs (empty, fully visible, exactly causal, partial): causality and the window in

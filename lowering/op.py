@@ -56,8 +56,8 @@ def ring_attention(
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
-    q ``[B, Hq, n, D]`` and k/v ``[B, Hkv, n, D]`` (v may have a smaller head dim: MLA) are this rank's shards in ``layout`` order
-    (``layout.shard(x_full, 2, rank)``); Hq must be a multiple of Hkv (GQA/MQA: only the Hkv heads
+    q ``[B, Hq, n, D]`` and k/v ``[B, Hkv, n, D]`` (v may have a smaller head dim: MLA) are this rank's shards
+    in ``layout`` order (``layout.shard(x_full, 2, rank)``); Hq must be a multiple of Hkv (GQA/MQA: only the Hkv heads
     travel). Returns this rank's rows of full-sequence ``softmax(q kᵀ · scale [+ causal mask]) v``, and
     with ``return_lse=True`` also their log-sum-exp ``[B, Hq, n]`` (fp32; fp64 for fp64 inputs). Padding
     slots of the layout get out 0 and lse -inf. ``group=None`` is the default process group (or a single

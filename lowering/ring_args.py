@@ -68,6 +68,11 @@ class RingArgs(NamedTuple):
         its ``trained`` inputs so)."""
         return [t for field in PROGRAM_INPUTS for t in getattr(self, field)]
 
+    def programs(self) -> dict[str, list]:
+        """The mask and bias programs this call evaluates (`lowering.masks` ids) -> the tensors each reads."""
+        programs = {self.mask_id: list(self.mask_inputs), self.bias_id: list(self.bias_inputs)}
+        return {program_id: inputs for program_id, inputs in programs.items() if program_id}
+
     def with_program_inputs(self, tensors: Sequence) -> RingArgs:
         """These arguments with `program_inputs` replaced by ``tensors`` (as many, in the same order)."""
         tensors, replaced = list(tensors), {}

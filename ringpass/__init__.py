@@ -7,7 +7,8 @@
 `unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout; `convert(model,
 inputs, world_size=P)` applies the pass once and gives a module that runs eagerly, `save`s and `load`s;
 `generate(model, input_ids, max_new_tokens=...)` and `ShardedCache` generate from a long prompt with the KV
-cache kept sharded (Hugging Face models; imported on first use). The runtime (`lowering`: `ring_attention`, `Layout`, `simulate_ring`) is usable on its own.
+cache kept sharded (Hugging Face models; imported on first use). The runtime (`lowering`: `ring_attention`,
+`Layout`, `simulate_ring`) is usable on its own.
 """
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning

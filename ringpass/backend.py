@@ -184,8 +184,8 @@ def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
     if mesh is None:
         if group is not None and group != dist.group.WORLD:
             raise InvalidInputError(
-                f"ulysses={ulysses} with a sub-group: pass the ring and Ulysses dimensions as a 2-D DeviceMesh instead, "
-                "group=mesh['cp', 'sp'] (the ring over 'cp', all-to-all inside 'sp')."
+                f"ulysses={ulysses} with a sub-group: pass the ring and Ulysses dimensions as a 2-D DeviceMesh "
+                "instead, group=mesh['cp', 'sp'] (the ring over 'cp', all-to-all inside 'sp')."
             )
         world = dist.get_world_size()
         if world % ulysses:

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from lowering.sequence_ops import EXPORTABLE
+from ringpass.conversion.archive import program_inputs
 from ringpass.conversion.calls import as_call, canonical_call, distinct, flat_tensors, is_plain_value
 from ringpass.conversion.capture import capture, describe_arguments, describe_outputs, shape_conditions
 from ringpass.conversion.runtime import ConvertedModel, GroupSlots, Program
@@ -104,14 +104,7 @@ def convert(
             for p in signature.parameters.values()
         ],
         signature_text=str(signature),
-        masks=sorted(
-            {
-                a
-                for n in gm.graph.nodes
-                for a in pytree.tree_leaves((n.args, n.kwargs))
-                if isinstance(a, str) and a.startswith("mask-")
-            }
-        ),
+        masks=sorted(program_inputs(gm)),
     )
     report = Inspection(
         world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.axes)], "convert"

@@ -87,8 +87,8 @@ class GuardedGraph:
             graphs = [f"graph {f['index']} ({f['graph'][:8]})" for f in everyone]
             return (
                 f"The ranks disagree {where}: they run different compiled graphs: {_by_rank(graphs)}. The model "
-                "code, the backend options (layout, inputs, outputs, ...) or the input shapes differ between the ranks, "
-                "or one rank compiled a graph the others did not."
+                "code, the backend options (layout, inputs, outputs, ...) or the input shapes differ between the "
+                "ranks, or one rank compiled a graph the others did not."
             )
         if all("sums" in f for f in everyone):
             for key in everyone[0]["sums"]:

@@ -75,10 +75,12 @@ class Inspection:
 
     def __str__(self) -> str:
         head = {
-            "rewritten": f"ringpass {self.front_end}: every attention becomes ring attention over {self.world_size} ranks",
-            "refused": f"ringpass {self.front_end}: REFUSED - the ring backend would stop on this model (see 'refused' below)",
-            "no attention": f"ringpass {self.front_end}: NO ATTENTION FOUND - the ring backend would run this model unchanged "
-            "and unsharded on every rank",
+            "rewritten": f"ringpass {self.front_end}: every attention becomes ring attention "
+            f"over {self.world_size} ranks",
+            "refused": f"ringpass {self.front_end}: REFUSED - the ring backend would stop on this model "
+            "(see 'refused' below)",
+            "no attention": f"ringpass {self.front_end}: NO ATTENTION FOUND - the ring backend would run this model "
+            "unchanged and unsharded on every rank",
         }[self.status]
         parts = [head]
         if len(self.graphs) > 1:

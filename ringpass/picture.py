@@ -1,9 +1,9 @@
 """Pictures of an `Inspection` (``ringpass inspect --picture FILE.png|.svg``), drawn with matplotlib.
 
 Left: each captured graph condensed to one box per module, attention region, input and inserted
-collective (`graph_view.condensed`), in graph order, coloured by placement, the op a refusal names in red; arrows join boxes whose
-values flow into each other. Right: the ring schedule of each distinct attention as a rank x step grid
-(diagonal / full / partial / skipped blocks) for the chosen layout, beside the contiguous layout.
+collective (`graph_view.condensed`), in graph order, coloured by placement, the op a refusal names in red;
+arrows join boxes whose values flow into each other. Right: the ring schedule of each distinct attention as a
+rank x step grid (diagonal / full / partial / skipped blocks) for the chosen layout, beside the contiguous layout.
 matplotlib is an optional extra: ``pip install ringpass[viz]``.
 """
 
@@ -54,7 +54,7 @@ def draw(inspection, path: str) -> None:
     for i, (box_graph, graph) in enumerate(zip(boxes, inspection.graphs)):
         axis = figure.add_subplot(grid[:, i])
         _draw_boxes(axis, box_graph, f"graph {i}: {graph.report.status}", FancyBboxPatch)
-    for row, (report, indices, cost) in enumerate(rings):
+    for row, (_report, indices, cost) in enumerate(rings):
         contiguous = ring_cost(Layout("contiguous", cost.layout.world_size, cost.layout.seq_len), cost.shape)
         for column, shown in enumerate((cost, contiguous)):
             axis = figure.add_subplot(grid[row, len(boxes) + column])

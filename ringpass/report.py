@@ -144,7 +144,10 @@ class Report:
             blocking = f" at {self.refusal.op} ({self.refusal.source})" if self.refusal.op else ""
             return f"{head} REFUSED{blocking}: the ring backend raises NotSupportedError (reason below)"
         if self.status != "rewritten":
-            return f"{head} {self.unchanged or self.cache or 'no attention found'}: the graph runs unchanged (replicated) on every rank"
+            return (
+                f"{head} {self.unchanged or self.cache or 'no attention found'}: "
+                "the graph runs unchanged (replicated) on every rank"
+            )
         if self.decode:
             return (
                 f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
@@ -153,8 +156,8 @@ class Report:
         over = (
             f"{self.world_size} ranks"
             if self.ulysses == 1
-            else f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, the ring over "
-            f"{self.world_size // self.ulysses} groups)"
+            else f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, "
+            f"the ring over {self.world_size // self.ulysses} groups)"
         )
         return (
             f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {over}, "
@@ -198,7 +201,8 @@ class Report:
                 "sequence-sharded activations",
                 [
                     f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
-                    f"(every sharded value the graph computes, counted once); {_size(a['whole'])} computed whole on every rank"
+                    f"(every sharded value the graph computes, counted once); "
+                    f"{_size(a['whole'])} computed whole on every rank"
                 ],
             )
         for indices, cost in self.ring_costs():
@@ -290,7 +294,8 @@ def ring_text(cost: RingCost) -> list[str]:
         f"one KV block on the wire: {_size(cost.kv_bytes_per_hop)} (2 x B {s.batch} x {s.kv_heads} KV heads x "
         f"{cost.layout.local_len} slots x D {s.head_dim} x {s.itemsize} bytes); {p - 1} hops forward, "
         f"{p - 1} KV + {cost.exchanges['backward_dkv']} dK/dV hops ({_size(cost.dkv_bytes_per_hop)} each) backward",
-        f"forward FLOPs per rank: {_flops(min(per_rank))} .. {_flops(max(per_rank))} (balance {min(per_rank) / max(max(per_rank), 1):.2f}); "
+        f"forward FLOPs per rank: {_flops(min(per_rank))} .. {_flops(max(per_rank))} "
+        f"(balance {min(per_rank) / max(max(per_rank), 1):.2f}); "
         f"busiest rank per step: {', '.join(_flops(f) for f in busiest)}",
         f"attention state per rank: {_size(mine['forward'])} forward / {_size(mine['backward'])} backward, "
         f"vs {_size(whole['forward'])} / {_size(whole['backward'])} unsharded (P=1)",

@@ -43,8 +43,9 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
             return None
         if any(d in getattr(tensor, mark, ()) for mark in _MARKS for d in dims):
             error.args = (
-                f"With inputs='sharded' the sequence dims of `{user_name(node)}` are marked dynamic, yet Dynamo traced its "
-                f"length as the number {tuple(tensor.shape)[dims[0]]} (Dynamo fixes sizes 0 and 1), so every read of it "
+                f"With inputs='sharded' the sequence dims of `{user_name(node)}` are marked dynamic, "
+                f"yet Dynamo traced its length as the number {tuple(tensor.shape)[dims[0]]} "
+                "(Dynamo fixes sizes 0 and 1), so every read of it "
                 "in the model's code is this rank's length, which the ring cannot correct to the whole sequence's. "
                 "Pass full inputs (inputs='full'), or shards of at least 2 tokens.",
             )
@@ -68,9 +69,12 @@ def release_marks() -> None:
             indices -= added
             if not indices:
                 del tensor._dynamo_weak_dynamic_indices
-        if not had_marking and not any(
-            hasattr(tensor, mark) for mark in _MARKS + ("_dynamo_static_indices", "_dynamo_unbacked_indices")
+        if (
+            not had_marking
+            and not any(
+                hasattr(tensor, mark) for mark in _MARKS + ("_dynamo_static_indices", "_dynamo_unbacked_indices")
+            )
+            and hasattr(tensor, "_has_dynamo_dim_marking")
         ):
-            if hasattr(tensor, "_has_dynamo_dim_marking"):
-                del tensor._has_dynamo_dim_marking
+            del tensor._has_dynamo_dim_marking
     _added.clear()

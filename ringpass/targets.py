@@ -3,7 +3,8 @@
 - ``path/to/file.py:factory`` or ``package.module:factory``: a callable returning ``(model, example_inputs)``;
   it gets ``seq_len=`` / ``batch=`` when it accepts them.
 - `hf_config_model`: a local Hugging Face ``config.json`` (or the folder holding it) built with random-init
-  semantics on the meta device (the class its ``architectures`` names, else a causal LM, else the base model) (no weight is allocated or downloaded), with token ids of the asked shape.
+  semantics on the meta device (the class its ``architectures`` names, else a causal LM, else the base model)
+  (no weight is allocated or downloaded), with token ids of the asked shape.
 """
 
 from __future__ import annotations

@@ -78,9 +78,10 @@ def gradient_mode(requested: str, wrapper: Wrapper | None, ring_group) -> Gradie
         )
     if covers and requested in ("auto", "mean") and wrapper.divide_factor != len(wrapper.ranks):
         raise NotSupportedError(
-            f"{wrapper.describe()} divides the gradients' sum by {wrapper.divide_factor:g}, not by its {len(wrapper.ranks)} "
-            "ranks (set_gradient_divide_factor): the ring's shares are scaled for a mean. Leave the divide factor at its "
-            "default, or pass grads='reduced' (whole gradients on every rank, then the wrapper's reduction)."
+            f"{wrapper.describe()} divides the gradients' sum by {wrapper.divide_factor:g}, "
+            f"not by its {len(wrapper.ranks)} ranks (set_gradient_divide_factor): "
+            "the ring's shares are scaled for a mean. Leave the divide factor at its default, "
+            "or pass grads='reduced' (whole gradients on every rank, then the wrapper's reduction)."
         )
     mean_scale = float(p)
     if requested == "auto":

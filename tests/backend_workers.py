@@ -322,8 +322,9 @@ def refusal(rank: int, world_size: int, case: str) -> str:
             y = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).flatten(2)
             return self.op(y)
 
+    mix = nn.Linear(16, 16)
     after = {
-        "token_mixing_linear": lambda y, mix=nn.Linear(16, 16): mix(y.transpose(1, 2)),  # fails at the probe's length
+        "token_mixing_linear": lambda y: mix(y.transpose(1, 2)),  # fails at the probe's length
         "sequence_long_weight": lambda y: F.linear(y.transpose(1, 2), torch.ones(16, 16)),  # an [S, S] weight
         "sort": lambda y: torch.sort(y, dim=1).values,
         "max": lambda y: y.max(dim=1).values,

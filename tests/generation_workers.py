@@ -84,7 +84,9 @@ def hf_generate(rank: int, world_size: int, cases: list) -> list:
                 "held": _held(cache),
                 "slots_hold_cache": slots_hold_cache,
                 "slot_bytes": cache.slot_bytes(),
-                "whole_bytes": sum(t.numel() * t.element_size() for l in whole.layers for t in (l.keys, l.values)),
+                "whole_bytes": sum(
+                    t.numel() * t.element_size() for layer in whole.layers for t in (layer.keys, layer.values)
+                ),
             }
         )
     return results

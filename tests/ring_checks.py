@@ -15,12 +15,12 @@ def qkv_fp64(seq_len, heads=(4, 2), batch=2):
     return q, k, v
 
 
-def check_simulated_ring(layout: Layout, visible, options: dict, reference: dict = {}) -> None:
+def check_simulated_ring(layout: Layout, visible, options: dict, reference: dict | None = None) -> None:
     """Out and every gradient of the simulated causal ring with ``options`` equal, to 1e-12, fp64 attention
     under the dense ``visible`` mask with the ``reference`` score modifiers (soft-cap, dense bias)."""
     q, k, v = qkv_fp64(layout.seq_len)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = masked_attention_fp64(*leaves, visible, **reference)
+    expected = masked_attention_fp64(*leaves, visible, **(reference or {}))
     dout = torch.randn_like(expected)
     expected.backward(dout)
     sim = simulate_ring(q, k, v, layout=layout, is_causal=True, dout=dout, **options)

@@ -438,7 +438,8 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
         ("vmap_dynamic", r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid"),
         (
             "sxs_mask",
-            r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor.*'masks': 'materialize'",
+            r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor"
+            r".*'masks': 'materialize'",
         ),
         ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
         ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),

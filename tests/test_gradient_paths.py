@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import ringpass
 import ringpass.passes as passes
 from lowering.masks import register_mask
+from lowering.ring_args import RingArgs
 from ringpass.graph import copy_origin, user_name
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.gradient_reach import (
@@ -98,7 +99,8 @@ def _ring_graph(table_also_added: bool) -> fx.GraphModule:
     graph = fx.Graph()
     q, k, v, table = (graph.placeholder(name) for name in ("q", "k", "v", "table"))
     ring = graph.call_function(
-        RING, (q, k, v, "contiguous", 2, 16, False, 0.5, "", None, "", [], None, None, "bias-id", [table], "zero", 1)
+        RING,
+        (q, k, v, *RingArgs("contiguous", 2, 16, False, 0.5, "", bias_id="bias-id", bias_inputs=[table]).op_args()),
     )
     out = graph.call_function(operator.getitem, (ring, 0))
     if table_also_added:
@@ -201,7 +203,9 @@ def test_the_table_says_what_the_ring_ops_backward_returns():
     q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     per_head = torch.rand(2, dtype=torch.float64, requires_grad=True)
     bias_id = register_mask(lambda q_pos, kv_pos, h: h[:, None, None] * (q_pos[:, None] - kv_pos[None, :]).abs())
-    out, _ = RING(q, k, v, "contiguous", 1, 6, True, 0.5, "", None, "", [], None, None, bias_id, [per_head], "zero", 1)
+    out, _ = RING(
+        q, k, v, *RingArgs("contiguous", 1, 6, True, 0.5, "", bias_id=bias_id, bias_inputs=[per_head]).op_args()
+    )
     grads = torch.autograd.grad((out * out).sum(), (q, k, v, per_head), allow_unused=True)
     returned = {name for name, g in zip(("q", "k", "v", "bias_inputs"), grads) if g is not None}
     assert returned == set(GRADIENT_ARGUMENTS["ring_attention"]) & {"q", "k", "v", "bias_inputs"}

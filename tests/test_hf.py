@@ -308,7 +308,8 @@ def test_one_dynamic_compile_serves_two_lengths():
             assert r["longer"] <= 1e-4, (case, r)
 
 
-@pytest.mark.heavy  # ~50 s: three HF families compiled dynamic; the logits_to_keep test below stays in the default suite
+# ~50 s: three HF families compiled dynamic; the logits_to_keep test below stays in the default suite
+@pytest.mark.heavy
 def test_dynamic_shapes_in_families_that_spell_sizes_their_own_way():
     """``dynamic=True``, one compile serving two lengths: GPT-2 as shipped, whose loss property logs (a graph
     break), so the resumed frame gets ``logits_to_keep`` as a symbolic int that slices the sequence (read as

@@ -6,6 +6,7 @@ from reference import attention_fp64, rel_err
 
 from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
 from lowering.masks import register_mask
+from lowering.ring_args import RingArgs
 
 
 def _qkv(n, heads=4, kv_heads=2, dim=8, dtype=torch.float64):
@@ -37,27 +38,12 @@ def test_opcheck(contiguous, scores):
         q, k, v = _qkv(n)
     else:
         q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
-    modifiers = (
-        (0.8, [0.5, 0.25, 0.125, 0.0625], register_mask(_head_bias), [torch.rand(4, dtype=torch.float64)], "uniform")
-        if scores
-        else (None, None, "", [], "zero")
-    )
-    args = (
-        q.requires_grad_(),
-        k.requires_grad_(),
-        v.requires_grad_(),
-        "zigzag",
-        1,
-        n,
-        True,
-        0.3,
-        "",
-        None,
-        "",
-        [],
-        *modifiers,
-        1,
-    )
+    args = RingArgs("zigzag", 1, n, True, 0.3, "")
+    if scores:
+        slopes, per_head = [0.5, 0.25, 0.125, 0.0625], [torch.rand(4, dtype=torch.float64)]
+        args = args._replace(softcap=0.8, alibi_slopes=slopes, bias_id=register_mask(_head_bias), bias_inputs=per_head)
+        args = args._replace(fully_masked="uniform")
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *args.op_args())
     torch.library.opcheck(torch.ops.ringpass.ring_attention.default, args)
 
 

@@ -85,3 +85,10 @@ def test_program_inputs_come_out_and_go_back_in_the_backward_ops_order():
     back = args.with_program_inputs(replaced)
     assert back.mask_inputs == replaced[:1] and back.bias_inputs == replaced[1:]
     assert back._replace(mask_inputs=args.mask_inputs, bias_inputs=args.bias_inputs) == args
+
+
+def test_programs_name_each_mask_and_bias_program_with_what_it_reads():
+    args, tensors = _example()
+    assert args.programs() == {args.mask_id: tensors[:1], "bias-2": tensors[1:]}
+    assert args._replace(mask_id="", mask_inputs=[]).programs() == {"bias-2": tensors[1:]}
+    assert RingArgs("zigzag", 2, 8, True, 1.0, "").programs() == {}

@@ -5,8 +5,9 @@ applies when the block is fully visible, or causal with identical, increasing qu
 (then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
 other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
 into the LSE) takes the math path,
-which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64 inputs; half-precision
-inputs are widened first) and return their results in it, so the ring merges unrounded partial results.
+which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64
+inputs; half-precision inputs are widened first) and return their results in it, so the ring merges unrounded
+partial results.
 """
 
 from __future__ import annotations

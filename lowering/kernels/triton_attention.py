@@ -8,8 +8,8 @@ before masking: soft-capping fused (``c·tanh(s/c)``; tanh from exponentials, th
 libdevice), ALiBi computed from the positions and a per-head slope, a dense float bias tile loaded like
 the mask. From the positions' ranges (and a per-tile summary of the
 dense mask) each key tile is classified before anything is loaded: *invisible* tiles are skipped (no
-loads, no math), *fully visible* ones skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h`` reads KV head ``h // group``;
-K/V are never repeated in memory.
+loads, no math), *fully visible* ones skip the mask arithmetic, the rest apply it. GQA/MQA: query head ``h``
+reads KV head ``h // group``; K/V are never repeated in memory.
 
 Forward results are fp32 (out, and the LSE in natural-log units); with ``out``/``lse`` accumulators
 given, the kernel merges its result into them in place (log-sum-exp identity), so the ring needs no
@@ -260,7 +260,8 @@ def _scores(
         HAS_BIAS,
     )
     scores = scores * LOG2E
-    if HAS_MASK or _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):  # a dense mask always applies (its per-tile summary already skipped hidden tiles)
+    # a dense mask always applies (its per-tile summary already skipped hidden tiles)
+    if HAS_MASK or _needs_mask(q_lo, q_hi, kv_lo, kv_hi, some_invalid, seq_bound, window, IS_CAUSAL, HAS_WINDOW):
         scores = _masked(
             scores,
             b,

@@ -189,7 +189,7 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             if method == "context-parallel"
             else _Step(method, inputs, config, rank, world_size)
         )
-        warmups = [_run_once(step, memory, device) for _ in range(config.warmup)]
+        first = _run_once(step, memory, device)  # a warm-up call, or the first measured one with --warmup 0
     except _Unavailable as error:
         return {"unavailable": str(error)}
     except (NotImplementedError, RuntimeError) as error:
@@ -197,8 +197,9 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         return {"unavailable": f"{type(error).__name__}: {first_line}"}
-    samples = []
-    for _ in range(config.repeats):
+    warmups = [first] + [_run_once(step, memory, device) for _ in range(config.warmup - 1)] if config.warmup else []
+    samples = [] if config.warmup else [first]
+    while len(samples) < config.repeats:
         if world_size > 1:
             dist.barrier()
         samples.append(_run_once(step, memory, device))

@@ -2,8 +2,8 @@
 
 Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingExchange` (median of five
 after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
-(intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's block kernel
-on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
+(intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's
+block kernel on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
 threads a rank gets) gives useful FLOP/s as the cost model counts them. The result is the `Hardware` that
 ``ringpass plan --hardware FILE`` and ``ringpass bench --hardware FILE`` read.
 """

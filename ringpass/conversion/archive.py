@@ -29,6 +29,7 @@ from torch.export import Dim, ExportedProgram
 
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.masks import mask_program
+from lowering.ring_args import RingArgs
 from ringpass.conversion.saved import Argument, Conversion, Outputs, TensorSpec
 from ringpass.graph import example_value, plain
 from ringpass.version import __version__
@@ -84,7 +85,7 @@ def read(path) -> tuple[ExportedProgram, dict[str, ExportedProgram], Conversion]
 # ---- mask programs ---------------------------------------------------------------------------------------
 def _export_mask(gm: fx.GraphModule, mask_id: str, dynamic: bool) -> str:
     """The mask program ``mask_id``, exported on positions of any length and the inputs the ring op passes it."""
-    inputs = next(mask_inputs(node, mask_id) for node in gm.graph.nodes if mask_id in node.args)
+    inputs = [example_value(t) for t in program_inputs(gm)[mask_id]]
     device = inputs[0].device if inputs else torch.device("cpu")
     positions = torch.arange(3, device=device)
     examples = (
@@ -103,10 +104,14 @@ def _export_mask(gm: fx.GraphModule, mask_id: str, dynamic: bool) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def mask_inputs(node: fx.Node, mask_id: str) -> list:
-    """The example values of the tensors a ring op passes to mask program ``mask_id`` (the argument after it)."""
-    i = list(node.args).index(mask_id)
-    return [example_value(n) for n in node.args[i + 1]]
+def program_inputs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Each mask program the graph's ring ops call -> the nodes a call passes it."""
+    return {
+        program_id: inputs
+        for node in gm.graph.nodes
+        if node.target is torch.ops.ringpass.ring_attention.default
+        for program_id, inputs in RingArgs.of_call(node.args, node.kwargs).programs().items()
+    }
 
 
 # ---- the archive -----------------------------------------------------------------------------------------

@@ -5,16 +5,16 @@ Matches:
   ``is_causal``, ``enable_gqa``, ``attn_mask``);
 - hand-written attention: ``softmax([c ·] (cap(q @ kᵀ · s) [+ bias] [+ mask | masked_fill(mask, -inf) |
   where(mask, ·, -inf)])) @ v`` with any matmul spelling (``@``, ``torch.matmul``, ``bmm``, an ``einsum`` of
-  two operands that is one (``"bhqd,bhkd->bhqk"``), and ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale
-  as a multiplication or division (also outside the mask, CodeGen's ``(q kᵀ + mask) / s``: it scales
-  everything the softmax sees), an optional logit soft-cap ``tanh(x / c) · c``, an optional additive
-  bias (ALiBi, a position bias), further ``masked_fill`` / ``where`` masks inside the first one (GPT-Neo's
-  causal or banded buffer under its padding mask), fills given as numbers or as 0-d constant tensors
-  (``torch.tensor(finfo.min)``), any softmax spelling, a ``nan_to_num(0)`` of the probabilities (a query
-  with no visible key gives 0, as in the ring), and casts, inert dropouts (``p=0`` or eval) and
-  views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM) anywhere around the
-  softmax (Hugging Face's eager attention). Of two additive terms the outer one is the mask, the inner
-  one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
+  two operands that is one (``"bhqd,bhkd->bhqk"``), and ``baddbmm(bias, q, kᵀ, alpha=s)``), ``kᵀ`` as
+  ``transpose(-2, -1)`` / ``.mT`` / ``permute``, the scale as a multiplication or division (also outside the
+  mask, CodeGen's ``(q kᵀ + mask) / s``: it scales everything the softmax sees), an optional logit soft-cap
+  ``tanh(x / c) · c``, an optional additive bias (ALiBi, a position bias), further ``masked_fill`` / ``where``
+  masks inside the first one (GPT-Neo's causal or banded buffer under its padding mask), fills given as
+  numbers or as 0-d constant tensors (``torch.tensor(finfo.min)``), any softmax spelling, a ``nan_to_num(0)``
+  of the probabilities (a query with no visible key gives 0, as in the ring), and casts, inert dropouts
+  (``p=0`` or eval) and views that merge batch and heads (``[B, H, S, S]`` <-> ``[B·H, S, S]``, BLOOM)
+  anywhere around the softmax (Hugging Face's eager attention). Of two additive terms the outer one is the
+  mask, the inner one the bias; a single additive term that hides nothing (no booleans, no value at or below -1e4, no
   user input) is a bias; the scores are the side that leads back to ``q @ kᵀ``.
 - ``flex_attention`` (the higher-order op Dynamo makes of ``torch.nn.attention.flex_attention``): its
   ``mask_mod`` and ``score_mod`` graphs and their buffers are kept for `lift_masks`; the block mask's
@@ -25,9 +25,9 @@ K/V whose heads are proven to repeat in groups after further per-head-uniform op
 of each group.
 
 Writes ``ctx.attention``: one `AttentionMatch` per attention, its mask and bias (if any) left to
-`lift_masks` (or, with fewer queries than keys, to `rewrite_decode_attention`). Refuses dropout inside attention, PyTorch's fused
-Transformer fast path, and a graph whose only attention is one it does not recognise (a softmax whose
-probabilities multiply values, or whose scores are a product of two activations).
+`lift_masks` (or, with fewer queries than keys, to `rewrite_decode_attention`). Refuses dropout inside
+attention, PyTorch's fused Transformer fast path, and a graph whose only attention is one it does not
+recognise (a softmax whose probabilities multiply values, or whose scores are a product of two activations).
 """
 
 from __future__ import annotations
@@ -235,7 +235,8 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionMatch:
     q, k = example_value(args["query"]), example_value(args["key"])
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa", False) and k.shape[1] != 1:  # one KV head broadcasts
         raise refusal(
-            f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa=True.",
+            f"Attention {describe(node)} has {q.shape[1]} query heads and {k.shape[1]} key heads "
+            "without enable_gqa=True.",
             node,
         )
     key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
@@ -344,10 +345,14 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     if not calls(expanded, ("expand",)) or not isinstance(expanded.args[0], fx.Node):
         return node
     unsqueezed = expanded.args[0]
-    if calls(unsqueezed, ("unsqueeze", torch.unsqueeze)) and unsqueezed.args[1] == 2 or (
-        unsqueezed.op == "call_function"
-        and unsqueezed.target is operator.getitem
-        and _new_axis_at_2(unsqueezed.args[1])
+    if (
+        calls(unsqueezed, ("unsqueeze", torch.unsqueeze))
+        and unsqueezed.args[1] == 2
+        or (
+            unsqueezed.op == "call_function"
+            and unsqueezed.target is operator.getitem
+            and _new_axis_at_2(unsqueezed.args[1])
+        )
     ):
         source = unsqueezed.args[0]
     else:

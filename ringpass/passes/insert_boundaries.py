@@ -8,9 +8,9 @@ Matches edges between placements:
   writes ``ringpass::shard_sequence`` (once per value) on that edge;
 - a reduction over the sequence of local values: ``sum`` becomes the all-reduced local sum, ``mean`` the
   all-reduced local sum over the global count, a pick of a few tokens (``x[:, 0]``) the all-reduced rows
-  of the ranks that hold them (`lowering.sequence_ops.take_positions`), ``cross_entropy(reduction="mean")`` the all-reduced sum of
-  token losses over the all-reduced count of counted tokens (``ignore_index`` honoured); padding slots
-  are masked out of all of them;
+  of the ranks that hold them (`lowering.sequence_ops.take_positions`), ``cross_entropy(reduction="mean")``
+  the all-reduced sum of token losses over the all-reduced count of counted tokens (``ignore_index``
+  honoured); padding slots are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
@@ -60,7 +60,8 @@ def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
     if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.seq_len):
         raise refusal(
             f"{describe(node)} would have to be sharded or gathered along a sequence axis merged with others "
-            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, or use outputs='sharded'.",
+            "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, "
+            "or use outputs='sharded'.",
             node,
         )
     return axes[0].dim

@@ -17,16 +17,17 @@ Then, per attention, in this order:
 3. a mask that needs an ``S x S`` tensor (``tril(ones(S, S))``, a registered causal buffer, a mask input)
    is evaluated once when it depends on shapes only (up to ``MASK_LIMIT`` tokens) and accepted when
    causal or a sliding window (with dynamic shapes: at several lengths, when it reads the length only as
-   sizes of new tensors or ends of prefixes of module state); otherwise it is refused, naming the node and source line, unless ``masks="materialize"``
-   lets every rank hold the tensor whole (then it is a program input like the others).
+   sizes of new tensors or ends of prefixes of module state); otherwise it is refused, naming the node and
+   source line, unless ``masks="materialize"`` lets every rank hold the tensor whole (then it is a program
+   input like the others).
 
 Score modifiers of a hand-written attention (`lowering.scores`) join the plan: its soft-cap as a number,
 and its additive bias (the term under the mask) lifted the same way: a bias that depends on shapes only
 and is ``slope[h] · kv_pos + c`` along the keys (BLOOM's and MPT's ALiBi) becomes per-head slopes the
 kernels apply from positions; any other bias becomes a bias program evaluated per tile; a bias that needs
-an ``S x S`` tensor is refused unless ``masks="materialize"`` (then it is a program input held whole). A mask or bias computed from a trainable value (a learned bucket table,
-learned slopes) is never evaluated here: it stays a program, whose inputs the ring's backward trains tile by
-tile (`lowering.program_grads`).
+an ``S x S`` tensor is refused unless ``masks="materialize"`` (then it is a program input held whole). A mask
+or bias computed from a trainable value (a learned bucket table, learned slopes) is never evaluated here: it
+stays a program, whose inputs the ring's backward trains tile by tile (`lowering.program_grads`).
 
 Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (masks and biases: they and what only
 feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank);
@@ -164,10 +165,10 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
             raise refusal(
-                f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; ring "
-                "attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token vectors), "
-                "so no rank holds S x S values. Build the bias from positions, or allow holding it whole on every rank "
-                "with options={'masks': 'materialize'}.",
+                f"The score bias of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
+                "ring attention computes biases per tile from positions (ALiBi slopes, a bias built from per-token "
+                "vectors), so no rank holds S x S values. Build the bias from positions, or allow holding it whole on "
+                "every rank with options={'masks': 'materialize'}.",
                 big,
             )
         ctx.report.warnings.append(
@@ -704,7 +705,7 @@ def _program(
             source = env[uses[node.args[0]]]
             env[use] = graph.call_function(operator.getitem, (source, (None,) * missing)) if missing else source
         else:
-            env[use] = graph.node_copy(node, lambda arg: env[uses[arg]] if arg in uses else _unpassable(arg))
+            env[use] = graph.node_copy(node, lambda arg, uses=uses: env[uses[arg]] if arg in uses else _unpassable(arg))
     result = env[region.mask]
     if kind == "masked_out":
         result = graph.call_function(operator.invert, (result,))

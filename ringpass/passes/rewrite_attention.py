@@ -2,14 +2,15 @@
 
 Matches ``ctx.attention`` (found by `find_attention`, masks planned by `lift_masks`). Writes a call of
 ``ringpass::ring_attention`` on the local q, k, v (GQA/MQA keys and values stay at their own head count:
-only those heads travel; keys and values whose heads repeat in groups send one head of each) with the layout, the mask plan (causal flag, window, mask program id and its
-whole inputs), the scale (1/sqrt(head_dim) when the model gave none) and the process group by name, and
-removes the SDPA call or the hand-written attention's nodes. Values with a smaller head dim than the keys
-(MLA) are padded with zero columns to the key head dim and the output's extra columns cut off. 3-D single-head attention gains a head axis
-around the call; 3-D attention over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to
-``[B, H, S, D]`` around it. The score modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan.
-With Ulysses x ring (``ctx.ulysses``), q, k, v go through ``ringpass::ulysses_heads_to_tokens`` first, the
-ring runs over the ring group, and its output through ``ringpass::ulysses_tokens_to_heads`` (`lowering.ulysses`).
+only those heads travel; keys and values whose heads repeat in groups send one head of each) with the layout,
+the mask plan (causal flag, window, mask program id and its whole inputs), the scale (1/sqrt(head_dim) when
+the model gave none) and the process group by name, and removes the SDPA call or the hand-written attention's
+nodes. Values with a smaller head dim than the keys (MLA) are padded with zero columns to the key head dim and
+the output's extra columns cut off. 3-D single-head attention gains a head axis around the call; 3-D attention
+over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to ``[B, H, S, D]`` around it. The score
+modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan. With Ulysses x ring (``ctx.ulysses``),
+q, k, v go through ``ringpass::ulysses_heads_to_tokens`` first, the ring runs over the ring group, and its
+output through ``ringpass::ulysses_tokens_to_heads`` (`lowering.ulysses`).
 """
 
 from __future__ import annotations

@@ -235,11 +235,11 @@ class _Globalize:
         if str(user.target).startswith("ringpass."):
             return None  # ringpass's own ops (a ShardedCache's prompt_slots): their passes give them their lengths
         raise refusal(
-            f"{describe(user)} reads the sequence length (x.shape[1], or a number computed from it) and ringpass cannot "
-            f"tell whether it means this rank's {plain(self.n)} tokens (inputs='sharded': the graph sees its shard) or "
-            f"the whole sequence's {plain(self.n) * self.ctx.world_size}: it is neither a size of the sequence nor a "
-            "number in a tensor's values. Pass full inputs (inputs='full'); if this op reads the length as either, "
-            "please report it.",
+            f"{describe(user)} reads the sequence length (x.shape[1], or a number computed from it) and ringpass "
+            f"cannot tell whether it means this rank's {plain(self.n)} tokens (inputs='sharded': the graph sees its "
+            f"shard) or the whole sequence's {plain(self.n) * self.ctx.world_size}: it is neither a size of the "
+            "sequence nor a number in a tensor's values. Pass full inputs (inputs='full'); if this op reads the length "
+            "as either, please report it.",
             user,
         )
 
@@ -272,8 +272,9 @@ class _Globalize:
                 twin = copy_origin(self.graph.call_function(node.target, args, kwargs), node)
         else:
             raise refusal(
-                f"{describe(user)} reads a number computed from the sequence length by {describe(node)}, which ringpass "
-                "cannot recompute for the whole sequence. Pass full inputs (inputs='full'), or please report this model.",
+                f"{describe(user)} reads a number computed from the sequence length by {describe(node)}, "
+                "which ringpass cannot recompute for the whole sequence. Pass full inputs (inputs='full'), "
+                "or please report this model.",
                 user,
             )
         self.twins[node] = twin
