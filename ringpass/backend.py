@@ -30,7 +30,7 @@ import torch.fx as fx
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
-from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
@@ -170,7 +170,7 @@ def _as_dict(options: RingOptions) -> dict:
     return {name: getattr(options, name) for name in options.__dataclass_fields__}
 
 
-def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
+def ulysses_groups(group, ulysses) -> UlyssesGroups | None:
     """(U, the Ulysses group's name, the ring's group name) for Ulysses x ring, or None for a plain ring.
     ``group`` a 2-D DeviceMesh: the ring over its first dimension, all-to-all inside its second; ``ulysses=U``
     with the default group: a (P / U, U) mesh of consecutive ranks (Ulysses groups of neighbours)."""
@@ -194,7 +194,7 @@ def ulysses_groups(group, ulysses) -> tuple[int, str, str] | None:
     elif ulysses not in (1, mesh.size(1)):
         raise InvalidInputError(f"ulysses={ulysses} but the mesh's Ulysses dimension has {mesh.size(1)} ranks.")
     ring, inner = mesh.get_group(0), mesh.get_group(1)
-    return mesh.size(1), inner.group_name, ring.group_name
+    return UlyssesGroups(mesh.size(1), inner.group_name, ring.group_name)
 
 
 @cache

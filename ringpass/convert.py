@@ -91,7 +91,7 @@ def convert(
     conversion = Conversion(
         world_size=world_size,
         layout=ctx.layout_kind,
-        seq_len=plain(ctx.global_seq_len),
+        seq_len=plain(ctx.sequence.global_seq_len),
         dynamic=dynamic,
         options={k: v for k, v in vars(ring_options).items() if k not in ("group", *NOT_CONVERT_OPTIONS)},
         arguments=arguments,
@@ -107,7 +107,7 @@ def convert(
         masks=sorted(program_inputs(gm)),
     )
     report = Inspection(
-        world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.axes)], "convert"
+        world_size, conversion.options, [CapturedGraph(gm, ctx.report, ctx.placement, ctx.sequence.axes)], "convert"
     )
     conversion.report_text, conversion.report_data = str(report), report.as_dict()
     conversion.shape_conditions = shape_conditions(gm, placeholders, dynamic)

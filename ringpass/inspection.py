@@ -167,7 +167,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
         except NotSupportedError as error:  # recorded in the report with its chain of ops
             blocking = getattr(error, "node", None)
         release_marks()
-        graphs.append(CapturedGraph(gm, report, ctx.placement, ctx.axes, blocking))
+        graphs.append(CapturedGraph(gm, report, ctx.placement, ctx.sequence.axes, blocking))
         return lambda *_: outputs()
 
     torch._dynamo.reset()  # a fresh capture: cached graphs of this code (other backends) would hide it

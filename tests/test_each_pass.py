@@ -5,6 +5,7 @@ model computes. Tested elsewhere: `record_gradient_paths`, `inline_subgraphs` an
 (test_gradient_paths.py), `globalize_sharded_lengths` (test_sharded_lengths.py), `keep_cache_sharded`
 (test_generation.py: the slots each rank holds, and its refusals)."""
 
+import dataclasses
 import math
 import operator
 
@@ -17,7 +18,8 @@ from torch import fx
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
 from ringpass.graph import example_value
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.graph_utils.findings import MaskFindings, SeqDim, SequenceFindings
 from ringpass.options import RingOptions
 from ringpass.report import Report
 
@@ -53,6 +55,9 @@ def run_through(pass_name: str, model: nn.Module, *inputs, dynamic=None, **optio
 
 
 def _copy(value):
+    """A copy that a pass changing ``value`` in place leaves alone (containers, and findings records)."""
+    if isinstance(value, (MaskFindings, SequenceFindings)):
+        return dataclasses.replace(value, **{f.name: _copy(getattr(value, f.name)) for f in dataclasses.fields(value)})
     return type(value)(value) if isinstance(value, (dict, set, list)) else value
 
 
@@ -226,11 +231,13 @@ def test_lift_masks_reads_a_causal_mask_as_the_flag_and_lifts_a_padding_mask_as_
     ctx, _ = run_through("lift_masks", PaddedAndCausal(), _x(), _keep())
     causal, padded = ctx.attention
     keep, (arange,) = _placeholder(ctx, "keep"), _calls(ctx, torch.arange)
-    plan = ctx.masks[causal.output]
+    plan = ctx.masks.plans[causal.output]
     assert (plan.is_causal, plan.window, plan.program_id, plan.inputs) == (True, None, "", [])
-    plan = ctx.masks[padded.output]  # the program reads the positions and the padding; the causal part is the flag
+    plan = ctx.masks.plans[
+        padded.output
+    ]  # the program reads the positions and the padding; the causal part is the flag
     assert plan.is_causal and plan.program_id.startswith("mask-") and plan.inputs == [arange, keep]
-    assert {causal.mask[1], padded.mask[1]} <= ctx.lifted and {arange, keep} <= ctx.whole_values
+    assert {causal.mask[1], padded.mask[1]} <= ctx.masks.lifted and {arange, keep} <= ctx.masks.whole_values
 
 
 class RestoredOrder(nn.Module):
@@ -288,11 +295,13 @@ def test_find_sequence_axes_finds_the_length_the_axes_and_where_they_come_from()
     (arange,) = _calls(ctx, torch.arange)
     (cumsum,) = [node for node in ctx.gm.graph.nodes if node.target == "cumsum"]
     (mean,) = [node for node in ctx.gm.graph.nodes if node.target == "mean"]
-    assert (ctx.seq_len, ctx.global_seq_len) == (SEQ, SEQ)
-    assert ctx.axes[ids] == ctx.axes[segments] == ctx.axes[cumsum] == (SeqDim(1),) and ctx.axes[arange] == (SeqDim(0),)
-    assert (ctx.sources[ids], ctx.sources[arange]) == ("input", "positions")
-    assert set(ctx.mixing) == {cumsum} and ctx.reductions == {mean: "mean"}
-    assert all(not ctx.axes.get(p) for p in ctx.gm.graph.nodes if p.op == "placeholder" and "weight" in p.name)
+    assert (ctx.sequence.seq_len, ctx.sequence.global_seq_len) == (SEQ, SEQ)
+    assert ctx.sequence.axes[ids] == ctx.sequence.axes[segments] == ctx.sequence.axes[cumsum] == (
+        SeqDim(1),
+    ) and ctx.sequence.axes[arange] == (SeqDim(0),)
+    assert (ctx.sequence.sources[ids], ctx.sequence.sources[arange]) == ("input", "positions")
+    assert set(ctx.sequence.mixing) == {cumsum} and ctx.sequence.reductions == {mean: "mean"}
+    assert all(not ctx.sequence.axes.get(p) for p in ctx.gm.graph.nodes if p.op == "placeholder" and "weight" in p.name)
 
 
 @pytest.mark.parametrize(
@@ -327,8 +336,8 @@ class SortedExperts(nn.Module):
 def test_find_local_permutations_takes_a_sort_undone_again_off_the_mixing_ops():
     ctx, before = run_through("find_local_permutations", SortedExperts(), _x())
     sorts = [node for node in ctx.gm.graph.nodes if node.target in ("argsort", torch.argsort)]
-    assert len(sorts) == 2 and set(sorts) <= set(before["mixing"])
-    assert not set(sorts) & set(ctx.mixing), ctx.mixing
+    assert len(sorts) == 2 and set(sorts) <= set(before["sequence"].mixing)
+    assert not set(sorts) & set(ctx.sequence.mixing), ctx.sequence.mixing
 
 
 def test_decide_placements_places_every_value_and_reports_the_inputs():

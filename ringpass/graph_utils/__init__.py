@@ -8,5 +8,6 @@
 - `head_groups`: heads proven to repeat in groups.
 - `flex_mods`: a ``flex_attention`` call's ``mask_mod`` and ``score_mod`` as the ring's programs.
 - `gradient_reach`: which values' gradients reach the outputs (the rules both gradient-path passes use).
-- `pass_checks`: what the pipeline runner checks and writes after each pass when asked (debugging).
+- `runner`: `Stage` and `PassRunner`: passes run in named stages, logged, checked and written after each when
+  asked (`RINGPASS_CHECK_PASSES=1`, `RINGPASS_DEBUG_DIR`).
 """

@@ -5,15 +5,18 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 
 from lowering.layout import Layout, local_length
 from ringpass.graph import example_value
+from ringpass.graph_utils.findings import AttentionMatch, MaskFindings, SequenceFindings
+from ringpass.graph_utils.gradient_reach import CapturedGradients
 from ringpass.options import RingOptions
 from ringpass.report import Report
+from ringpass.wrappers import GradientMode
 
 
 class Placement(str, Enum):
@@ -29,15 +32,12 @@ class Placement(str, Enum):
 LOCAL, FULL, PARTIAL, NOSEQ = Placement.LOCAL, Placement.FULL, Placement.PARTIAL, Placement.NOSEQ
 
 
-@dataclass(frozen=True)
-class SeqDim:
-    """Dimension ``dim`` of a value holds the sequence: its size is outer x seq x ``inner`` (a reshape can
-    merge neighbours into it); ``aligned`` is False when its length is not the sequence length
-    (``x[:, 1:]``, a concatenation) and it cannot be sharded."""
+class UlyssesGroups(NamedTuple):
+    """Ulysses x ring: all-to-all over heads inside groups of ``size`` ranks, the ring across the groups."""
 
-    dim: int
-    inner: int = 1
-    aligned: bool = True
+    size: int
+    ulysses_group: str  # this rank's Ulysses group, by name
+    ring_group: str  # the ring this rank is on, by name
 
 
 @dataclass
@@ -45,12 +45,12 @@ class PassContext:
     """The graph being rewritten and what the passes found in it, grouped below by the pass that writes it.
 
     Example values: ``node.meta["example_value"]`` (read with `ringpass.graph.example_value`) is the value
-    Dynamo traced, at the traced sequence length ``seq_len`` (the whole sequence with ``inputs="full"``, this
+    Dynamo traced, at the traced sequence length ``sequence.seq_len`` (the whole sequence with ``inputs="full"``, this
     rank's shard with ``inputs="sharded"``). A node a pass inserts in place of a traced one (the ring's output,
     ``local_positions`` for an ``arange``, ``shard_sequence`` or ``gather_sequence`` of an input, an all-reduced
     total) carries that node's example value, and a node whose sizes a pass rewrites to this rank's length
     keeps its own: example values tell the traced shape, dtype and ``requires_grad`` (later passes find
-    sequence dims by comparing sizes with ``seq_len``), never the shape the rewritten graph computes at run
+    sequence dims by comparing sizes with it), never the shape the rewritten graph computes at run
     time. Inserted nodes that stand for no traced value (the ring call itself, arithmetic on lengths, token
     masks) have none; nodes written out before anything is sharded (`expand_multi_head_attention`,
     `devectorize_vmaps`) get theirs computed on fake tensors, as Dynamo would have."""
@@ -62,48 +62,37 @@ class PassContext:
     group_name: str
     report: Report = field(default_factory=Report)
     host_values: dict = field(default_factory=dict)  # id(meta tensor of module state) -> its real value (inspect)
-    ulysses: Any = None  # Ulysses x ring: (U, the Ulysses group's name, the ring's group name)
+    ulysses: UlyssesGroups | None = None  # Ulysses x ring (None: a plain ring)
     # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
-    gradients: Any = None
+    gradients: GradientMode | None = None
     # record_gradient_paths: the inputs that train through the captured graph (check_gradient_paths checks them)
-    gradient_paths: Any = None
-    # find_attention
-    attention: list = field(default_factory=list)
-    # lift_masks
-    masks: dict = field(default_factory=dict)  # attention output -> MaskPlan
-    lifted: set = field(default_factory=set)  # mask nodes the ring evaluates instead
-    whole_values: set = field(default_factory=set)  # mask program inputs: kept whole on every rank
-    # find_sequence_axes
-    seq_len: int = 0  # the sequence length as the graph sees it (local length for inputs="sharded")
-    global_seq_len: int = 0  # the sequence length of the whole model input
-    axes: dict[fx.Node, tuple[SeqDim, ...]] = field(default_factory=dict)
-    mixing: dict[fx.Node, str] = field(default_factory=dict)  # node -> why it mixes tokens
-    reductions: dict[fx.Node, str] = field(default_factory=dict)  # node -> "sum" | "mean" | "cross_entropy" | "pick"
-    sources: dict[fx.Node, str] = field(default_factory=dict)  # node -> "input" | "positions" | "created" | "sliced"
-    length_nodes: set = field(default_factory=set)  # SymInt inputs whose value is the sequence length
+    gradient_paths: CapturedGradients | None = None
+    attention: list[AttentionMatch] = field(default_factory=list)  # find_attention
+    masks: MaskFindings = field(default_factory=MaskFindings)  # lift_masks
+    sequence: SequenceFindings = field(default_factory=SequenceFindings)  # find_sequence_axes
     # choose_layout
     layout_kind: str = ""
     # decide_placements
     placement: dict[fx.Node, Placement] = field(default_factory=dict)
-    gathered_inputs: set = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole
+    gathered_inputs: set[fx.Node] = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole
     # insert_boundaries: all-reduced totals of partial sums (their gradient must be made whole)
-    totals: set = field(default_factory=set)
+    totals: set[fx.Node] = field(default_factory=set)
     # rewrite_decode_attention: inputs every rank holds its own of (a sharded KV cache's slots)
-    rank_own_inputs: set = field(default_factory=set)
+    rank_own_inputs: set[fx.Node] = field(default_factory=set)
 
     _length_args: dict = field(default_factory=dict)  # "global" / "local" / "size" -> what insert_length gave
 
     @property
     def dynamic(self) -> bool:
-        return isinstance(self.seq_len, torch.SymInt)
+        return isinstance(self.sequence.seq_len, torch.SymInt)
 
     def has_sequence(self, node: fx.Node) -> bool:
         """The node's value (or, for a tuple, one of its items) has a sequence axis."""
-        if self.axes.get(node):
+        if self.sequence.axes.get(node):
             return True
         if not isinstance(example_value(node), (tuple, list)):
             return False
-        return any(u.target is operator.getitem and self.axes.get(u) for u in node.users)
+        return any(u.target is operator.getitem and self.sequence.axes.get(u) for u in node.users)
 
     def layout_args(self) -> tuple[Any, ...]:
         """(kind, world_size, seq_len, group_name): what every sequence op takes (inserts the global length
@@ -124,7 +113,7 @@ class PassContext:
         return self._length_args.get("size")
 
     def _static_length(self, which: str) -> int:
-        layout = Layout(self.layout_kind, self.world_size, self.global_seq_len)
+        layout = Layout(self.layout_kind, self.world_size, self.sequence.global_seq_len)
         return layout.seq_len if which == "global" else layout.local_len
 
     def _symbolic_length(self, which: str) -> fx.Node:
@@ -140,12 +129,14 @@ class PassContext:
     def _length_node(self) -> fx.Node:
         """A node whose value is the graph's sequence length: a SymInt input, else ``input.size(dim)``
         (inserted once)."""
-        if self.length_nodes:  # the first in graph order: every rank picks the same one
-            return next(n for n in self.gm.graph.nodes if n in self.length_nodes)
+        if self.sequence.length_nodes:  # the first in graph order: every rank picks the same one
+            return next(n for n in self.gm.graph.nodes if n in self.sequence.length_nodes)
         if "size" not in self._length_args:
-            source = next(n for n, kind in self.sources.items() if kind == "input")
+            source = next(n for n, kind in self.sequence.sources.items() if kind == "input")
             with self.gm.graph.inserting_before(self._first_op()):
-                self._length_args["size"] = self.gm.graph.call_method("size", (source, self.axes[source][0].dim))
+                self._length_args["size"] = self.gm.graph.call_method(
+                    "size", (source, self.sequence.axes[source][0].dim)
+                )
         return self._length_args["size"]
 
     def _first_op(self) -> fx.Node:

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ringpass.graph import describe, example_value, refusal
-from ringpass.graph_utils.context import SeqDim
+from ringpass.graph_utils.findings import SeqDim
 from ringpass.graph_utils.spellings import EXPANDS, VIEWS
 
 

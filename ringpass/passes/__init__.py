@@ -111,7 +111,7 @@ def run_pipeline(ctx: PassContext) -> None:
             error.args = (f"{error}\nChain of ops between the attention and the blocking op: {' -> '.join(chain)}",)
         raise
     if stages is PREFILL:
-        report.layout, report.seq_len = ctx.layout_kind, plain(ctx.global_seq_len)
+        report.layout, report.seq_len = ctx.layout_kind, plain(ctx.sequence.global_seq_len)
         report.activation_bytes = _activation_bytes(ctx)
 
 
@@ -119,7 +119,7 @@ def _activation_bytes(ctx: PassContext) -> dict:
     """Bytes of the values the graph computes on this rank's tokens (per rank, and the same values at full
     length), and of the values computed whole on every rank; each value counted once, views (which own
     no memory) not at all."""
-    traced_length, global_length = plain(ctx.seq_len), plain(ctx.global_seq_len)
+    traced_length, global_length = plain(ctx.sequence.seq_len), plain(ctx.sequence.global_seq_len)
     local_length = Layout(ctx.layout_kind, ctx.world_size, global_length).local_len
     per_rank = unsharded = whole = 0
     for node, placement in ctx.placement.items():

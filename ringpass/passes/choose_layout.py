@@ -16,5 +16,5 @@ def choose_layout(ctx: PassContext) -> None:
     if ctx.options.layout != "auto":
         ctx.layout_kind = ctx.options.layout
         return
-    masked = any(plan.is_causal or plan.program_id for plan in ctx.masks.values())
+    masked = any(plan.is_causal or plan.program_id for plan in ctx.masks.plans.values())
     ctx.layout_kind = "zigzag" if masked or ctx.options.inputs == "sharded" else "contiguous"

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in, refusal
 from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.findings import AttentionMatch, FlexMods
 from ringpass.graph_utils.head_groups import repeated_groups
 from ringpass.graph_utils.score_terms import peel_scale, peel_softcap, split_sum
 from ringpass.graph_utils.spellings import ADD, DIV, FLEX, KEEP_FLOATS, MUL, SDPA, TANH, VIEWS, calls, is_pointwise
@@ -57,40 +58,6 @@ BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
 NAN_TO_NUM = frozenset({torch.nan_to_num, "nan_to_num"})
 AROUND_PROBABILITIES = KEEP_FLOATS | DROPOUTS  # softmax(scores.float()).to(q.dtype), dropout(p=0)
 SCORE_STEPS = KEEP_FLOATS | MUL | DIV | ADD | TANH  # scaling, soft-capping and biases over q @ kᵀ
-
-
-@dataclass(frozen=True)
-class AttentionMatch:
-    """One attention: ``output`` is the node whose value is softmax(q kᵀ s + mask) v."""
-
-    output: fx.Node
-    query: fx.Node
-    key: fx.Node
-    value: fx.Node
-    is_causal: bool
-    scale: float | None
-    spelling: str  # "sdpa" or "hand-written"
-    internal: tuple[fx.Node, ...] = ()  # nodes of a hand-written attention that the rewrite removes
-    mask: tuple[str, fx.Node] | None = None  # ("kept" | "masked_out" | "additive", the mask's node)
-    fill: float | None = None  # the value masked scores get (masked_fill / where), when it is one number
-    softcap: float | None = None  # scores c·tanh(s / c)
-    bias: fx.Node | None = None  # an additive score bias inside the mask (ALiBi, a position bias)
-    batch: int | None = None  # q, k, v hold batch and heads merged in dim 0 ([B·H, S, D]); this is B
-    flex: FlexMods | None = None  # a flex_attention call's mask_mod and score_mod
-    outer_scale: float = 1.0  # a scale applied outside the mask and bias: their values scale with it
-    inner_masks: tuple = ()  # further masks inside ``mask``: ((kind, node), fill) each, outermost first
-    kv_groups: int = 1  # K and V heads repeat in consecutive groups of this size: one of each travels
-
-
-@dataclass(frozen=True)
-class FlexMods:
-    """What a ``flex_attention`` call computes besides ``softmax(q kᵀ s) v``: ``mask_mod(b, h, q_idx, kv_idx,
-    *mask_buffers)`` and ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers)`` (GraphModules)."""
-
-    mask_mod: fx.GraphModule
-    score_mod: fx.GraphModule
-    mask_buffers: tuple
-    score_buffers: tuple
 
 
 def find_attention(ctx: PassContext) -> None:

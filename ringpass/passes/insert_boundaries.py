@@ -15,7 +15,7 @@ Matches edges between placements:
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
 (`reduce_grads` makes their gradient whole) and a gathered input that a mask program reads to
-``ctx.whole_values``.
+``ctx.masks.whole_values``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch.utils._pytree as pytree
 
 from lowering.layout import Layout
 from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext, SeqDim
+from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.graph_utils.findings import SeqDim
 from ringpass.graph_utils.sizes import same
 from ringpass.graph_utils.token_ops import pick_index, positions_index
 from ringpass.report import CollectiveRecord, ValueRecord
@@ -37,7 +38,11 @@ from ringpass.report import CollectiveRecord, ValueRecord
 
 def insert_boundaries(ctx: PassContext) -> None:
     graph = ctx.gm.graph
-    padded = ctx.dynamic or Layout(ctx.layout_kind, ctx.world_size, ctx.global_seq_len).padded_len != ctx.global_seq_len
+    padded = (
+        ctx.dynamic
+        or Layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len).padded_len
+        != ctx.sequence.global_seq_len
+    )
     shards: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         placement = ctx.placement.get(node)
@@ -48,7 +53,7 @@ def insert_boundaries(ctx: PassContext) -> None:
         elif placement in (LOCAL, PARTIAL):
             reads_programs_inputs = node.target is torch.ops.ringpass.ring_attention.default
             for arg in node.all_input_nodes:  # the ring's mask and bias programs read their inputs whole
-                if ctx.placement.get(arg) == FULL and not (reads_programs_inputs and arg in ctx.whole_values):
+                if ctx.placement.get(arg) == FULL and not (reads_programs_inputs and arg in ctx.masks.whole_values):
                     node.replace_input_with(arg, _shard(ctx, arg, shards))
         if placement == PARTIAL:
             _all_reduce(ctx, node, padded)
@@ -56,8 +61,8 @@ def insert_boundaries(ctx: PassContext) -> None:
 
 
 def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
-    axes = ctx.axes[node]
-    if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.seq_len):
+    axes = ctx.sequence.axes[node]
+    if len(axes) != 1 or not axes[0].aligned or not same(example_value(node).shape[axes[0].dim], ctx.sequence.seq_len):
         raise refusal(
             f"{describe(node)} would have to be sharded or gathered along a sequence axis merged with others "
             "(e.g. batch x sequence flattened); keep the sequence a dimension of its own there, "
@@ -74,7 +79,7 @@ def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
     )
     shard.meta["example_value"] = example_value(node)  # the full value's metadata (dtype, rank) for later passes
     ctx.placement[shard] = LOCAL
-    ctx.axes[shard] = ctx.axes[node]
+    ctx.sequence.axes[shard] = ctx.sequence.axes[node]
     _record_shard(ctx, node)
     return shard
 
@@ -91,16 +96,16 @@ def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
 
 def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
     users = list(placeholder.users)
-    args = (placeholder, ctx.axes[placeholder][0].dim, *ctx.layout_args())
+    args = (placeholder, ctx.sequence.axes[placeholder][0].dim, *ctx.layout_args())
     order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
     with ctx.gm.graph.inserting_after(
         max((a for a in args if isinstance(a, fx.Node)), key=order.get)
     ):  # after the length
         whole = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, args), placeholder)
     whole.meta["example_value"] = example_value(placeholder)
-    ctx.placement[whole], ctx.axes[whole] = FULL, ctx.axes[placeholder]
-    if placeholder in ctx.whole_values:  # the ring's programs read the gathered vector, not a shard of it
-        ctx.whole_values.add(whole)
+    ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[placeholder]
+    if placeholder in ctx.masks.whole_values:  # the ring's programs read the gathered vector, not a shard of it
+        ctx.masks.whole_values.add(whole)
     for user in users:
         user.replace_input_with(placeholder, whole)
     ctx.report.collectives.append(
@@ -141,7 +146,7 @@ def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
     graph = ctx.gm.graph
     value = example_value(like)
     mask = graph.call_function(torch.ops.ringpass.local_token_mask.default, (*ctx.layout_args(), value.device))
-    if not same(value.shape[axis.dim], ctx.seq_len):  # a merged (outer x sequence x inner) dimension
+    if not same(value.shape[axis.dim], ctx.sequence.seq_len):  # a merged (outer x sequence x inner) dimension
         mask = graph.call_method("view", (mask, 1, -1, 1))
         size = graph.call_method("size", (like, axis.dim))
         tokens = graph.call_function(operator.mul, (ctx.insert_length("local"), axis.inner))
@@ -156,13 +161,13 @@ def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
 def _masked(ctx: PassContext, before: fx.Node, arg: fx.Node, fill) -> fx.Node:
     """``where(token_mask, arg, fill)``, inserted before ``before``."""
     with ctx.gm.graph.inserting_before(before):
-        mask = _token_mask(ctx, arg, ctx.axes[arg][0])
+        mask = _token_mask(ctx, arg, ctx.sequence.axes[arg][0])
         return ctx.gm.graph.call_function(torch.where, (mask, arg, fill))
 
 
 def _all_reduce(ctx: PassContext, node: fx.Node, padded: bool) -> None:
     graph = ctx.gm.graph
-    kind = ctx.reductions[node]
+    kind = ctx.sequence.reductions[node]
     users = list(node.users)
     if kind == "cross_entropy":
         total = _cross_entropy(ctx, node, padded)
@@ -210,7 +215,7 @@ def _global_sum(ctx: PassContext, node: fx.Node, local_input: fx.Node, kind: str
 def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     """``x[:, 0]`` / ``x[:, -4:]`` on this rank's tokens: the rows at those global positions where this rank
     holds them (zero elsewhere), summed over the ranks: every rank has them, for their bytes alone."""
-    seq_dims = lambda a: {axis.dim for axis in ctx.axes.get(a, ())}  # noqa: E731
+    seq_dims = lambda a: {axis.dim for axis in ctx.sequence.axes.get(a, ())}  # noqa: E731
     if pick_index(node, seq_dims) is None:
         return _pick_at_data_positions(ctx, node, positions_index(node, seq_dims))
     dim, index = pick_index(node, seq_dims)
@@ -226,7 +231,7 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
                 node,
             )
     else:
-        positions = list(range(*index.indices(plain(ctx.global_seq_len))))
+        positions = list(range(*index.indices(plain(ctx.sequence.global_seq_len))))
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         rows = graph.call_function(

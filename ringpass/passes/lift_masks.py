@@ -29,17 +29,17 @@ an ``S x S`` tensor is refused unless ``masks="materialize"`` (then it is a prog
 or bias computed from a trainable value (a learned bucket table, learned slopes) is never evaluated here: it
 stays a program, whose inputs the ring's backward trains tile by tile (`lowering.program_grads`).
 
-Writes ``ctx.masks`` (attention output -> `MaskPlan`), ``ctx.lifted`` (masks and biases: they and what only
-feeds them are gone after the rewrite) and ``ctx.whole_values`` (program inputs: kept whole on every rank);
-a flex_attention's match in ``ctx.attention`` gets its ``score_mod``'s scale folded in. The report gets a
-warning for each tensor materialised, and a note (``differs``) where a fully hidden query gets what eager
-attention does not give it.
+Writes ``ctx.masks`` (`MaskFindings`): ``plans`` (attention output -> `MaskPlan`), ``lifted`` (masks and biases:
+they and what only feeds them are gone after the rewrite) and ``whole_values`` (program inputs: kept whole on every
+rank); a flex_attention's match in ``ctx.attention`` gets its ``score_mod``'s scale folded in. The report gets a
+warning for each tensor materialised, and a note (``differs``) where a fully hidden query gets what eager attention
+does not give it.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,7 @@ from ringpass.graph import (
     user_name,
 )
 from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.findings import MaskPlan
 from ringpass.graph_utils.flex_mods import FlexProgram, read_score_mod
 from ringpass.graph_utils.sizes import same
 from ringpass.graph_utils.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
@@ -69,55 +70,10 @@ AND = {"bitwise_and", "logical_and"}
 Q, KV = "q", "kv"
 
 
-@dataclass
-class MaskPlan:
-    """How the ring applies one attention's mask (flags, or a program with its whole inputs) and score
-    modifiers (soft-cap, ALiBi slopes, a bias program with its whole inputs)."""
-
-    is_causal: bool = False
-    window: int | None = None
-    program_id: str = ""
-    inputs: list = field(default_factory=list)
-    softcap: float | None = None
-    slopes: list | None = None
-    bias_id: str = ""
-    bias_inputs: list = field(default_factory=list)
-    fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
-
-    def describe(self) -> str:
-        if self.program_id:
-            return f"lifted mask program{' + causal' if self.is_causal else ''}{self._window()}, evaluated per tile"
-        return ("causal" if self.is_causal else "no mask") + self._window()
-
-    def score_mods(self) -> list[str]:
-        """The score modifiers in words, for the report."""
-        return (
-            ([f"soft-cap {self.softcap:g}"] if self.softcap is not None else [])
-            + (["ALiBi slopes, computed in-kernel from positions"] if self.slopes is not None else [])
-            + (["lifted bias program, evaluated per tile"] if self.bias_id else [])
-        )
-
-    def op_args(self) -> dict:
-        """The ring op's mask and score arguments, by their `lowering.ring_args.RingArgs` names."""
-        return dict(
-            window=self.window,
-            mask_id=self.program_id,
-            mask_inputs=list(self.inputs),
-            softcap=self.softcap,
-            alibi_slopes=self.slopes,
-            bias_id=self.bias_id,
-            bias_inputs=list(self.bias_inputs),
-            fully_masked=self.fully_masked,
-        )
-
-    def _window(self) -> str:
-        return f", sliding window {self.window}" if self.window is not None else ""
-
-
 def lift_masks(ctx: PassContext) -> None:
     for i, match in enumerate(ctx.attention):
         if match.flex is not None:
-            ctx.attention[i], ctx.masks[match.output] = _plan_flex(ctx, match)
+            ctx.attention[i], ctx.masks.plans[match.output] = _plan_flex(ctx, match)
             continue
         plan = MaskPlan(match.is_causal) if match.mask is None else _plan(ctx, match)
         for mask, fill in match.inner_masks:
@@ -125,7 +81,7 @@ def lift_masks(ctx: PassContext) -> None:
         plan.softcap = match.softcap
         if match.bias is not None:
             _plan_bias(ctx, match, plan)
-        ctx.masks[match.output] = plan
+        ctx.masks.plans[match.output] = plan
 
 
 def _plan_flex(ctx: PassContext, match):
@@ -145,18 +101,18 @@ def _plan_flex(ctx: PassContext, match):
     plan = MaskPlan(
         program_id=register_mask(mask, source=mask.code), inputs=list(mods.mask_buffers), softcap=reading.softcap
     )
-    ctx.whole_values |= set(mods.mask_buffers)
+    ctx.masks.whole_values |= set(mods.mask_buffers)
     if reading.bias:
         bias = FlexProgram(mods.score_mod, int(batch), int(heads), score=True)
         plan.bias_id, plan.bias_inputs = register_mask(bias, source=bias.code), list(mods.score_buffers)
-        ctx.whole_values |= set(mods.score_buffers)
+        ctx.masks.whole_values |= set(mods.score_buffers)
     return replace(match, scale=match.scale * reading.scale), plan
 
 
 def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
     """ALiBi slopes when the bias is one, else a bias program (refused when it needs an S x S tensor)."""
     bias = match.bias
-    ctx.lifted.add(bias)
+    ctx.masks.lifted.add(bias)
     plan.slopes = _alibi_slopes(ctx, match)
     if plan.slopes is not None:
         return
@@ -175,7 +131,7 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
             f"bias materialised (masks='materialize'): {describe(big)} is held whole on every rank"
         )
     program = _program(ctx, region, "bias", _to_4d(match, example_value(bias)), match.outer_scale)
-    ctx.whole_values |= set(region.input_nodes)
+    ctx.masks.whole_values |= set(region.input_nodes)
     plan.bias_id, plan.bias_inputs = register_mask(program, source=program.code), region.input_nodes
 
 
@@ -258,7 +214,7 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     kind, mask = match.mask
     _check_additive(match, kind, mask)
     region = _Region(mask)
-    ctx.lifted.add(mask)
+    ctx.masks.lifted.add(mask)
     n = example_value(match.output).shape[-2]
     if region.oversized:
         dynamic = isinstance(n, torch.SymInt)
@@ -295,7 +251,7 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
         return MaskPlan(is_causal, window)
     program = _program(ctx, region, kind, factor=match.outer_scale if kind == "additive" else 1.0)
-    ctx.whole_values |= set(region.input_nodes)
+    ctx.masks.whole_values |= set(region.input_nodes)
     return MaskPlan(
         is_causal,
         window,

@@ -10,8 +10,8 @@ which restore token order. The island is token-local, however the sort orders th
   their ``cumsum``) are used only as the segment offsets of a grouped matmul (``offs=``), through casts and
   ``cumsum``: each row is then multiplied by its own expert's weights on one rank as on all of them.
 Each rank then sorts, computes and unsorts its own tokens, which gives every token the result the
-unsharded model gives it. The island's ops are taken off ``ctx.mixing`` and ``ctx.reductions``; anything
-else (a count used as a value, such as a load-balancing loss inside the island) leaves them there, and the
+unsharded model gives it. The island's ops are taken off ``ctx.sequence.mixing`` and ``ctx.sequence.reductions``;
+anything else (a count used as a value, such as a load-balancing loss inside the island) leaves them there, and the
 op is refused as before.
 """
 
@@ -31,12 +31,12 @@ OFFSET_STEPS = CASTS | {"cumsum"}  # from counts to offsets
 
 
 def find_local_permutations(ctx: PassContext) -> None:
-    for sort in [n for n in ctx.mixing if op_name(n) in SORTS]:
-        island = _island(ctx, sort) if sort in ctx.mixing else None  # (an inverse of an island already taken)
+    for sort in [n for n in ctx.sequence.mixing if op_name(n) in SORTS]:
+        island = _island(ctx, sort) if sort in ctx.sequence.mixing else None  # (an inverse of an island already taken)
         if island is not None:
             for node in island:
-                ctx.mixing.pop(node, None)
-                ctx.reductions.pop(node, None)
+                ctx.sequence.mixing.pop(node, None)
+                ctx.sequence.reductions.pop(node, None)
 
 
 def _permutation(sort: fx.Node) -> fx.Node | None:

@@ -31,15 +31,15 @@ def localize_shapes(ctx: PassContext) -> None:
     if ctx.options.inputs == "sharded":
         _globalize_whole_sources(ctx)
     local = ctx.insert_length("local")
-    if not ctx.dynamic and local == ctx.seq_len:
+    if not ctx.dynamic and local == ctx.sequence.seq_len:
         return
     twins: dict[fx.Node, fx.Node] = {}
     for node in list(ctx.gm.graph.nodes):
         if ctx.placement.get(node) != LOCAL:
             continue
         if is_size_op(node):
-            node.args = resize_size_args(node, ctx.axes[node.args[0]], local, ctx.seq_len)
-        elif ctx.sources.get(node) == "created":
+            node.args = resize_size_args(node, ctx.sequence.axes[node.args[0]], local, ctx.sequence.seq_len)
+        elif ctx.sequence.sources.get(node) == "created":
             node.args = _created_args(ctx, node, local)
         else:
             continue  # other uses of the length (x / n, arange(1, n + 1)) keep the global length
@@ -52,7 +52,7 @@ def localize_shapes(ctx: PassContext) -> None:
 
 def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
     """Dynamic shapes: the local counterpart of a SymInt computed from the sequence length input."""
-    if node in ctx.length_nodes:
+    if node in ctx.sequence.length_nodes:
         return ctx.insert_length("local")
     if node in twins:
         return twins[node]
@@ -69,7 +69,7 @@ def _local_twin(ctx: PassContext, node: fx.Node, twins: dict) -> fx.Node:
 
 
 def _globalize_whole_sources(ctx: PassContext) -> None:
-    for node, kind in ctx.sources.items():
+    for node, kind in ctx.sequence.sources.items():
         if ctx.placement.get(node) != FULL or kind not in ("positions", "created"):
             continue
         length = ctx.insert_length("global")
@@ -82,7 +82,7 @@ def _globalize_whole_sources(ctx: PassContext) -> None:
 def _created_args(ctx: PassContext, node, local):
     """``torch.zeros(B, N, H)`` / ``x.new_zeros((B, N, H))`` / ``torch.zeros(ids.size())`` with N at a sequence
     dim -> the local length."""
-    seq_dims = {a.dim for a in ctx.axes[node]}
+    seq_dims = {a.dim for a in ctx.sequence.axes[node]}
     first = 1 if node.op == "call_method" else 0  # x.new_zeros(...) carries the tensor first
     args = list(node.args)
     if isinstance(args[first], fx.Node) and isinstance(example_value(args[first]), tuple):  # zeros(ids.size())

@@ -1,13 +1,13 @@
 """Decide where every value lives: the whole sequence on every rank, or this rank's tokens.
 
-Matches the findings of `find_sequence_axes` (after `find_local_permutations` took ops off ``ctx.mixing``).
+Matches the findings of `find_sequence_axes` (after `find_local_permutations` took ops off ``ctx.sequence.mixing``).
 The scores, probabilities and masks of hand-written attention, and what only feeds them, are taken off
-``ctx.axes`` and ``ctx.mixing`` first (the rewrite removes them). A value with a sequence axis is *local*
-(this rank's tokens, in layout order) unless an op that moves information between tokens needs it whole:
-then it and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token
-vectors such as labels and position ids). Such an op on a value that comes out of attention cannot be
-sharded and is refused. A reduction over the sequence of a local value is *partial* (summed over the
-ranks at the boundary). Values without a sequence axis are replicated (*noseq*).
+``ctx.sequence.axes`` and ``ctx.sequence.mixing`` first (the rewrite removes them). A value with a sequence axis is
+*local* (this rank's tokens, in layout order) unless an op that moves information between tokens needs it whole:
+then it and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token vectors such
+as labels and position ids). Such an op on a value that comes out of attention cannot be sharded and is refused. A
+reduction over the sequence of a local value is *partial* (summed over the ranks at the boundary). Values without a
+sequence axis are replicated (*noseq*).
 
 Writes ``ctx.placement`` (a `Placement` for every node), the report's inputs (sharded, kept whole and why,
 replicated) and values computed whole; raises on a token-mixing op over a sharded activation, and, with
@@ -28,18 +28,18 @@ from ringpass.report import ValueRecord
 
 def decide_placements(ctx: PassContext) -> None:
     for node in _replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
-        ctx.mixing.pop(node, None)
-        ctx.axes.pop(node, None)
+        ctx.sequence.mixing.pop(node, None)
+        ctx.sequence.axes.pop(node, None)
     for match in ctx.attention:  # `probs @ v` sums over the keys: the ring does that
-        ctx.mixing.pop(match.output, None)
+        ctx.sequence.mixing.pop(match.output, None)
     needs_full = _needs_full(ctx)
     after_attention = _downstream_of([m.output for m in ctx.attention])
     for node in ctx.gm.graph.nodes:
-        if node in ctx.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
+        if node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
         elif not ctx.has_sequence(node):
             ctx.placement[node] = NOSEQ
-        elif node in needs_full or node in ctx.mixing:
+        elif node in needs_full or node in ctx.sequence.mixing:
             ctx.placement[node] = FULL
             _check_full(ctx, node, needs_full.get(node, node), after_attention)
         else:
@@ -60,11 +60,11 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
                 if kind != "whole"
                 else (
                     "read by the ring's mask program"
-                    if needed_by in ctx.whole_values
+                    if needed_by in ctx.masks.whole_values
                     else f"read by {describe(needed_by)}"
                 )
             )
-            dim = ctx.axes[node][0].dim if kind != "replicated" else None
+            dim = ctx.sequence.axes[node][0].dim if kind != "replicated" else None
             ctx.report.inputs.append(
                 ValueRecord(
                     user_name(node),
@@ -83,8 +83,8 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
 
 def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
     """Nodes that only feed the inside of an attention: they disappear with the rewrite."""
-    gone = {n for m in ctx.attention for n in m.internal if n is not m.output} | ctx.lifted
-    operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)} | ctx.whole_values
+    gone = {n for m in ctx.attention for n in m.internal if n is not m.output} | ctx.masks.lifted
+    operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)} | ctx.masks.whole_values
     changed = True
     while changed:
         changed = False
@@ -104,8 +104,8 @@ def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
 def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
     """Sequence-carrying inputs of token-mixing ops and their sequence-carrying ancestors -> the op."""
     needed: dict[fx.Node, fx.Node] = {}
-    stack = [(a, op) for op in ctx.mixing for a in op.all_input_nodes if ctx.has_sequence(a)]
-    stack += [(value, value) for value in ctx.whole_values if ctx.has_sequence(value)]  # read whole by the ring
+    stack = [(a, op) for op in ctx.sequence.mixing for a in op.all_input_nodes if ctx.has_sequence(a)]
+    stack += [(value, value) for value in ctx.masks.whole_values if ctx.has_sequence(value)]  # read whole by the ring
     while stack:
         node, op = stack.pop()
         if node in needed:
@@ -127,7 +127,7 @@ def _downstream_of(roots: list[fx.Node]) -> set[fx.Node]:
 
 
 def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_attention: set[fx.Node]) -> None:
-    why = ctx.mixing.get(mixing_op, "it needs the whole sequence")
+    why = ctx.sequence.mixing.get(mixing_op, "it needs the whole sequence")
     if node in after_attention:
         raise refusal(
             f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
@@ -136,7 +136,7 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
             mixing_op,
         )
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
-        if mixing_op in ctx.whole_values or example_value(node).dim() <= 2:  # per-token vectors: all-gathered
+        if mixing_op in ctx.masks.whole_values or example_value(node).dim() <= 2:  # per-token vectors: all-gathered
             ctx.gathered_inputs.add(node)
             return
         raise refusal(

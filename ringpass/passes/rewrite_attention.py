@@ -47,7 +47,7 @@ def rewrite_attention(ctx: PassContext) -> None:
     for match in ctx.attention:
         q = example_value(match.query)
         for role, operand in zip(("query", "key", "value"), (match.query, match.key, match.value)):
-            axes = ctx.axes.get(operand, ())
+            axes = ctx.sequence.axes.get(operand, ())
             if ctx.placement.get(operand) != LOCAL or [a.dim % q.dim() for a in axes] != [q.dim() - 2]:
                 raise refusal(
                     f"Attention {describe(match.output)}: its {role} does not carry the sequence on the "
@@ -55,7 +55,7 @@ def rewrite_attention(ctx: PassContext) -> None:
                     match.output,
                 )
         scale = match.scale if match.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        plan = ctx.masks[match.output]
+        plan = ctx.masks.plans[match.output]
         with graph.inserting_before(match.output):
             operands = [match.query, match.key, match.value]
             back = ("squeeze", 1) if match.batch is None else ("flatten", 0, 1)
@@ -121,7 +121,7 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
         out = graph.call_method(back[0], (out, *back[1:]))
     out.meta["example_value"] = example_value(match.output)  # later passes (gathering outputs) read it
     ctx.placement[out] = LOCAL
-    ctx.axes[out] = ctx.axes[match.output]
+    ctx.sequence.axes[out] = ctx.sequence.axes[match.output]
     match.output.replace_all_uses_with(out)
 
 

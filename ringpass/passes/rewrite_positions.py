@@ -19,7 +19,7 @@ from ringpass.graph_utils.sizes import same, value_of
 
 def rewrite_positions(ctx: PassContext) -> None:
     graph = ctx.gm.graph
-    for node, kind in list(ctx.sources.items()):
+    for node, kind in list(ctx.sequence.sources.items()):
         if ctx.placement.get(node) != LOCAL or kind not in ("positions", "sliced"):
             continue
         value = example_value(node)
@@ -30,7 +30,9 @@ def rewrite_positions(ctx: PassContext) -> None:
             if kind == "positions":
                 new = positions if value.dtype == torch.int64 else graph.call_method("to", (positions, value.dtype))
             else:
-                new = graph.call_method("index_select", (_unsliced(ctx, node), ctx.axes[node][0].dim, positions))
+                new = graph.call_method(
+                    "index_select", (_unsliced(ctx, node), ctx.sequence.axes[node][0].dim, positions)
+                )
         what = "arange" if kind == "positions" else f"slice of {user_name(node.args[0])}"
         ctx.report.positions.append(f"{what} -> this rank's positions ({source_line(node)})")
         new.meta["example_value"] = value  # later passes read the (global) shape of what it replaces
@@ -38,13 +40,15 @@ def rewrite_positions(ctx: PassContext) -> None:
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         ctx.placement[new] = LOCAL
-        ctx.axes[new] = ctx.axes.pop(node)
+        ctx.sequence.axes[new] = ctx.sequence.axes.pop(node)
 
 
 def _unsliced(ctx: PassContext, node):
     """``table[..., :n, ...]`` -> ``table[..., :, ...]`` (only the sequence slice is replaced)."""
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    rest = tuple(slice(None) if isinstance(i, slice) and same(value_of(i.stop), ctx.seq_len) else i for i in index)
+    rest = tuple(
+        slice(None) if isinstance(i, slice) and same(value_of(i.stop), ctx.sequence.seq_len) else i for i in index
+    )
     if all(i == slice(None) for i in rest):
         return node.args[0]
     return ctx.gm.graph.call_function(node.target, (node.args[0], rest))

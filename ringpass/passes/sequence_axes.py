@@ -10,11 +10,11 @@ probabilities: the rewrite removes them) are not run; the attention's output is 
 that spell sizes literally (``view``, ``reshape``, ``expand``, ``repeat``) are given the probe's sizes by
 `resize_size_args`, which the shape rewrite reuses for the real local length.
 
-Writes ``ctx.seq_len`` (N), ``ctx.global_seq_len`` (N x P with ``inputs="sharded"``), ``ctx.axes`` (node ->
-`SeqDim`s), ``ctx.sources`` (where the sequence axis comes from), ``ctx.length_nodes`` (SymInt inputs equal
-to N, with dynamic shapes), ``ctx.mixing`` (ops that move information between tokens, with why) and
-``ctx.reductions`` (per-token values reduced over the sequence: sum, mean, cross-entropy, a pick of a few
-tokens). Refuses attentions over different lengths, a reshape that splits the sequence, and an op that
+Writes ``ctx.sequence`` (`SequenceFindings`): ``seq_len`` (N), ``global_seq_len`` (N x P with
+``inputs="sharded"``), ``axes`` (node -> `SeqDim`s), ``sources`` (where the sequence axis comes from),
+``length_nodes`` (SymInt inputs equal to N, with dynamic shapes), ``mixing`` (ops that move information between
+tokens, with why) and ``reductions`` (per-token values reduced over the sequence: sum, mean, cross-entropy, a
+pick of a few tokens). Refuses attentions over different lengths, a reshape that splits the sequence, and an op that
 fails at the probe's length (its sizes do not follow the sequence: an unrolled recurrence).
 """
 
@@ -32,7 +32,8 @@ from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
-from ringpass.graph_utils.context import PassContext, SeqDim
+from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.findings import SeqDim
 from ringpass.graph_utils.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.graph_utils.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
 from ringpass.graph_utils.token_ops import classify, custom_forward
@@ -55,16 +56,18 @@ def find_sequence_axes(ctx: PassContext) -> None:
         raise NotSupportedError(
             f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence."
         )
-    ctx.seq_len = lengths[0]
-    ctx.global_seq_len = ctx.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.seq_len
+    ctx.sequence.seq_len = lengths[0]
+    ctx.sequence.global_seq_len = (
+        ctx.sequence.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.sequence.seq_len
+    )
     _Probe(ctx).run()
 
 
 class _Probe:
     def __init__(self, ctx: PassContext):
         self.ctx = ctx
-        self.n = ctx.seq_len
-        self.probe_len = ctx.seq_len + 1
+        self.n = ctx.sequence.seq_len
+        self.probe_len = ctx.sequence.seq_len + 1
         self.values: dict[fx.Node, object] = {}
         self.open_vmap_levels = 0  # vmap levels the probe opened and has not closed yet
         self.inner_by_size: dict[object, int] = {_key(self.n): 1}
@@ -113,14 +116,14 @@ class _Probe:
                 )
             return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
         if node.op == "call_method" and node.target in CREATORS and self._source_kind(node, original):
-            self.ctx.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
+            self.ctx.sequence.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
             return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
         if _opens_or_closes_a_vmap_level(node):  # functorch's global state: run whatever the inputs
             self.open_vmap_levels += 1 if node.target.__name__ == "_vmap_increment_nesting" else -1
-        elif not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
+        elif not any(self.ctx.sequence.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
             if source is not None:
-                self.ctx.sources[node] = source
+                self.ctx.sequence.sources[node] = source
                 return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
             if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
@@ -143,14 +146,14 @@ class _Probe:
 
     def _probe_placeholder(self, node: fx.Node, original):
         if isinstance(original, torch.SymInt) and same(original, self.n):
-            self.ctx.length_nodes.add(node)  # dynamic shapes: the sequence length as an input
+            self.ctx.sequence.length_nodes.add(node)  # dynamic shapes: the sequence length as an input
             return original + 1
         if not isinstance(original, torch.Tensor) or is_module_state(node):
             return original
         dims = [d for d, s in enumerate(original.shape) if same(s, self.n)]
         if not dims:
             return original
-        self.ctx.sources[node] = "input"
+        self.ctx.sequence.sources[node] = "input"
         if 1 not in dims and original.dim() == 4 and {2, 3} <= set(dims):
             return self._resized(original, [2, 3])  # a [B, 1 or H, S, S] mask
         return self._resized(original, [1 if 1 in dims else dims[0]])
@@ -180,7 +183,7 @@ class _Probe:
         args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         kwargs = map_aggregate(node.kwargs, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         if is_size_op(node):
-            resized = resize_size_args(node, self.ctx.axes.get(node.args[0], ()), self.probe_len, self.n)
+            resized = resize_size_args(node, self.ctx.sequence.axes.get(node.args[0], ()), self.probe_len, self.n)
             args = map_aggregate(resized, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         return args, kwargs
 
@@ -189,7 +192,7 @@ class _Probe:
         value = self.values.get(node)
         if isinstance(value, torch.SymInt):
             return not same(value, example_value(node))
-        return bool(self.ctx.axes.get(node)) or self._tuple_has_seq(node)
+        return bool(self.ctx.sequence.axes.get(node)) or self._tuple_has_seq(node)
 
     def _tuple_has_seq(self, node: fx.Node) -> bool:
         value = self.values.get(node)
@@ -204,11 +207,11 @@ class _Probe:
         if not isinstance(original, torch.Tensor) or not isinstance(probe, torch.Tensor):
             return
         moved = [d for d in range(original.dim()) if not same(original.shape[d], probe.shape[d])]
-        inputs_have_seq = any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes)
+        inputs_have_seq = any(self.ctx.sequence.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes)
         if not moved:
             return
-        if len(moved) > 1 and node.op != "placeholder" and node not in self.ctx.sources:
-            self.ctx.mixing[node] = "it builds a sequence x sequence tensor"
+        if len(moved) > 1 and node.op != "placeholder" and node not in self.ctx.sequence.sources:
+            self.ctx.sequence.mixing[node] = "it builds a sequence x sequence tensor"
         axes = []
         for d in moved:
             size = original.shape[d]
@@ -221,15 +224,17 @@ class _Probe:
             axes.append(SeqDim(d, inner or 1, aligned))
             if aligned:
                 self.inner_by_size.setdefault(_key(size), inner)
-        self.ctx.axes[node] = tuple(axes)
+        self.ctx.sequence.axes[node] = tuple(axes)
         if inputs_have_seq and not all(a.aligned for a in axes):
-            self.ctx.mixing.setdefault(node, "it changes the sequence length (a shift, slice, pad or concatenation)")
-        if any(not a.aligned for arg in node.all_input_nodes for a in self.ctx.axes.get(arg, ())):
-            self.ctx.mixing.setdefault(node, "it reads a shifted or resized sequence")
+            self.ctx.sequence.mixing.setdefault(
+                node, "it changes the sequence length (a shift, slice, pad or concatenation)"
+            )
+        if any(not a.aligned for arg in node.all_input_nodes for a in self.ctx.sequence.axes.get(arg, ())):
+            self.ctx.sequence.mixing.setdefault(node, "it reads a shifted or resized sequence")
 
     def _inner(self, node: fx.Node, dim: int, size: int) -> int | None:
         if is_size_op(node) or node.target in FLATTENS:
-            return _view_inner(node, self.ctx.axes[node.args[0]], dim, self.n)
+            return _view_inner(node, self.ctx.sequence.axes[node.args[0]], dim, self.n)
         if same(size, self.n):
             return 1
         return self.inner_by_size.get(_key(size))
@@ -238,14 +243,14 @@ class _Probe:
         """Per-token op, reduction over the sequence, or token mixing (see `token_ops.classify`)."""
         if node.op not in ("call_function", "call_method"):
             return
-        if not any(self.ctx.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
+        if not any(self.ctx.sequence.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             return
-        output_has_seq = bool(self.ctx.axes.get(node)) or self._tuple_has_seq(node)
-        role, why = classify(node, lambda a: {axis.dim for axis in self.ctx.axes.get(a, ())}, output_has_seq)
+        output_has_seq = bool(self.ctx.sequence.axes.get(node)) or self._tuple_has_seq(node)
+        role, why = classify(node, lambda a: {axis.dim for axis in self.ctx.sequence.axes.get(a, ())}, output_has_seq)
         if role == "mixing":
-            self.ctx.mixing.setdefault(node, why)
+            self.ctx.sequence.mixing.setdefault(node, why)
         elif role != "token":
-            self.ctx.reductions[node] = role
+            self.ctx.sequence.reductions[node] = role
 
 
 def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:

@@ -138,7 +138,9 @@ def globalize_sharded_lengths(ctx: PassContext) -> None:
     if ctx.options.inputs != "sharded":
         return
     inputs = [
-        (node, tuple(axis.dim for axis in ctx.axes[node])) for node, kind in ctx.sources.items() if kind == "input"
+        (node, tuple(axis.dim for axis in ctx.sequence.axes[node]))
+        for node, kind in ctx.sequence.sources.items()
+        if kind == "input"
     ]
     specialized = _specialized(ctx, inputs)
     if specialized is not None:
@@ -152,10 +154,10 @@ def globalize_sharded_lengths(ctx: PassContext) -> None:
 
 def _static(ctx: PassContext, inputs: list) -> StaticShardedLengths:
     names = ", ".join(f"`{user_name(node)}` (dim {', '.join(map(str, dims))})" for node, dims in inputs)
-    global_length = plain(ctx.global_seq_len)
+    global_length = plain(ctx.sequence.global_seq_len)
     return StaticShardedLengths(
         f"With inputs='sharded' this graph was traced with static shapes: Dynamo saw the sharded input(s) {names} at "
-        f"this rank's length {plain(ctx.seq_len)} and folded every read of that length in the model's code "
+        f"this rank's length {plain(ctx.sequence.seq_len)} and folded every read of that length in the model's code "
         f"(`x.shape[1]`) into a number, which the ring cannot correct to the whole sequence's {global_length}. "
         "Compile with dynamic=True, or mark the sequence dims dynamic before the first call "
         "(torch._dynamo.mark_dynamic(x, 1)), so that the reads stay symbolic; or pass full inputs (inputs='full').",
@@ -165,7 +167,7 @@ def _static(ctx: PassContext, inputs: list) -> StaticShardedLengths:
 
 def _specialized(ctx: PassContext, inputs: list) -> NotSupportedError | None:
     """A refusal when Dynamo made a symbolic sequence length a number while tracing (a guard ``n == 64``)."""
-    lengths = [example_value(node).shape[d] for node, dims in inputs for d in dims] + [ctx.seq_len]
+    lengths = [example_value(node).shape[d] for node, dims in inputs for d in dims] + [ctx.sequence.seq_len]
     for length in lengths:
         if not isinstance(length, torch.SymInt):
             continue
@@ -197,10 +199,10 @@ class _Globalize:
     def __init__(self, ctx: PassContext):
         self.ctx = ctx
         self.graph = ctx.gm.graph
-        self.n = ctx.seq_len
-        self.symbols = ctx.seq_len.node.expr.free_symbols
+        self.n = ctx.sequence.seq_len
+        self.symbols = ctx.sequence.seq_len.node.expr.free_symbols
         self.twins: dict[fx.Node, fx.Node] = {}
-        self.replaced = {n for m in ctx.attention for n in m.internal if n is not m.output} | set(ctx.lifted)
+        self.replaced = {n for m in ctx.attention for n in m.internal if n is not m.output} | set(ctx.masks.lifted)
 
     def run(self) -> None:
         derived = [node for node in self.graph.nodes if self._reads_length(node)]
@@ -230,7 +232,7 @@ class _Globalize:
             return "all"
         if name in SIZE_OPS or is_size_op(user) or user.target in CREATORS or name in CREATORS:
             return None
-        if user.target is torch.arange and self.ctx.sources.get(user) == "positions":
+        if user.target is torch.arange and self.ctx.sequence.sources.get(user) == "positions":
             return None  # arange(n): positions, rewritten by rewrite_positions / localize_shapes
         if str(user.target).startswith("ringpass."):
             return None  # ringpass's own ops (a ShardedCache's prompt_slots): their passes give them their lengths
