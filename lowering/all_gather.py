@@ -19,8 +19,9 @@ import torch.distributed as dist
 from lowering.errors import InvalidInputError
 from lowering.groups import checked_group
 from lowering.layout import Layout
-from lowering.op import check_inputs, default_scale
+from lowering.op import agree_on_call, check_inputs, default_scale
 from lowering.ring import RankBackward, RankForward, RingSpec
+from lowering.ring_args import RingArgs
 
 # torch 2.13 renamed the tensor collectives (the old names still work, with a warning)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,6 +46,8 @@ def gathered_attention(
     if group is None:
         raise InvalidInputError("gathered_attention needs an initialised process group (init_process_group).")
     spec = RingSpec(layout, bool(is_causal), default_scale(q) if scale is None else float(scale))
+    options = RingArgs(layout.kind, layout.world_size, layout.seq_len, spec.is_causal, spec.scale, group.group_name)
+    agree_on_call("gathered_attention", group.group_name, layout, (q, k, v), options)
     return _GatheredAttention.apply(q, k, v, spec, group, timings if timings is not None else {})
 
 

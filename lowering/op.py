@@ -134,10 +134,22 @@ def ring_attention(
         list(bias_inputs),
         fully_masked,
     )
-    if args.group_name and not torch.compiler.is_compiling():  # a compiled caller's graph agrees on its calls
-        agree_once(args.group_name, "ring_attention", _fingerprint(layout, (q, k, v), args, mask, bias), _difference)
+    agree_on_call("ring_attention", args.group_name, layout, (q, k, v), args, mask, bias)
     out, lse = torch.ops.ringpass.ring_attention(q, k, v, *args.op_args())
     return (out, lse) if return_lse else out
+
+
+def agree_on_call(function: str, group_name: str, layout: Layout, qkv, args: RingArgs, mask=None, bias=None) -> None:
+    """Before a by-hand call of ``function`` (``ring_attention``, ``ulysses_attention``, ``gathered_attention``),
+    the ranks of ``group_name`` agree on its layout, shapes and options, once per distinct call: ranks that
+    disagree all raise the same `InvalidInputError` instead of deadlocking (or aborting) in a collective. A
+    compiled caller's graph agrees on its own calls (`ringpass.guard`); one process ("" group) has no peers."""
+    if group_name and not torch.compiler.is_compiling():
+
+        def difference(everyone: list[dict]) -> str:
+            return _difference(function, everyone)
+
+        agree_once(group_name, function, _fingerprint(layout, qkv, args, mask, bias), difference)
 
 
 def _fingerprint(layout: Layout, qkv, args: RingArgs, mask, bias) -> dict:
@@ -166,14 +178,14 @@ def _fingerprint(layout: Layout, qkv, args: RingArgs, mask, bias) -> dict:
     }
 
 
-def _difference(everyone: list[dict]) -> str:
+def _difference(function: str, everyone: list[dict]) -> str:
     """The first argument the ranks' `_fingerprint`s differ in, by rank, for people."""
     for field in everyone[0]:
         values = [fingerprint[field] for fingerprint in everyone]
         if len({str(value) for value in values}) > 1:
             return (
-                f"The ranks disagree on a ring_attention call: its {field} is {by_rank(values)}. Every rank of "
-                "the ring must make the same ring_attention calls, in the same order: the same layout and options, "
+                f"The ranks disagree on a {function} call: its {field} is {by_rank(values)}. Every rank of "
+                f"the ring must make the same {function} calls, in the same order: the same layout and options, "
                 "on shards of the same shape."
             )
     return ""

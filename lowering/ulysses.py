@@ -27,7 +27,7 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import wait_collective
 from lowering.groups import group_by_name, rank_in
 from lowering.layout import Layout, cached_layout
-from lowering.op import check_inputs, default_scale
+from lowering.op import agree_on_call, check_inputs, default_scale
 from lowering.ring_args import RingArgs
 
 
@@ -149,11 +149,6 @@ def ulysses_attention(
             f"The layout spans {layout.world_size} ranks but the ring ({ring_size}) x Ulysses ({ulysses}) "
             f"groups have {ring_size * ulysses}."
         )
-    repeat = check_heads(q.size(1), k.size(1), ulysses)
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-    args = (layout.kind, layout.world_size, layout.seq_len, ulysses, ulysses_group.group_name, ring_group.group_name)
-    q2, k2, v2 = (heads_to_tokens(t, *args) for t in (q, k, v))
     ring = RingArgs(
         layout.kind,
         layout.world_size,
@@ -163,5 +158,12 @@ def ulysses_attention(
         ring_group.group_name,
         ulysses=ulysses,
     )
+    for group in (ulysses_group, ring_group):  # together they join every rank of the layout
+        agree_on_call("ulysses_attention", group.group_name, layout, (q, k, v), ring)
+    repeat = check_heads(q.size(1), k.size(1), ulysses)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    args = (layout.kind, layout.world_size, layout.seq_len, ulysses, ulysses_group.group_name, ring_group.group_name)
+    q2, k2, v2 = (heads_to_tokens(t, *args) for t in (q, k, v))
     out, _ = torch.ops.ringpass.ring_attention(q2, k2, v2, *ring.op_args())
     return tokens_to_heads(out, *args)

@@ -352,3 +352,43 @@ def disagreeing_layouts(rank: int, world_size: int) -> dict:
         real = layout.positions(rank) < seq_len
         errors.append(rel_err(out[:, :, real], layout.shard(expected, 2, rank)[:, :, real]))
     return {"refused": refused, "agreements": agreements, "errors": errors}
+
+
+def disagreeing_strategies(rank: int, world_size: int) -> dict:
+    """`gathered_attention` and `ulysses_attention` by hand (Ulysses over all the ranks, a ring of one group):
+    rank 0 passes a 192-token layout, the others a 96-token one, and every rank must refuse before any
+    collective; then a call that agrees gives the unsharded fp64 attention."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lowering import ulysses_attention
+    from lowering.all_gather import gathered_attention
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("ring", "ulysses"))
+    calls = {
+        "gathered_attention": lambda q, k, v, layout: gathered_attention(q, k, v, layout=layout, is_causal=True),
+        "ulysses_attention": lambda q, k, v, layout: ulysses_attention(
+            q,
+            k,
+            v,
+            layout=layout,
+            ring_group=mesh["ring"].get_group(),
+            ulysses_group=mesh["ulysses"].get_group(),
+            is_causal=True,
+        ),
+    }
+    results = {}
+    for name, call in calls.items():
+        layout = Layout("zigzag", world_size, 192 if rank == 0 else 96)
+        q = torch.randn(1, 2 * world_size, layout.local_len, 8, dtype=torch.float64)
+        try:
+            call(q, q, q, layout)
+            refused = "no error"
+        except RingpassError as error:
+            refused = f"{type(error).__name__}: {error}"
+        layout = Layout("zigzag", world_size, 48)
+        generator = torch.Generator().manual_seed(48)
+        full = [torch.randn(1, 2 * world_size, 48, 8, dtype=torch.float64, generator=generator) for _ in range(3)]
+        out = call(*(layout.shard(t, 2, rank) for t in full), layout)
+        expected = F.scaled_dot_product_attention(*full, is_causal=True)
+        results[name] = {"refused": refused, "error": rel_err(out, layout.shard(expected, 2, rank))}
+    return results

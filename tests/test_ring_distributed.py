@@ -136,3 +136,18 @@ def test_ranks_that_disagree_on_a_call_by_hand_all_refuse_then_agreeing_calls_ru
             f"Layout(kind='zigzag', world_size={world_size}, seq_len={n})" for n in (mine, 96, 40)
         ], (rank, result["agreements"])
         assert len(result["errors"]) == 5 and max(result["errors"]) < 1e-12, (rank, result["errors"])
+
+
+def test_by_hand_gathered_and_ulysses_attention_refuse_ranks_that_disagree():
+    """The all-gather and Ulysses strategies called by hand agree on their calls as `ring_attention` does:
+    rank 0's 192-token layout against rank 1's 96 raises on both ranks, naming the layouts, and the group then
+    runs an agreeing call exactly."""
+    for rank, result in enumerate(spawn_ranks(ring_workers.disagreeing_strategies, 2, timeout=120)):
+        for function, outcome in result.items():
+            assert outcome["refused"] == (
+                f"InvalidInputError: The ranks disagree on a {function} call: its layout is "
+                "Layout(kind='zigzag', world_size=2, seq_len=192) on rank 0; "
+                f"Layout(kind='zigzag', world_size=2, seq_len=96) on rank 1. Every rank of the ring must make the "
+                f"same {function} calls, in the same order: the same layout and options, on shards of the same shape."
+            ), (rank, function, outcome["refused"])
+            assert outcome["error"] < 1e-12, (rank, function, outcome["error"])
