@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 
 import ringpass
 from lowering.masks import mask_program
+from ringpass.graph import example_value
 from ringpass.launch import spawn_ranks
 
 TIMEOUT = 300
@@ -149,14 +150,14 @@ def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):
 def test_a_loaded_mask_program_evaluates_any_tile_as_the_converted_one(tmp_path):
     """The exported mask program gives what the lifted one gives, on tiles of any size (a last tile may be
     one row or one column), for random values of the inputs the ring op passes it."""
-    from ringpass.conversion.archive import mask_inputs
+    from ringpass.conversion.archive import program_inputs
 
     original = converted("hf", 2, 20)
     mask_id = original.conversion.masks[0]
     lifted = mask_program(mask_id)
-    node = next(n for n in original._program.gm.graph.nodes if mask_id in n.args)
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) for v in mask_inputs(node, mask_id)]
+    examples = [example_value(n) for n in program_inputs(original._program.gm)[mask_id]]
+    inputs = [torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) for v in examples]
     original.save(str(tmp_path / "hf.pt2"))
     ringpass.load(str(tmp_path / "hf.pt2"))
     loaded = mask_program(mask_id)
