@@ -3,7 +3,8 @@
 Every rank compares the compiled model's outputs and every parameter's gradient with the uncompiled
 model on the full sequence in one process (same seed). fp64 runs must agree to 1e-10 (measured ~1e-15),
 fp32 runs to 1e-4. The cases run in spawns of up to `CHUNK` (`Matrix`): only those the selected tests read,
-and a case that raises, crashes or hangs fails alone.
+and a case that raises, crashes or hangs fails alone. The default suite runs each family once and each mode once
+on 2 ranks (`_default_share`); ``-m heavy`` runs every family in every mode, on 2 and on 4 ranks.
 """
 
 import re
@@ -44,30 +45,63 @@ SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_writ
 
 
 def _heavy_cases() -> list:
-    """The other families' dynamic shapes with sharded inputs and outputs, and the trained score biases in fp32
-    and dynamic shapes, on 2 ranks (a spawn of its own)."""
-    return [
-        (
-            f"{name}-sharded_io-dynamic",
-            dict(
-                name=name,
-                seq_len=8,
-                dynamic=True,
-                options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
-            ),
-        )
-        for name in SHARDED_IO
-        if name not in SHARDED_IO_DYNAMIC
-    ] + [
-        (f"{name}-{mode}", dict(name=name, seq_len=11, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype))
-        for name in LEARNED
-        for mode, dynamic, dtype in (("static-float32", None, torch.float32), ("dynamic-float64", True, torch.float64))
-    ]
+    """On 2 ranks: the rest of the 2-rank matrix (`_default_share`), the other families' dynamic shapes with
+    sharded inputs and outputs, and the trained score biases in fp32 and dynamic shapes."""
+    kept = {case_id for case_id, _ in _default_share(_matrix(2))}
+    return (
+        [case for case in _matrix(2) if case[0] not in kept]
+        + [
+            (
+                f"{name}-sharded_io-dynamic",
+                dict(
+                    name=name,
+                    seq_len=8,
+                    dynamic=True,
+                    options={"compiler": "aot_eager", "inputs": "sharded", "outputs": "sharded"},
+                ),
+            )
+            for name in SHARDED_IO
+            if name not in SHARDED_IO_DYNAMIC
+        ]
+        + [
+            (
+                f"{name}-{mode}",
+                dict(name=name, seq_len=11, options={"compiler": "aot_eager"}, dynamic=dynamic, dtype=dtype),
+            )
+            for name in LEARNED
+            for mode, dynamic, dtype in (
+                ("static-float32", None, torch.float32),
+                ("dynamic-float64", True, torch.float64),
+            )
+        ]
+    )
 
 
-def _cases(world_size: int) -> list:
+def _cases(world_size) -> list:
+    """The cases a world size's tests read: on 2 ranks `_default_share` of the matrix, on 4 all of it, and for
+    ``"heavy"`` `_heavy_cases`."""
     if world_size == "heavy":
         return _heavy_cases()
+    return _default_share(_matrix(2)) if world_size == 2 else _matrix(world_size)
+
+
+def _default_share(cases: list) -> list:
+    """The cases the default suite runs (suite time): each family in the first mode it appears in and each mode
+    (options, dynamic shapes, dtype, length) on the first family that has it; the whole cross product runs with
+    ``-m heavy``."""
+    families, modes, kept = set(), set(), []
+    for case_id, arguments in cases:
+        options = tuple(sorted(arguments["options"].items()))
+        mode = (options, arguments["dynamic"], arguments.get("dtype"), arguments["seq_len"])
+        if arguments["name"] not in families or mode not in modes:
+            kept.append((case_id, arguments))
+        families.add(arguments["name"])
+        modes.add(mode)
+    return kept
+
+
+def _matrix(world_size: int) -> list:
+    """Every family in every mode on ``world_size`` ranks (fewer modes on 4)."""
     seq_len = 4 * world_size + 3  # padded by the layout: 2P does not divide it
     cases = []
     for name in MODELS:  # float32 static on 2 ranks for FLOAT32; dynamic shapes on 2 ranks, and for the GPT on 4
@@ -353,6 +387,7 @@ def test_dynamic_compile_serves_other_lengths_without_recompiling():
         assert max(result["errors"]) <= 1e-10
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_float_attribute_changed_after_a_dynamic_compile_is_recompiled():
     for result in spawn_ranks(backend_workers.changed_float_attribute, 2, timeout=TIMEOUT):
         assert max(result["errors"]) <= 1e-10 and result["changed"] <= 1e-10, result
@@ -394,11 +429,13 @@ def test_one_process_compiles_unchanged():
     assert backend.reports[-1].as_dict()["status"] == "unchanged"
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_two_data_parallel_replicas_of_two_rank_rings():
     for result in spawn_ranks(backend_workers.data_parallel_rings, 4, ("llama", 11), timeout=TIMEOUT):
         assert max(result["outputs"]) <= 1e-10 and result["grads"] <= 1e-10
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_masks_that_only_look_causal_match_eager_at_every_length():
     """Tables equal to arange only below some length, negative indices, alpha=, -1e300 fills, S x S masks made
     from the length alone (nn.Transformer's, a causal buffer's prefix, a band): a static compile at 10 tokens,

@@ -88,6 +88,7 @@ def test_saved_model_on_four_ranks(tmp_path, name, seq_lens, tolerance, dynamic)
         check_training(result, tolerance, seq_lens)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_sharded_inputs_and_outputs_with_local_gradients(tmp_path):
     """Converted with inputs="sharded" (the example is one rank's shard: its shape is what each rank passes),
     outputs="sharded" and grads="local": the reassembled logits equal the model's, and the ranks' gradients
@@ -110,6 +111,7 @@ def test_every_test_model_family_converts_saves_and_loads(tmp_path, name):
             assert errors["outputs"] < bound and errors["grads"] < bound and errors["ring"] > 0, (kind, errors)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_converted_in_memory_shares_the_models_parameters():
     """Converted in each rank: ``converted.parameters()`` are the model's own, so an optimizer on either trains
     both; two dynamic lengths without recompiling anything."""
@@ -190,6 +192,7 @@ def test_a_loaded_dynamic_model_checks_the_shape_conditions_it_was_traced_under(
         loaded(convert_workers.call("hand-batch1", 1)[0][0])
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_aliased_inputs_defaults_passed_explicitly_and_globals():
     for found in spawn_ranks(convert_workers.edge_calls, 2, (), timeout=TIMEOUT):
         assert found["aliased"] < 1e-12 and found["defaults"] < 1e-12 and found["global"] < 1e-12, found

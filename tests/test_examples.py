@@ -44,6 +44,7 @@ def test_compile_with_ring_under_torchrun():
     assert float(grad_error) < 1e-4
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_hf_llama_with_padding_under_torchrun():
     output = _torchrun("hf_llama_with_padding.py", timeout=300)
     loss, unsharded, grad_error = re.search(
@@ -54,6 +55,7 @@ def test_hf_llama_with_padding_under_torchrun():
     assert "lifted mask program + causal" in output
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_convert_and_run_under_torchrun():
     output = _torchrun("convert_and_run.py", timeout=300)
     steps = re.findall(r"step \d: loss (\S+) \(unsharded (\S+)\), max relative gradient error (\S+)", output)

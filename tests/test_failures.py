@@ -15,7 +15,14 @@ DETECTED_WITHIN = 10.0  # seconds; measured 0.15-0.7 s (docs/reliability.md)
 
 @pytest.mark.timeout(TIMEOUT + 30)
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])  # P=4: -m heavy (suite time)
-@pytest.mark.parametrize("how,phase", [("raise", "forward"), ("kill", "forward"), ("kill", "backward")])
+@pytest.mark.parametrize(  # the default suite kills one rank in the forward; the rest: -m heavy (suite time)
+    "how,phase",
+    [
+        pytest.param("raise", "forward", marks=pytest.mark.heavy),
+        ("kill", "forward"),
+        pytest.param("kill", "backward", marks=pytest.mark.heavy),
+    ],
+)
 def test_every_survivor_names_the_failed_rank(world_size, how, phase):
     results = spawn_ranks(
         failure_workers.fail_in_the_ring,
@@ -107,6 +114,7 @@ def test_a_multi_process_launch_without_a_process_group_warns(monkeypatch):
         )
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_edges_nan_no_grad_inference_and_fifty_steps_without_growth():
     for result in spawn_ranks(failure_workers.edges, 2, timeout=TIMEOUT):
         nan = result["nan"]
@@ -122,6 +130,7 @@ def test_edges_nan_no_grad_inference_and_fifty_steps_without_growth():
         assert late["resident"] - early["resident"] < 64 * 2**20, training  # measured: 1.2 MB
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_ranks_out_of_step_raise_at_the_timeout():
     """Both ranks wait inside ringpass (rank 0 in the ring, rank 1 in the agreement): whichever reaches
     timeout=3 first raises and posts, the other raises on reading it."""
@@ -135,6 +144,7 @@ def test_ranks_out_of_step_raise_at_the_timeout():
         assert 3 <= result["seconds"] < 3 + DETECTED_WITHIN, (rank, result)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_slow_rank_is_not_taken_for_a_dead_one():
     """A rank busy inside the ring three times ``dead_after`` (the slow rank of an unbalanced layout) beats
     from its first ring call on: its peer waits for it and nobody raises."""
@@ -142,6 +152,7 @@ def test_a_slow_rank_is_not_taken_for_a_dead_one():
         assert result["error"] is None, result
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_frozen_rank_is_found_by_its_silent_heartbeat():
     results = spawn_ranks(failure_workers.freeze_in_the_ring, 2, (VICTIM,), timeout=TIMEOUT, may_die=[VICTIM])
     error, seconds = results[0]["error"], results[0]["seconds"]

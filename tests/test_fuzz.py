@@ -142,6 +142,7 @@ def _check_random_architectures(world_size: int, seeds: list, seq_len: int) -> N
             assert result["output"] < 1e-10 and result["grads"] < 1e-9, (seed, result)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.timeout(900)
 def test_random_architectures_match_eager():
     _check_random_architectures(2, list(range(6)), seq_len=11)

@@ -75,6 +75,7 @@ def test_a_model_with_its_own_cache_generates_through_the_ring_and_decodes_over_
         assert sorted(held) == list(range(prompt_len + new - 1))
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_cache_options_without_the_ring_gathered_and_a_dynamic_cache_refused():
     for result in spawn_ranks(generation_workers.hf_cache_options, 2, timeout=300):
         # no backend: every decode step gathers the whole cache and the numbers stay the model's

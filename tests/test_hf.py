@@ -110,6 +110,7 @@ def test_learned_relative_position_biases_train_through_the_ring(world_size, hea
             assert all(r.get("longer", 0.0) <= 1e-4 for r in per_case.values()), per_case
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize(
     "name,world_size",
     [
@@ -138,6 +139,7 @@ def test_eager_attention_trains_through_the_ring(name, world_size):
         )
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize(
     "name,cases,expected",
     [
@@ -163,6 +165,7 @@ def test_older_eager_spellings_train_through_the_ring(name, cases, expected):
             assert all(_has_attention(r["reports"], **fields) for r in results.values()), (fields, results)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_two_masks_with_padding_warn_where_eager_averages_fewer_keys():
     """GPT-Neo with left padding: a query whose keys are all hidden averages, in eager, only the keys its buffer
     keeps (keys both masks hide are -inf); the ring gives 0 there, and the report says so."""
@@ -176,6 +179,7 @@ def test_two_masks_with_padding_warn_where_eager_averages_fewer_keys():
         ), reports
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize("name,kv_heads", [("falcon", 2), ("falcon_mqa", 1)])
 def test_falcon_trains_through_the_ring(name, kv_heads):
     """Falcon's new decoder (``broadcast_to(key, query.shape)`` repeats each KV head over its query group
@@ -208,7 +212,7 @@ SCORE_MODELS = {  # name: {case: what the report says of its attention}
     [
         ("bloom", 2),
         pytest.param("mpt", 2, marks=pytest.mark.heavy),
-        ("gemma2", 2),
+        pytest.param("gemma2", 2, marks=pytest.mark.heavy),  # suite time
         pytest.param("bloom", 4, marks=pytest.mark.heavy),
     ],
 )
@@ -221,6 +225,7 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
         _check(results, {case: {**HAND_WRITTEN, **fields} for case, fields in expected.items()}, world_size)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize(
     "name,world_size",
     [
@@ -242,6 +247,7 @@ def test_mixture_of_experts_trains_through_the_ring(name, world_size):
             assert not [line for report in r["reports"] for line in report["computed_whole"] if "moe.py" in line], r
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_multi_head_latent_attention_trains_through_the_ring():
     """DeepSeek-V3: keys assembled by ``copy_`` into ``new_empty`` slices (in-place writes the rewrite must
     keep), values narrower than keys (padded to travel), a router built with ``scatter_`` / ``gather``."""
@@ -265,6 +271,7 @@ def test_multi_head_latent_attention_trains_through_the_ring():
         )
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_mask_built_with_vmap_is_lifted():
     """Bidirectional Gemma 3 (EmbeddingGemma) builds its mask by vmap over (batch, head, query, key): the
     vmap nest is rewritten into broadcasting and lifted as a mask program."""
@@ -275,6 +282,7 @@ def test_a_mask_built_with_vmap_is_lifted():
         _check(results, {"labels": program, "right-padded": program}, 2)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize("checkpointed", ["non-reentrant", pytest.param("reentrant", marks=pytest.mark.heavy)])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are
@@ -327,6 +335,7 @@ def test_dynamic_shapes_in_families_that_spell_sizes_their_own_way():
             assert all(r["longer"] <= 1e-4 for r in results.values()), (name, results)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
     """Each value of ``logits_to_keep`` after a ``dynamic=True`` compile gives the whole model's logits: the
     number the slice was compiled for is guarded, so another one compiles again."""
@@ -336,6 +345,7 @@ def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
             assert kv_exchanges == 2, results  # the ring ran: 2 layers x 1 KV hop at P=2, forward only
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]
@@ -351,7 +361,7 @@ def test_sliding_window_matches_the_unsharded_model(world_size):
     "name,world_size",
     [
         ("llama", 2),
-        ("gpt2", 2),
+        pytest.param("gpt2", 2, marks=pytest.mark.heavy),  # suite time
         pytest.param("gpt2", 4, marks=pytest.mark.heavy),
         pytest.param("llama", 4, marks=pytest.mark.heavy),
     ],
@@ -365,6 +375,7 @@ def test_use_cache_forward_in_eval_matches_the_unsharded_model(name, world_size)
         assert len(gathered) > 1, report["outputs"]  # the KV cache is returned whole, besides the logits
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_mask_memory_does_not_grow_with_the_sequence():
     """A layer's mask is evaluated in strips of tiles: the largest mask tensor is the same at 600 and 1500
     tokens (one strip of 2 tiles of 64 x 64 per batch row), not S x S or S/P x S."""
@@ -373,6 +384,7 @@ def test_mask_memory_does_not_grow_with_the_sequence():
         assert largest[600] == largest[1500] == 2 * 64 * 2 * 64, largest
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sequence_classification_picks_the_first_token(world_size):
     """BERT's pooler reads hidden_states[:, 0] of a sharded activation: the rank holding position 0 sends
@@ -398,6 +410,7 @@ def test_sequence_classification_picks_the_last_non_padding_token(world_size):
         assert r["kv_exchanges"] == 2 * 2 * (world_size - 1), r["kv_exchanges"]
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize(
     "fullgraph", [True, pytest.param(False, marks=pytest.mark.heavy)], ids=["fullgraph", "graph-breaks"]
 )

@@ -76,6 +76,7 @@ def test_a_dead_rank_fails_the_run_instead_of_hanging():
         spawn_ranks(ring_workers.one_rank_dies, 2, timeout=60)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_a_stuck_rank_fails_at_the_timeout():
     # long enough for rank 0 to start, join and report on a slow day (at 3 s it once missed too)
     with pytest.raises(RankFailure, match=r"ranks \[1\] of 2 did not finish within 10 s"):
