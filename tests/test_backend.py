@@ -380,6 +380,7 @@ def test_report_names_what_was_rewritten(matrix):
     assert "backward: all-reduce of the gradients of" in report
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_dynamic_compile_serves_other_lengths_without_recompiling():
     for result in spawn_ranks(backend_workers.several_lengths, 2, ("gpt_with_loss", (13, 16, 21)), timeout=TIMEOUT):
         first, *later = result["compiles"]  # backend calls after each length

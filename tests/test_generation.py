@@ -52,6 +52,7 @@ def check_generated(world_size: int, per_rank: list, cases) -> None:
                 assert result["slot_bytes"] == pytest.approx(result["whole_bytes"] * slots / length, rel=0.05)
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 def test_generate_equals_the_unsharded_model_with_the_cache_sharded_on_2_ranks():
     check_generated(2, generated(2), CASES)
 

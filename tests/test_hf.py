@@ -53,7 +53,7 @@ def _check(results, expected, world_size=None):
     "name,world_size",
     [
         ("llama", 2),
-        ("gpt2", 2),
+        pytest.param("gpt2", 2, marks=pytest.mark.heavy),  # suite time
         pytest.param("llama", 4, marks=pytest.mark.heavy),
         pytest.param("gpt2", 4, marks=pytest.mark.heavy),
     ],

@@ -132,9 +132,18 @@ def test_plan_command_prints_and_writes_json(tmp_path):
 
 def test_every_subcommand_prints_its_help():
     """`ringpass <cmd> --help` is what a user types first (plan's help crashed on a `%` in a preset's text)."""
-    for command in ("plan", "bench", "inspect", "convert", "demo"):
-        done = subprocess.run([sys.executable, "-m", "ringpass.cli", command, "--help"], capture_output=True, text=True)
-        assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-500:])
+    running = {  # all at once: each spends its seconds importing torch
+        command: subprocess.Popen(
+            [sys.executable, "-m", "ringpass.cli", command, "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for command in ("plan", "bench", "inspect", "convert", "demo")
+    }
+    for command, process in running.items():
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0 and "usage:" in out, (command, err[-500:])
 
 
 TARGET = shlex.quote(f"{Path(__file__).with_name('inspect_targets.py')}:llama")
