@@ -1,6 +1,7 @@
 """What the passes share, apart from the passes themselves (``ringpass/passes/``: one pass per file).
 
 - `context`: `PassContext` (the graph, the options and each analysis's findings) and `Placement`.
+- `findings`: what the analysis passes find, as typed records (`AttentionMatch`, `MaskFindings`, `SequenceFindings`).
 - `spellings`: the one table of op spellings (casts, views, copies, attention ops...) and `op_name`.
 - `sizes`: sizes compared without guards, and the ops that spell sizes (rescaled to another length).
 - `token_ops`: which ops act on each token separately (the rule that keeps sharded activations honest).
