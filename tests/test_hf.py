@@ -115,9 +115,9 @@ def test_learned_relative_position_biases_train_through_the_ring(world_size, hea
     "name,world_size",
     [
         ("llama-eager", 2),
-        pytest.param("gpt2-eager", 2, marks=pytest.mark.heavy),
+        ("gpt2-eager", 2),
         ("biogpt-eager", 2),
-        pytest.param("llama-eager", 4, marks=pytest.mark.heavy),
+        ("llama-eager", 4),
     ],
 )
 def test_eager_attention_trains_through_the_ring(name, world_size):
@@ -230,8 +230,8 @@ def test_score_modifiers_train_through_the_ring(name, world_size):
     "name,world_size",
     [
         ("mixtral", 2),
-        pytest.param("llama4", 2, marks=pytest.mark.heavy),
-        pytest.param("mixtral", 4, marks=pytest.mark.heavy),
+        ("llama4", 2),
+        ("mixtral", 4),
     ],
 )
 def test_mixture_of_experts_trains_through_the_ring(name, world_size):
@@ -283,7 +283,7 @@ def test_a_mask_built_with_vmap_is_lifted():
 
 
 @pytest.mark.heavy  # suite time (README, "Heavier cases")
-@pytest.mark.parametrize("checkpointed", ["non-reentrant", pytest.param("reentrant", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
     """HF gradient checkpointing puts every layer in an activation-checkpoint region; the regions are
     opened, the layers' attention rewritten, and the backward recomputes the rest of each layer (less is
@@ -305,7 +305,7 @@ def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
         assert results["labels"]["saved_bytes"] < 0.8 * plain["labels"]["saved_bytes"], (results, plain)
 
 
-@pytest.mark.heavy  # ~25 s; test_backend's dynamic cases keep one-compile-many-lengths in the default suite
+@pytest.mark.heavy  # ~25 s; test_sharded_lengths keeps one compile serving two lengths in the default suite
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
     # with dynamic shapes only tables computed from the length alone are read symbolically: HF's segment ids
@@ -346,7 +346,7 @@ def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
 
 
 @pytest.mark.heavy  # suite time (README, "Heavier cases")
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_sliding_window_matches_the_unsharded_model(world_size):
     cases = ["labels", "left-padded"]
     expected = {
@@ -385,7 +385,7 @@ def test_mask_memory_does_not_grow_with_the_sequence():
 
 
 @pytest.mark.heavy  # suite time (README, "Heavier cases")
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_sequence_classification_picks_the_first_token(world_size):
     """BERT's pooler reads hidden_states[:, 0] of a sharded activation: the rank holding position 0 sends
     that row to every rank (an all-reduce of B x hidden), nothing is gathered."""
@@ -411,9 +411,7 @@ def test_sequence_classification_picks_the_last_non_padding_token(world_size):
 
 
 @pytest.mark.heavy  # suite time (README, "Heavier cases")
-@pytest.mark.parametrize(
-    "fullgraph", [True, pytest.param(False, marks=pytest.mark.heavy)], ids=["fullgraph", "graph-breaks"]
-)
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
 def test_hugging_face_flex_attention_trains_through_the_ring(fullgraph):
     """``attn_implementation="flex_attention"``: HF's block mask (causal, padding, packed documents) becomes a
     mask program evaluated per tile; the same weights with SDPA, run whole, are the reference. (HF's flex mask
