@@ -15,6 +15,7 @@ kind cost a set lookup. (Compiled graphs agree on each call, `ringpass.guard`.)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -145,11 +146,8 @@ def agree_on_call(function: str, group_name: str, layout: Layout, qkv, args: Rin
     disagree all raise the same `InvalidInputError` instead of deadlocking (or aborting) in a collective. A
     compiled caller's graph agrees on its own calls (`ringpass.guard`); one process ("" group) has no peers."""
     if group_name and not torch.compiler.is_compiling():
-
-        def difference(everyone: list[dict]) -> str:
-            return _difference(function, everyone)
-
-        agree_once(group_name, function, _fingerprint(layout, qkv, args, mask, bias), difference)
+        fingerprint = _fingerprint(layout, qkv, args, mask, bias)
+        agree_once(group_name, function, fingerprint, functools.partial(_difference, function))
 
 
 def _fingerprint(layout: Layout, qkv, args: RingArgs, mask, bias) -> dict:

@@ -116,7 +116,7 @@ def graph_hash(ctx: PassContext) -> str:
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
     code = _canonical(ctx.gm.code)
     if ctx.ulysses:  # each rank's Ulysses and ring groups have their own names
-        for name, role in zip(ctx.ulysses[1:], ("<ulysses group>", "<ring group>")):
+        for name, role in zip((ctx.ulysses.ulysses_group, ctx.ulysses.ring_group), ("<ulysses group>", "<ring group>")):
             code = re.sub(rf"'{re.escape(name)}'", role, code)
     return hashlib.sha1(f"{code}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
 

@@ -3,6 +3,7 @@ cannot run reported with its reason; the all-gather baseline against fp64 SDPA; 
 the calibration fit and the cost model's additions, against hand-computed cases."""
 
 import json
+import shlex
 
 import bench_workers
 import pytest
@@ -55,30 +56,10 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
     out, png, traces = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "traces"
     assert (
         cli.main(
-            [
-                "bench",
-                "--world-size",
-                "2",
-                "--seq-len",
-                "64",
-                "--heads",
-                "4",
-                "--kv-heads",
-                "2",
-                "--head-dim",
-                "8",
-                "--repeats",
-                "2",
-                "--warmup",
-                "0",
-                "--json",
-                str(out),
-                "--plot",
-                str(png),
-                "--trace",
-                str(traces),
-                "--no-progress",
-            ]
+            shlex.split(
+                "bench --world-size 2 --seq-len 64 --heads 4 --kv-heads 2 --head-dim 8 --repeats 2 --warmup 0 "
+                f"--json {out} --plot {png} --trace {traces} --no-progress"
+            )
         )
         == 0
     )
@@ -113,36 +94,11 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
     out, traces = tmp_path / "model.json", tmp_path / "traces"
     assert (
         cli.main(
-            [
-                "bench",
-                "--what",
-                "model",
-                "--world-size",
-                "2",
-                "--seq-len",
-                "32",
-                "--hidden",
-                "32",
-                "--layers",
-                "1",
-                "--heads",
-                "4",
-                "--kv-heads",
-                "2",
-                "--intermediate",
-                "64",
-                "--vocab",
-                "61",
-                "--compiler",
-                "aot_eager",
-                "--repeats",
-                "1",
-                "--json",
-                str(out),
-                "--trace",
-                str(traces),
-                "--no-progress",
-            ]
+            shlex.split(
+                "bench --what model --world-size 2 --seq-len 32 --hidden 32 --layers 1 --heads 4 --kv-heads 2 "
+                f"--intermediate 64 --vocab 61 --compiler aot_eager --repeats 1 --json {out} --trace {traces} "
+                "--no-progress"
+            )
         )
         == 0
     )
@@ -159,22 +115,7 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
 def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_path, capsys):
     out = tmp_path / "decode.json"
     assert (
-        cli.main(
-            [
-                "bench",
-                "--what",
-                "decode",
-                "--world-size",
-                "2",
-                "--seq-len",
-                "64",
-                "--repeats",
-                "2",
-                "--json",
-                str(out),
-                "--no-progress",
-            ]
-        )
+        cli.main(shlex.split(f"bench --what decode --world-size 2 --seq-len 64 --repeats 2 --json {out} --no-progress"))
         == 0
     )
     rows = {(r["method"], r["world_size"], r["threads"]): r for r in json.loads(out.read_text())["rows"]}
@@ -191,36 +132,11 @@ def test_bench_generate_keeps_the_cache_sharded_and_the_tokens_the_model_s(tmp_p
     out = tmp_path / "generate.json"
     assert (
         cli.main(
-            [
-                "bench",
-                "--what",
-                "generate",
-                "--world-size",
-                "2",
-                "--seq-len",
-                "40",
-                "--hidden",
-                "32",
-                "--layers",
-                "1",
-                "--heads",
-                "4",
-                "--kv-heads",
-                "2",
-                "--intermediate",
-                "64",
-                "--vocab",
-                "61",
-                "--compiler",
-                "aot_eager",
-                "--repeats",
-                "2",
-                "--warmup",
-                "3",
-                "--json",
-                str(out),
-                "--no-progress",
-            ]
+            shlex.split(
+                "bench --what generate --world-size 2 --seq-len 40 --hidden 32 --layers 1 --heads 4 "
+                "--kv-heads 2 --intermediate 64 --vocab 61 --compiler aot_eager --repeats 2 --warmup 3 "
+                f"--json {out} --no-progress"
+            )
         )
         == 0
     )
@@ -282,23 +198,10 @@ def test_calibrate_then_plan_with_it(tmp_path, capsys):
     assert data["link_bytes_per_s"] > 0 and data["flops_per_s"] > 0
     assert (
         cli.main(
-            [
-                "plan",
-                "--world-size",
-                "2",
-                "--seq-len",
-                "16384",
-                "--heads",
-                "8",
-                "--kv-heads",
-                "2",
-                "--head-dim",
-                "64",
-                "--dtype",
-                "fp32",
-                "--hardware",
-                str(hardware),
-            ]
+            shlex.split(
+                "plan --world-size 2 --seq-len 16384 --heads 8 --kv-heads 2 --head-dim 64 --dtype fp32 "
+                f"--hardware {hardware}"
+            )
         )
         == 0
     )

@@ -197,8 +197,8 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         return {"unavailable": f"{type(error).__name__}: {first_line}"}
-    warmups = [first] + [_run_once(step, memory, device) for _ in range(config.warmup - 1)] if config.warmup else []
-    samples = [] if config.warmup else [first]
+    warmups, samples = ([first], []) if config.warmup else ([], [first])
+    warmups += [_run_once(step, memory, device) for _ in range(config.warmup - 1)]
     while len(samples) < config.repeats:
         if world_size > 1:
             dist.barrier()

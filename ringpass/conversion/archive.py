@@ -105,7 +105,7 @@ def _export_mask(gm: fx.GraphModule, mask_id: str, dynamic: bool) -> str:
 
 
 def program_inputs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Each mask program the graph's ring ops call -> the nodes a call passes it."""
+    """Each mask and bias program the graph's ring ops call (`RingArgs.programs`) -> the nodes a call passes it."""
     return {
         program_id: inputs
         for node in gm.graph.nodes

@@ -77,7 +77,7 @@ def rewrite_attention(ctx: PassContext) -> None:
                 plan.is_causal,
                 float(scale),
                 ring_group,
-                ulysses=ctx.ulysses[0] if ctx.ulysses else 1,
+                ulysses=ctx.ulysses.size if ctx.ulysses else 1,
                 **plan.op_args(),
             )
             ring = graph.call_function(torch.ops.ringpass.ring_attention.default, (*operands, *args.op_args()))
@@ -99,7 +99,7 @@ def rewrite_attention(ctx: PassContext) -> None:
             if not node.users:
                 graph.erase_node(node)
         ctx.report.attention.append(_record(match, plan, scale))
-        ctx.report.ulysses = ctx.ulysses[0] if ctx.ulysses else 1
+        ctx.report.ulysses = ctx.ulysses.size if ctx.ulysses else 1
     remove_dead_code(graph)  # the rest of hand-written attentions
 
 
@@ -144,7 +144,7 @@ def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[li
     heads = [example_value(t).shape[1] if example_value(t).dim() == 4 else 1 for t in (match.query, match.key)]
     kv_heads = heads[1] // match.kv_groups
     try:
-        repeat = check_heads(int(heads[0]), int(kv_heads), ctx.ulysses[0])
+        repeat = check_heads(int(heads[0]), int(kv_heads), ctx.ulysses.size)
     except NotSupportedError as error:
         raise refusal(f"Attention {describe(match.output)}: {error}", match.output) from None
     if repeat > 1:
@@ -156,7 +156,7 @@ def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[li
     for node in exchanged + [t for t in operands if t.op == "call_method" and t.target == "repeat_interleave"]:
         copy_origin(node, match.output)
         ctx.placement[node] = LOCAL
-    return exchanged, ctx.ulysses[2]
+    return exchanged, ctx.ulysses.ring_group
 
 
 def _to_4d(match, t: fx.Node) -> tuple:
