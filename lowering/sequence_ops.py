@@ -80,6 +80,8 @@ def gather_sequence(
     x = x.contiguous()
     if not group_name:
         return layout.unshard([x], dim).contiguous()
+    if events.recording():
+        events.emit("all_gather", bytes=x.numel() * x.element_size() * world_size, shape=tuple(x.shape), dim=dim)
     shards = [torch.empty_like(x) for _ in range(world_size)]
     work = dist.all_gather(shards, x, group=group_by_name(group_name), async_op=True)
     wait_collective(work, x, group_name, f"all-gathering a {tuple(x.shape)} output along dim {dim}")

@@ -12,7 +12,8 @@ the full report goes to the ``ringpass`` logger at INFO. A graph that runs unsha
 (no attention in it, or ``WORLD_SIZE`` > 1 without a process group) gives a `RingpassWarning`, or an
 error with ``unsharded="error"``. A rewritten graph is called through `ringpass.guard` (the ranks agree
 on graph and inputs; a failure on one rank reaches the others); a compile that fails on one rank is
-posted to the others too (`lowering.failures`).
+posted to the others too (`lowering.failures`). Sequence-sharded outputs leave as `ringpass.SequenceSharded`
+(``outputs="auto"``) and such inputs are taken as they are: `ringpass.carried`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.fx as fx
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
+from ringpass.carried import CarriedGraph, carry_length_output, local_examples, take_carried_inputs
 from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
@@ -86,6 +88,7 @@ class RingBackend:
         retrace = None
         try:
             try:
+                take_carried_inputs(ctx)
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 try:
                     run_pipeline(ctx)
@@ -97,6 +100,7 @@ class RingBackend:
                     self.reports.remove(report)
                     _reports.remove(report)
                     raise retrace from None
+                carry_length_output(ctx)
                 gm.graph.lint()
                 gm.recompile()
             finally:
@@ -111,7 +115,9 @@ class RingBackend:
                     "ringpass.inspect(model, inputs) shows why it was not found.",
                 )
                 return _inner_compile(options.compiler, gm, example_inputs)
-            return guard_graph(_inner_compile(options.compiler, gm, example_inputs), ctx, index)
+            compiled = _inner_compile(options.compiler, gm, local_examples(example_inputs, ctx))
+            compiled = guard_graph(compiled, ctx, index)
+            return CarriedGraph(compiled, ctx) if ctx.carried_inputs or ctx.carried_outputs else compiled
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             if error is retrace:
                 raise

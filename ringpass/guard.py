@@ -106,7 +106,7 @@ def guard_graph(compiled, ctx: PassContext, index: int):
     """``compiled`` called through the checks of the module docstring (``ctx`` after the pipeline ran)."""
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
     sharded = {n for n in placeholders if ctx.placement.get(n) == LOCAL} | ctx.gathered_inputs
-    own = (sharded if ctx.options.inputs == "sharded" else set()) | ctx.rank_own_inputs
+    own = (sharded if ctx.options.inputs == "sharded" else set()) | ctx.rank_own_inputs | set(ctx.carried_inputs)
     inputs = [GraphInput(user_name(n), n in own, is_module_state(n)) for n in placeholders]
     return GuardedGraph(compiled, inputs, graph_hash(ctx), index, ctx.group_name, ctx.options.checks)
 

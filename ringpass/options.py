@@ -10,7 +10,7 @@ from lowering.errors import InvalidInputError
 CHOICES = {
     "layout": ("auto", "zigzag", "contiguous"),
     "inputs": ("full", "sharded"),
-    "outputs": ("gathered", "sharded"),
+    "outputs": ("auto", "gathered", "sharded"),
     "compiler": ("inductor", "aot_eager", "eager"),
     "grads": ("auto", "reduced", "mean", "local"),
     "masks": ("lift", "materialize"),
@@ -33,7 +33,10 @@ class RingOptions:
     the inputs' sequence dims are traced symbolically whatever ``dynamic=`` says (Dynamo traces a static graph
     again with them dynamic: `ringpass.retrace`), so a read of the length as a number (``x.shape[1]``) is the
     whole sequence's; a length the model fixes while traced (``if n == 64``) is refused.
-    ``outputs``: ``gathered`` (full outputs on every rank) or ``sharded``.
+    ``outputs``: ``auto`` (sequence-sharded outputs leave as `ringpass.SequenceSharded`: the global shape, this
+    rank's tokens inside, nothing gathered until ``.full_tensor()``; a graph that receives one takes it as sharded),
+    ``gathered`` (full outputs on every rank: an all-gather per call) or ``sharded`` (plain local shards, for
+    ``ringpass.unshard``).
     ``compiler``: what compiles the rewritten graph. ``grads``: ``auto`` (``mean`` under an FSDP2 / DDP whose
     ranks include the ring's, else ``reduced``; `ringpass.wrappers`), ``reduced`` (every rank ends with the
     unsharded model's gradient: the ring all-reduces), ``mean`` (each rank's share times P, for an outer mean
@@ -57,7 +60,7 @@ class RingOptions:
     group: Any = None
     layout: str = "auto"
     inputs: str = "full"
-    outputs: str = "gathered"
+    outputs: str = "auto"
     compiler: str = "inductor"
     grads: str = "auto"
     masks: str = "lift"

@@ -65,6 +65,10 @@ class PassContext:
     ulysses: UlyssesGroups | None = None  # Ulysses x ring (None: a plain ring)
     # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
     gradients: GradientMode | None = None
+    # the backend: SequenceSharded inputs (placeholder -> sequence dim), which arrive as this rank's tokens, and
+    # their layout kind ("" without any); `ringpass.carried`
+    carried_inputs: dict[fx.Node, int] = field(default_factory=dict)
+    carried_layout: str = ""
     # record_gradient_paths: the inputs that train through the captured graph (check_gradient_paths checks them)
     gradient_paths: CapturedGradients | None = None
     attention: list[AttentionMatch] = field(default_factory=list)  # find_attention
@@ -77,6 +81,8 @@ class PassContext:
     gathered_inputs: set[fx.Node] = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole
     # insert_boundaries: all-reduced totals of partial sums (their gradient must be made whole)
     totals: set[fx.Node] = field(default_factory=set)
+    # insert_boundaries, outputs="auto": outputs left as this rank's tokens, to be wrapped (output index -> seq dim)
+    carried_outputs: dict[int, int] = field(default_factory=dict)
     # rewrite_decode_attention: inputs every rank holds its own of (a sharded KV cache's slots)
     rank_own_inputs: set[fx.Node] = field(default_factory=set)
 
@@ -132,7 +138,9 @@ class PassContext:
         if self.sequence.length_nodes:  # the first in graph order: every rank picks the same one
             return next(n for n in self.gm.graph.nodes if n in self.sequence.length_nodes)
         if "size" not in self._length_args:
-            source = next(n for n, kind in self.sequence.sources.items() if kind == "input")
+            source = next(  # a carried input holds this rank's tokens: its size is not the length
+                n for n, kind in self.sequence.sources.items() if kind == "input" and n not in self.carried_inputs
+            )
             with self.gm.graph.inserting_before(self._first_op()):
                 self._length_args["size"] = self.gm.graph.call_method(
                     "size", (source, self.sequence.axes[source][0].dim)

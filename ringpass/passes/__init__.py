@@ -4,7 +4,8 @@ for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
 
 - ``prepare`` (`PREPARE`): record the gradient paths, write out what Dynamo wraps (subgraphs, model
   numbers, ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was found:
-- a graph without attention: nothing more; it runs unchanged (replicated) on every rank;
+- a graph without attention: nothing more; it runs unchanged (replicated) on every rank, unless an input arrives
+  sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
 - decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
   nothing else in the graph is sharded;
 - else the prefill (`PREFILL`): ``analyse`` (masks, sequence axes, layout, placements), ``shard`` (positions,
@@ -88,7 +89,7 @@ def run_pipeline(ctx: PassContext) -> None:
     report, runner = ctx.report, PassRunner(ctx)
     try:
         runner.run(PREPARE)
-        if not ctx.attention:
+        if not ctx.attention and not ctx.carried_inputs:
             report.unchanged = "no attention found"
             report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
             stages = ()

@@ -4,7 +4,8 @@ Matches the ``layout`` option and the mask plans of `lift_masks`. With ``layout=
 balances causal work over the ranks) when an attention is causal or evaluates a mask program (masks read
 from data, packed documents or padding, are causal in practice), and always with ``inputs="sharded"`` (the
 user shards inputs with `ringpass.shard` without knowing the model); else ``contiguous``. Another value is
-taken as it is. Writes ``ctx.layout_kind``.
+taken as it is. Inputs that arrive sequence-sharded (``ctx.carried_inputs``) fix the layout to theirs.
+Writes ``ctx.layout_kind``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from ringpass.graph_utils.context import PassContext
 
 
 def choose_layout(ctx: PassContext) -> None:
+    if ctx.carried_layout:  # the layout the inputs arrived in (the backend checked it against the option)
+        ctx.layout_kind = ctx.carried_layout
+        return
     if ctx.options.layout != "auto":
         ctx.layout_kind = ctx.options.layout
         return

@@ -11,7 +11,10 @@ Matches edges between placements:
   of the ranks that hold them (`lowering.sequence_ops.take_positions`), ``cross_entropy(reduction="mean")``
   the all-reduced sum of token losses over the all-reduced count of counted tokens (``ignore_index``
   honoured); padding slots are masked out of all of them;
-- a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``).
+- a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``); with ``outputs="auto"`` it
+  stays this rank's tokens and goes to ``ctx.carried_outputs`` (the backend returns it as a `SequenceSharded`);
+- an input that arrived sequence-sharded (``ctx.carried_inputs``): nothing (it is this rank's tokens already),
+  after checking that the graph reads its sequence along the dimension it arrived sharded in.
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
 (`reduce_grads` makes their gradient whole) and a gathered input that a mask program reads to
@@ -46,9 +49,11 @@ def insert_boundaries(ctx: PassContext) -> None:
     shards: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         placement = ctx.placement.get(node)
-        if node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
+        if node in ctx.carried_inputs:
+            _check_carried(ctx, node, placement)
+        elif node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
             _shard_all_uses(ctx, node)
-        elif node in ctx.gathered_inputs:
+        if node in ctx.gathered_inputs:
             _gather_all_uses(ctx, node)
         elif placement in (LOCAL, PARTIAL):
             reads_programs_inputs = node.target is torch.ops.ringpass.ring_attention.default
@@ -58,6 +63,17 @@ def insert_boundaries(ctx: PassContext) -> None:
         if placement == PARTIAL:
             _all_reduce(ctx, node, padded)
     _gather_outputs(ctx)
+
+
+def _check_carried(ctx: PassContext, node: fx.Node, placement) -> None:
+    """An input that arrived sequence-sharded stays as it is if the graph reads it along the same dimension."""
+    found = [axis.dim for axis in ctx.sequence.axes.get(node, ())]
+    if placement not in (LOCAL, FULL) or found != [ctx.carried_inputs[node]]:
+        raise refusal(
+            f"Input {user_name(node)} arrives sharded along dim {ctx.carried_inputs[node]}, but this graph reads "
+            f"its sequence along {found or 'no dimension'}; call .full_tensor() on it before this call.",
+            node,
+        )
 
 
 def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
@@ -114,7 +130,7 @@ def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
             "forward",
             f"input {user_name(placeholder)} (passed sharded, needed whole)",
             short_source(placeholder),
-            nbytes(example_value(placeholder)) * ctx.world_size,
+            nbytes(example_value(placeholder)) * (1 if placeholder in ctx.carried_inputs else ctx.world_size),
         )
     )
 
@@ -307,8 +323,8 @@ def _cross_entropy(ctx: PassContext, node: fx.Node, padded: bool) -> fx.Node:
 
 
 def _gather_outputs(ctx: PassContext) -> None:
-    """Gathers this rank's tokens of local outputs (``outputs="gathered"``); records every output, numbered
-    by its position among the graph's outputs."""
+    """Gathers this rank's tokens of local outputs (``outputs="gathered"``) or leaves them to be carried
+    (``"auto"``); records every output, numbered by its position among the graph's outputs."""
     output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
     gathered: dict[fx.Node, fx.Node] = {}
     for index, arg in enumerate(pytree.tree_leaves(output.args[0])):
@@ -320,6 +336,9 @@ def _gather_outputs(ctx: PassContext) -> None:
         shape, size = [plain(s) for s in value.shape], nbytes(value)
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
+        if placement == LOCAL and ctx.options.outputs == "auto":
+            kind = "carried"
+            ctx.carried_outputs[index] = dim
         if placement == LOCAL and ctx.options.outputs == "gathered":
             kind = "gathered"
             if arg not in gathered:
@@ -336,7 +355,7 @@ def _gather_outputs(ctx: PassContext) -> None:
                     CollectiveRecord(
                         "all-gather",
                         "forward",
-                        f"output {index} (outputs='sharded' keeps each rank's tokens instead)",
+                        f"output {index} (outputs='auto' keeps each rank's tokens instead)",
                         short_source(arg),
                         size,
                     )

@@ -13,7 +13,8 @@ Writes ``ctx.placement`` (a `Placement` for every node), the report's inputs (sh
 replicated) and values computed whole; raises on a token-mixing op over a sharded activation, and, with
 ``inputs="sharded"``, on one that needs the whole sequence of a sharded activation input (a sharded
 per-token vector, ``[B, N]`` labels, a padding mask or segment ids, or what a lifted mask program
-reads, goes to ``ctx.gathered_inputs`` instead: every rank all-gathers it).
+reads, goes to ``ctx.gathered_inputs`` instead: every rank all-gathers it); so does an input that arrived
+sequence-sharded from another graph (``ctx.carried_inputs``) and is needed whole.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
     for node in ctx.gm.graph.nodes:
         placement, value = ctx.placement.get(node), example_value(node)
         if node.op == "placeholder" and not is_module_state(node) and isinstance(value, torch.Tensor):
-            kind = {LOCAL: "sharded", FULL: "whole"}.get(placement, "replicated")
+            kind = {LOCAL: "carried" if node in ctx.carried_inputs else "sharded", FULL: "whole"}.get(
+                placement, "replicated"
+            )
             needed_by = needs_full.get(node, node)
             why = (
                 ""
@@ -135,6 +138,9 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
             "this part of the model without the ring backend.",
             mixing_op,
         )
+    if node in ctx.carried_inputs:  # arrived sequence-sharded from another graph: all-gathered (the report says so)
+        ctx.gathered_inputs.add(node)
+        return
     if ctx.options.inputs == "sharded" and node.op == "placeholder":
         if mixing_op in ctx.masks.whole_values or example_value(node).dim() <= 2:  # per-token vectors: all-gathered
             ctx.gathered_inputs.add(node)

@@ -1,6 +1,7 @@
 """Find the sequence axis of every value, by running the graph at another sequence length.
 
-Matches: the sequence length N is the attentions' query length (all must agree). Sources of the
+Matches: the sequence length N is the attentions' query length and the length of the inputs that arrive
+sequence-sharded (``ctx.carried_inputs``; all must agree). Sources of the
 sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
 (positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables); the
 slots of a `ringpass.ShardedCache` (``ringpass::prompt_slots``) have none, whatever the prompt's length.
@@ -52,9 +53,11 @@ PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no spe
 
 def find_sequence_axes(ctx: PassContext) -> None:
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
+    lengths += [example_value(node).shape[dim] for node, dim in ctx.carried_inputs.items()]
     if not all(same(n, lengths[0]) for n in lengths):
         raise NotSupportedError(
-            f"The attentions in this graph run over different lengths {lengths}; ringpass shards one sequence."
+            f"The attentions and sequence-sharded inputs of this graph have different lengths {lengths}; ringpass "
+            "shards one sequence."
         )
     ctx.sequence.seq_len = lengths[0]
     ctx.sequence.global_seq_len = (
