@@ -127,6 +127,7 @@ class SequenceSharded(torch.Tensor):
         return SequenceSharded(inner["_local"], spec)
 
     @classmethod
+    @torch._disable_dynamo  # eager code inside a compiled region runs these rules as they are, never traced
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         carriers = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, SequenceSharded)]
@@ -141,10 +142,12 @@ class SequenceSharded(torch.Tensor):
         return rule(func, args, kwargs, carriers)
 
     # what users call
+    @torch._disable_dynamo
     def to_local(self) -> torch.Tensor:
         """This rank's tokens along ``spec.dim``, in the layout's order (differentiable)."""
         return _ToLocal.apply(self)
 
+    @torch._disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole value in the original token order: an all-gather (differentiable); every rank must call it."""
         s = self.spec
@@ -464,7 +467,10 @@ _REDUCTIONS = {
     aten.mean: dist.ReduceOp.SUM,
     aten.amax: dist.ReduceOp.MAX,
     aten.amin: dist.ReduceOp.MIN,
+    aten.max: dist.ReduceOp.MAX,  # of everything; along a dimension (with indices) only another one than the sequence
+    aten.min: dist.ReduceOp.MIN,
 }
+_LOCAL_REDUCE = {aten.sum: torch.sum, aten.mean: torch.sum, aten.amax: torch.amax, aten.amin: torch.amin}
 
 
 def _reduce(func, args, kwargs, carriers):
@@ -477,15 +483,17 @@ def _reduce(func, args, kwargs, carriers):
     packet = func.overloadpacket
     if spec.dim not in dims:
         out = func(carried._local, *args[1:], **kwargs)
-        return SequenceSharded(out, replace(spec, dim=spec.dim - (0 if keepdim else sum(d < spec.dim for d in dims))))
-    if packet not in _REDUCTIONS:
-        raise _needs_whole(func, "it runs along the sequence (only sum, mean, amax and amin are all-reduced)")
+        return _carry(out, replace(spec, dim=spec.dim - (0 if keepdim else sum(d < spec.dim for d in dims))))
+    whole = len(dims) == ndim and packet in (aten.max, aten.min)
+    if packet not in _LOCAL_REDUCE and not whole:
+        raise _needs_whole(func, "it runs along the sequence (only sum, mean, max and min are all-reduced)")
     op = _REDUCTIONS[packet]
     fill = {dist.ReduceOp.SUM: 0.0, dist.ReduceOp.MAX: float("-inf"), dist.ReduceOp.MIN: float("inf")}[op]
     local = torch.where(spec.valid(carried._local), carried._local, torch.tensor(fill, dtype=carried.dtype))
-    reduce = {aten.sum: torch.sum, aten.mean: torch.sum, aten.amax: torch.amax, aten.amin: torch.amin}[packet]
+    if whole:
+        return _all_reduce(func(local), spec, op)
     extra = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
-    total = _all_reduce(reduce(local, dim=tuple(sorted(dims)), keepdim=keepdim, **extra), spec, op)
+    total = _all_reduce(_LOCAL_REDUCE[packet](local, dim=tuple(sorted(dims)), keepdim=keepdim, **extra), spec, op)
     if packet is aten.mean:
         total = total / math.prod(carried.size(d) for d in dims)
     return total

@@ -62,7 +62,8 @@ def convert(
     rank will pass them: the whole sequence (``inputs="sharded"``: one rank's shard, e.g. ``ids[:, :N // P]``,
     since its shape is what each rank passes). ``dynamic=True`` converts with symbolic shapes, so one
     conversion serves many lengths.
-    ``options``: the backend's (layout, inputs, outputs, grads, masks, checks, timeout; docs/backend.md)."""
+    ``options``: the backend's (layout, inputs, outputs, grads, masks, checks, timeout; docs/backend.md); outputs
+    are gathered unless ``outputs="sharded"``."""
     for name in NOT_CONVERT_OPTIONS:
         if name in options:
             raise InvalidInputError(
@@ -70,7 +71,12 @@ def convert(
                 "report is `converted.report`, and a model without attention is refused)."
             )
     world_size = _world_size(world_size, group)
-    ring_options = RingOptions.from_dict({**options, "report": "off"})
+    if options.get("outputs") == "auto":
+        raise NotSupportedError(
+            "convert: outputs='auto' (SequenceSharded outputs) is not built for converted models; a converted "
+            "model's outputs are gathered (the default here) or plain local shards (outputs='sharded')."
+        )
+    ring_options = RingOptions.from_dict({"outputs": "gathered", **options, "report": "off"})
     if ring_options.ulysses != 1 or getattr(group, "ndim", 1) == 2:
         raise NotSupportedError(
             "convert: Ulysses x ring is not built for converted models yet; compile with "
