@@ -237,8 +237,9 @@ class _FromLocal(torch.autograd.Function):
         return SequenceSharded(local.view_as(local), spec)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _local_of(grad, ctx.spec, ctx.spec.dim), None
+    def backward(ctx, grad):  # padding slots get no gradient: the graph that made ``local`` sums over its slots
+        local = _local_of(grad, ctx.spec, ctx.spec.dim)
+        return torch.where(ctx.spec.valid(local), local, torch.zeros((), dtype=local.dtype)), None
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -261,7 +262,7 @@ def _needs_whole(func, why: str) -> NeedsWholeSequence:
 
 def _local_of(value, spec: SequenceSpec, dim: int):
     """This rank's tokens of ``value`` along ``dim``: a carrier's own, or (a plain tensor, whole along ``dim``) its
-    rows at this rank's positions; a plain tensor of size 1 there broadcasts as it is."""
+    rows at this rank's positions (zero at padding slots); a plain tensor of size 1 there broadcasts as it is."""
     if isinstance(value, SequenceSharded):
         if _key(value.spec) != _key(spec) or value.spec.dim != dim:
             raise InvalidInputError(
@@ -275,7 +276,8 @@ def _local_of(value, spec: SequenceSpec, dim: int):
             f"A plain tensor of shape {tuple(value.shape)} meets a sequence-sharded value of {spec.seq_len} tokens "
             f"along dim {dim}; it must have the whole sequence (or 1) there."
         )
-    return value.index_select(dim, spec.positions(value.device))
+    rows = value.index_select(dim, spec.positions(value.device))
+    return rows.masked_fill(~replace(spec, dim=dim).valid(rows), 0)
 
 
 def _key(spec: SequenceSpec) -> tuple:

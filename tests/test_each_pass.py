@@ -387,8 +387,16 @@ def test_rewrite_attention_calls_the_ring_with_the_kv_heads_unrepeated():
     assert math.isclose(arguments["scale"], 1 / math.sqrt(4))
 
 
-def test_insert_boundaries_shards_inputs_sums_partial_values_and_gathers_outputs():
+def test_insert_boundaries_leaves_sharded_outputs_to_be_carried_by_default():
     ctx, _ = run_through("insert_boundaries", Positions(), *_ids())
+    assert not _calls(ctx, RING.gather_sequence.default)
+    assert ctx.carried_outputs == {0: 1}  # output 0, sharded along dim 1: the backend wraps it
+    assert [(o.name, o.placement) for o in ctx.report.outputs] == [("output 0", "carried"), ("output 1", "replicated")]
+    assert [c.kind for c in ctx.report.collectives] == ["all-reduce"]
+
+
+def test_insert_boundaries_shards_inputs_sums_partial_values_and_gathers_outputs():
+    ctx, _ = run_through("insert_boundaries", Positions(), *_ids(), outputs="gathered")
     (cumsum,) = [node for node in ctx.gm.graph.nodes if node.target == "cumsum"]
     shards = _calls(ctx, RING.shard_sequence.default)  # the ids, and the running sum computed whole
     assert [(shard.args[0], shard.args[1]) for shard in shards] == [(_placeholder(ctx, "ids"), 1), (cumsum, 1)]
