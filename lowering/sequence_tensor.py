@@ -25,6 +25,7 @@ Eager ops act on it by the placement rules of DESIGN.md (the result is sharded t
 - reductions, softmax and argmax over other dimensions; a sum, mean, max or min over the sequence is each rank's
   part all-reduced (padding slots left out), every rank gets the whole result;
 - `nll_loss` (`cross_entropy`) over per-token rows: the loss sum and the count of counted tokens all-reduced;
+- `embedding` of sharded token ids: this rank's rows (the table's gradient: each rank's rows all-reduced);
 - a select or slice of sequence positions (``logits[:, -1]``): the rows of the ranks that hold them, all-reduced.
 Any other op raises `NeedsWholeSequence`, which names the op and says what to call: never a silent gather.
 The ops that communicate are collectives: every rank of the ring must run them, as it runs the model.
@@ -139,7 +140,13 @@ class SequenceSharded(torch.Tensor):
             rule = _pointwise
         if rule is None:
             raise _needs_whole(func, "it is not one of the ops that act on each rank's tokens")
-        return rule(func, args, kwargs, carriers)
+        with torch.no_grad():  # autograd recorded the op on the carriers; their tokens need no graph of their own
+            out = rule(func, args, kwargs, carriers)
+        if any(_marked_dynamic(c) for c in carriers):  # a length compiled as any length stays so downstream
+            for result in pytree.tree_leaves(out):
+                if isinstance(result, SequenceSharded):
+                    torch._dynamo.maybe_mark_dynamic(result, result.spec.dim)
+        return out
 
     # what users call
     @torch._disable_dynamo
@@ -234,7 +241,7 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, spec):
         ctx.spec = spec
-        return SequenceSharded(local.view_as(local), spec)
+        return SequenceSharded(local.detach(), spec)
 
     @staticmethod
     def backward(ctx, grad):  # padding slots get no gradient: the graph that made ``local`` sums over its slots
@@ -246,6 +253,11 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(tensor)
+
+
+def _marked_dynamic(carried: SequenceSharded) -> bool:
+    marks = getattr(carried, "_dynamo_dynamic_indices", set()) | getattr(carried, "_dynamo_weak_dynamic_indices", set())
+    return carried.spec.dim in marks
 
 
 def _stand_in(carried: SequenceSharded) -> torch.Tensor:
@@ -394,11 +406,20 @@ def _index_other_dim(func, args, kwargs, carriers):
     dim = (args[at] if len(args) > at else kwargs.get("dim", 0)) % carried.dim()
     if dim == spec.dim and splits:
         raise _needs_whole(func, "it splits the sequence")
+    if dim == spec.dim and _whole_slice(func, args, spec):  # x[:, 0:] (Hugging Face's logits_to_keep=0)
+        return SequenceSharded(carried._local.view_as(carried._local), spec)
     if dim == spec.dim:
         return _pick(func, args, kwargs, carried)
     out = func(carried._local, *args[1:], **kwargs)
     new_dim = spec.dim - (func.overloadpacket is aten.select and dim < spec.dim)
     return _carry(out, replace(spec, dim=new_dim))
+
+
+def _whole_slice(func, args, spec: SequenceSpec) -> bool:
+    if func.overloadpacket is not aten.slice:
+        return False
+    start, end, step = (list(args[2:]) + [None, None, 1])[:3]
+    return (start or 0) == 0 and (end is None or end >= spec.rows * spec.seq_len) and step == 1
 
 
 def _pick(func, args, kwargs, carried: SequenceSharded) -> torch.Tensor:
@@ -541,6 +562,23 @@ def _nll_loss_backward(func, args, kwargs, carriers):
     return SequenceSharded(func(grad, scores._local, target, weight, reduction, ignore_index, total_weight), spec)
 
 
+def _embedding(func, args, kwargs, carriers):
+    """A table (every rank's own whole copy) read at this rank's token ids: this rank's rows."""
+    weight, ids = args[:2]
+    if isinstance(weight, SequenceSharded):
+        raise _needs_whole(func, "its table is sharded along the sequence")
+    return SequenceSharded(func(weight, ids._local, *args[2:], **kwargs), ids.spec)
+
+
+def _embedding_backward(func, args, kwargs, carriers):
+    """The table's gradient: each rank's rows (padding slots left out) summed over the ranks."""
+    grad, ids = args[:2]
+    spec = ids.spec
+    local = _local_of(grad, spec, spec.dim)
+    local = torch.where(spec.valid(local), local, torch.zeros((), dtype=local.dtype))
+    return _all_reduce(func(local, ids._local, *args[2:], **kwargs), spec)
+
+
 def _same_size(func, args, kwargs, carriers):
     return args[0].shape == args[1].shape
 
@@ -583,5 +621,7 @@ _RULES: dict[object, Callable] = {
     ),
     aten.nll_loss_forward: _nll_loss,
     aten.nll_loss_backward: _nll_loss_backward,
+    aten.embedding: _embedding,
+    aten.embedding_dense_backward: _embedding_backward,
     aten.is_same_size: _same_size,
 }

@@ -13,6 +13,7 @@ cache kept sharded (Hugging Face models; imported on first use). The runtime (`l
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
 from lowering.failures import PeerFailure
+from lowering.sequence_tensor import NeedsWholeSequence, SequenceSharded
 from ringpass.artifact import load
 from ringpass.backend import RingBackend, backend, last_report
 from ringpass.convert import ConvertedModel, convert
@@ -24,11 +25,13 @@ __all__ = [
     "ConvertedModel",
     "Inspection",
     "InvalidInputError",
+    "NeedsWholeSequence",
     "NotSupportedError",
     "PeerFailure",
     "RingBackend",
     "RingpassError",
     "RingpassWarning",
+    "SequenceSharded",
     "__version__",
     "backend",
     "convert",

@@ -12,6 +12,8 @@ With dynamic shapes the graph returns the global length as one more output, so a
 
 from __future__ import annotations
 
+import torch
+
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.layout import local_length
 from lowering.sequence_tensor import SequenceSharded, SequenceSpec, carry
@@ -107,4 +109,6 @@ class CarriedGraph:
         kind, world_size, group_name = self.layout
         for index, dim in self.outputs.items():
             outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, seq_len, dim, group_name))
+            if self.length_output:  # a graph compiled for any length hands on values of any length
+                torch._dynamo.maybe_mark_dynamic(outputs[index], dim)
         return outputs

@@ -52,7 +52,8 @@ class ValueRecord:
     name: str  # argument name, module state path, or "output 0"
     shape: list
     dtype: str
-    placement: str  # "sharded" | "whole" | "replicated" | "gathered" | "partial"
+    # "sharded" | "whole" | "replicated" | "gathered" | "partial" | "carried" (a `SequenceSharded` in or out)
+    placement: str
     dim: int | None = None  # the sequence dimension, when it has one
     why: str = ""  # for values kept whole: the op that needs them; for outputs: where they come from
     nbytes: int = 0
@@ -110,7 +111,7 @@ class Report:
         """ "rewritten", "refused", "no attention" or "unchanged" (one rank)."""
         if self.refusal is not None:
             return "refused"
-        if self.attention or self.decode:
+        if self.attention or self.decode or self.carried():
             return "rewritten"
         return "no attention" if self.world_size > 1 else "unchanged"
 
@@ -131,6 +132,10 @@ class Report:
             shape = a.shape() if self.ulysses == 1 else ulysses_shape(a.shape(), self.ulysses)
             groups.setdefault(shape, []).append(i)
         return [] if layout is None else [(idx, ring_cost(layout, shape)) for shape, idx in groups.items()]
+
+    def carried(self) -> int:
+        """How many inputs and outputs cross the graph's boundary sharded (`SequenceSharded`: nothing gathered)."""
+        return sum(v.placement == "carried" for v in (*self.inputs, *self.outputs))
 
     def gathered_bytes(self) -> int:
         """Bytes of the forward all-gathers (gathered outputs) per call."""
@@ -159,9 +164,15 @@ class Report:
             else f"{self.world_size} ranks (Ulysses x ring: all-to-all over heads in groups of {self.ulysses}, "
             f"the ring over {self.world_size // self.ulysses} groups)"
         )
+        what = (
+            f"{len(self.attention)} attention(s) rewritten to ring attention over {over}"
+            if self.attention
+            else f"no attention, sharded over {over}"
+        )
+        carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""
         return (
-            f"{head} {len(self.attention)} attention(s) rewritten to ring attention over {over}, "
-            f"layout {self.layout}, sequence {self.seq_len}, {_size(self.gathered_bytes())} all-gathered per call"
+            f"{head} {what}, layout {self.layout}, sequence {self.seq_len}, "
+            f"{_size(self.gathered_bytes())} all-gathered per call{carried}"
         )
 
     def __str__(self) -> str:
@@ -180,6 +191,7 @@ class Report:
         lines += _section("positions", self.positions)
         for title, placement in (
             ("inputs sharded (each rank gets its tokens)", "sharded"),
+            ("inputs carried in sharded (SequenceSharded from another graph: 0 bytes at the boundary)", "carried"),
             ("inputs kept whole on every rank", "whole"),
             ("inputs replicated (no sequence axis)", "replicated"),
         ):
@@ -188,6 +200,7 @@ class Report:
         for title, placement in (
             ("outputs gathered", "gathered"),
             ("outputs left sharded", "sharded"),
+            ("outputs carried out sharded (SequenceSharded: 0 bytes until .full_tensor())", "carried"),
             ("outputs replicated", "replicated"),
         ):
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])

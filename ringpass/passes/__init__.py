@@ -85,7 +85,17 @@ PIPELINE = tuple(run_pass for stage in (PREPARE, *PREFILL, CHECK) for run_pass i
 def run_pipeline(ctx: PassContext) -> None:
     """Every stage on ``ctx.gm``, in order; the graph stays unchanged when it has no attention. A refusal
     is recorded in the report, with the chain of ops from the attention to the blocking op, and raised
-    with that chain added to its message."""
+    with that chain added to its message. The passes' runs on fake values save nothing through a user's
+    saved-tensor hooks (a non-reentrant checkpoint around the first call counts what its forward saves)."""
+    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        _run_stages(ctx)
+
+
+def _keep(tensor):
+    return tensor
+
+
+def _run_stages(ctx: PassContext) -> None:
     report, runner = ctx.report, PassRunner(ctx)
     try:
         runner.run(PREPARE)

@@ -13,8 +13,8 @@ Matches edges between placements:
   honoured); padding slots are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``); with ``outputs="auto"`` it
   stays this rank's tokens and goes to ``ctx.carried_outputs`` (the backend returns it as a `SequenceSharded`);
-- an input that arrived sequence-sharded (``ctx.carried_inputs``): nothing (it is this rank's tokens already),
-  after checking that the graph reads its sequence along the dimension it arrived sharded in.
+- an input that arrived sequence-sharded (``ctx.carried_inputs``): no collective (it is this rank's tokens
+  already); its readers read ``narrow(input, dim, 0, local length)``, the input itself at run time.
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
 (`reduce_grads` makes their gradient whole) and a gathered input that a mask program reads to
@@ -50,7 +50,7 @@ def insert_boundaries(ctx: PassContext) -> None:
     for node in list(graph.nodes):
         placement = ctx.placement.get(node)
         if node in ctx.carried_inputs:
-            _check_carried(ctx, node, placement)
+            _take_carried(ctx, node, placement)
         elif node.op == "placeholder" and placement == LOCAL and ctx.options.inputs == "full":
             _shard_all_uses(ctx, node)
         if node in ctx.gathered_inputs:
@@ -65,15 +65,28 @@ def insert_boundaries(ctx: PassContext) -> None:
     _gather_outputs(ctx)
 
 
-def _check_carried(ctx: PassContext, node: fx.Node, placement) -> None:
-    """An input that arrived sequence-sharded stays as it is if the graph reads it along the same dimension."""
-    found = [axis.dim for axis in ctx.sequence.axes.get(node, ())]
-    if placement not in (LOCAL, FULL) or found != [ctx.carried_inputs[node]]:
+def _take_carried(ctx: PassContext, placeholder: fx.Node, placement) -> None:
+    """An input that arrived sequence-sharded is this rank's tokens already, if the graph reads it along the same
+    dimension: its readers get ``narrow(input, dim, 0, local length)``, which is the input itself at run time and
+    says, on the traced (whole) value, what the graph computes on."""
+    dim = ctx.carried_inputs[placeholder]
+    found = [axis.dim for axis in ctx.sequence.axes.get(placeholder, ())]
+    if placement not in (LOCAL, FULL) or found != [dim]:
         raise refusal(
-            f"Input {user_name(node)} arrives sharded along dim {ctx.carried_inputs[node]}, but this graph reads "
-            f"its sequence along {found or 'no dimension'}; call .full_tensor() on it before this call.",
-            node,
+            f"Input {user_name(placeholder)} arrives sharded along dim {dim}, but this graph reads its sequence "
+            f"along {found or 'no dimension'}; call .full_tensor() on it before this call.",
+            placeholder,
         )
+    if placement == FULL:  # needed whole: `_gather_all_uses` gathers it
+        return
+    users, length, graph = list(placeholder.users), ctx.insert_length("local"), ctx.gm.graph
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_after(length) if isinstance(length, fx.Node) else graph.inserting_before(first_op):
+        local = graph.call_function(torch.narrow, (placeholder, dim, 0, length))
+    copy_origin(local, placeholder).meta["example_value"] = example_value(placeholder)
+    ctx.placement[local], ctx.sequence.axes[local] = LOCAL, ctx.sequence.axes[placeholder]
+    for user in users:
+        user.replace_input_with(placeholder, local)
 
 
 def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
