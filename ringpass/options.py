@@ -34,7 +34,8 @@ class RingOptions:
     again with them dynamic: `ringpass.retrace`), so a read of the length as a number (``x.shape[1]``) is the
     whole sequence's; a length the model fixes while traced (``if n == 64``) is refused.
     ``outputs``: ``auto`` (sequence-sharded outputs leave as `ringpass.SequenceSharded`: the global shape, this
-    rank's tokens inside, nothing gathered until ``.full_tensor()``; a graph that receives one takes it as sharded),
+    rank's tokens inside, nothing gathered until ``.full_tensor()``; a graph that receives one takes it as sharded;
+    with ``cache="gathered"`` outputs are gathered, caches included),
     ``gathered`` (full outputs on every rank: an all-gather per call) or ``sharded`` (plain local shards, for
     ``ringpass.unshard``).
     ``compiler``: what compiles the rewritten graph. ``grads``: ``auto`` (``mean`` under an FSDP2 / DDP whose

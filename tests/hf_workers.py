@@ -31,6 +31,18 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.LlamaForCausalLM(config)
+    if name == "qwen2":  # Llama's shape with biased q/k/v projections
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            attn_implementation=implementation,
+        )
+        return transformers.Qwen2ForCausalLM(config)
     if name in ("falcon", "falcon_mqa"):  # the new decoder architecture (GQA), or the old one with one KV head
         config = transformers.FalconConfig(
             vocab_size=VOCAB,

@@ -343,7 +343,7 @@ def test_graph_has_one_ring_op_per_attention_and_no_sdpa(matrix, world_size):
 )
 def test_expected_collectives_in_the_graph(matrix):
     gpt = matrix.results(2, "gpt-static-float64")[0]["ops"]
-    assert gpt["shard_sequence.default"] == 1 and gpt["gather_sequence.default"] == 1  # ids in, logits out
+    assert gpt["shard_sequence.default"] == 1 and "gather_sequence.default" not in gpt  # ids in; logits carried out
     assert gpt["local_positions.default"] == 1 and "all_reduce_sum.default" not in gpt
     loss = matrix.results(2, "gpt_with_loss-static-float64")[0]["ops"]
     assert loss["all_reduce_sum.default"] == 2  # sum of token losses, count of counted tokens

@@ -104,6 +104,12 @@ def _run_stages(ctx: PassContext) -> None:
             report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
             stages = ()
         elif any(is_decode_step(m) for m in ctx.attention):
+            if ctx.carried_inputs:
+                raise NotSupportedError(
+                    "A decode step against a KV cache that the prefill returned sequence-sharded (SequenceSharded "
+                    "keys and values in a DynamicCache): decode against a sharded cache with ringpass.ShardedCache "
+                    "(or ringpass.generate), or compile with cache='gathered' to hold the cache whole on every rank."
+                )
             stages = (DECODE,)
         else:
             stages = PREFILL

@@ -12,9 +12,10 @@ Matches edges between placements:
   the all-reduced sum of token losses over the all-reduced count of counted tokens (``ignore_index``
   honoured); padding slots are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``); with ``outputs="auto"`` it
-  stays this rank's tokens and goes to ``ctx.carried_outputs`` (the backend returns it as a `SequenceSharded`);
+  stays this rank's tokens and goes to ``ctx.carried_outputs`` (the backend returns it as a `SequenceSharded`),
+  unless ``cache="gathered"`` (the caches a prefill returns are wanted whole: every output is gathered);
 - an input that arrived sequence-sharded (``ctx.carried_inputs``): no collective (it is this rank's tokens
-  already); its readers read ``narrow(input, dim, 0, local length)``, the input itself at run time.
+  already); its readers read ``narrow(input, dim, 0, local length).contiguous()``, the input itself at run time.
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
 The inserted nodes get placements and sequence axes in ``ctx``; all-reduced totals go to ``ctx.totals``
 (`reduce_grads` makes their gradient whole) and a gathered input that a mask program reads to
@@ -67,8 +68,8 @@ def insert_boundaries(ctx: PassContext) -> None:
 
 def _take_carried(ctx: PassContext, placeholder: fx.Node, placement) -> None:
     """An input that arrived sequence-sharded is this rank's tokens already, if the graph reads it along the same
-    dimension: its readers get ``narrow(input, dim, 0, local length)``, which is the input itself at run time and
-    says, on the traced (whole) value, what the graph computes on."""
+    dimension: its readers get ``narrow(input, dim, 0, local length).contiguous()``, which is the input itself at
+    run time and says, on the traced (whole) value, what the graph computes on (the passes' fake runs)."""
     dim = ctx.carried_inputs[placeholder]
     found = [axis.dim for axis in ctx.sequence.axes.get(placeholder, ())]
     if placement not in (LOCAL, FULL) or found != [dim]:
@@ -82,7 +83,7 @@ def _take_carried(ctx: PassContext, placeholder: fx.Node, placement) -> None:
     users, length, graph = list(placeholder.users), ctx.insert_length("local"), ctx.gm.graph
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_after(length) if isinstance(length, fx.Node) else graph.inserting_before(first_op):
-        local = graph.call_function(torch.narrow, (placeholder, dim, 0, length))
+        local = graph.call_method("contiguous", (graph.call_function(torch.narrow, (placeholder, dim, 0, length)),))
     copy_origin(local, placeholder).meta["example_value"] = example_value(placeholder)
     ctx.placement[local], ctx.sequence.axes[local] = LOCAL, ctx.sequence.axes[placeholder]
     for user in users:
@@ -349,7 +350,7 @@ def _gather_outputs(ctx: PassContext) -> None:
         shape, size = [plain(s) for s in value.shape], nbytes(value)
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
-        if placement == LOCAL and ctx.options.outputs == "auto":
+        if placement == LOCAL and ctx.options.outputs == "auto" and ctx.options.cache != "gathered":
             kind = "carried"
             ctx.carried_outputs[index] = dim
         if placement == LOCAL and ctx.options.outputs == "gathered":
