@@ -90,6 +90,8 @@ def wrapped_step(
         "grads": grad_error(grads_now, expected_grads),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in forward),
         "ringpass_all_reduces": sum(e.kind == "all_reduce" for e in backward),
+        "backward_all_reduce_shapes": [list(e.fields["shape"]) for e in backward if e.kind == "all_reduce"],
+        "head_shape": list((model.lm_head if _is_hf(model) else model.body.head).weight.shape),
         "collectives": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
         "fsdp_units": units,
         "gradients": [r.gradients for r in backend.reports if r.gradients],

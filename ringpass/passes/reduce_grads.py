@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
-from ringpass.graph import copy_origin, example_value, nbytes, user_name
+from ringpass.graph import copy_origin, example_value, is_module_state, nbytes, user_name
 from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.report import CollectiveRecord
 from ringpass.wrappers import GradientMode
@@ -76,8 +76,9 @@ def reduce_grads(ctx: PassContext) -> None:
             action = REDUCE
         _wrap(ctx, node, wrapped, action)
         kinds[node] = {WHOLE if wrap_kind == PART else PART}
-    ctx.report.gradients = plan.mode
-    ctx.report.gradients_why = plan.why
+    trained = [n for n in ctx.gm.graph.nodes if n.op == "placeholder" and is_module_state(n)]
+    if any(getattr(example_value(n), "requires_grad", False) for n in trained):
+        ctx.report.gradients, ctx.report.gradients_why = plan.mode, plan.why  # what became of parameter gradients
 
 
 def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
