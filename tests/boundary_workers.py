@@ -119,10 +119,52 @@ def _expected(model, ids, labels):
 
 
 def recipes(rank: int, world_size: int, names: tuple, seq_len: int) -> dict:
-    """Each named recipe's result (``"eager"``: `eager_rules`)."""
+    """Each named recipe's result (``"eager"``: `eager_rules`; ``"hf_<family>[_checkpointed|_left-padded]"``:
+    `hf_per_layer`)."""
+    results = {}
+    for name in names:
+        if name == "eager":
+            results[name] = eager_rules(rank, world_size, seq_len)
+        elif name.startswith("hf_"):
+            family, _, variant = name[3:].partition("_")
+            results[name] = hf_per_layer(rank, world_size, family, variant, seq_len)
+        else:
+            results[name] = recipe(rank, world_size, name, seq_len)
+    return results
+
+
+def hf_per_layer(rank: int, world_size: int, family: str, variant: str, seq_len: int) -> dict:
+    """A Hugging Face model (fp32) with each decoder layer compiled on its own and the token ids sharded, against
+    the same model unsharded; ``variant``: ``checkpointed`` (HF's gradient checkpointing, non-reentrant) or
+    ``left-padded`` (a padding mask: refused, masks do not cross graphs yet; the error is returned)."""
+    import hf_workers
+
+    torch._dynamo.reset()
+    model = hf_workers.build(family)
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = hf_workers.batch("left-padded" if variant == "left-padded" else "labels", seq_len)
+    expected = model(**kwargs)
+    expected.loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    backend = ringpass.backend(compiler="aot_eager")
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    kwargs["input_ids"] = SequenceSharded.distribute(kwargs["input_ids"], 1)
+    with record_ring_events() as events:
+        try:
+            got = model(**kwargs)
+        except ringpass.RingpassError as error:
+            return {"refused": str(error)}
+        got.loss.backward()
     return {
-        name: eager_rules(rank, world_size, seq_len) if name == "eager" else recipe(rank, world_size, name, seq_len)
-        for name in names
+        "loss": rel_err(got.loss, expected.loss),
+        "logits": rel_err(got.logits.full_tensor(), expected.logits),
+        "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
+        "logits_type": type(got.logits).__name__,
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "all_gathers": [e.fields["shape"] for e in events if e.kind == "all_gather"],
     }
 
 

@@ -19,11 +19,13 @@ RECIPES = ("per_block", "checkpoint", "checkpoint_reentrant", "graph_break", "fs
 TIMEOUT = 400
 
 
+HF = ("hf_llama", "hf_qwen2_checkpointed")
+
+
 @cache
 def _results(world_size: int) -> list:
-    return spawn_ranks(
-        boundary_workers.recipes, world_size, (("eager", *RECIPES, "per_block_plain_ids"), SEQ_LEN), timeout=TIMEOUT
-    )
+    names = ("eager", *RECIPES, "per_block_plain_ids", *HF, "hf_llama_left-padded")
+    return spawn_ranks(boundary_workers.recipes, world_size, (names, SEQ_LEN), timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
@@ -65,3 +67,23 @@ def test_eager_code_on_a_sharded_value_follows_its_rules_or_says_what_to_call():
         assert "aten.cumsum.default on a SequenceSharded value" in result["refusal"]
         assert "Call .full_tensor() first" in result["refusal"] and ".to_local()" in result["refusal"]
         assert ("this rank's 8 of 13 tokens" in result["repr"]) == (rank == 0)  # printed on rank 0 alone: no hang
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize("name", HF)
+def test_hugging_face_layers_compiled_one_by_one(name):
+    """Each decoder layer compiled on its own (HF's causal path without padding passes no mask), the token ids
+    sharded; Qwen2 with HF's gradient checkpointing. fp32: within 1e-4."""
+    for rank, results in enumerate(_results(2)):
+        result = results[name]
+        assert result["loss"] <= 1e-4 and result["logits"] <= 1e-4 and result["grads"] <= 1e-4, (rank, result)
+        assert result["kv_exchanges"] > 0 and result["all_gathers"] == [], (rank, result)
+        assert result["logits_type"] == "SequenceSharded"
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_padding_mask_reaching_a_layer_graph_is_refused_with_the_reason():
+    """Not built yet: a padding mask made outside the layer's graph arrives as a sequence x sequence tensor."""
+    for results in _results(2):
+        refused = results["hf_llama_left-padded"]["refused"]
+        assert "needs input `attention_mask`, a sequence x sequence tensor" in refused, refused
