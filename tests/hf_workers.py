@@ -19,8 +19,12 @@ def build(name: str):
     torch.manual_seed(0)
     name, _, implementation = name.partition("-")
     implementation = implementation or "sdpa"
-    if name == "llama":
-        config = transformers.LlamaConfig(
+    if name in ("llama", "qwen2"):  # Qwen2: Llama's shape with biased q/k/v projections
+        config_class, model_class = {
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        }[name]
+        config = config_class(
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
@@ -30,19 +34,7 @@ def build(name: str):
             max_position_embeddings=4096,
             attn_implementation=implementation,
         )
-        return transformers.LlamaForCausalLM(config)
-    if name == "qwen2":  # Llama's shape with biased q/k/v projections
-        config = transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            attn_implementation=implementation,
-        )
-        return transformers.Qwen2ForCausalLM(config)
+        return model_class(config)
     if name in ("falcon", "falcon_mqa"):  # the new decoder architecture (GQA), or the old one with one KV head
         config = transformers.FalconConfig(
             vocab_size=VOCAB,

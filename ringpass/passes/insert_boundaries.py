@@ -83,7 +83,9 @@ def _take_carried(ctx: PassContext, placeholder: fx.Node, placement) -> None:
     users, length, graph = list(placeholder.users), ctx.insert_length("local"), ctx.gm.graph
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_after(length) if isinstance(length, fx.Node) else graph.inserting_before(first_op):
-        local = graph.call_method("contiguous", (graph.call_function(torch.narrow, (placeholder, dim, 0, length)),))
+        narrowed = graph.call_function(torch.narrow, (placeholder, dim, 0, length))
+    with graph.inserting_after(narrowed):
+        local = graph.call_method("contiguous", (narrowed,))
     copy_origin(local, placeholder).meta["example_value"] = example_value(placeholder)
     ctx.placement[local], ctx.sequence.axes[local] = LOCAL, ctx.sequence.axes[placeholder]
     for user in users:
