@@ -98,13 +98,11 @@ class SequenceSharded(torch.Tensor):
     spec: SequenceSpec
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: SequenceSpec, requires_grad: bool = False):
+    def __new__(cls, local: torch.Tensor, spec: SequenceSpec):
         shape = spec.global_shape(local.shape)
-        return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
-        )
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
 
-    def __init__(self, local: torch.Tensor, spec: SequenceSpec, requires_grad: bool = False):
+    def __init__(self, local: torch.Tensor, spec: SequenceSpec):
         self._local, self.spec = local, spec
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -328,6 +326,8 @@ def _pointwise(func, args, kwargs, carriers):
     out = func(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
     if func._schema.is_mutable:  # in place: the carrier's own tokens changed
         return args[0]
+    if not isinstance(out, (torch.Tensor, tuple, list)):  # a number about this rank's tokens alone
+        raise _needs_whole(func, f"it answers {type(out).__name__} about the whole value")
     return _carry(out, spec)
 
 

@@ -41,6 +41,11 @@ def take_carried_inputs(ctx: PassContext) -> None:
                 f"Input {name} holds {spec.rows} sequences one after the other along dim {spec.dim} (a view merged "
                 "the batch into the sequence); view it back to [batch, sequence, ...] before the compiled call."
             )
+        if ctx.ulysses:
+            raise NotSupportedError(
+                f"Input {name} is a SequenceSharded value, and this graph runs Ulysses x ring, whose token order "
+                "it does not carry yet; pass it whole (.full_tensor()) or compile this graph without ulysses."
+            )
         if ctx.options.inputs == "sharded":
             raise InvalidInputError(
                 f"Input {name} is a SequenceSharded value, which says it is sharded; inputs='sharded' is for plain "

@@ -93,8 +93,8 @@ def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
     for rank in results(4):
         for result, kind in zip(rank[:2], ("FSDP2", "DDP")):
             check_exact(result)
-            assert result["gradients"] == ["mean"] and f"{kind} over ranks 0-3" in result["why"][0], result
-            assert result["ringpass_all_reduces"] == 0, result
+            assert set(result["gradients"]) == {"mean"} and f"{kind} over ranks 0-3" in result["why"][0], result
+            assert all(shape == result["head_shape"] for shape in result["backward_all_reduce_shapes"]), result
         assert rank[0]["collectives"]["_reduce_scatter_base_"] == rank[0]["fsdp_units"], rank[0]
         assert rank[1]["collectives"] == {"allreduce_": 1}, rank[1]  # DDP's one bucket
 
@@ -106,8 +106,8 @@ def test_hsdp_replicated_over_data_sharded_over_the_ring():
     for rank in results(4):
         result = rank[7]
         check_exact(result)
-        assert result["gradients"] == ["mean"] and "FSDP2 over ranks 0-3" in result["why"][0], result
-        assert result["ringpass_all_reduces"] == 0, result
+        assert set(result["gradients"]) == {"mean"} and "FSDP2 over ranks 0-3" in result["why"][0], result
+        assert all(shape == result["head_shape"] for shape in result["backward_all_reduce_shapes"]), result
         assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
 
 

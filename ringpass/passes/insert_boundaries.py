@@ -13,7 +13,9 @@ Matches edges between placements:
   honoured); padding slots are masked out of all of them;
 - a local graph output: ``ringpass::gather_sequence`` (with ``outputs="gathered"``); with ``outputs="auto"`` it
   stays this rank's tokens and goes to ``ctx.carried_outputs`` (the backend returns it as a `SequenceSharded`),
-  unless ``cache="gathered"`` (the caches a prefill returns are wanted whole: every output is gathered);
+  except an attention's keys or values (a KV cache a prefill returns, for decode steps that hold it whole: gathered
+  as before), every output with ``cache="gathered"``, and every output under Ulysses x ring (its groups' token
+  order is not one `SequenceSharded` carries yet);
 - an input that arrived sequence-sharded (``ctx.carried_inputs``): no collective (it is this rank's tokens
   already); its readers read ``narrow(input, dim, 0, local length).contiguous()``, the input itself at run time.
 Records every inserted collective (bytes per call) and every graph output with its placement in the report.
@@ -343,6 +345,8 @@ def _gather_outputs(ctx: PassContext) -> None:
     (``"auto"``); records every output, numbered by its position among the graph's outputs."""
     output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
     gathered: dict[fx.Node, fx.Node] = {}
+    caches = {node for match in ctx.attention for node in (match.key, match.value)}  # a KV cache a prefill returns
+    carries = ctx.options.outputs == "auto" and ctx.options.cache != "gathered" and not ctx.ulysses
     for index, arg in enumerate(pytree.tree_leaves(output.args[0])):
         value, placement = (example_value(arg), ctx.placement.get(arg)) if isinstance(arg, fx.Node) else (None, None)
         if not isinstance(value, torch.Tensor):
@@ -352,10 +356,10 @@ def _gather_outputs(ctx: PassContext) -> None:
         shape, size = [plain(s) for s in value.shape], nbytes(value)
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
-        if placement == LOCAL and ctx.options.outputs == "auto" and ctx.options.cache != "gathered":
+        if placement == LOCAL and carries and arg not in caches:
             kind = "carried"
             ctx.carried_outputs[index] = dim
-        if placement == LOCAL and ctx.options.outputs == "gathered":
+        elif placement == LOCAL and ctx.options.outputs != "sharded":
             kind = "gathered"
             if arg not in gathered:
                 with ctx.gm.graph.inserting_before(output):
