@@ -43,9 +43,16 @@ import torch.utils._pytree as pytree
 
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import wait_collective
-from lowering.groups import group_by_name, rank_in, resolve_group
-from lowering.layout import cached_layout, local_length
-from lowering.sequence_ops import all_reduce_sum, gather_sequence, shard_sequence
+from lowering.groups import group_by_name, resolve_group
+from lowering.layout import local_length
+from lowering.sequence_ops import (
+    all_reduce_sum,
+    gather_sequence,
+    local_positions,
+    local_token_mask,
+    position_slots,
+    shard_sequence,
+)
 
 aten = torch.ops.aten
 
@@ -76,16 +83,18 @@ class SequenceSpec:
         shape[self.dim] = self.rows * self.seq_len
         return shape
 
+    def layout_args(self) -> tuple:
+        """(kind, world_size, seq_len, group_name): what the runtime's sequence ops take."""
+        return self.kind, self.world_size, self.seq_len, self.group_name
+
     def positions(self, device) -> torch.Tensor:
         """The global index along ``dim`` of each local slot (padding: the last real token, so it indexes)."""
-        own = cached_layout(self.kind, self.world_size, self.seq_len).positions(rank_in(self.group_name))
-        own = own.clamp(max=self.seq_len - 1)
-        return (own + torch.arange(self.rows)[:, None] * self.seq_len).reshape(-1).to(device)
+        own = local_positions(*self.layout_args(), device)
+        return (own + torch.arange(self.rows, device=device)[:, None] * self.seq_len).reshape(-1)
 
     def valid(self, like: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """True at this rank's real slots, shaped to broadcast against ``like`` along ``dim`` (default: its own)."""
-        own = cached_layout(self.kind, self.world_size, self.seq_len).positions(rank_in(self.group_name))
-        valid = (own < self.seq_len).repeat(self.rows).to(like.device)
+        valid = local_token_mask(*self.layout_args(), like.device).repeat(self.rows)
         shape = [1] * like.dim()
         shape[self.dim if dim is None else dim] = -1
         return valid.view(shape)
@@ -159,7 +168,7 @@ class SequenceSharded(torch.Tensor):
         local = self.to_local()
         if s.rows > 1:
             local = local.unflatten(s.dim, (s.rows, -1))
-        whole = gather_sequence(local, s.dim + (s.rows > 1), s.kind, s.world_size, s.seq_len, s.group_name)
+        whole = gather_sequence(local, s.dim + (s.rows > 1), *s.layout_args())
         return whole.flatten(s.dim, s.dim + 1) if s.rows > 1 else whole
 
     @staticmethod
@@ -337,7 +346,7 @@ def _same(func, args, kwargs, carriers):
     return _carry(out, carriers[0].spec)
 
 
-def _global_of(shape_args, carried: SequenceSharded, func) -> list[int]:
+def _global_of(shape_args, carried: SequenceSharded) -> list[int]:
     """The global shape a view/reshape asks for (``-1`` resolved)."""
     return list(torch.empty(carried.shape, device="meta").view(*shape_args).shape) if shape_args else []
 
@@ -345,7 +354,7 @@ def _global_of(shape_args, carried: SequenceSharded, func) -> list[int]:
 def _view(func, args, kwargs, carriers):
     """A view keeps the sequence a dimension of its own, or merges it with the dimensions before it."""
     carried, spec = args[0], args[0].spec
-    new = _global_of(args[1], carried, func)
+    new = _global_of(args[1], carried)
     before = math.prod(carried.shape[: spec.dim]) * spec.rows  # whole sequences before the token dimension
     after = math.prod(carried.shape[spec.dim + 1 :])  # elements of one token
     for k, size in enumerate(new):
@@ -430,14 +439,9 @@ def _pick(func, args, kwargs, carried: SequenceSharded) -> torch.Tensor:
         raise _needs_whole(func, "it picks tokens along a dimension that holds several sequences")
     index = torch.arange(spec.seq_len, device=carried.device)
     picked = func(index, 0, *args[2:], **kwargs)  # the global positions picked
-    positions = picked.reshape(-1)
-    owner = torch.full((spec.seq_len,), -1, dtype=torch.int64, device=carried.device)
-    own = spec.positions(carried.device)
-    valid = spec.valid(own, 0)
-    owner[own[valid]] = torch.arange(len(own), device=carried.device)[valid]
-    slots = owner[positions]
-    rows = carried._local.index_select(spec.dim, slots.clamp_min(0))
-    held = (slots >= 0).view([-1 if d == spec.dim else 1 for d in range(rows.dim())])
+    slots, held = position_slots(picked.reshape(-1), *spec.layout_args())
+    rows = carried._local.index_select(spec.dim, slots)
+    held = held.view([-1 if d == spec.dim else 1 for d in range(rows.dim())])
     total = _all_reduce(torch.where(held, rows, torch.zeros((), dtype=rows.dtype)), spec)
     return total.squeeze(spec.dim) if picked.dim() == 0 else total
 
