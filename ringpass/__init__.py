@@ -13,6 +13,7 @@ cache kept sharded (Hugging Face models; imported on first use). The runtime (`l
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
 from lowering.failures import PeerFailure
+from lowering.sequence_mask import SequenceMask
 from lowering.sequence_tensor import NeedsWholeSequence, SequenceSharded
 from ringpass.artifact import load
 from ringpass.backend import RingBackend, backend, last_report
@@ -31,6 +32,7 @@ __all__ = [
     "RingBackend",
     "RingpassError",
     "RingpassWarning",
+    "SequenceMask",
     "SequenceSharded",
     "__version__",
     "backend",

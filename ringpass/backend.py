@@ -13,7 +13,8 @@ the full report goes to the ``ringpass`` logger at INFO. A graph that runs unsha
 error with ``unsharded="error"``. A rewritten graph is called through `ringpass.guard` (the ranks agree
 on graph and inputs; a failure on one rank reaches the others); a compile that fails on one rank is
 posted to the others too (`lowering.failures`). Sequence-sharded outputs leave as `ringpass.SequenceSharded`
-(``outputs="auto"``) and such inputs are taken as they are: `ringpass.carried`.
+(``outputs="auto"``) and such inputs are taken as they are: `ringpass.carried`; a mask built in one graph and
+used in the next crosses as its per-token description: `ringpass.crossing_masks`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ import torch.fx as fx
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
-from ringpass.carried import CarriedGraph, carry_length_output, local_examples, take_carried_inputs
+from ringpass.carried import (
+    CarriedGraph,
+    carry_length_output,
+    crosses_boundaries,
+    local_examples,
+    take_carried_inputs,
+)
+from ringpass.crossing_masks import describe_mask_outputs, rebuild_mask_inputs
 from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
@@ -88,7 +96,9 @@ class RingBackend:
         retrace = None
         try:
             try:
+                rebuild_mask_inputs(ctx)
                 take_carried_inputs(ctx)
+                describe_mask_outputs(ctx)
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 try:
                     run_pipeline(ctx)
@@ -101,6 +111,7 @@ class RingBackend:
                     _reports.remove(report)
                     raise retrace from None
                 carry_length_output(ctx)
+                gm = ctx.gm  # a copy when mask inputs were rebuilt (`ringpass.crossing_masks`)
                 gm.graph.lint()
                 gm.recompile()
             finally:
@@ -114,10 +125,11 @@ class RingBackend:
                     f"on every rank of the ring ({report.unchanged}). If the model has attention, "
                     "ringpass.inspect(model, inputs) shows why it was not found.",
                 )
-                return _inner_compile(options.compiler, gm, example_inputs)
-            compiled = _inner_compile(options.compiler, gm, local_examples(example_inputs, ctx))
-            compiled = guard_graph(compiled, ctx, index)
-            return CarriedGraph(compiled, ctx) if ctx.carried_inputs or ctx.carried_outputs else compiled
+                compiled = _inner_compile(options.compiler, gm, ctx.example_inputs)
+            else:
+                compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
+                compiled = guard_graph(compiled, ctx, index)
+            return CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             if error is retrace:
                 raise

@@ -17,6 +17,7 @@ import torch
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.layout import local_length
 from lowering.sequence_tensor import SequenceSharded, SequenceSpec, carry
+from ringpass.crossing_masks import wrap_mask_outputs
 from ringpass.graph import example_value, user_name
 from ringpass.graph_utils.context import PassContext
 
@@ -93,27 +94,36 @@ def carry_length_output(ctx: PassContext) -> None:
     output.args = ((*output.args[0], length),)
 
 
+def crosses_boundaries(ctx: PassContext) -> bool:
+    """Whether the graph takes or returns values that `CarriedGraph` unwraps or wraps."""
+    return bool(ctx.carried_inputs or ctx.carried_outputs or ctx.mask_inputs or ctx.mask_outputs)
+
+
 class CarriedGraph:
-    """The compiled graph called with carried inputs unwrapped and its carried outputs wrapped."""
+    """The compiled graph called with carried inputs unwrapped and `SequenceMask` inputs replaced by the tensors
+    that describe them (`ringpass.crossing_masks`), its carried outputs wrapped and its mask descriptions wrapped."""
 
     def __init__(self, compiled, ctx: PassContext):
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         self.compiled = compiled
         self.inputs = [i for i, n in enumerate(placeholders) if n in ctx.carried_inputs]
+        self.mask_inputs = dict(ctx.mask_inputs)  # argument index -> how many tensors describe it
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
+        self.mask_outputs = dict(ctx.mask_outputs)
         self.length_output = bool(self.outputs) and ctx.dynamic
-        self.static_length = None if ctx.dynamic else int(ctx.sequence.global_seq_len)
+        self.static_length = None if ctx.dynamic else ctx.sequence.global_seq_len
         self.layout = (ctx.layout_kind, ctx.world_size, ctx.group_name)
 
     def __call__(self, *args):
-        args = list(args)
+        args = [a.inputs if i in self.mask_inputs else [a] for i, a in enumerate(args)]
+        args = [a for spliced in args for a in spliced]
         for i in self.inputs:
             args[i] = args[i].to_local()
         outputs = list(self.compiled(*args))
         seq_len = int(outputs.pop()) if self.length_output else self.static_length
         kind, world_size, group_name = self.layout
         for index, dim in self.outputs.items():
-            outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, seq_len, dim, group_name))
+            outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, int(seq_len), dim, group_name))
             if self.length_output:  # a graph compiled for any length hands on values of any length
                 torch._dynamo.maybe_mark_dynamic(outputs[index], dim)
-        return outputs
+        return wrap_mask_outputs(outputs, self.mask_outputs)

@@ -35,10 +35,10 @@ def short_source(node: fx.Node) -> str:
     return f"{match['file'].rsplit('/', 1)[-1]}:{match['line']}" if match else ""
 
 
-def refresh_example_values(graph: fx.Graph, changed) -> None:
+def refresh_example_values(graph: fx.Graph, changed, fake_mode=None) -> None:
     """Compute the example values of the ``changed`` nodes (inserted or rewritten), in graph order, on the
-    fake tensors of the graph's own FakeTensorMode."""
-    fake_mode = next(
+    fake tensors of the graph's own FakeTensorMode (``fake_mode``, or its first input's)."""
+    fake_mode = fake_mode or next(
         example_value(n).fake_mode
         for n in graph.nodes
         if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import as_call
+from ringpass.crossing_masks import describe_mask_outputs, rebuild_mask_inputs, wrap_mask_outputs
 from ringpass.graph import example_value, plain
 from ringpass.graph_utils.context import PassContext
 from ringpass.options import RingOptions
@@ -86,7 +87,8 @@ class Inspection:
         if len(self.graphs) > 1:
             parts.append(
                 f"(Dynamo captured {len(self.graphs)} graphs: the model has graph breaks; each graph is "
-                "rewritten on its own and the values passed between them are gathered whole)"
+                "rewritten on its own; each boundary's cost is in its report: sharded values and masks cross "
+                "it for 0 bytes, gathered outputs are counted as all-gathers)"
             )
         if not self.graphs:
             parts.append("(Dynamo captured no graph: nothing in the model's forward runs tensor ops)")
@@ -153,9 +155,11 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     graphs: list[CapturedGraph] = []
 
     def capture(gm: fx.GraphModule, graph_inputs: list, **_: Any):
-        outputs = _meta_outputs(gm)
         report = Report(world_size=world_size, graph_index=len(graphs))
         ctx = PassContext(gm, graph_inputs, ring_options, world_size, "", report, host_values=host_values)
+        rebuild_mask_inputs(ctx)  # as the backend: masks cross graphs as their per-token descriptions
+        describe_mask_outputs(ctx)
+        outputs = _meta_outputs(ctx.gm)
         blocking = None
         try:
             run_pipeline(ctx)
@@ -167,8 +171,8 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
         except NotSupportedError as error:  # recorded in the report with its chain of ops
             blocking = getattr(error, "node", None)
         release_marks()
-        graphs.append(CapturedGraph(gm, report, ctx.placement, ctx.sequence.axes, blocking))
-        return lambda *_: outputs()
+        graphs.append(CapturedGraph(ctx.gm, report, ctx.placement, ctx.sequence.axes, blocking))
+        return lambda *_: wrap_mask_outputs(outputs(), ctx.mask_outputs)
 
     torch._dynamo.reset()  # a fresh capture: cached graphs of this code (other backends) would hide it
     try:

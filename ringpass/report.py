@@ -93,6 +93,7 @@ class Report:
     inputs: list[ValueRecord] = field(default_factory=list)
     outputs: list[ValueRecord] = field(default_factory=list)
     computed_whole: list[str] = field(default_factory=list)
+    masks: list[str] = field(default_factory=list)  # masks crossing the boundary as per-token descriptions
     collectives: list[CollectiveRecord] = field(default_factory=list)
     gradients: str = ""  # "reduced" | "mean" | "local"
     gradients_why: str = ""  # the wrapper grads="auto" found, or why the choice costs traffic
@@ -152,6 +153,7 @@ class Report:
             return (
                 f"{head} {self.unchanged or self.cache or 'no attention found'}: "
                 "the graph runs unchanged (replicated) on every rank"
+                + (f", {len(self.masks)} mask(s) crossing as per-token descriptions" if self.masks else "")
             )
         if self.decode:
             return (
@@ -170,6 +172,7 @@ class Report:
             else f"no attention, sharded over {over}"
         )
         carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""
+        carried += f", {len(self.masks)} mask(s) crossing as per-token descriptions" if self.masks else ""
         return (
             f"{head} {what}, layout {self.layout}, sequence {self.seq_len}, "
             f"{_size(self.gathered_bytes())} all-gathered per call{carried}"
@@ -204,6 +207,7 @@ class Report:
             ("outputs replicated", "replicated"),
         ):
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])
+        lines += _section("masks crossing as their per-token description (SequenceMask: no S x S)", self.masks)
         lines += _section("KV cache", [self.cache] if self.cache else [])
         lines += _section("collectives inserted (per call)", _collectives_text(self.collectives))
         if self.gradients_why or self.gradients in ("local", "mean"):
@@ -258,6 +262,7 @@ class Report:
             "inputs": [asdict(v) for v in self.inputs],
             "outputs": [asdict(v) for v in self.outputs],
             "computed_whole": self.computed_whole,
+            "masks": self.masks,
             "collectives": [asdict(c) for c in self.collectives],
             "gradients": self.gradients or None,
             "gradients_why": self.gradients_why or None,

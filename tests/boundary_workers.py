@@ -119,53 +119,89 @@ def _expected(model, ids, labels):
 
 
 def recipes(rank: int, world_size: int, names: tuple, seq_len: int) -> dict:
-    """Each named recipe's result (``"eager"``: `eager_rules`; ``"hf_<family>[_checkpointed|_left-padded]"``:
-    `hf_per_layer`)."""
+    """Each named recipe's result (``"eager"``: `eager_rules`; ``"hf_<family>_<how>[_<variant>]"``: `hf_recipe`)."""
     results = {}
     for name in names:
         if name == "eager":
             results[name] = eager_rules(rank, world_size, seq_len)
         elif name.startswith("hf_"):
-            family, _, variant = name[3:].partition("_")
-            results[name] = hf_per_layer(rank, world_size, family, variant, seq_len)
+            family, how, variant = (name[3:].split("_") + [""])[:3]
+            results[name] = hf_recipe(rank, world_size, family, how, variant, seq_len)
         else:
             results[name] = recipe(rank, world_size, name, seq_len)
     return results
 
 
-def hf_per_layer(rank: int, world_size: int, family: str, variant: str, seq_len: int) -> dict:
-    """A Hugging Face model (fp32) with each decoder layer compiled on its own and the token ids sharded, against
-    the same model unsharded; ``variant``: ``checkpointed`` (HF's gradient checkpointing, non-reentrant) or
-    ``left-padded`` (a padding mask: refused, masks do not cross graphs yet; the error is returned)."""
+def hf_recipe(rank: int, world_size: int, family: str, how: str, variant: str, seq_len: int) -> dict:
+    """A Hugging Face model (fp32, token ids sharded) trained one step against the same model unsharded.
+    ``how``: ``layers`` (each decoder layer compiled on its own; the model's forward runs eagerly), ``fsdp2``
+    (`fully_shard` on every layer and the root, the model compiled: a graph per layer), ``break`` (the model
+    compiled, a graph break at the start of every layer). ``variant``: ``+``-joined ``checkpointed`` (HF's
+    gradient checkpointing, non-reentrant) and ``left-padded`` or ``packed`` (`hf_workers.batch`). A refusal is
+    returned as ``{"refused": message}``."""
     import hf_workers
 
     torch._dynamo.reset()
     model = hf_workers.build(family)
-    if variant == "checkpointed":
+    variants = set(variant.split("+"))
+    if "checkpointed" in variants:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    kwargs = hf_workers.batch("left-padded" if variant == "left-padded" else "labels", seq_len)
+    (case,) = (variants & {"left-padded", "packed"}) or {"labels"}
+    kwargs = hf_workers.batch(case, seq_len)
     expected = model(**kwargs)
     expected.loss.backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     backend = ringpass.backend(compiler="aot_eager")
-    for layer in model.model.layers:
-        layer.compile(backend=backend)
-    kwargs["input_ids"] = SequenceSharded.distribute(kwargs["input_ids"], 1)
-    with record_ring_events() as events:
-        try:
-            got = model(**kwargs)
-        except ringpass.RingpassError as error:
-            return {"refused": str(error)}
-        got.loss.backward()
+    layer_class = type(model.model.layers[0])
+    with _graph_break_in(layer_class) if how == "break" else contextlib.nullcontext():
+        if how == "layers":
+            for layer in model.model.layers:
+                layer.compile(backend=backend)
+            run = model
+        else:
+            if how == "fsdp2":
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = init_device_mesh("cpu", (world_size,))
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            run = torch.compile(model, backend=backend)
+        kwargs["input_ids"] = SequenceSharded.distribute(kwargs["input_ids"], 1)
+        with record_ring_events() as events:
+            try:
+                got = run(**kwargs)
+            except ringpass.RingpassError as error:
+                return {"refused": str(error)}
+            got.loss.backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
     return {
         "loss": rel_err(got.loss, expected.loss),
         "logits": rel_err(got.logits.full_tensor(), expected.logits),
-        "grads": grad_error({n: p.grad for n, p in model.named_parameters()}, expected_grads),
+        "grads": grad_error(grads, expected_grads),
         "logits_type": type(got.logits).__name__,
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "all_gathers": [e.fields["shape"] for e in events if e.kind == "all_gather"],
+        "masks": [line for report in backend.reports for line in report.masks],
     }
+
+
+@contextlib.contextmanager
+def _graph_break_in(layer_class):
+    """Every call of ``layer_class`` breaks the graph first (as a data-dependent branch in a model would)."""
+    forward = layer_class.forward
+
+    def broken(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    layer_class.forward = broken
+    try:
+        yield
+    finally:
+        layer_class.forward = forward
 
 
 def recipe(rank: int, world_size: int, name: str, seq_len: int) -> dict:

@@ -201,6 +201,21 @@ def mask_before_a_break(seq_len: int = 16):
     return MaskBeforeABreak(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2, seq_len, dtype=torch.long))
 
 
+class MaskGivenWhole(nn.Module):
+    """Takes its attention mask as a ``[B, 1, S, S]`` input, made whole by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Embedding(61, 32), models.EncoderBlock(32, 4)
+
+    def forward(self, ids, mask):
+        return self.block(self.embed(ids), mask)
+
+
+def mask_given_whole(seq_len: int = 16):
+    return MaskGivenWhole(), (torch.randint(0, 61, (2, seq_len)), torch.ones(2, 1, seq_len, seq_len, dtype=torch.bool))
+
+
 class AttentionInACond(nn.Module):
     """Attention inside one branch of ``torch.cond``: a higher-order op the ring does not open."""
 

@@ -547,7 +547,7 @@ def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, w
 @pytest.mark.parametrize(
     "target,words",
     [
-        ("mask_before_a_break", "a sequence x sequence tensor"),  # and why it arrives whole: the graph break
+        ("mask_given_whole", "a sequence x sequence tensor"),  # and why it arrives whole
         ("attention_in_a_cond", "holds an attention in its body"),
         ("einsum_with_heads_last", "an attention the ring backend does not recognise"),
         ("scores_copied_first", "an attention the ring backend does not recognise"),
@@ -558,8 +558,22 @@ def test_what_the_ring_cannot_rewrite_is_refused_saying_why_not_run_unsharded(tm
     assert code == 2, data
     message = data["graphs"][-1]["refusal"]["message"]
     assert words in message
-    if target == "mask_before_a_break":
-        assert "breaks the graph between building the mask and using it" in message
+    if target == "mask_given_whole":
+        assert "built outside the graphs the ring compiles" in message
+
+
+def test_a_mask_built_before_a_graph_break_crosses_it_as_its_per_token_description(tmp_path):
+    """The graph that builds the mask returns its [B, S] padding mask instead of the [B, 1, S, S] mask; the next
+    graph evaluates the mask per tile from it."""
+    code, data = _cli(tmp_path, f"{TARGETS}:mask_before_a_break", "--world-size", "2")
+    assert code == 0, data
+    built, used = data["graphs"]
+    assert len(built["masks"]) == 1 and "[2, 1, 16, 16] mask" in built["masks"][0], built["masks"]
+    assert "per-token description (SequenceMask of 1 tensor(s), 256 bytes instead of 512)" in built["masks"][0]
+    assert len(used["masks"]) == 1 and "arrives as its per-token description" in used["masks"][0]
+    assert used["attentions"][0]["mask"].startswith("lifted mask program"), used["attentions"][0]
+    whole = [(v["name"], v["shape"]) for v in used["inputs"] if v["placement"] == "whole"]
+    assert whole == [("mask__input_0", [2, 16])], used["inputs"]  # the padding mask, not [2, 1, 16, 16]
 
 
 def test_soft_capped_scores_without_a_mask_are_rewritten(tmp_path):

@@ -356,7 +356,7 @@ def _gather_outputs(ctx: PassContext) -> None:
         shape, size = [plain(s) for s in value.shape], nbytes(value)
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
-        if placement == LOCAL and carries and arg not in caches:
+        if placement == LOCAL and carries and arg not in caches | ctx.whole_outputs:
             kind = "carried"
             ctx.carried_outputs[index] = dim
         elif placement == LOCAL and ctx.options.outputs != "sharded":

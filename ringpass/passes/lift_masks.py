@@ -116,7 +116,7 @@ def _plan_bias(ctx: PassContext, match, plan: MaskPlan) -> None:
     plan.slopes = _alibi_slopes(ctx, match)
     if plan.slopes is not None:
         return
-    region = _Region(bias)
+    region = MaskRegion(bias)
     if region.oversized:
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
@@ -213,7 +213,7 @@ def _combined(ctx: PassContext, match, outer: MaskPlan, inner: MaskPlan) -> Mask
 def _plan(ctx: PassContext, match) -> MaskPlan:
     kind, mask = match.mask
     _check_additive(match, kind, mask)
-    region = _Region(mask)
+    region = MaskRegion(mask)
     ctx.masks.lifted.add(mask)
     n = example_value(match.output).shape[-2]
     if region.oversized:
@@ -261,7 +261,7 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     )
 
 
-def _fully_masked(ctx: PassContext, match, kind: str, region: _Region) -> str:
+def _fully_masked(ctx: PassContext, match, kind: str, region: MaskRegion) -> str:
     """What the model gives a query whose keys are all hidden (left padding), for the ring to give the same
     (`lowering.fully_masked`): an added finite mask (``+ finfo.min``) makes its softmax uniform over every key,
     with gradients into the scores; a finite fill (``masked_fill``, ``where``) too, with none; a bool mask
@@ -287,7 +287,7 @@ def _fully_masked(ctx: PassContext, match, kind: str, region: _Region) -> str:
     return mode
 
 
-def _read(ctx: PassContext, region: _Region, kind: str, n) -> tuple[frozenset, bool]:
+def _read(ctx: PassContext, region: MaskRegion, kind: str, n) -> tuple[frozenset, bool]:
     """The symbolic reading at the graph's length; with dynamic shapes also at another length, and only
     what both readings agree on counts (a table that is ``arange`` at one length only is not trusted)."""
     if not isinstance(n, torch.SymInt):
@@ -331,7 +331,7 @@ def _flags(implied: frozenset) -> tuple[bool, int | None]:
 Use = tuple  # (node, roles): a value of the graph read with these dims restricted, as ((dim, Q | KV), ...)
 
 
-class _Region:
+class MaskRegion:
     """The mask's pairwise part. A value can be read per query and per key (``i[:, None] >= i[None, :]``),
     so the region is made of *uses* (node, roles). ``ops``: use -> {arg node: its use} for the region's
     ops; ``inputs``: the uses it reads from the rest of the graph; ``oversized``: inputs with both a
@@ -465,7 +465,7 @@ COMPARE = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # x OP y a
 class _Symbolic:
     """Evaluates the region over symbols; anything it cannot read makes the whole reading None."""
 
-    def __init__(self, ctx: PassContext, region: _Region, resize: tuple | None):
+    def __init__(self, ctx: PassContext, region: MaskRegion, resize: tuple | None):
         self.ctx, self.region, self.resize = ctx, region, resize
         self.values: dict[fx.Node, object] = {}
 
@@ -638,7 +638,7 @@ def _offset_from_arange(value: torch.Tensor, dim: int) -> int | None:
 
 # ---- 2. the mask program ------------------------------------------------------------------------------
 def _program(
-    ctx: PassContext, region: _Region, kind: str, reshape: tuple | None = None, factor: float = 1.0
+    ctx: PassContext, region: MaskRegion, kind: str, reshape: tuple | None = None, factor: float = 1.0
 ) -> fx.GraphModule:
     """``program(q_pos, kv_pos, *inputs)``: the region, with its per-token inputs restricted to the
     positions (``index_select`` along their role dims) and expands dropped (the ring broadcasts); a
@@ -714,7 +714,7 @@ def _shape_only_flags(
 
 
 def _causal_from_sizes_alone(
-    ctx: PassContext, region: _Region, kind: str, n: torch.SymInt
+    ctx: PassContext, region: MaskRegion, kind: str, n: torch.SymInt
 ) -> tuple[bool, int | None] | None:
     """With dynamic shapes, a mask from an S x S tensor that reads the sequence length only as the size of new
     tensors (``triu(full((S, S), -inf), 1)``: ``nn.Transformer.generate_square_subsequent_mask``) or as the end
@@ -783,15 +783,19 @@ def _prefix_of_state(op: fx.Node) -> list[int] | None:
 
 
 def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:
-    """A note for an S x S mask that arrives as an input of a graph after the first: a model that breaks the
-    graph between building its mask and its attention (Hugging Face passes its 4-D mask on)."""
-    if big.op != "placeholder" or is_module_state(big) or ctx.report.graph_index == 0:
+    """A note for an S x S mask that arrives as a graph input: one built in another compiled graph crosses as its
+    per-token description (`ringpass.crossing_masks`), so this one was built outside the compiled graphs, or in
+    one whose mask could not be described."""
+    if big.op != "placeholder" or is_module_state(big):
         return ""
     return (
-        f" (This is graph {ctx.report.graph_index} of the model: it receives the mask whole because the model "
-        "breaks the graph between building the mask and using it, e.g. a loop over experts or `.tolist()` / "
-        "`.nonzero()` on routing data. Compile with fullgraph=True to see where, and remove the break; "
-        "torch._dynamo.config.capture_scalar_outputs / capture_dynamic_output_shape_ops may help.)"
+        " (It arrives as an S x S tensor: it was built outside the graphs the ring compiles (the model's forward "
+        "runs eagerly and only its blocks are compiled, so the mask is made whole before they run), or in a graph "
+        "whose mask could not be described per token (dynamic shapes, or a mask computed from a trainable value or "
+        "an S x S tensor). Compile the code that builds the mask with the ring backend too, e.g. "
+        "torch.compile(model, backend='ring') (FSDP2's hooks still break it into one graph per block): the mask "
+        "then reaches the blocks as its per-token description, a ringpass.SequenceMask; with dynamic=False if the "
+        "lengths vary.)"
     )
 
 

@@ -1,0 +1,118 @@
+"""`SequenceMask`: a sequence x sequence attention mask that crosses a graph boundary as its per-token description.
+
+A graph the ring backend compiles that returns a mask built from per-token values (a padding mask read as
+``attention_mask[b, k]``, document ids or positions compared pairwise, ``k <= q``) returns it as a `SequenceMask`:
+the per-token tensors the mask is built from (each at most ``[B, S]``) and the recipe that builds it from them
+(the graph's own ops, kept as an `fx.GraphModule` registered under a key). It reports the mask's shape and dtype,
+so model code between graphs hands it on as the mask it stands for; a ring graph that receives one writes the
+recipe into its own graph (`ringpass.crossing_masks`), where `lift_masks` evaluates it per tile as it does a mask
+the graph built itself: no rank ever holds the S x S values.
+
+    mask.shape            # the whole [B, 1, S, S]
+    mask.full_tensor()    # the S x S mask itself, built on this rank (no communication)
+    print(mask)           # the description: its per-token tensors, never S x S values
+
+Eager ops on it raise `NeedsWholeSequence`, which says to call ``.full_tensor()``: never a silent materialisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
+
+from lowering.sequence_tensor import NeedsWholeSequence
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class MaskRecipe:
+    """``program(*inputs)`` is the mask (of ``dtype``); ``source``: where the graph that built it was."""
+
+    program: fx.GraphModule
+    dtype: torch.dtype
+    source: str
+
+
+_RECIPES: dict[str, MaskRecipe] = {}
+
+
+def register_recipe(program: fx.GraphModule, dtype: torch.dtype, source: str) -> str:
+    """The recipe's key (by content: the same recipe from another compile has the same key)."""
+    key = "mask-" + hashlib.sha1(f"{program.code}\n{dtype}".encode()).hexdigest()[:16]
+    _RECIPES.setdefault(key, MaskRecipe(program, dtype, source))
+    return key
+
+
+def recipe(key: str) -> MaskRecipe:
+    return _RECIPES[key]
+
+
+class SequenceMask(torch.Tensor):
+    """A mask of the global shape described by per-token tensors and a recipe; see the module docstring."""
+
+    recipe: str
+    count: int
+
+    @staticmethod
+    def __new__(cls, inputs: list, key: str, shape):
+        dtype = _RECIPES[key].dtype
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=inputs[0].device)
+
+    def __init__(self, inputs: list, key: str, shape):
+        self.recipe, self.count = key, len(inputs)
+        for i, tensor in enumerate(inputs):
+            setattr(self, f"input_{i}", tensor)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The per-token tensors the recipe builds the mask from."""
+        return [getattr(self, f"input_{i}") for i in range(self.count)]
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        described = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in self.inputs)
+        return (
+            f"SequenceMask(shape={tuple(self.shape)}, dtype={str(self.dtype).replace('torch.', '')}, built from "
+            f"[{described}] by the mask of {_RECIPES[self.recipe].source})"
+        )
+
+    def __tensor_flatten__(self):
+        return [f"input_{i}" for i in range(self.count)], (self.recipe, self.count)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        key, count = context
+        return SequenceMask([inner[f"input_{i}"] for i in range(count)], key, outer_size)
+
+    @classmethod
+    @torch._disable_dynamo
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        masks = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, SequenceMask)]
+        if any(is_fake(t) for m in masks for t in m.inputs):  # traced (Dynamo): a plain tensor of the global shape
+            args, kwargs = pytree.tree_map_only(SequenceMask, _stand_in, (args, kwargs))
+            return func(*args, **kwargs)
+        if func in (aten.detach.default, aten.alias.default):
+            (mask,) = masks
+            return SequenceMask(mask.inputs, mask.recipe, mask.shape)
+        raise NeedsWholeSequence(
+            f"{func} on a SequenceMask (an attention mask a ring graph returned as its per-token description, so "
+            "that no rank holds it S x S). Pass it to the next compiled graph as it is, or call .full_tensor() for "
+            "the whole mask (built on this rank from its description)."
+        )
+
+    @torch._disable_dynamo
+    def full_tensor(self) -> torch.Tensor:
+        """The whole mask, built on this rank by its recipe (no communication)."""
+        return _RECIPES[self.recipe].program(*self.inputs).expand(self.shape)
+
+
+def _stand_in(mask: SequenceMask) -> torch.Tensor:
+    return mask.inputs[0].new_empty(mask.shape, dtype=mask.dtype)

@@ -1,0 +1,213 @@
+"""Masks that cross graph boundaries as their per-token description (`lowering.sequence_mask.SequenceMask`).
+
+A model whose graph breaks between building its attention mask and using it (FSDP2's hooks on every block, a
+graph break in the model) would hand each block graph an S x S tensor, which the ring cannot take without every
+rank holding it whole. Instead:
+
+- `describe_mask_outputs` (the graph that builds the mask) matches each output that is a mask: a bool or float
+  value whose last two dims are the same length, whose pairwise part (`lift_masks.MaskRegion`, read from the
+  output as query rows x key columns) reads per-token values only and needs no trainable value. It writes the
+  mask's recipe (the region and the shape-only values it reads, e.g. ``arange``s, copied into their own graph,
+  registered by content) and makes the graph return the per-token values the recipe reads (its *crossings*, each
+  at most ``[B, S]``) instead of the mask; `CarriedGraph` wraps them as a `SequenceMask`. The S x S value is no
+  longer computed unless an attention of this graph needs it (then `lift_masks` lifts it as usual).
+- `rebuild_mask_inputs` (a graph that receives one) replaces the mask's placeholder by placeholders for its
+  crossings and the recipe written into the graph, so that `lift_masks` sees a mask built from per-token inputs,
+  as if the graph had built it itself; `CarriedGraph` passes the crossings in the mask's place.
+
+What is not described crosses as before: a plain S x S tensor, refused by `lift_masks` with the reason unless
+``masks="materialize"``. Dynamic shapes are not described yet (a recipe holds the traced sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from lowering.sequence_mask import SequenceMask, recipe, register_recipe
+from ringpass.graph import (
+    ancestors,
+    example_value,
+    nbytes,
+    plain,
+    refresh_example_values,
+    remove_dead_code,
+    short_source,
+    user_name,
+)
+from ringpass.graph_utils.context import PassContext
+from ringpass.passes.lift_masks import KV, MaskRegion, Q
+
+
+@dataclass
+class MaskOutput:
+    """An output described: its recipe's key, and the outputs that carry its crossings (the first is the mask's
+    own position, the rest are appended to the graph's outputs)."""
+
+    key: str
+    crossings: list[int]
+    shape: list
+
+
+def describe_mask_outputs(ctx: PassContext) -> None:
+    """Replaces each mask output by its crossings (see the module docstring); records them in
+    ``ctx.mask_outputs`` (output index -> `MaskOutput`) and the crossing nodes in ``ctx.whole_outputs``."""
+    if ctx.options.outputs == "sharded":  # the user asked for the graph's values as they are
+        return
+    output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+    results = list(output.args[0])
+    for index, node in enumerate(list(results)):
+        described = _describe(node) if isinstance(node, fx.Node) else None
+        if described is None:
+            continue
+        key, crossings = described
+        if not crossings:  # a mask from shapes alone: a token of its device carries the description
+            with ctx.gm.graph.inserting_before(output):
+                anchor = ctx.gm.graph.call_function(torch.empty, ((0,),), {"device": example_value(node).device})
+            anchor.meta["example_value"] = example_value(node).new_empty((0,))
+            crossings = [anchor]
+        value = example_value(node)
+        ctx.mask_outputs[index] = MaskOutput(
+            key, [index, *range(len(results), len(results) + len(crossings) - 1)], [plain(s) for s in value.shape]
+        )
+        results[index] = crossings[0]
+        results += crossings[1:]
+        ctx.whole_outputs.update(crossings)
+        sizes = sum(nbytes(example_value(c)) for c in crossings)
+        ctx.report.masks.append(
+            f"output {index}: the {list(value.shape)} mask of {short_source(node)} leaves as its per-token "
+            f"description (SequenceMask of {len(crossings)} tensor(s), {sizes} bytes instead of {nbytes(value)})"
+        )
+    output.args = (tuple(results),)
+    remove_dead_code(ctx.gm.graph)
+
+
+def wrap_mask_outputs(outputs: list, mask_outputs: dict) -> list:
+    """The graph's results as the caller gets them: each described mask a `SequenceMask` of its crossings, and
+    the crossings appended to the outputs dropped."""
+    outputs = list(outputs)
+    for index, mask in mask_outputs.items():
+        outputs[index] = SequenceMask([outputs[i] for i in mask.crossings], mask.key, mask.shape)
+    return outputs[: len(outputs) - sum(len(m.crossings) - 1 for m in mask_outputs.values())]
+
+
+def _describe(node: fx.Node) -> tuple[str, list[fx.Node]] | None:
+    """(the recipe's key, its crossings) when ``node`` is a mask built from per-token values, else None."""
+    value = example_value(node)
+    if not _mask_shaped(value):
+        return None
+    region = MaskRegion(node)
+    roles = {role for _, dims in region.inputs for _, role in dims}
+    if region.oversized or roles != {Q, KV}:  # not pairwise, or it needs an S x S value
+        return None
+    crossings = [n for n in region.input_nodes if _reads_data(n)]
+    if any(_per_token_bound(value) < example_value(c).numel() for c in crossings):
+        return None  # a whole table the region indexes pairwise: not smaller than S x S by a factor S
+    program = _recipe(node, crossings)
+    if program is None:
+        return None
+    return register_recipe(program, value.dtype, short_source(node) or user_name(node)), crossings
+
+
+def _mask_shaped(value) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.requires_grad:
+        return False
+    n, m = value.shape[-2:]
+    if any(isinstance(s, torch.SymInt) for s in value.shape):
+        return False  # dynamic shapes: a recipe holds the traced sizes
+    return n == m and n > 1 and (value.dtype == torch.bool or value.is_floating_point())
+
+
+def _per_token_bound(value: torch.Tensor) -> int:
+    return value.numel() // value.shape[-1]
+
+
+def _reads_data(node: fx.Node) -> bool:
+    """The value depends on a graph input (not on shapes and constants alone)."""
+    return any(n.op in ("placeholder", "get_attr") for n in ancestors(node))
+
+
+def _recipe(mask: fx.Node, crossings: list[fx.Node]) -> fx.GraphModule | None:
+    """``program(*crossings)``: the nodes ``mask`` is computed from, cut at the crossings; None when it reads a
+    value that is neither (a size of another input)."""
+    graph, env = fx.Graph(), {}
+    for i, node in enumerate(crossings):
+        env[node] = graph.placeholder(f"input_{i}")
+    needed = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in env or node in needed:
+            continue
+        if node.op not in ("call_function", "call_method"):
+            return None
+        needed.add(node)
+        stack += node.all_input_nodes
+    for node in mask.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[mask])
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskRecipe")
+
+
+def rebuild_mask_inputs(ctx: PassContext) -> None:
+    """Writes each `SequenceMask` input's recipe into the graph in place of its placeholder (see the module
+    docstring); ``ctx.example_inputs`` gets its crossings in its place, ``ctx.mask_inputs`` their count."""
+    if not any(isinstance(value, SequenceMask) for value in ctx.example_inputs):
+        return
+    ctx.gm = _own_copy(ctx.gm)
+    graph = ctx.gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    examples, written = [], []
+    for index, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
+        if not isinstance(value, SequenceMask):
+            examples.append(value)
+            continue
+        traced, program = example_value(node), recipe(value.recipe).program
+        with graph.inserting_before(node):
+            crossings = [graph.placeholder(f"{node.name}_input_{i}") for i in range(value.count)]
+        for i, (crossing, fake) in enumerate(zip(crossings, traced.inputs)):
+            crossing.meta["example_value"] = fake
+            crossing._dynamo_source = _inner_source(node, i)  # AOTAutograd maps Dynamo's inputs by their source
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        env = dict(zip((n for n in program.graph.nodes if n.op == "placeholder"), crossings))
+        with graph.inserting_before(first_op):
+            for step in program.graph.nodes:
+                if step.op in ("call_function", "call_method"):
+                    env[step] = graph.node_copy(step, env.__getitem__)
+                    written.append(env[step])
+        ctx.report.masks.append(
+            f"input {user_name(node)}: the {list(value.shape)} mask arrives as its per-token description "
+            f"(SequenceMask from {recipe(value.recipe).source}) and is evaluated here per tile"
+        )
+        node.replace_all_uses_with(env[next(n for n in program.graph.nodes if n.op == "output").args[0]])
+        graph.erase_node(node)
+        ctx.mask_inputs[index] = value.count
+        examples += value.inputs
+    refresh_example_values(graph, set(written), fake_mode=traced.inputs[0].fake_mode)
+    ctx.example_inputs = examples
+
+
+def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph module whose inputs may change: Dynamo calls the compiled graph with the
+    arguments its own graph's placeholders name, so those stay as they are."""
+    graph, copies = fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for node, copy in copies.items():
+        if hasattr(node, "_dynamo_source"):
+            copy._dynamo_source = node._dynamo_source
+    copied = fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    return copied
+
+
+def _inner_source(placeholder: fx.Node, i: int):
+    """Where Dynamo would say the mask's ``i``-th describing tensor comes from: the mask argument's attribute."""
+    from torch._dynamo.source import AttrSource
+
+    source = getattr(placeholder, "_dynamo_source", None)
+    return AttrSource(source, f"input_{i}") if source is not None else None
