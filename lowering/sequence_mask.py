@@ -29,23 +29,33 @@ from lowering.sequence_tensor import NeedsWholeSequence
 
 aten = torch.ops.aten
 
+Size = tuple[int, int]  # (i, d): the size of dim d of the recipe's i-th tensor
+
 
 @dataclass(frozen=True)
 class MaskRecipe:
-    """``program(*inputs)`` is the mask (of ``dtype``); ``source``: where the graph that built it was."""
+    """``program(*tensors, *sizes)`` is the mask, of ``dtype``; a traced length is a size of a tensor it is built
+    from: ``sizes`` say which sizes the program takes after the tensors, ``shape`` the mask's shape (ints, and
+    `Size`s where it was traced symbolically). ``source``: where the graph that built it builds it."""
 
     program: fx.GraphModule
     dtype: torch.dtype
+    sizes: tuple[Size, ...]
+    shape: tuple
     source: str
+
+    def shape_for(self, tensors: list) -> list[int]:
+        return [d if isinstance(d, int) else tensors[d[0]].shape[d[1]] for d in self.shape]
 
 
 _RECIPES: dict[str, MaskRecipe] = {}
 
 
-def register_recipe(program: fx.GraphModule, dtype: torch.dtype, source: str) -> str:
+def register_recipe(program: fx.GraphModule, dtype: torch.dtype, sizes=(), shape=(), source: str = "") -> str:
     """The recipe's key (by content: the same recipe from another compile has the same key)."""
-    key = "mask-" + hashlib.sha1(f"{program.code}\n{dtype}".encode()).hexdigest()[:16]
-    _RECIPES.setdefault(key, MaskRecipe(program, dtype, source))
+    sizes, shape = tuple(sizes), tuple(shape)
+    key = "mask-" + hashlib.sha1(f"{program.code}\n{dtype}\n{sizes}\n{shape}".encode()).hexdigest()[:16]
+    _RECIPES.setdefault(key, MaskRecipe(program, dtype, sizes, shape, source))
     return key
 
 
@@ -60,11 +70,12 @@ class SequenceMask(torch.Tensor):
     count: int
 
     @staticmethod
-    def __new__(cls, inputs: list, key: str, shape):
-        dtype = _RECIPES[key].dtype
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=inputs[0].device)
+    def __new__(cls, inputs: list, key: str, shape=None):
+        entry = _RECIPES[key]
+        shape = entry.shape_for(inputs) if shape is None else shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=entry.dtype, device=inputs[0].device)
 
-    def __init__(self, inputs: list, key: str, shape):
+    def __init__(self, inputs: list, key: str, shape=None):
         self.recipe, self.count = key, len(inputs)
         for i, tensor in enumerate(inputs):
             setattr(self, f"input_{i}", tensor)
@@ -111,7 +122,8 @@ class SequenceMask(torch.Tensor):
     @torch._disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole mask, built on this rank by its recipe (no communication)."""
-        return _RECIPES[self.recipe].program(*self.inputs).expand(self.shape)
+        entry, inputs = _RECIPES[self.recipe], self.inputs
+        return entry.program(*inputs, *(inputs[i].shape[d] for i, d in entry.sizes)).expand(self.shape)
 
 
 def _stand_in(mask: SequenceMask) -> torch.Tensor:

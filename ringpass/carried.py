@@ -18,8 +18,9 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.layout import local_length
 from lowering.sequence_tensor import SequenceSharded, SequenceSpec, carry
 from ringpass.crossing_masks import wrap_mask_outputs
-from ringpass.graph import example_value, user_name
+from ringpass.graph import example_value, is_module_state, user_name
 from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.sizes import same
 
 
 def take_carried_inputs(ctx: PassContext) -> None:
@@ -65,6 +66,24 @@ def take_carried_inputs(ctx: PassContext) -> None:
             f"layout='{ctx.options.layout}'. Give every ring graph of the model the same layout (or 'auto')."
         )
     ctx.carried_layout = kinds.pop() if kinds else ""
+    _same_length_as_carried(ctx)
+
+
+def _same_length_as_carried(ctx: PassContext) -> None:
+    """With dynamic shapes Dynamo gives a carried input's sequence (marked dynamic) a symbol of its own, where it
+    gives the dims of plain inputs of one size one symbol (duck sizing): the labels of a loss computed in the graph
+    would not be seen as sequence-long. A plain input's dim of the same size gets the carried length's symbol, as
+    duck sizing would have given it (Dynamo guards that they are equal)."""
+    lengths = [example_value(node).shape[dim] for node, dim in ctx.carried_inputs.items()]
+    lengths = [n for n in lengths if isinstance(n, torch.SymInt)]
+    for node in (n for n in ctx.gm.graph.nodes if n.op == "placeholder" and n not in ctx.carried_inputs):
+        value = example_value(node)
+        if not isinstance(value, torch.Tensor) or is_module_state(node):
+            continue
+        for size in value.shape:
+            for n in lengths:
+                if isinstance(size, torch.SymInt) and size.node.hint == n.node.hint and not same(size, n):
+                    bool(size == n)  # a guard, and the shape environment's replacement of one symbol by the other
 
 
 def local_examples(example_inputs: list, ctx: PassContext) -> list:

@@ -8,15 +8,16 @@ rank holding it whole. Instead:
   value whose last two dims are the same length, whose pairwise part (`lift_masks.MaskRegion`, read from the
   output as query rows x key columns) reads per-token values only and needs no trainable value. It writes the
   mask's recipe (the region and the shape-only values it reads, e.g. ``arange``s, copied into their own graph,
-  registered by content) and makes the graph return the per-token values the recipe reads (its *crossings*, each
-  at most ``[B, S]``) instead of the mask; `CarriedGraph` wraps them as a `SequenceMask`. The S x S value is no
-  longer computed unless an attention of this graph needs it (then `lift_masks` lifts it as usual).
+  registered by content; with dynamic shapes a length is read as a size of one of those values) and makes the
+  graph return the per-token values the recipe reads (its *crossings*, each at most ``[B, S]``) instead of the
+  mask; `wrap_mask_outputs` makes them a `SequenceMask`. The S x S value is no longer computed unless an
+  attention of this graph needs it (then `lift_masks` lifts it as usual).
 - `rebuild_mask_inputs` (a graph that receives one) replaces the mask's placeholder by placeholders for its
   crossings and the recipe written into the graph, so that `lift_masks` sees a mask built from per-token inputs,
   as if the graph had built it itself; `CarriedGraph` passes the crossings in the mask's place.
 
 What is not described crosses as before: a plain S x S tensor, refused by `lift_masks` with the reason unless
-``masks="materialize"``. Dynamic shapes are not described yet (a recipe holds the traced sizes).
+``masks="materialize"``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ringpass.graph import (
     user_name,
 )
 from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.sizes import same
 from ringpass.passes.lift_masks import KV, MaskRegion, Q
 
 
@@ -48,7 +50,6 @@ class MaskOutput:
 
     key: str
     crossings: list[int]
-    shape: list
 
 
 def describe_mask_outputs(ctx: PassContext) -> None:
@@ -68,17 +69,15 @@ def describe_mask_outputs(ctx: PassContext) -> None:
                 anchor = ctx.gm.graph.call_function(torch.empty, ((0,),), {"device": example_value(node).device})
             anchor.meta["example_value"] = example_value(node).new_empty((0,))
             crossings = [anchor]
-        value = example_value(node)
-        ctx.mask_outputs[index] = MaskOutput(
-            key, [index, *range(len(results), len(results) + len(crossings) - 1)], [plain(s) for s in value.shape]
-        )
+        ctx.mask_outputs[index] = MaskOutput(key, [index, *range(len(results), len(results) + len(crossings) - 1)])
         results[index] = crossings[0]
         results += crossings[1:]
         ctx.whole_outputs.update(crossings)
-        sizes = sum(nbytes(example_value(c)) for c in crossings)
+        value, sizes = example_value(node), sum(nbytes(example_value(c)) for c in crossings)
         ctx.report.masks.append(
-            f"output {index}: the {list(value.shape)} mask of {short_source(node)} leaves as its per-token "
-            f"description (SequenceMask of {len(crossings)} tensor(s), {sizes} bytes instead of {nbytes(value)})"
+            f"output {index}: the {[plain(s) for s in value.shape]} mask of {short_source(node)} leaves as its "
+            f"per-token description (SequenceMask of {len(crossings)} tensor(s), {sizes} bytes instead of "
+            f"{nbytes(value)})"
         )
     output.args = (tuple(results),)
     remove_dead_code(ctx.gm.graph)
@@ -86,10 +85,17 @@ def describe_mask_outputs(ctx: PassContext) -> None:
 
 def wrap_mask_outputs(outputs: list, mask_outputs: dict) -> list:
     """The graph's results as the caller gets them: each described mask a `SequenceMask` of its crossings, and
-    the crossings appended to the outputs dropped."""
+    the crossings appended to the outputs dropped. A length traced symbolically stays so in the next graph."""
     outputs = list(outputs)
-    for index, mask in mask_outputs.items():
-        outputs[index] = SequenceMask([outputs[i] for i in mask.crossings], mask.key, mask.shape)
+    for index, described in mask_outputs.items():
+        tensors = [outputs[i] for i in described.crossings]
+        outputs[index] = mask = SequenceMask(tensors, described.key)
+        entry = recipe(described.key)
+        for dim, size in enumerate(entry.shape):
+            if not isinstance(size, int):
+                torch._dynamo.maybe_mark_dynamic(mask, dim)
+        for i, dim in (*entry.sizes, *(s for s in entry.shape if not isinstance(s, int))):
+            torch._dynamo.maybe_mark_dynamic(tensors[i], dim)
     return outputs[: len(outputs) - sum(len(m.crossings) - 1 for m in mask_outputs.values())]
 
 
@@ -103,53 +109,73 @@ def _describe(node: fx.Node) -> tuple[str, list[fx.Node]] | None:
     if region.oversized or roles != {Q, KV}:  # not pairwise, or it needs an S x S value
         return None
     crossings = [n for n in region.input_nodes if _reads_data(n)]
-    if any(_per_token_bound(value) < example_value(c).numel() for c in crossings):
+    if any(_per_token_bound(value) < plain(example_value(c).numel()) for c in crossings):
         return None  # a whole table the region indexes pairwise: not smaller than S x S by a factor S
-    program = _recipe(node, crossings)
-    if program is None:
+    shape = [_size_in(s, crossings) for s in value.shape]
+    program, sizes = _recipe(node, crossings)
+    if program is None or None in shape:  # a length none of the crossings has
         return None
-    return register_recipe(program, value.dtype, short_source(node) or user_name(node)), crossings
+    source = short_source(node) or user_name(node)
+    return register_recipe(program, value.dtype, sizes, shape, source), crossings
 
 
 def _mask_shaped(value) -> bool:
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.requires_grad:
         return False
     n, m = value.shape[-2:]
-    if any(isinstance(s, torch.SymInt) for s in value.shape):
-        return False  # dynamic shapes: a recipe holds the traced sizes
-    return n == m and n > 1 and (value.dtype == torch.bool or value.is_floating_point())
+    return same(n, m) and plain(n) > 1 and (value.dtype == torch.bool or value.is_floating_point())
 
 
 def _per_token_bound(value: torch.Tensor) -> int:
-    return value.numel() // value.shape[-1]
+    return plain(value.numel()) // plain(value.shape[-1])
 
 
 def _reads_data(node: fx.Node) -> bool:
-    """The value depends on a graph input (not on shapes and constants alone)."""
-    return any(n.op in ("placeholder", "get_attr") for n in ancestors(node))
+    """The value depends on a tensor the graph takes (not on shapes and constants alone)."""
+    return any(
+        n.op == "get_attr" or (n.op == "placeholder" and isinstance(example_value(n), torch.Tensor))
+        for n in ancestors(node)
+    )
 
 
-def _recipe(mask: fx.Node, crossings: list[fx.Node]) -> fx.GraphModule | None:
-    """``program(*crossings)``: the nodes ``mask`` is computed from, cut at the crossings; None when it reads a
-    value that is neither (a size of another input)."""
-    graph, env = fx.Graph(), {}
+def _size_in(size, crossings: list[fx.Node]):
+    """``size`` itself when it is a number, else where a crossing has it: (crossing, dim); None if none has."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    for i, node in enumerate(crossings):
+        for dim, own in enumerate(example_value(node).shape):
+            if isinstance(own, torch.SymInt) and own.node.expr == size.node.expr:
+                return i, dim
+    return None
+
+
+def _recipe(mask: fx.Node, crossings: list[fx.Node]):
+    """(``program(*crossings, *sizes)``, ``sizes``): the nodes ``mask`` is computed from, cut at the crossings and
+    at the lengths it reads (each a size of a crossing); (None, ()) when it reads anything else."""
+    graph, env, sizes = fx.Graph(), {}, []
     for i, node in enumerate(crossings):
         env[node] = graph.placeholder(f"input_{i}")
-    needed = set()
-    stack = [mask]
+    needed, stack = set(), [mask]
     while stack:
         node = stack.pop()
         if node in env or node in needed:
             continue
+        if isinstance(example_value(node), torch.SymInt):  # a length: read from a crossing's size
+            size = _size_in(example_value(node), crossings)
+            if size is None:
+                return None, ()
+            env[node] = graph.placeholder(f"size_{len(sizes)}")
+            sizes.append(size)
+            continue
         if node.op not in ("call_function", "call_method"):
-            return None
+            return None, ()
         needed.add(node)
         stack += node.all_input_nodes
     for node in mask.graph.nodes:
         if node in needed:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
-    return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskRecipe")
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskRecipe"), sizes
 
 
 def rebuild_mask_inputs(ctx: PassContext) -> None:
@@ -160,34 +186,58 @@ def rebuild_mask_inputs(ctx: PassContext) -> None:
     ctx.gm = _own_copy(ctx.gm)
     graph = ctx.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    examples, written = [], []
+    examples, written, fake_mode = [], [], None
     for index, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
         if not isinstance(value, SequenceMask):
             examples.append(value)
             continue
-        traced, program = example_value(node), recipe(value.recipe).program
+        traced, entry = example_value(node), recipe(value.recipe)
+        fake_mode = traced.inputs[0].fake_mode
         with graph.inserting_before(node):
             crossings = [graph.placeholder(f"{node.name}_input_{i}") for i in range(value.count)]
         for i, (crossing, fake) in enumerate(zip(crossings, traced.inputs)):
             crossing.meta["example_value"] = fake
             crossing._dynamo_source = _inner_source(node, i)  # AOTAutograd maps Dynamo's inputs by their source
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
-        env = dict(zip((n for n in program.graph.nodes if n.op == "placeholder"), crossings))
+        steps = [n for n in entry.program.graph.nodes if n.op == "placeholder"]
+        env = dict(zip(steps, crossings))
         with graph.inserting_before(first_op):
-            for step in program.graph.nodes:
+            for step, (i, dim) in zip(steps[value.count :], entry.sizes):
+                env[step] = _length(graph, placeholders, crossings[i], traced.inputs[i].shape[dim], dim)
+                written.append(env[step])
+            for step in entry.program.graph.nodes:
                 if step.op in ("call_function", "call_method"):
                     env[step] = graph.node_copy(step, env.__getitem__)
                     written.append(env[step])
         ctx.report.masks.append(
-            f"input {user_name(node)}: the {list(value.shape)} mask arrives as its per-token description "
-            f"(SequenceMask from {recipe(value.recipe).source}) and is evaluated here per tile"
+            f"input {user_name(node)}: the {[plain(s) for s in value.shape]} mask arrives as its per-token "
+            f"description (SequenceMask from {entry.source}) and is evaluated here per tile"
         )
-        node.replace_all_uses_with(env[next(n for n in program.graph.nodes if n.op == "output").args[0]])
+        node.replace_all_uses_with(env[next(n for n in entry.program.graph.nodes if n.op == "output").args[0]])
         graph.erase_node(node)
         ctx.mask_inputs[index] = value.count
         examples += value.inputs
-    refresh_example_values(graph, set(written), fake_mode=traced.inputs[0].fake_mode)
+    refresh_example_values(graph, {n for n in written if n.op != "placeholder"}, fake_mode=fake_mode)
     ctx.example_inputs = examples
+
+
+def _length(graph: fx.Graph, placeholders: list[fx.Node], crossing: fx.Node, size, dim: int) -> fx.Node:
+    """The graph's own input for a symbolic length (Dynamo passes each symbol the graph reads), so that
+    `lift_masks` reads a recipe's ``arange(n)`` as positions; else ``crossing.size(dim)``."""
+    if isinstance(size, torch.SymInt):
+        for node in placeholders:
+            own = example_value(node)
+            if isinstance(own, torch.SymInt) and own.node.expr == size.node.expr:
+                return node
+    return graph.call_method("size", (crossing, dim))
+
+
+def _inner_source(placeholder: fx.Node, i: int):
+    """Where Dynamo would say the mask's ``i``-th describing tensor comes from: the mask argument's attribute."""
+    from torch._dynamo.source import AttrSource
+
+    source = getattr(placeholder, "_dynamo_source", None)
+    return AttrSource(source, f"input_{i}") if source is not None else None
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -203,11 +253,3 @@ def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
     if hasattr(gm, "_param_name_to_source"):
         copied._param_name_to_source = gm._param_name_to_source
     return copied
-
-
-def _inner_source(placeholder: fx.Node, i: int):
-    """Where Dynamo would say the mask's ``i``-th describing tensor comes from: the mask argument's attribute."""
-    from torch._dynamo.source import AttrSource
-
-    source = getattr(placeholder, "_dynamo_source", None)
-    return AttrSource(source, f"input_{i}") if source is not None else None

@@ -137,8 +137,9 @@ def hf_recipe(rank: int, world_size: int, family: str, how: str, variant: str, s
     ``how``: ``layers`` (each decoder layer compiled on its own; the model's forward runs eagerly), ``fsdp2``
     (`fully_shard` on every layer and the root, the model compiled: a graph per layer), ``break`` (the model
     compiled, a graph break at the start of every layer). ``variant``: ``+``-joined ``checkpointed`` (HF's
-    gradient checkpointing, non-reentrant) and ``left-padded`` or ``packed`` (`hf_workers.batch`). A refusal is
-    returned as ``{"refused": message}``."""
+    gradient checkpointing, non-reentrant), ``left-padded`` or ``packed`` (`hf_workers.batch`), ``dynamic``
+    (compiled with ``dynamic=True``, a step at ``seq_len`` then one at ``seq_len + 4``: the worst errors count).
+    A refusal is returned as ``{"refused": message}``."""
     import hf_workers
 
     torch._dynamo.reset()
@@ -147,17 +148,13 @@ def hf_recipe(rank: int, world_size: int, family: str, how: str, variant: str, s
     if "checkpointed" in variants:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     (case,) = (variants & {"left-padded", "packed"}) or {"labels"}
-    kwargs = hf_workers.batch(case, seq_len)
-    expected = model(**kwargs)
-    expected.loss.backward()
-    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    backend = ringpass.backend(compiler="aot_eager")
-    layer_class = type(model.model.layers[0])
-    with _graph_break_in(layer_class) if how == "break" else contextlib.nullcontext():
+    batches = [hf_workers.batch(case, n) for n in ((seq_len, seq_len + 4) if "dynamic" in variants else (seq_len,))]
+    expected = [_hf_step(model, kwargs) for kwargs in batches]  # before FSDP2 wraps the model
+    backend, dynamic = ringpass.backend(compiler="aot_eager"), "dynamic" in variants
+    with _graph_break_in(type(model.model.layers[0])) if how == "break" else contextlib.nullcontext():
         if how == "layers":
             for layer in model.model.layers:
-                layer.compile(backend=backend)
+                layer.compile(backend=backend, dynamic=dynamic)
             run = model
         else:
             if how == "fsdp2":
@@ -168,24 +165,48 @@ def hf_recipe(rank: int, world_size: int, family: str, how: str, variant: str, s
                 for layer in model.model.layers:
                     fully_shard(layer, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-            run = torch.compile(model, backend=backend)
-        kwargs["input_ids"] = SequenceSharded.distribute(kwargs["input_ids"], 1)
-        with record_ring_events() as events:
-            try:
-                got = run(**kwargs)
-            except ringpass.RingpassError as error:
-                return {"refused": str(error)}
-            got.loss.backward()
-    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+            run = torch.compile(model, backend=backend, dynamic=dynamic)
+        steps = []
+        for kwargs, (loss, logits, grads) in zip(batches, expected):
+            kwargs = {**kwargs, "input_ids": SequenceSharded.distribute(kwargs["input_ids"], 1)}
+            with record_ring_events() as events:
+                try:
+                    got = _hf_step(run, kwargs, model)
+                except ringpass.RingpassError as error:
+                    return {"refused": str(error)}
+            steps.append(
+                {
+                    "loss": rel_err(got[0], loss),
+                    "logits": rel_err(got[1].full_tensor(), logits),
+                    "grads": grad_error(got[2], grads),
+                    "logits_type": type(got[1]).__name__,
+                    "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+                    "all_gathers": [e.fields["shape"] for e in events if e.kind == "all_gather"],
+                }
+            )
+    worst = {key: max(step[key] for step in steps) for key in ("loss", "logits", "grads")}
     return {
-        "loss": rel_err(got.loss, expected.loss),
-        "logits": rel_err(got.logits.full_tensor(), expected.logits),
-        "grads": grad_error(grads, expected_grads),
-        "logits_type": type(got.logits).__name__,
-        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-        "all_gathers": [e.fields["shape"] for e in events if e.kind == "all_gather"],
+        **worst,
+        "logits_type": {step["logits_type"] for step in steps}.pop() if len(steps) else None,
+        "kv_exchanges": min(step["kv_exchanges"] for step in steps),
+        "all_gathers": [shape for step in steps for shape in step["all_gathers"]],
         "masks": [line for report in backend.reports for line in report.masks],
+        "summaries": [report.summary() for report in backend.reports],
     }
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()  # FSDP2's are DTensors
+
+
+def _hf_step(run, kwargs: dict, model=None) -> tuple:
+    """(loss, logits, every parameter's gradient, whole) of one step of ``run`` (``model``'s parameters)."""
+    model = model or run
+    out = run(**kwargs)
+    out.loss.backward()
+    grads = {n: _whole(p.grad) for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.loss.detach(), out.logits.detach(), grads
 
 
 @contextlib.contextmanager

@@ -24,8 +24,14 @@ TIMEOUT = 400
 
 
 # Hugging Face models: hf_<family>_<how>[_<variant>] (`boundary_workers.hf_recipe`); masks cross as SequenceMask
-HF = ("hf_llama_layers", "hf_qwen2_layers_checkpointed", "hf_llama_fsdp2_left-padded", "hf_qwen2_break_packed")
-HF_HEAVY = ("hf_qwen2_fsdp2_packed", "hf_llama_break_left-padded", "hf_llama_fsdp2_checkpointed+left-padded")
+HF = ("hf_llama_layers", "hf_qwen2_layers_checkpointed", "hf_llama_fsdp2_left-padded", "hf_qwen2_break_packed+dynamic")
+HF_HEAVY = (
+    "hf_qwen2_fsdp2_packed",
+    "hf_llama_break_left-padded",
+    "hf_llama_fsdp2_checkpointed+left-padded",
+    "hf_llama_fsdp2_left-padded+dynamic",
+    "hf_qwen2_layers_dynamic",
+)
 
 
 @cache
@@ -78,15 +84,17 @@ def test_eager_code_on_a_sharded_value_follows_its_rules_or_says_what_to_call():
 @pytest.mark.parametrize("name", [*HF, *(pytest.param(n, marks=pytest.mark.heavy) for n in HF_HEAVY)])
 def test_hugging_face_training_recipes(name):
     """Layers compiled one by one (HF's causal path without padding passes no mask), FSDP2 per layer and root, a
-    graph break in every layer; with HF's gradient checkpointing, left padding, packed documents. A padding or
-    document mask is built in the model's first graph and crosses to each layer's graph as its per-token
-    description (no S x S tensor anywhere). fp32: within 1e-4."""
+    graph break in every layer; with HF's gradient checkpointing, left padding, packed documents, dynamic shapes
+    (two lengths, one compile of each graph). A padding or document mask is built in the model's first graph and
+    crosses to each layer's graph as its per-token description (no S x S tensor anywhere). fp32: within 1e-4."""
     results = _results(2, HF_HEAVY) if name in HF_HEAVY else _results(2)
     for rank, per_name in enumerate(results):
         result = per_name[name]
         assert result["loss"] <= 1e-4 and result["logits"] <= 1e-4 and result["grads"] <= 1e-4, (rank, result)
         assert result["kv_exchanges"] > 0 and result["all_gathers"] == [], (rank, result)
         assert result["logits_type"] == "SequenceSharded"
+        if "dynamic" in name:  # the second length ran the graphs compiled for the first
+            assert all("sequence 13," in line for line in result["summaries"] if "sequence" in line), result
         crossing = [line for line in result["masks"] if "per-token description" in line]
         if "padded" in name or "packed" in name:  # built in one graph, taken by the next: both say so
             assert any(line.startswith("output") for line in crossing), (rank, result["masks"])
@@ -113,8 +121,8 @@ def test_a_sequence_mask_is_its_description_until_asked_for_the_whole_mask():
     """`full_tensor()` builds the mask the recipe describes; printing shows the description; eager ops are refused
     with what to call, and detach keeps the description."""
     keep = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    key = register_recipe(fx.symbolic_trace(_causal_and_kept), torch.bool, "test_boundaries.py:1")
-    mask = SequenceMask([keep], key, (2, 1, 6, 6))
+    key = register_recipe(fx.symbolic_trace(_causal_and_kept), torch.bool, shape=(2, 1, 6, 6), source="here")
+    mask = SequenceMask([keep], key)
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     expected = torch.ones(6, 6, dtype=torch.bool).tril() & keep[:, None, None, :]
     assert torch.equal(mask.full_tensor(), expected)

@@ -40,12 +40,14 @@ SHRINK = {
     "python examples/model_coverage.py": "llama --no-write",  # one family; the page is not rewritten
     "python examples/gpu_check.py": "TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=",  # its tiny CPU run
     "python examples/boundary_memory.py": "--seq-len 64 --hidden 32 --layers 2",
+    "python examples/mask_crossing_memory.py": "--seq-len 64 --hidden 32",
 }
 HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "ringpass bench": "fresh processes for every method: 12-40 s a line",
     "python examples/model_coverage.py": "compiles a Hugging Face model on 2 ranks: 1-2 minutes",
     "python examples/gpu_check.py": "the Triton kernels in the interpreter: 2 minutes idle, 11 on busy cores",
     "python examples/boundary_memory.py": "six spawns of fresh processes, each compiling: about a minute made small",
+    "python examples/mask_crossing_memory.py": "three spawns of fresh processes compiling a Hugging Face model: 30 s",
 }
 SKIP = {
     "./dev test": "the test suite itself, this file included",

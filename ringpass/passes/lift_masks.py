@@ -791,11 +791,10 @@ def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:
     return (
         " (It arrives as an S x S tensor: it was built outside the graphs the ring compiles (the model's forward "
         "runs eagerly and only its blocks are compiled, so the mask is made whole before they run), or in a graph "
-        "whose mask could not be described per token (dynamic shapes, or a mask computed from a trainable value or "
-        "an S x S tensor). Compile the code that builds the mask with the ring backend too, e.g. "
-        "torch.compile(model, backend='ring') (FSDP2's hooks still break it into one graph per block): the mask "
-        "then reaches the blocks as its per-token description, a ringpass.SequenceMask; with dynamic=False if the "
-        "lengths vary.)"
+        "whose mask could not be described per token (one computed from a trainable value or an S x S tensor). "
+        "Compile the code that builds the mask with the ring backend too, e.g. torch.compile(model, "
+        "backend='ring') (FSDP2's hooks still break it into one graph per block): the mask then reaches the "
+        "blocks as its per-token description, a ringpass.SequenceMask.)"
     )
 
 

@@ -65,10 +65,19 @@ def _model_float(node: fx.Node) -> float | None:
 
 
 def _from_model(source: Source) -> bool:
-    """An attribute of something (``L['self'].scaling``) or a global, not a ``forward`` argument itself."""
-    from torch._dynamo.source import AttrSource, GlobalSource
+    """An attribute of something (``L['self'].scaling``) or a global, not a ``forward`` argument itself; Dynamo
+    wraps an attribute of a module in a source that says how it treats the module (FSDP2's, an unspecialised
+    module's), which reads the same value."""
+    from torch._dynamo import source as sources
 
-    return isinstance(source, (AttrSource, GlobalSource))
+    module_wrappers = tuple(
+        getattr(sources, name)
+        for name in ("NNModuleSource", "FSDPNNModuleSource", "UnspecializedNNModuleSource")
+        if hasattr(sources, name)
+    )
+    while isinstance(source, module_wrappers):
+        source = source.base
+    return isinstance(source, (sources.AttrSource, sources.GlobalSource))
 
 
 def _int_argument(node: fx.Node) -> bool:
