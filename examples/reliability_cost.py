@@ -1,5 +1,5 @@
 """What the reliability machinery costs. First the agreement between ranks per call: the GPT of
-compile_with_ring.py, one training step per call, with checks="off", "first" (the default) and "every".
+compile_with_ring.py, one training step per call, with checks="off", "first" and "every" (the default).
 Then the bounded wait of each ring exchange: a small `lowering.ring_attention` forward (P-1 exchanges)
 with the bounded waits, and with plain ``work.wait()`` in their place.
 

@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
+from lowering.errors import InvalidInputError
 from lowering.sequence_tensor import NeedsWholeSequence
 
 aten = torch.ops.aten
@@ -54,12 +55,17 @@ _RECIPES: dict[str, MaskRecipe] = {}
 def register_recipe(program: fx.GraphModule, dtype: torch.dtype, sizes=(), shape=(), source: str = "") -> str:
     """The recipe's key (by content: the same recipe from another compile has the same key)."""
     sizes, shape = tuple(sizes), tuple(shape)
-    key = "mask-" + hashlib.sha1(f"{program.code}\n{dtype}\n{sizes}\n{shape}".encode()).hexdigest()[:16]
+    key = "seqmask-" + hashlib.sha1(f"{program.code}\n{dtype}\n{sizes}\n{shape}".encode()).hexdigest()[:16]
     _RECIPES.setdefault(key, MaskRecipe(program, dtype, sizes, shape, source))
     return key
 
 
 def recipe(key: str) -> MaskRecipe:
+    if key not in _RECIPES:
+        raise InvalidInputError(
+            f"SequenceMask recipe {key} is not registered in this process: a SequenceMask is made by a ring graph of "
+            "this process and used in it (it cannot be saved or sent to another process; call .full_tensor())."
+        )
     return _RECIPES[key]
 
 
@@ -71,7 +77,7 @@ class SequenceMask(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inputs: list, key: str, shape=None):
-        entry = _RECIPES[key]
+        entry = recipe(key)
         shape = entry.shape_for(inputs) if shape is None else shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=entry.dtype, device=inputs[0].device)
 
@@ -91,7 +97,7 @@ class SequenceMask(torch.Tensor):
         described = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in self.inputs)
         return (
             f"SequenceMask(shape={tuple(self.shape)}, dtype={str(self.dtype).replace('torch.', '')}, built from "
-            f"[{described}] by the mask of {_RECIPES[self.recipe].source})"
+            f"[{described}] by the mask of {recipe(self.recipe).source})"
         )
 
     def __tensor_flatten__(self):
@@ -107,8 +113,8 @@ class SequenceMask(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         masks = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, SequenceMask)]
-        if any(is_fake(t) for m in masks for t in m.inputs):  # traced (Dynamo): a plain tensor of the global shape
-            args, kwargs = pytree.tree_map_only(SequenceMask, _stand_in, (args, kwargs))
+        if any(is_fake(t) for m in masks for t in m.inputs):  # traced: the mask its recipe builds from the tracer's
+            args, kwargs = pytree.tree_map_only(SequenceMask, _built, (args, kwargs))  # tensors (AOT traces it)
             return func(*args, **kwargs)
         if func in (aten.detach.default, aten.alias.default):
             (mask,) = masks
@@ -122,9 +128,9 @@ class SequenceMask(torch.Tensor):
     @torch._disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole mask, built on this rank by its recipe (no communication)."""
-        entry, inputs = _RECIPES[self.recipe], self.inputs
-        return entry.program(*inputs, *(inputs[i].shape[d] for i, d in entry.sizes)).expand(self.shape)
+        return _built(self)
 
 
-def _stand_in(mask: SequenceMask) -> torch.Tensor:
-    return mask.inputs[0].new_empty(mask.shape, dtype=mask.dtype)
+def _built(mask: SequenceMask) -> torch.Tensor:
+    entry, inputs = recipe(mask.recipe), mask.inputs
+    return entry.program(*inputs, *(inputs[i].shape[d] for i, d in entry.sizes)).expand(mask.shape)

@@ -82,8 +82,12 @@ def _same_length_as_carried(ctx: PassContext) -> None:
             continue
         for size in value.shape:
             for n in lengths:
-                if isinstance(size, torch.SymInt) and size.node.hint == n.node.hint and not same(size, n):
+                if _hinted(size) and _hinted(n) and size.node.hint == n.node.hint and not same(size, n):
                     bool(size == n)  # a guard, and the shape environment's replacement of one symbol by the other
+
+
+def _hinted(size) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.has_hint()
 
 
 def local_examples(example_inputs: list, ctx: PassContext) -> list:

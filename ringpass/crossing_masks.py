@@ -4,14 +4,18 @@ A model whose graph breaks between building its attention mask and using it (FSD
 graph break in the model) would hand each block graph an S x S tensor, which the ring cannot take without every
 rank holding it whole. Instead:
 
-- `describe_mask_outputs` (the graph that builds the mask) matches each output that is a mask: a bool or float
-  value whose last two dims are the same length, whose pairwise part (`lift_masks.MaskRegion`, read from the
-  output as query rows x key columns) reads per-token values only and needs no trainable value. It writes the
-  mask's recipe (the region and the shape-only values it reads, e.g. ``arange``s, copied into their own graph,
-  registered by content; with dynamic shapes a length is read as a size of one of those values) and makes the
-  graph return the per-token values the recipe reads (its *crossings*, each at most ``[B, S]``) instead of the
-  mask; `wrap_mask_outputs` makes them a `SequenceMask`. The S x S value is no longer computed unless an
-  attention of this graph needs it (then `lift_masks` lifts it as usual).
+- `describe_mask_outputs` (the graph that builds the mask) matches each output that is a mask as SDPA takes one:
+  a 4-D ``[B, 1 or H, S, S]`` bool or float value that needs no gradient, whose pairwise part
+  (`lift_masks.MaskRegion`, read from the output as query rows x key columns) varies along the keys and reads
+  per-token values only (no S x S value, no random op). It writes the mask's recipe (the region and the
+  shape-only values it reads, e.g. ``arange``s, copied into their own graph, registered by content; with dynamic
+  shapes a length is read as a size of one of those values) and makes the graph return the per-token values the
+  recipe reads (its *crossings*, each at most ``[B, S]``; a graph input is cloned, so the mask is what it was
+  when built; a mask from shapes alone gets an empty ``[0, S]`` tensor) instead of the mask;
+  `wrap_mask_outputs` makes them a `SequenceMask`. The S x S value is no longer computed unless an attention of
+  this graph needs it (then `lift_masks` lifts it as usual). The crossings are kept whole on every rank, as
+  the inputs of the ring's mask programs are (`ctx.masks.whole_values`; one this rank would hold a shard of is
+  gathered): the description is the same on every rank.
 - `rebuild_mask_inputs` (a graph that receives one) replaces the mask's placeholder by placeholders for its
   crossings and the recipe written into the graph, so that `lift_masks` sees a mask built from per-token inputs,
   as if the graph had built it itself; `CarriedGraph` passes the crossings in the mask's place.
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from lowering.errors import InvalidInputError
 from lowering.sequence_mask import SequenceMask, recipe, register_recipe
 from ringpass.graph import (
     ancestors,
@@ -40,7 +45,12 @@ from ringpass.graph import (
 )
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.sizes import same
-from ringpass.passes.lift_masks import KV, MaskRegion, Q
+from ringpass.graph_utils.spellings import op_name
+from ringpass.passes.lift_masks import KV, MaskRegion
+
+RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli", "dropout"}
+RANDOM |= {"normal", "multinomial", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
+KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")  # where the recipe's ops are, for messages
 
 
 @dataclass
@@ -54,25 +64,23 @@ class MaskOutput:
 
 def describe_mask_outputs(ctx: PassContext) -> None:
     """Replaces each mask output by its crossings (see the module docstring); records them in
-    ``ctx.mask_outputs`` (output index -> `MaskOutput`) and the crossing nodes in ``ctx.whole_outputs``."""
-    if ctx.options.outputs == "sharded":  # the user asked for the graph's values as they are
+    ``ctx.mask_outputs`` (output index -> `MaskOutput`)."""
+    if ctx.options.outputs == "sharded" or ctx.options.inputs == "sharded":  # values as the graph has them
         return
-    output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+    graph = ctx.gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
     results = list(output.args[0])
     for index, node in enumerate(list(results)):
         described = _describe(node) if isinstance(node, fx.Node) else None
         if described is None:
             continue
         key, crossings = described
-        if not crossings:  # a mask from shapes alone: a token of its device carries the description
-            with ctx.gm.graph.inserting_before(output):
-                anchor = ctx.gm.graph.call_function(torch.empty, ((0,),), {"device": example_value(node).device})
-            anchor.meta["example_value"] = example_value(node).new_empty((0,))
-            crossings = [anchor]
+        with graph.inserting_before(output):  # a graph input is handed on as it is now, not as it may become
+            crossings = [_cloned(graph, c) if c.op == "placeholder" else c for c in crossings]
         ctx.mask_outputs[index] = MaskOutput(key, [index, *range(len(results), len(results) + len(crossings) - 1)])
+        ctx.masks.whole_values.update(crossings)  # computed whole on every rank, as the ring's programs read them
         results[index] = crossings[0]
         results += crossings[1:]
-        ctx.whole_outputs.update(crossings)
         value, sizes = example_value(node), sum(nbytes(example_value(c)) for c in crossings)
         ctx.report.masks.append(
             f"output {index}: the {[plain(s) for s in value.shape]} mask of {short_source(node)} leaves as its "
@@ -80,7 +88,7 @@ def describe_mask_outputs(ctx: PassContext) -> None:
             f"{nbytes(value)})"
         )
     output.args = (tuple(results),)
-    remove_dead_code(ctx.gm.graph)
+    remove_dead_code(graph)
 
 
 def wrap_mask_outputs(outputs: list, mask_outputs: dict) -> list:
@@ -100,27 +108,33 @@ def wrap_mask_outputs(outputs: list, mask_outputs: dict) -> list:
 
 
 def _describe(node: fx.Node) -> tuple[str, list[fx.Node]] | None:
-    """(the recipe's key, its crossings) when ``node`` is a mask built from per-token values, else None."""
+    """(the recipe's key, its crossings) when ``node`` is a mask built from per-token values, else None (the
+    graph unchanged)."""
     value = example_value(node)
     if not _mask_shaped(value):
         return None
     region = MaskRegion(node)
     roles = {role for _, dims in region.inputs for _, role in dims}
-    if region.oversized or roles != {Q, KV}:  # not pairwise, or it needs an S x S value
+    if region.oversized or KV not in roles:  # it needs an S x S value, or it does not vary along the keys
         return None
     crossings = [n for n in region.input_nodes if _reads_data(n)]
     if any(_per_token_bound(value) < plain(example_value(c).numel()) for c in crossings):
         return None  # a whole table the region indexes pairwise: not smaller than S x S by a factor S
+    anchor = None if crossings else _anchor(node)
+    crossings = crossings or ([anchor] if anchor is not None else [])
     shape = [_size_in(s, crossings) for s in value.shape]
-    program, sizes = _recipe(node, crossings)
-    if program is None or None in shape:  # a length none of the crossings has
+    program, sizes = _recipe(node, crossings) if crossings else (None, ())
+    if program is None or None in shape:  # a length none of the crossings has, a random or impure op
+        if anchor is not None:
+            node.graph.erase_node(anchor)
         return None
     source = short_source(node) or user_name(node)
     return register_recipe(program, value.dtype, sizes, shape, source), crossings
 
 
 def _mask_shaped(value) -> bool:
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.requires_grad:
+    """A 4-D ``[B, 1 or H, S, S]`` bool or float value, as SDPA and Hugging Face take masks."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.requires_grad:
         return False
     n, m = value.shape[-2:]
     return same(n, m) and plain(n) > 1 and (value.dtype == torch.bool or value.is_floating_point())
@@ -138,13 +152,41 @@ def _reads_data(node: fx.Node) -> bool:
     )
 
 
+def _anchor(mask: fx.Node) -> fx.Node | None:
+    """For a mask built from shapes alone (``arange``s): an empty ``[0, S]`` tensor to carry its description (its
+    device, and its length when that is symbolic); None if the graph has no input for a symbolic length."""
+    value, graph = example_value(mask), mask.graph
+    n = value.shape[-1]
+    length = n
+    if isinstance(n, torch.SymInt):
+        found = [p for p in graph.nodes if p.op == "placeholder" and _same_symbol(example_value(p), n)]
+        if not found:
+            return None
+        length = found[0]
+    output = next(p for p in graph.nodes if p.op == "output")
+    with graph.inserting_before(output):
+        anchor = graph.call_function(torch.empty, ((0, length),), {"device": value.device, "dtype": torch.bool})
+    anchor.meta["example_value"] = value.new_empty((0, n), dtype=torch.bool)
+    return anchor
+
+
+def _same_symbol(size, n) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.expr == n.node.expr
+
+
+def _cloned(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    clone = graph.call_method("clone", (node,))
+    clone.meta["example_value"] = example_value(node)
+    return clone
+
+
 def _size_in(size, crossings: list[fx.Node]):
     """``size`` itself when it is a number, else where a crossing has it: (crossing, dim); None if none has."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     for i, node in enumerate(crossings):
         for dim, own in enumerate(example_value(node).shape):
-            if isinstance(own, torch.SymInt) and own.node.expr == size.node.expr:
+            if _same_symbol(own, size):
                 return i, dim
     return None
 
@@ -167,13 +209,14 @@ def _recipe(mask: fx.Node, crossings: list[fx.Node]):
             env[node] = graph.placeholder(f"size_{len(sizes)}")
             sizes.append(size)
             continue
-        if node.op not in ("call_function", "call_method"):
-            return None, ()
+        if node.op not in ("call_function", "call_method") or op_name(node) in RANDOM or node.is_impure():
+            return None, ()  # an input of another kind, or a value drawn anew wherever the recipe runs
         needed.add(node)
         stack += node.all_input_nodes
     for node in mask.graph.nodes:
         if node in needed:
             env[node] = graph.node_copy(node, env.__getitem__)
+            env[node].meta = {k: v for k, v in node.meta.items() if k in KEPT_META}  # not the producer's fakes
     graph.output(env[mask])
     return fx.GraphModule(torch.nn.Module(), graph, class_name="MaskRecipe"), sizes
 
@@ -183,6 +226,12 @@ def rebuild_mask_inputs(ctx: PassContext) -> None:
     docstring); ``ctx.example_inputs`` gets its crossings in its place, ``ctx.mask_inputs`` their count."""
     if not any(isinstance(value, SequenceMask) for value in ctx.example_inputs):
         return
+    if ctx.options.inputs == "sharded":
+        raise InvalidInputError(
+            "A graph compiled with inputs='sharded' received a ringpass.SequenceMask (a mask another ring graph "
+            "described per token, for graphs that take whole inputs); compile every graph of the model with the "
+            "same inputs= option, or pass mask.full_tensor()."
+        )
     ctx.gm = _own_copy(ctx.gm)
     graph = ctx.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -3,8 +3,8 @@
 `guard_graph(compiled, ctx)` wraps what the inner compiler returned for a rewritten graph. Each call:
 
 1. numbers the call (`lowering.failures.begin_call`) and posts this rank's fingerprint of it to the
-   peers: the rewritten graph's hash (its code and the options), the shapes of its inputs, and, on the
-   first call of the graph (every call with ``checks="every"``), checksums of the inputs that must be
+   peers: the rewritten graph's hash (its code and the options), the shapes of its inputs, and (on every
+   call; on the first call of the graph only with ``checks="first"``) checksums of the inputs that must be
    equal on every rank — everything with ``inputs="full"``; with ``inputs="sharded"`` all but the
    per-token inputs each rank passes its own shard of. Parameters and buffers are checksummed on the
    first call only.

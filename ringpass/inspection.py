@@ -87,8 +87,8 @@ class Inspection:
         if len(self.graphs) > 1:
             parts.append(
                 f"(Dynamo captured {len(self.graphs)} graphs: the model has graph breaks; each graph is "
-                "rewritten on its own; each boundary's cost is in its report: sharded values and masks cross "
-                "it for 0 bytes, gathered outputs are counted as all-gathers)"
+                "rewritten on its own; each boundary's cost is in its report: sharded values cross it for 0 "
+                "bytes, masks for their per-token description, gathered outputs are counted as all-gathers)"
             )
         if not self.graphs:
             parts.append("(Dynamo captured no graph: nothing in the model's forward runs tensor ops)")

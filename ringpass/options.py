@@ -15,7 +15,7 @@ CHOICES = {
     "grads": ("auto", "reduced", "mean", "local"),
     "masks": ("lift", "materialize"),
     "report": ("summary", "off"),
-    "checks": ("first", "every", "off"),
+    "checks": ("every", "first", "off"),
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
 }
@@ -47,9 +47,10 @@ class RingOptions:
     holds it whole, S x S memory, and the ring reads its tiles).
     ``report``: ``summary`` (rank 0 prints one line per compiled graph to stderr) or ``off``; the full
     report is logged at INFO on the ``ringpass`` logger either way.
-    ``checks``: before each call the ranks agree on the graph and the input shapes; ``first`` (inputs that
-    must be equal on every rank are also checksummed on the first call of each graph), ``every`` (on every
-    call) or ``off`` (no agreement; see docs/reliability.md). ``timeout``: seconds a wait may last while
+    ``checks``: before each call the ranks agree on the graph and the input shapes; ``every`` (inputs that
+    must be equal on every rank are also checksummed on every call, parameters and buffers on the first call
+    of each graph: under 0.5% of a training step, docs/reliability.md), ``first`` (inputs too only on the
+    first call) or ``off`` (no agreement). ``timeout``: seconds a wait may last while
     every peer waits inside ringpass too (a deadlock) before every rank raises.
     ``unsharded``: a graph that runs unsharded on a multi-rank job (no attention found, or no process group
     under a multi-process launch) gives a `RingpassWarning` (``warn``) or an error (``error``).
@@ -66,7 +67,7 @@ class RingOptions:
     grads: str = "auto"
     masks: str = "lift"
     report: str = "summary"
-    checks: str = "first"
+    checks: str = "every"
     timeout: float = 30.0
     unsharded: str = "warn"
     cache: str = "sharded"

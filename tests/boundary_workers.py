@@ -13,7 +13,7 @@ import contextlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import Llama
+from models import EncoderBlock, Llama
 from reference import grad_error, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import checkpoint
@@ -87,6 +87,48 @@ class LlamaWithGraphBreak(Llama):
         return self.head(self.norm(x))
 
 
+class MaskAcrossABreak(nn.Module):
+    """Builds a causal padding mask, attends with it, breaks the graph, and attends with it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+        self.blocks = nn.ModuleList(EncoderBlock(HIDDEN, 4) for _ in range(2))
+
+    def forward(self, ids, keep):
+        idx = torch.arange(ids.shape[1], device=ids.device)
+        mask = (idx[None, :] <= idx[:, None])[None, None] & keep[:, None, None, :]
+        x = self.blocks[0](self.embed(ids), mask)
+        torch._dynamo.graph_break()
+        return self.head(self.blocks[1](x, mask))
+
+
+def mask_across_a_break(rank: int, world_size: int, seq_len: int) -> dict:
+    """`MaskAcrossABreak` (fp64, right padding) compiled whole: the first graph attends with the mask it built
+    and hands it on described; its loss and gradients against the model unsharded."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = MaskAcrossABreak().double()
+    ids, labels = _batch(seq_len)
+    keep = torch.ones(2, seq_len, dtype=torch.bool)
+    keep[0, -4:] = False  # row 0 padded on the right: every query still sees a key
+    expected = _loss(model(ids, keep), labels)
+    expected.backward()
+    expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    backend = ringpass.backend(compiler="aot_eager")
+    with record_ring_events() as events:
+        loss = _loss(torch.compile(model, backend=backend)(ids, keep), labels)
+        loss.backward()
+    return {
+        "loss": rel_err(loss, expected),
+        "grads": grad_error({k: p.grad for k, p in model.named_parameters()}, expected_grads),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "all_gathers": [e.fields["shape"] for e in events if e.kind == "all_gather"],
+        "reports": [(len(r.attention), r.masks) for r in backend.reports],
+    }
+
+
 class CheckpointedBlock(nn.Module):
     def __init__(self, block, reentrant: bool):
         super().__init__()
@@ -124,6 +166,8 @@ def recipes(rank: int, world_size: int, names: tuple, seq_len: int) -> dict:
     for name in names:
         if name == "eager":
             results[name] = eager_rules(rank, world_size, seq_len)
+        elif name == "mask_across_a_break":
+            results[name] = mask_across_a_break(rank, world_size, seq_len)
         elif name.startswith("hf_"):
             family, how, variant = (name[3:].split("_") + [""])[:3]
             results[name] = hf_recipe(rank, world_size, family, how, variant, seq_len)

@@ -109,7 +109,7 @@ def refusals(rank: int, world_size: int, paths: dict) -> dict:
     attempt("keyword", lambda: static(ids=ids))  # the same call spelled another way: runs
     for case, mode in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):  # runs, no backward
         attempt(case, lambda mode=mode: _checked(static, ids, mode))
-    fresh = ringpass.load(paths["static"])  # the first call is checksummed (checks="first")
+    fresh = ringpass.load(paths["static"])  # every call is checksummed (checks="every")
     attempt("disagree", lambda: fresh((ids + rank) % 61))  # each rank its own batch
     attempt("missing", lambda: static())
     attempt("extra", lambda: static(ids, mask=ids))

@@ -76,7 +76,8 @@ class CumsumAfterGPT(torch.nn.Module):
 
 def disagree(rank: int, world_size: int, victim: int) -> dict:
     """Each case compiles afresh; the victim passes another length, other options, a model the backend
-    refuses, or another batch. The last case has every rank agree (the group is still usable)."""
+    refuses, or another batch (at once, or on the third call: a loader that drifts). The last case has every rank
+    agree (the group is still usable)."""
     mine = rank == victim
     cases = {
         "length": lambda: _step(_compiled(), _ids(SEQ_LEN + 2 if mine else SEQ_LEN)),
@@ -84,9 +85,16 @@ def disagree(rank: int, world_size: int, victim: int) -> dict:
         "refused": lambda: _step(_compiled(CumsumAfterGPT if mine else models.GPT), _ids(SEQ_LEN)),
         "batch": lambda: _step(_compiled(), _ids(SEQ_LEN, seed=rank if mine else 0)),
         "weights": lambda: _step(_compiled(seed=rank if mine else 0), _ids(SEQ_LEN)),
+        "drift": lambda: _drifting(_compiled(), mine),
         "agree": lambda: _step(_compiled(), _ids(SEQ_LEN)),
     }
     return {name: _outcome(case) for name, case in cases.items()}
+
+
+def _drifting(model, mine: bool) -> None:
+    """Two steps on the same batch everywhere, then the victim's loader drifts: another batch on the third."""
+    for call in range(3):
+        _step(model, _ids(SEQ_LEN, seed=1 if mine and call == 2 else 0))
 
 
 class NoAttention(torch.nn.Module):

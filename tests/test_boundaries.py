@@ -24,8 +24,14 @@ TIMEOUT = 400
 
 
 # Hugging Face models: hf_<family>_<how>[_<variant>] (`boundary_workers.hf_recipe`); masks cross as SequenceMask
-HF = ("hf_llama_layers", "hf_qwen2_layers_checkpointed", "hf_llama_fsdp2_left-padded", "hf_qwen2_break_packed+dynamic")
+HF = (
+    "hf_llama_layers",
+    "hf_qwen2_layers_checkpointed",
+    "hf_llama_fsdp2_left-padded",
+    "hf_qwen2_break_packed+dynamic",
+)
 HF_HEAVY = (
+    "hf_llama-eager_fsdp2",  # HF's eager attention builds a float causal mask from positions alone
     "hf_qwen2_fsdp2_packed",
     "hf_llama_break_left-padded",
     "hf_llama_fsdp2_checkpointed+left-padded",
@@ -35,7 +41,10 @@ HF_HEAVY = (
 
 
 @cache
-def _results(world_size: int, names=("eager", *RECIPES, "per_block_plain_ids", *HF, "hf_llama_layers_left-padded")):
+def _results(
+    world_size: int,
+    names=("eager", *RECIPES, "per_block_plain_ids", "mask_across_a_break", *HF, "hf_llama_layers_left-padded"),
+):
     return spawn_ranks(boundary_workers.recipes, world_size, (names, SEQ_LEN), timeout=TIMEOUT)
 
 
@@ -90,17 +99,31 @@ def test_hugging_face_training_recipes(name):
     results = _results(2, HF_HEAVY) if name in HF_HEAVY else _results(2)
     for rank, per_name in enumerate(results):
         result = per_name[name]
+        assert "refused" not in result, (rank, result)
         assert result["loss"] <= 1e-4 and result["logits"] <= 1e-4 and result["grads"] <= 1e-4, (rank, result)
         assert result["kv_exchanges"] > 0 and result["all_gathers"] == [], (rank, result)
         assert result["logits_type"] == "SequenceSharded"
         if "dynamic" in name:  # the second length ran the graphs compiled for the first
             assert all("sequence 13," in line for line in result["summaries"] if "sequence" in line), result
         crossing = [line for line in result["masks"] if "per-token description" in line]
-        if "padded" in name or "packed" in name:  # built in one graph, taken by the next: both say so
+        if "padded" in name or "packed" in name or "eager" in name:  # built in one graph, taken by the next
             assert any(line.startswith("output") for line in crossing), (rank, result["masks"])
             assert any("arrives as its per-token description" in line for line in crossing), (rank, result["masks"])
         else:
             assert crossing == [], (rank, result["masks"])
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_mask_that_a_graph_attends_with_crosses_to_the_next_as_its_description():
+    """The first graph builds a causal padding mask, attends with it, and returns it described (its [B, S] padding
+    mask, gathered nowhere); the next graph attends with it again. fp64: within 1e-10."""
+    for rank, results in enumerate(_results(2)):
+        result = results["mask_across_a_break"]
+        assert result["loss"] <= 1e-10 and result["grads"] <= 1e-10, (rank, result)
+        assert result["kv_exchanges"] > 0 and result["all_gathers"] == [], (rank, result)
+        (first, first_masks), (second, second_masks) = result["reports"]
+        assert first == 1 and len(first_masks) == 1 and first_masks[0].startswith("output"), result["reports"]
+        assert second == 1 and "arrives as its per-token description" in second_masks[0], result["reports"]
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
@@ -112,21 +135,27 @@ def test_a_padding_mask_made_outside_the_compiled_graphs_is_refused_with_the_rea
         assert "built outside the graphs the ring compiles" in refused and "torch.compile(model" in refused, refused
 
 
-def _causal_and_kept(keep):  # a recipe as a graph writes one: per-token values in, the [B, 1, S, S] mask out
-    idx = torch.arange(6)
+def _causal_and_kept(keep, n):  # a recipe as a graph writes one: per-token values (and a length) in, the mask out
+    idx = torch.arange(n)
     return (idx[None, :] <= idx[:, None])[None, None] & keep[:, None, None, :]
 
 
-def test_a_sequence_mask_is_its_description_until_asked_for_the_whole_mask():
-    """`full_tensor()` builds the mask the recipe describes; printing shows the description; eager ops are refused
-    with what to call, and detach keeps the description."""
-    keep = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    key = register_recipe(fx.symbolic_trace(_causal_and_kept), torch.bool, shape=(2, 1, 6, 6), source="here")
+@pytest.mark.parametrize("n", [6, 9])
+def test_a_sequence_mask_is_its_description_until_asked_for_the_whole_mask(n):
+    """`full_tensor()` builds the mask the recipe describes (one recipe for every length: its length is the padding
+    mask's size); printing shows the description; eager ops are refused with what to call, detach keeps the
+    description; a compiler tracing it (AOT) traces the recipe."""
+    keep = torch.arange(n)[None, :] >= torch.tensor([[2], [0]])  # row 0 padded on the left
+    program = fx.symbolic_trace(_causal_and_kept, concrete_args=None)
+    key = register_recipe(program, torch.bool, sizes=[(0, 1)], shape=(2, 1, (0, 1), (0, 1)), source="here")
     mask = SequenceMask([keep], key)
-    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
-    expected = torch.ones(6, 6, dtype=torch.bool).tril() & keep[:, None, None, :]
+    assert mask.shape == (2, 1, n, n) and mask.dtype == torch.bool
+    expected = torch.ones(n, n, dtype=torch.bool).tril() & keep[:, None, None, :]
     assert torch.equal(mask.full_tensor(), expected)
-    assert "SequenceMask(shape=(2, 1, 6, 6), dtype=bool, built from [(2, 6) bool]" in repr(mask)
+    assert f"SequenceMask(shape=(2, 1, {n}, {n}), dtype=bool, built from [(2, {n}) bool]" in repr(mask)
     assert type(mask.detach()) is SequenceMask and torch.equal(mask.detach().full_tensor(), expected)
     with pytest.raises(NeedsWholeSequence, match=r"call \.full_tensor\(\) for the whole mask"):
         mask.logical_not()
+    torch._dynamo.reset()
+    counted = torch.compile(lambda m: m.sum(), backend="aot_eager", fullgraph=True)(mask)
+    assert int(counted) == int(expected.sum())

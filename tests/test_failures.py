@@ -56,6 +56,7 @@ DISAGREEMENTS = {
     "options": "they run different compiled graphs",
     "batch": "input `ids` holds different values on {others} vs rank 1 (checksums)",
     "weights": "input `wte.weight` holds different values on {others} vs rank 1 (checksums)",
+    "drift": "input `ids` holds different values on {others} vs rank 1 (checksums)",  # at the third call (default)
 }
 
 

@@ -71,10 +71,9 @@ class PassContext:
     carried_layout: str = ""
     # the backend: masks crossing as their per-token description (`ringpass.crossing_masks`): for each SequenceMask
     # input, its index among the call's arguments -> how many tensors describe it; for each mask output, its index ->
-    # `MaskOutput`; the outputs that describe masks (they leave whole)
+    # `MaskOutput` (the outputs that describe it leave whole)
     mask_inputs: dict[int, int] = field(default_factory=dict)
     mask_outputs: dict = field(default_factory=dict)
-    whole_outputs: set[fx.Node] = field(default_factory=set)
     # record_gradient_paths: the inputs that train through the captured graph (check_gradient_paths checks them)
     gradient_paths: CapturedGradients | None = None
     attention: list[AttentionMatch] = field(default_factory=list)  # find_attention

@@ -347,6 +347,7 @@ def _gather_outputs(ctx: PassContext) -> None:
     gathered: dict[fx.Node, fx.Node] = {}
     caches = {node for match in ctx.attention for node in (match.key, match.value)}  # a KV cache a prefill returns
     carries = ctx.options.outputs == "auto" and ctx.options.cache != "gathered" and not ctx.ulysses
+    describing = {i for mask in ctx.mask_outputs.values() for i in mask.crossings}  # a mask's description leaves whole
     for index, arg in enumerate(pytree.tree_leaves(output.args[0])):
         value, placement = (example_value(arg), ctx.placement.get(arg)) if isinstance(arg, fx.Node) else (None, None)
         if not isinstance(value, torch.Tensor):
@@ -356,7 +357,7 @@ def _gather_outputs(ctx: PassContext) -> None:
         shape, size = [plain(s) for s in value.shape], nbytes(value)
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
-        if placement == LOCAL and carries and arg not in caches | ctx.whole_outputs:
+        if placement == LOCAL and carries and arg not in caches and index not in describing:
             kind = "carried"
             ctx.carried_outputs[index] = dim
         elif placement == LOCAL and ctx.options.outputs != "sharded":

@@ -240,7 +240,7 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
                 )
                 + ", or allow holding it whole on every rank with options={'masks': 'materialize'}."
                 + _unreadable_state(ctx, mask)
-                + _after_graph_break(ctx, big),
+                + _mask_given_whole(ctx, big),
                 big,
             )
         ctx.report.warnings.append(
@@ -782,7 +782,7 @@ def _prefix_of_state(op: fx.Node) -> list[int] | None:
     return [int(shape[d]) for d, i in enumerate(index) if i.stop is not None]
 
 
-def _after_graph_break(ctx: PassContext, big: fx.Node) -> str:
+def _mask_given_whole(ctx: PassContext, big: fx.Node) -> str:
     """A note for an S x S mask that arrives as a graph input: one built in another compiled graph crosses as its
     per-token description (`ringpass.crossing_masks`), so this one was built outside the compiled graphs, or in
     one whose mask could not be described."""
