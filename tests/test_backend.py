@@ -412,7 +412,7 @@ def test_bad_options_are_refused_with_the_choices():
         ringpass.backend(layout="diagonal")
     with pytest.raises(InvalidInputError, match="Unknown ring backend option\\(s\\) shards"):
         ringpass.backend(shards=2)
-    with pytest.raises(InvalidInputError, match="checks='sometimes' is not one of 'first', 'every', 'off'"):
+    with pytest.raises(InvalidInputError, match="checks='sometimes' is not one of 'every', 'first', 'off'"):
         ringpass.backend(checks="sometimes")
     with pytest.raises(InvalidInputError, match="timeout=0 must be a positive number of seconds"):
         ringpass.backend(timeout=0)
