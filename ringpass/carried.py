@@ -134,7 +134,7 @@ class CarriedGraph:
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
         self.mask_outputs = dict(ctx.mask_outputs)
         self.length_output = bool(self.outputs) and ctx.dynamic
-        self.static_length = None if ctx.dynamic else ctx.sequence.global_seq_len
+        self.static_length = None if ctx.dynamic or not self.outputs else int(ctx.sequence.global_seq_len)
         self.layout = (ctx.layout_kind, ctx.world_size, ctx.group_name)
 
     def __call__(self, *args):
@@ -146,7 +146,7 @@ class CarriedGraph:
         seq_len = int(outputs.pop()) if self.length_output else self.static_length
         kind, world_size, group_name = self.layout
         for index, dim in self.outputs.items():
-            outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, int(seq_len), dim, group_name))
+            outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, seq_len, dim, group_name))
             if self.length_output:  # a graph compiled for any length hands on values of any length
                 torch._dynamo.maybe_mark_dynamic(outputs[index], dim)
         return wrap_mask_outputs(outputs, self.mask_outputs)

@@ -157,12 +157,9 @@ def _anchor(mask: fx.Node) -> fx.Node | None:
     device, and its length when that is symbolic); None if the graph has no input for a symbolic length."""
     value, graph = example_value(mask), mask.graph
     n = value.shape[-1]
-    length = n
-    if isinstance(n, torch.SymInt):
-        found = [p for p in graph.nodes if p.op == "placeholder" and _same_symbol(example_value(p), n)]
-        if not found:
-            return None
-        length = found[0]
+    length = _symbol_input(graph, n) if isinstance(n, torch.SymInt) else n
+    if length is None:
+        return None
     output = next(p for p in graph.nodes if p.op == "output")
     with graph.inserting_before(output):
         anchor = graph.call_function(torch.empty, ((0, length),), {"device": value.device, "dtype": torch.bool})
@@ -172,6 +169,11 @@ def _anchor(mask: fx.Node) -> fx.Node | None:
 
 def _same_symbol(size, n) -> bool:
     return isinstance(size, torch.SymInt) and size.node.expr == n.node.expr
+
+
+def _symbol_input(graph: fx.Graph, n: torch.SymInt) -> fx.Node | None:
+    """The graph's input for the symbolic length ``n`` (Dynamo passes each symbol a graph reads), if it has one."""
+    return next((p for p in graph.nodes if p.op == "placeholder" and _same_symbol(example_value(p), n)), None)
 
 
 def _cloned(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -252,7 +254,7 @@ def rebuild_mask_inputs(ctx: PassContext) -> None:
         env = dict(zip(steps, crossings))
         with graph.inserting_before(first_op):
             for step, (i, dim) in zip(steps[value.count :], entry.sizes):
-                env[step] = _length(graph, placeholders, crossings[i], traced.inputs[i].shape[dim], dim)
+                env[step] = _length(graph, crossings[i], traced.inputs[i].shape[dim], dim)
                 written.append(env[step])
             for step in entry.program.graph.nodes:
                 if step.op in ("call_function", "call_method"):
@@ -270,15 +272,11 @@ def rebuild_mask_inputs(ctx: PassContext) -> None:
     ctx.example_inputs = examples
 
 
-def _length(graph: fx.Graph, placeholders: list[fx.Node], crossing: fx.Node, size, dim: int) -> fx.Node:
-    """The graph's own input for a symbolic length (Dynamo passes each symbol the graph reads), so that
-    `lift_masks` reads a recipe's ``arange(n)`` as positions; else ``crossing.size(dim)``."""
-    if isinstance(size, torch.SymInt):
-        for node in placeholders:
-            own = example_value(node)
-            if isinstance(own, torch.SymInt) and own.node.expr == size.node.expr:
-                return node
-    return graph.call_method("size", (crossing, dim))
+def _length(graph: fx.Graph, crossing: fx.Node, size, dim: int) -> fx.Node:
+    """The graph's own input for a symbolic length, so that `lift_masks` reads a recipe's ``arange(n)`` as
+    positions; else ``crossing.size(dim)``."""
+    own = _symbol_input(graph, size) if isinstance(size, torch.SymInt) else None
+    return own if own is not None else graph.call_method("size", (crossing, dim))
 
 
 def _inner_source(placeholder: fx.Node, i: int):
