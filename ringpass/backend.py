@@ -40,6 +40,8 @@ from ringpass.carried import (
     take_carried_inputs,
 )
 from ringpass.crossing_masks import describe_mask_outputs, rebuild_mask_inputs
+from ringpass.ddp_whole_graph import NOTE as KEPT_WHOLE_NOTE
+from ringpass.ddp_whole_graph import keep_ring_graphs_whole, kept_whole_under_ddp, unwrap_backend
 from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
@@ -67,6 +69,8 @@ class RingBackend:
         world_size = dist.get_world_size(group) if group is not None else 1
         index = len(self.reports)
         report = Report(world_size=world_size, graph_index=index)
+        if kept_whole_under_ddp():
+            report.notes.append(KEPT_WHOLE_NOTE)
         self.reports.append(report)
         _reports.append(report)
         if world_size == 1:
@@ -171,6 +175,14 @@ def backend(**options: Any) -> RingBackend:
 def ring(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """The backend registered as ``"ring"``; ``options=`` from torch.compile configure it."""
     return RingBackend(**(kwargs.get("options") or {}))(gm, example_inputs)
+
+
+def _is_ring_backend(fn: object) -> bool:
+    inner = unwrap_backend(fn)
+    return inner is ring or isinstance(inner, RingBackend)
+
+
+keep_ring_graphs_whole(_is_ring_backend)
 
 
 def last_report() -> Report | None:

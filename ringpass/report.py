@@ -105,6 +105,7 @@ class Report:
     unchanged: str = ""  # why the graph runs unchanged (one rank, no attention)
     decode: int = 0  # decode attentions rewritten to attend to a sharded KV cache where it lies
     cache: str = ""  # what became of the KV cache in this graph
+    notes: list[str] = field(default_factory=list)  # how the graph was taken, ended on the summary line
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -173,9 +174,10 @@ class Report:
         )
         carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""
         carried += f", {len(self.masks)} mask(s) crossing as per-token descriptions" if self.masks else ""
+        notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"{head} {what}, layout {self.layout}, sequence {self.seq_len}, "
-            f"{_size(self.gathered_bytes())} all-gathered per call{carried}"
+            f"{_size(self.gathered_bytes())} all-gathered per call{carried}{notes}"
         )
 
     def __str__(self) -> str:
@@ -274,6 +276,7 @@ class Report:
             "cache": self.cache or None,
             "warnings": self.warnings,
             "differs": self.differs,
+            "notes": self.notes,
         }
         return data
 

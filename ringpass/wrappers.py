@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from lowering.errors import InvalidInputError, NotSupportedError
+from ringpass.ddp_whole_graph import kept_whole_under_ddp
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def _fsdp_wrapper(gm: fx.GraphModule) -> Wrapper | None:
 def _refuse_graph_splitting() -> None:
     from torch._dynamo.utils import get_optimize_ddp_mode
 
-    if get_optimize_ddp_mode() == "ddp_optimizer":
+    if get_optimize_ddp_mode() == "ddp_optimizer" and not kept_whole_under_ddp():
         raise NotSupportedError(
             "The model is compiled under DistributedDataParallel with torch._dynamo.config.optimize_ddp on: Dynamo "
             "cuts the graph at DDP's bucket boundaries and compiles each piece alone, and the ring needs the whole "

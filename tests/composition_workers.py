@@ -32,7 +32,7 @@ def wrapped_step(
     dp: int,
     grads: str = "auto",
     family: str = "llama",
-    optimize_ddp: bool = False,
+    bucket_mb: float = 25.0,
 ) -> dict:
     """One step of ``family`` (tests.models' Llama with its loss, or ``hf_llama``) wrapped as ``wrapper`` says,
     the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
@@ -40,7 +40,9 @@ def wrapped_step(
     - ``fsdp2``: ``fully_shard`` on every block and the root over the data x ring ranks flattened
       (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only; ``hsdp``: every block and the root
       on the 2-D mesh (replicated over dp, sharded over cp);
-    - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only.
+    - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only;
+      ``bucket_mb``: DDP's bucket size (Dynamo's default optimize_ddp cuts a graph of several buckets, the ring
+      keeps it whole: `ringpass.ddp_whole_graph`).
 
     Returns the loss and gradient errors against the unsharded model on the global batch, the ring's KV
     exchanges, ringpass's all-reduces in the backward and the collectives CommDebugMode saw there."""
@@ -59,7 +61,6 @@ def wrapped_step(
     replica = mesh.get_local_rank("dp")
     mine = ids[replica * ROWS : (replica + 1) * ROWS]
     torch._dynamo.reset()
-    torch._dynamo.config.optimize_ddp = optimize_ddp  # Dynamo's DDP graph splitting: the ring refuses it
     units = 0  # FSDP2 units: one reduce-scatter each in the backward
     if wrapper in ("fsdp2", "fsdp2_root", "hsdp"):
         over = mesh if wrapper == "hsdp" else everyone  # HSDP: replicated over dp, sharded over cp
@@ -71,7 +72,9 @@ def wrapped_step(
         units += 1
     elif wrapper in ("ddp", "ddp_dp"):
         group = everyone.get_group() if wrapper == "ddp" else mesh["dp"].get_group()
-        wrapped = DistributedDataParallel(model, process_group=group)
+        wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+        # Dynamo's DDPOptimizer opens with a bucket of at least 1 MiB: as small as the others, as for a big model
+        dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, wrapped.bucket_bytes_cap)
     else:
         raise ValueError(wrapper)
     backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"], grads=grads, unsharded="warn")
@@ -96,13 +99,14 @@ def wrapped_step(
         "fsdp_units": units,
         "gradients": [r.gradients for r in backend.reports if r.gradients],
         "why": [r.gradients_why for r in backend.reports if r.gradients_why],
+        "summaries": [r.summary() for r in backend.reports],
     }
 
 
-def refused(rank: int, world_size: int, wrapper: str, grads: str = "auto", optimize_ddp: bool = False) -> str:
-    """The error a combination that would give wrong gradients (or cut the ring's graph) raises."""
+def refused(rank: int, world_size: int, wrapper: str, grads: str = "auto") -> str:
+    """The error a combination that would give wrong gradients raises."""
     try:
-        wrapped_step(rank, world_size, wrapper, 1, grads, optimize_ddp=optimize_ddp)
+        wrapped_step(rank, world_size, wrapper, 1, grads)
     except ringpass.RingpassError as error:
         return f"{type(error).__name__}: {error}"
     return "no error"

@@ -18,7 +18,7 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
-    ("refused", ("ddp", "auto", True)),
+    ("wrapped_step", ("ddp", 1, "auto", "llama", 0.001)),  # buckets of 1 kB: optimize_ddp would cut the graph
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -83,7 +83,16 @@ def test_an_explicit_grads_reduced_under_fsdp2_is_exact_and_says_what_it_costs()
 def test_combinations_that_would_be_wrong_are_refused():
     for rank in results(2):
         assert "grads='local'" in rank[3] and "1/2 of the truth" in rank[3], rank[3]
-        assert "optimize_ddp = False" in rank[4], rank[4]
+
+
+def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
+    """DDP with buckets small enough that Dynamo's DDPOptimizer would cut the graph into pieces: the ring's
+    graph arrives whole (one graph, its attention rewritten), the summary says so, the step is exact."""
+    for rank in results(2):
+        result = rank[4]
+        check_exact(result)
+        assert len(result["summaries"]) == 1 and "DDP: Dynamo's optimize_ddp" in result["summaries"][0], result
+        assert set(result["gradients"]) == {"mean"} and "DDP over ranks 0, 1" in result["why"][0], result
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
