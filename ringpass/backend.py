@@ -23,6 +23,7 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -45,6 +46,7 @@ from ringpass.ddp_whole_graph import keep_ring_graphs_whole, kept_whole_under_dd
 from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
+from ringpass.per_rank import describe_per_rank, per_rank_graph, refuse_crossings
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 from ringpass.report import Report
@@ -86,10 +88,11 @@ class RingBackend:
                     "torch.distributed.init_process_group() before the first forward.",
                 )
             return _inner_compile(options.compiler, gm, example_inputs)
+        per_rank = options.inputs == "per_rank"  # the passes see one rank's batch, passed whole
         ctx = PassContext(
             gm,
             example_inputs,
-            options,
+            replace(options, inputs="full") if per_rank else options,
             world_size,
             group.group_name,
             report,
@@ -102,7 +105,10 @@ class RingBackend:
             try:
                 rebuild_mask_inputs(ctx)
                 take_carried_inputs(ctx)
-                describe_mask_outputs(ctx)
+                if per_rank:
+                    refuse_crossings(ctx)
+                else:
+                    describe_mask_outputs(ctx)
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 try:
                     run_pipeline(ctx)
@@ -115,6 +121,8 @@ class RingBackend:
                     _reports.remove(report)
                     raise retrace from None
                 carry_length_output(ctx)
+                if per_rank and not report.unchanged:
+                    describe_per_rank(ctx)
                 gm = ctx.gm  # a copy when mask inputs were rebuilt (`ringpass.crossing_masks`)
                 gm.graph.lint()
                 gm.recompile()
@@ -133,7 +141,8 @@ class RingBackend:
             else:
                 compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
                 compiled = guard_graph(compiled, ctx, index)
-            return CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
+            compiled = CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
+            return per_rank_graph(compiled, ctx) if per_rank and not report.unchanged else compiled
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             if error is retrace:
                 raise

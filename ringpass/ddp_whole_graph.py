@@ -22,8 +22,8 @@ from collections.abc import Callable
 _state = threading.local()  # .active: a ring backend is being called with a graph DDPOptimizer did not split
 
 NOTE = (
-    "DDP: Dynamo's optimize_ddp would cut this graph at DDP's buckets; the ring keeps it whole, and DDP "
-    "all-reduces the gradients after the backward (no bucket overlaps it)"
+    "DDP: kept whole (Dynamo's optimize_ddp cuts graphs at DDP's buckets), DDP all-reduces the gradients after "
+    "the backward (no bucket overlaps it)"
 )
 
 

@@ -9,7 +9,7 @@ from lowering.errors import InvalidInputError
 
 CHOICES = {
     "layout": ("auto", "zigzag", "contiguous"),
-    "inputs": ("full", "sharded"),
+    "inputs": ("full", "sharded", "per_rank"),
     "outputs": ("auto", "gathered", "sharded"),
     "compiler": ("inductor", "aot_eager", "eager"),
     "grads": ("auto", "reduced", "mean", "local"),
@@ -28,7 +28,10 @@ class RingOptions:
     inside its second. ``ulysses``: U, for Ulysses x ring over the default group (groups of U consecutive ranks).
     ``layout``: ``auto`` = zigzag when any attention is causal or masked, or the inputs are sharded, else
     contiguous (the report's summary line names the layout).
-    ``inputs``: ``full`` (every rank passes the whole batch) or ``sharded`` (each passes its layout shard,
+    ``inputs``: ``full`` (every rank passes the whole batch), ``per_rank`` (each rank passes its own batch, as a
+    data-parallel loader gives it: the ranks' batches are all-gathered, each rank computes its share of every
+    sequence and gets its own batch's outputs and a data-parallel job's gradients: `ringpass.per_rank`)
+    or ``sharded`` (each passes its layout shard,
     made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs). With ``sharded``
     the inputs' sequence dims are traced symbolically whatever ``dynamic=`` says (Dynamo traces a static graph
     again with them dynamic: `ringpass.retrace`), so a read of the length as a number (``x.shape[1]``) is the
@@ -89,6 +92,11 @@ class RingOptions:
                 raise InvalidInputError(
                     f"Ring backend option {name}={value!r} is not one of {', '.join(map(repr, allowed))}."
                 )
+        if result.inputs == "per_rank" and result.outputs == "sharded":
+            raise InvalidInputError(
+                "inputs='per_rank' returns each rank its own batch's outputs, whole; outputs='sharded' (plain local "
+                "shards of every rank's batch) does not apply. Use outputs='auto' (the default) or 'gathered'."
+            )
         if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:
             raise InvalidInputError(
                 f"Ring backend option timeout={result.timeout!r} must be a positive number of seconds."

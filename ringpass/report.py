@@ -159,7 +159,7 @@ class Report:
         if self.decode:
             return (
                 f"{head} {self.decode} decode attention(s) against a KV cache sharded over {self.world_size} ranks "
-                f"({self.cache}), {_size(self.gathered_bytes())} all-gathered per call"
+                f"({self.cache}), {size_text(self.gathered_bytes())} all-gathered per call"
             )
         over = (
             f"{self.world_size} ranks"
@@ -177,7 +177,7 @@ class Report:
         notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"{head} {what}, layout {self.layout}, sequence {self.seq_len}, "
-            f"{_size(self.gathered_bytes())} all-gathered per call{carried}{notes}"
+            f"{size_text(self.gathered_bytes())} all-gathered per call{carried}{notes}"
         )
 
     def __str__(self) -> str:
@@ -219,9 +219,9 @@ class Report:
             lines += _section(
                 "sequence-sharded activations",
                 [
-                    f"{_size(a['per_rank'])} per rank at P={self.world_size} vs {_size(a['unsharded'])} at P=1 "
+                    f"{size_text(a['per_rank'])} per rank at P={self.world_size} vs {size_text(a['unsharded'])} at P=1 "
                     f"(every sharded value the graph computes, counted once); "
-                    f"{_size(a['whole'])} computed whole on every rank"
+                    f"{size_text(a['whole'])} computed whole on every rank"
                 ],
             )
         for indices, cost in self.ring_costs():
@@ -312,14 +312,14 @@ def ring_text(cost: RingCost) -> list[str]:
     per_rank = [sum(row) for row in flops]
     mine, whole = cost.memory(), cost.memory(unsharded=True)
     lines = [
-        f"one KV block on the wire: {_size(cost.kv_bytes_per_hop)} (2 x B {s.batch} x {s.kv_heads} KV heads x "
+        f"one KV block on the wire: {size_text(cost.kv_bytes_per_hop)} (2 x B {s.batch} x {s.kv_heads} KV heads x "
         f"{cost.layout.local_len} slots x D {s.head_dim} x {s.itemsize} bytes); {p - 1} hops forward, "
-        f"{p - 1} KV + {cost.exchanges['backward_dkv']} dK/dV hops ({_size(cost.dkv_bytes_per_hop)} each) backward",
+        f"{p - 1} KV + {cost.exchanges['backward_dkv']} dK/dV hops ({size_text(cost.dkv_bytes_per_hop)} each) backward",
         f"forward FLOPs per rank: {_flops(min(per_rank))} .. {_flops(max(per_rank))} "
         f"(balance {min(per_rank) / max(max(per_rank), 1):.2f}); "
         f"busiest rank per step: {', '.join(_flops(f) for f in busiest)}",
-        f"attention state per rank: {_size(mine['forward'])} forward / {_size(mine['backward'])} backward, "
-        f"vs {_size(whole['forward'])} / {_size(whole['backward'])} unsharded (P=1)",
+        f"attention state per rank: {size_text(mine['forward'])} forward / {size_text(mine['backward'])} backward, "
+        f"vs {size_text(whole['forward'])} / {size_text(whole['backward'])} unsharded (P=1)",
         f"schedule ({cost.layout.kind}; rank x step; D diagonal, F full, P partial, . skipped):",
     ]
     if p <= SCHEDULE_ROWS_SHOWN:
@@ -367,7 +367,7 @@ def _attention_text(a: AttentionRecord) -> str:
 
 def _value_text(v: ValueRecord) -> str:
     dim = f", sequence dim {v.dim}" if v.dim is not None else ""
-    size = f", {_size(v.nbytes)} per call" if v.placement == "gathered" else ""
+    size = f", {size_text(v.nbytes)} per call" if v.placement == "gathered" else ""
     why = f" ({v.why})" if v.why else ""
     return f"{v.name} {list(v.shape)} {v.dtype}{dim}{size}{why}"
 
@@ -376,7 +376,7 @@ def _collectives_text(collectives: list[CollectiveRecord]) -> list[str]:
     """One line per collective; the backward all-reduces of gradients summed into one line."""
     gradients = [c for c in collectives if c.phase == "backward" and c.kind == "all-reduce"]
     lines = [
-        f"{c.phase}: {c.kind} of {c.what}, {_size(c.nbytes)}" + (f" at {c.source}" if c.source else "")
+        f"{c.phase}: {c.kind} of {c.what}, {size_text(c.nbytes)}" + (f" at {c.source}" if c.source else "")
         for c in collectives
         if c not in gradients
     ]
@@ -385,7 +385,7 @@ def _collectives_text(collectives: list[CollectiveRecord]) -> list[str]:
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         lines.append(
             f"backward: all-reduce of the gradients of {len(gradients)} value(s) ({shown}), "
-            f"{_size(sum(c.nbytes for c in gradients))} in all"
+            f"{size_text(sum(c.nbytes for c in gradients))} in all"
         )
     return lines
 
@@ -411,7 +411,7 @@ def _ranges(indices: list[int]) -> str:
     )
 
 
-def _size(nbytes) -> str:
+def size_text(nbytes) -> str:
     if not isinstance(nbytes, int):
         return f"{nbytes} bytes"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

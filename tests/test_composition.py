@@ -91,7 +91,7 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
     for rank in results(2):
         result = rank[4]
         check_exact(result)
-        assert len(result["summaries"]) == 1 and "DDP: Dynamo's optimize_ddp" in result["summaries"][0], result
+        assert len(result["summaries"]) == 1 and "DDP: kept whole (Dynamo's optimize_ddp" in result["summaries"][0], result
         assert set(result["gradients"]) == {"mean"} and "DDP over ranks 0, 1" in result["why"][0], result
 
 

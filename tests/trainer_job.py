@@ -1,0 +1,91 @@
+"""A Hugging Face Trainer job as a user writes it, launched by the tests with torchrun (2 CPU processes, gloo).
+
+    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] [--accum N] [--bf16] [--checkpointing]
+
+A tiny Llama trains 6 optimizer steps on 16 random sequences of 48 tokens, each rank its own batches from the
+Trainer's DistributedSampler (the ranks' label counts differ: some labels are -100). With ``--ring`` the only
+change to the job is one line, ``model.compile(backend="ring", options={"inputs": "per_rank"})``. Rank 0
+writes ``OUT/log.json`` (the Trainer's log history and the ring's summary lines) and the trained model
+(``save_model``) to ``OUT/model``. test_training compares the ring job with the same job without the ring.
+"""
+
+import argparse
+import json
+import logging
+import os
+
+import torch
+import transformers
+
+
+def dataset(count: int = 16, length: int = 48, vocab: int = 97) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(count):
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        labels = ids.clone()
+        labels[: (i * 5) % 17] = -100  # a prompt the loss skips: token counts differ between the ranks' batches
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--ring", action="store_true")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    args = parser.parse_args()
+    transformers.set_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    summaries = []
+    if args.ring:
+        model.compile(backend="ring", options={"inputs": "per_rank", "compiler": "aot_eager"})
+        logging.getLogger("ringpass.summary").addHandler(_Lines(summaries))
+        logging.getLogger("ringpass.summary").setLevel(logging.INFO)
+    training = transformers.TrainingArguments(
+        output_dir=os.path.join(args.out, "trainer"),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.accum,
+        max_steps=6,
+        logging_steps=1,
+        learning_rate=3e-3,
+        bf16=args.bf16,
+        gradient_checkpointing=args.checkpointing,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset())
+    trainer.train()
+    trainer.save_model(os.path.join(args.out, "model"))
+    if trainer.is_world_process_zero():
+        with open(os.path.join(args.out, "log.json"), "w") as f:
+            json.dump({"history": trainer.state.log_history, "summaries": summaries}, f)
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list):
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
+if __name__ == "__main__":
+    main()
