@@ -7,7 +7,9 @@
 `unshard` prepare sharded inputs and reassemble sharded outputs in the ring's layout; `convert(model,
 inputs, world_size=P)` applies the pass once and gives a module that runs eagerly, `save`s and `load`s;
 `generate(model, input_ids, max_new_tokens=...)` and `ShardedCache` generate from a long prompt with the KV
-cache kept sharded (Hugging Face models; imported on first use). The runtime (`lowering`: `ring_attention`,
+cache kept sharded (Hugging Face models; imported on first use). `RingSampler` / `ring_dataloader` /
+`shard_collator` give the ranks of one ring the same batch (docs/data.md); with ``inputs="per_rank"`` each rank
+passes its own batch instead (docs/training.md). The runtime (`lowering`: `ring_attention`,
 `Layout`, `simulate_ring`) is usable on its own.
 """
 
@@ -18,6 +20,7 @@ from lowering.sequence_tensor import NeedsWholeSequence, SequenceSharded
 from ringpass.artifact import load
 from ringpass.backend import RingBackend, backend, last_report
 from ringpass.convert import ConvertedModel, convert
+from ringpass.data import RingSampler, ring_dataloader, shard_collator
 from ringpass.inspection import Inspection, inspect
 from ringpass.sharding import shard, unshard
 from ringpass.version import __version__
@@ -30,6 +33,7 @@ __all__ = [
     "NotSupportedError",
     "PeerFailure",
     "RingBackend",
+    "RingSampler",
     "RingpassError",
     "RingpassWarning",
     "SequenceMask",
@@ -40,7 +44,9 @@ __all__ = [
     "inspect",
     "last_report",
     "load",
+    "ring_dataloader",
     "shard",
+    "shard_collator",
     "unshard",
     "ShardedCache",
     "generate",

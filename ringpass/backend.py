@@ -46,9 +46,9 @@ from ringpass.ddp_whole_graph import keep_ring_graphs_whole, kept_whole_under_dd
 from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
-from ringpass.per_rank import describe_per_rank, per_rank_graph, refuse_crossings
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
+from ringpass.per_rank import describe_per_rank, per_rank_graph, refuse_crossings
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
 from ringpass.wrappers import find_wrapper, gradient_mode

@@ -99,10 +99,10 @@ def per_rank_graph(compiled, ctx: PassContext) -> PerRankGraph:
 def describe_per_rank(ctx: PassContext) -> None:
     """The report's summary line: what each call all-gathers, and that the graph runs once per rank's batch."""
     own = [n for n in ctx.gm.graph.nodes if n.op == "placeholder" and _per_rank_input(n)]
+    gathered = sum(nbytes(example_value(n)) for n in own) * ctx.world_size
     ctx.report.notes.append(
         f"inputs='per_rank': each rank's {', '.join(map(user_name, own)) or 'nothing'} all-gathered "
-        f"({size_text(sum(nbytes(example_value(n)) for n in own) * ctx.world_size)} per call), the graph run on each rank's batch, "
-        "each rank's own outputs returned"
+        f"({size_text(gathered)} per call), the graph run on each rank's batch, each rank's own outputs returned"
     )
 
 

@@ -301,3 +301,46 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
             "later_compiles": len(backend.reports) - first_compiles,
         }
     return results
+
+
+def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_length: bool = False) -> dict:
+    """``inputs="per_rank"``: each rank passes its own ``rows`` sequences (the ranks' label counts differ), an HF
+    Llama with its loss, no wrapper or DDP over the ring's ranks. The reference is a data-parallel job in one
+    process: each rank's loss and logits on its own batch, the gradient the mean over the ranks of each rank's.
+    With ``other_length``, then a batch of another length on rank 1: the error every rank raises."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model, reference = hf_workers.build("llama"), hf_workers.build("llama")
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 61, (rows, SEQ_LEN), generator=g) for _ in range(world_size)]
+    labels = [ids.clone() for ids in batches]
+    labels[1][:, :7] = -100
+    expected = []
+    for ids, lab in zip(batches, labels):
+        out = reference(input_ids=ids, labels=lab, use_cache=False)
+        (out.loss / world_size).backward()
+        expected.append(out)
+    torch._dynamo.reset()
+    wrapped = DistributedDataParallel(model) if wrapper == "ddp" else model
+    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    compiled = torch.compile(wrapped, backend=backend)
+    with record_ring_events() as events:
+        out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
+    out.loss.backward()
+    if other_length:
+        try:
+            compiled(input_ids=batches[rank][:, : SEQ_LEN - rank], use_cache=False)
+            other_length = "no error"
+        except ringpass.RingpassError as error:
+            other_length = str(error)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {
+        "loss": rel_err(out.loss.detach(), expected[rank].loss.detach()),
+        "logits": rel_err(out.logits.detach(), expected[rank].logits.detach()),
+        "grads": grad_error(grads, {n: p.grad for n, p in reference.named_parameters()}),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "summaries": [r.summary() for r in backend.reports],
+        "gradients": [r.gradients for r in backend.reports if r.gradients],
+        "other_length": other_length,
+    }

@@ -19,6 +19,8 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
     ("wrapped_step", ("ddp", 1, "auto", "llama", 0.001)),  # buckets of 1 kB: optimize_ddp would cut the graph
+    ("per_rank_step", ("none", 1, True)),
+    ("per_rank_step", ("ddp", 2)),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -91,8 +93,23 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
     for rank in results(2):
         result = rank[4]
         check_exact(result)
-        assert len(result["summaries"]) == 1 and "DDP: kept whole (Dynamo's optimize_ddp" in result["summaries"][0], result
+        (summary,) = result["summaries"]
+        assert "DDP: kept whole (Dynamo's optimize_ddp" in summary, result
         assert set(result["gradients"]) == {"mean"} and "DDP over ranks 0, 1" in result["why"][0], result
+
+
+def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
+    """inputs='per_rank', one and two rows per rank, the ranks' token counts differ: each rank's loss and logits are
+    its own batch's, the gradients DDP's mean of the ranks' (no wrapper: every rank holds it; under DDP after
+    DDP's mean), the ring ran on every batch; a rank with a batch of another length: the same error everywhere."""
+    for rank in results(2):
+        for result, wrapper in zip(rank[5:7], ("none", "ddp")):
+            assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
+            assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
+            assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
+            assert set(result["gradients"]) == {"mean" if wrapper == "ddp" else "reduced"}, result
+        other_length = rank[5]["other_length"]
+        assert "input `input_ids` has shape" in other_length and "rank 1" in other_length, other_length
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

@@ -29,15 +29,7 @@ def dataset(count: int = 16, length: int = 48, vocab: int = 97) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--ring", action="store_true")
-    parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--checkpointing", action="store_true")
-    args = parser.parse_args()
-    transformers.set_seed(0)
+def build_model():
     config = transformers.LlamaConfig(
         vocab_size=97,
         hidden_size=32,
@@ -47,7 +39,19 @@ def main() -> None:
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--ring", action="store_true")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    args = parser.parse_args()
+    transformers.set_seed(0)
+    model = build_model()
     summaries = []
     if args.ring:
         model.compile(backend="ring", options={"inputs": "per_rank", "compiler": "aot_eager"})
@@ -59,7 +63,7 @@ def main() -> None:
         gradient_accumulation_steps=args.accum,
         max_steps=6,
         logging_steps=1,
-        learning_rate=3e-3,
+        learning_rate=1e-3,
         bf16=args.bf16,
         gradient_checkpointing=args.checkpointing,
         save_strategy="no",
