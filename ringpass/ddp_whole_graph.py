@@ -6,7 +6,8 @@ that each bucket's all-reduce can start while the backward of the earlier pieces
 whole graph: its activations stay sequence-sharded from input to output, and a piece without an attention
 would run replicated on every rank.
 
-`keep_ring_graphs_whole` wraps ``DDPOptimizer.compile_fn`` once (at the backend's import, before any compile):
+`keep_ring_graphs_whole` wraps ``DDPOptimizer.compile_fn`` once, before any compile: at the backend's import if
+Dynamo's module for it is loaded, else as soon as it is (an import hook: ``import ringpass`` does not load Dynamo):
 when the backend it would hand the pieces to is a ring backend, the whole graph goes to that backend instead,
 as Dynamo itself does when a graph fills one bucket. DDP then all-reduces the gradients after the backward
 (its own hooks, as with ``optimize_ddp = False``): no bucket overlaps the backward. The graph's report says so
@@ -16,8 +17,13 @@ wrapped, and `ringpass.wrappers` refuses a split graph with what to set.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
 import threading
 from collections.abc import Callable
+
+DDP_MODULE = "torch._dynamo.backends.distributed"
 
 _state = threading.local()  # .active: a ring backend is being called with a graph DDPOptimizer did not split
 
@@ -28,10 +34,40 @@ NOTE = (
 
 
 def keep_ring_graphs_whole(is_ring_backend: Callable[[object], bool]) -> None:
-    """Wraps ``DDPOptimizer.compile_fn`` so that graphs for a backend ``is_ring_backend`` accepts are not split."""
-    try:
-        from torch._dynamo.backends.distributed import DDPOptimizer
-    except ImportError:  # another torch: the split is refused by `ringpass.wrappers`
+    """Wraps ``DDPOptimizer.compile_fn`` so that graphs for a backend ``is_ring_backend`` accepts are not split:
+    now if Dynamo's module is loaded, else when it is."""
+    module = sys.modules.get(DDP_MODULE)
+    if module is not None:
+        _wrap(module, is_ring_backend)
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(lambda loaded: _wrap(loaded, is_ring_backend)))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds Dynamo's DDP module as Python would, and runs ``then(module)`` once it is executed."""
+
+    def __init__(self, then: Callable):
+        self.then = then
+
+    def find_spec(self, name, path, target=None):
+        if name != DDP_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            execute(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _wrap(module, is_ring_backend: Callable[[object], bool]) -> None:
+    DDPOptimizer = getattr(module, "DDPOptimizer", None)
+    if DDPOptimizer is None:  # another torch: the split is refused by `ringpass.wrappers`
         return
     split = DDPOptimizer.compile_fn
     if getattr(split, "_ringpass_keeps_ring_graphs_whole", False):

@@ -305,9 +305,12 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
 
 def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_length: bool = False) -> dict:
     """``inputs="per_rank"``: each rank passes its own ``rows`` sequences (the ranks' label counts differ), an HF
-    Llama with its loss, no wrapper or DDP over the ring's ranks. The reference is a data-parallel job in one
-    process: each rank's loss and logits on its own batch, the gradient the mean over the ranks of each rank's.
-    With ``other_length``, then a batch of another length on rank 1: the error every rank raises."""
+    Llama with its loss; ``wrapper``: ``none``, ``ddp`` (over every rank), ``ddp_dp`` (over the data-parallel
+    ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every wrapper) or
+    ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
+    The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
+    gradient the mean over all ranks of each rank's. With ``other_length``, then a batch of another length on
+    rank 1: the error every rank raises."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -322,8 +325,18 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
         (out.loss / world_size).backward()
         expected.append(out)
     torch._dynamo.reset()
-    wrapped = DistributedDataParallel(model) if wrapper == "ddp" else model
-    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    mesh = mesh_2d(world_size // 2, 2) if world_size > 2 else None
+    ring = mesh["cp"] if mesh is not None else None
+    if wrapper == "none":
+        wrapped = model
+    elif wrapper == "fsdp2_root":
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
+    else:
+        over = mesh["dp"].get_group() if wrapper == "ddp_dp" else None
+        wrapped = DistributedDataParallel(model, process_group=over)
+    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank", group=ring)
     compiled = torch.compile(wrapped, backend=backend)
     with record_ring_events() as events:
         out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
@@ -334,7 +347,7 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
             other_length = "no error"
         except ringpass.RingpassError as error:
             other_length = str(error)
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
     return {
         "loss": rel_err(out.loss.detach(), expected[rank].loss.detach()),
         "logits": rel_err(out.logits.detach(), expected[rank].logits.detach()),

@@ -44,6 +44,9 @@ FOUR_RANKS = [
     ("wrapped_step", ("hsdp", 2)),
     ("ulysses_step", ("hf_llama", "mesh", "inductor")),
     ("ulysses_hf_modes", (["left-padded", "packed"],)),
+    ("per_rank_step", ("ddp_dp", 1)),
+    ("per_rank_step", ("ddp", 1)),
+    ("per_rank_step", ("fsdp2_root", 1)),
 ]
 
 
@@ -208,3 +211,16 @@ def test_inspect_and_convert_refuse_ulysses_until_they_describe_it():
         ringpass.inspect(models.Llama(), ids, world_size=4, ulysses=2)
     with pytest.raises(NotSupportedError, match="convert: Ulysses x ring is not built for converted models yet"):
         ringpass.convert(models.Llama(), ids, world_size=4, ulysses=2)
+
+
+@pytest.mark.heavy  # in the 4-rank spawn
+def test_per_rank_inputs_on_a_data_and_ring_mesh():
+    """inputs='per_rank' on a (dp 2, cp 2) mesh, the ring over cp, four ranks with four batches: DDP over the
+    data-parallel ranks only (the ring reduces, DDP averages across rings), DDP and FSDP2 (root) over all four
+    ranks (the ring's shares scaled for the wrapper's mean): each rank's own loss and logits, the four-rank
+    data-parallel gradient."""
+    for rank in results(4):
+        for result, mode in zip(rank[-3:], ("reduced", "mean", "mean")):
+            assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
+            assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x the ring's 2 batches
+            assert set(result["gradients"]) == {mode}, result

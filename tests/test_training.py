@@ -58,10 +58,13 @@ def initial_weights() -> dict:
     return trainer_job.build_model().state_dict()
 
 
-def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16: bool = False) -> None:
+def compare(
+    ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16: bool = False, gathered: str = "labels, num_items_in_batch all-gathered"
+) -> None:
     """Losses and gradient norms within ``loss_tol`` (relative); each weight within ``weight_tol`` (absolute), or
     with ``bf16`` the mean difference within ``weight_tol`` of the mean change training made (bf16's rounding
-    moves single weights by a whole Adam step)."""
+    moves single weights by a whole Adam step). ``gathered``: what the summary says each rank's batch holds (the
+    Trainer passes the token count over all ranks, num_items_in_batch: each rank's own)."""
     assert len(steps(ring)) == len(steps(plain)) == 6, (ring["history"], plain["history"])
     for mine, theirs in zip(steps(ring), steps(plain)):
         assert abs(mine["loss"] - theirs["loss"]) <= loss_tol * abs(theirs["loss"]), (mine, theirs)
@@ -77,8 +80,7 @@ def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16
             assert difference.abs().max() <= weight_tol, name
     (summary,) = ring["summaries"]  # one graph: the whole model
     assert "2 attention(s) rewritten to ring attention over 2 ranks" in summary, summary
-    assert "DDP: kept whole" in summary and "inputs='per_rank'" in summary, summary
-    assert "num_items_in_batch" in summary, summary  # the token count over all ranks, each rank's own
+    assert "DDP: kept whole" in summary and f"each rank's input_ids, {gathered}" in summary, summary
 
 
 FP32 = ("--accum", "2", "--checkpointing")
@@ -105,3 +107,10 @@ def test_a_checkpoint_the_ring_job_saved_reloads_equal():
 def test_hf_trainer_with_the_ring_in_bf16():
     ring, plain = run_job("--ring", "--bf16"), run_job("--bf16")
     compare(ring, plain, loss_tol=1e-3, weight_tol=0.1, bf16=True)
+
+
+@pytest.mark.heavy  # two more 2-process jobs (~30 s)
+def test_an_accelerate_loop_with_the_ring_trains_as_without_it():
+    """accelerate's Accelerator: prepare (DDP, each rank its batches of a shuffled DataLoader), backward, step."""
+    ring, plain = run_job("--accelerate", "--ring"), run_job("--accelerate")
+    compare(ring, plain, loss_tol=1e-5, weight_tol=1e-5, gathered="labels all-gathered")

@@ -1,12 +1,15 @@
 """A Hugging Face Trainer job as a user writes it, launched by the tests with torchrun (2 CPU processes, gloo).
 
     torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] [--accum N] [--bf16] [--checkpointing]
+    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT --accelerate [--ring]
 
 A tiny Llama trains 6 optimizer steps on 16 random sequences of 48 tokens, each rank its own batches from the
 Trainer's DistributedSampler (the ranks' label counts differ: some labels are -100). With ``--ring`` the only
 change to the job is one line, ``model.compile(backend="ring", options={"inputs": "per_rank"})``. Rank 0
 writes ``OUT/log.json`` (the Trainer's log history and the ring's summary lines) and the trained model
-(``save_model``) to ``OUT/model``. test_training compares the ring job with the same job without the ring.
+(``save_model``) to ``OUT/model``. With ``--accelerate`` the job is a plain loop on accelerate's ``Accelerator``
+(``prepare`` of model, AdamW and a shuffled DataLoader; ``accelerator.backward``) instead of the Trainer.
+test_training compares the ring job with the same job without the ring.
 """
 
 import argparse
@@ -49,6 +52,7 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--accelerate", action="store_true")
     args = parser.parse_args()
     transformers.set_seed(0)
     model = build_model()
@@ -57,6 +61,12 @@ def main() -> None:
         model.compile(backend="ring", options={"inputs": "per_rank", "compiler": "aot_eager"})
         logging.getLogger("ringpass.summary").addHandler(_Lines(summaries))
         logging.getLogger("ringpass.summary").setLevel(logging.INFO)
+    if args.accelerate:
+        history = accelerate_loop(model, os.path.join(args.out, "model"))
+        if int(os.environ["RANK"]) == 0:
+            with open(os.path.join(args.out, "log.json"), "w") as f:
+                json.dump({"history": history, "summaries": summaries}, f)
+        return
     training = transformers.TrainingArguments(
         output_dir=os.path.join(args.out, "trainer"),
         per_device_train_batch_size=1,
@@ -80,6 +90,26 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(os.path.join(args.out, "log.json"), "w") as f:
             json.dump({"history": trainer.state.log_history, "summaries": summaries}, f)
+
+
+def accelerate_loop(model, out: str) -> list[dict]:
+    """6 steps of a loop on accelerate's Accelerator; each step's loss (the mean over the ranks) and gradient norm."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=1, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    history = []
+    for _, batch in zip(range(6), loader):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append({"loss": accelerator.gather(loss.detach()).mean().item(), "grad_norm": float(norm)})
+    accelerator.unwrap_model(model).save_pretrained(out)
+    return history
 
 
 class _Lines(logging.Handler):
