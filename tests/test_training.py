@@ -58,9 +58,7 @@ def initial_weights() -> dict:
     return trainer_job.build_model().state_dict()
 
 
-def compare(
-    ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16: bool = False, gathered: str = "labels, num_items_in_batch all-gathered"
-) -> None:
+def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16: bool = False, gathered: str = "") -> None:
     """Losses and gradient norms within ``loss_tol`` (relative); each weight within ``weight_tol`` (absolute), or
     with ``bf16`` the mean difference within ``weight_tol`` of the mean change training made (bf16's rounding
     moves single weights by a whole Adam step). ``gathered``: what the summary says each rank's batch holds (the
@@ -80,6 +78,7 @@ def compare(
             assert difference.abs().max() <= weight_tol, name
     (summary,) = ring["summaries"]  # one graph: the whole model
     assert "2 attention(s) rewritten to ring attention over 2 ranks" in summary, summary
+    gathered = gathered or "labels, num_items_in_batch all-gathered"
     assert "DDP: kept whole" in summary and f"each rank's input_ids, {gathered}" in summary, summary
 
 
