@@ -58,7 +58,7 @@ def initial_weights() -> dict:
     return trainer_job.build_model().state_dict()
 
 
-def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16: bool = False, gathered: str = "") -> None:
+def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16=False, gathered="") -> None:
     """Losses and gradient norms within ``loss_tol`` (relative); each weight within ``weight_tol`` (absolute), or
     with ``bf16`` the mean difference within ``weight_tol`` of the mean change training made (bf16's rounding
     moves single weights by a whole Adam step). ``gathered``: what the summary says each rank's batch holds (the
