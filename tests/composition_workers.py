@@ -309,8 +309,8 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
     ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every wrapper) or
     ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
     The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
-    gradient the mean over all ranks of each rank's. With ``other_length``, then a batch of another length on
-    rank 1: the error every rank raises."""
+    gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks). With
+    ``other_length``, then a batch of another length on rank 1: the error every rank raises."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -319,13 +319,16 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
     batches = [torch.randint(0, 61, (rows, SEQ_LEN), generator=g) for _ in range(world_size)]
     labels = [ids.clone() for ids in batches]
     labels[1][:, :7] = -100
+    mesh = mesh_2d(world_size // 2, 2) if world_size > 2 else None
+    # the ranks whose objectives the gradient averages: all (a wrapper averages across the rings), else the ring's
+    averaged = mesh["cp"].mesh.tolist() if mesh is not None and wrapper == "none" else list(range(world_size))
     expected = []
-    for ids, lab in zip(batches, labels):
+    for source, (ids, lab) in enumerate(zip(batches, labels)):
         out = reference(input_ids=ids, labels=lab, use_cache=False)
-        (out.loss / world_size).backward()
+        if source in averaged:
+            (out.loss / len(averaged)).backward()
         expected.append(out)
     torch._dynamo.reset()
-    mesh = mesh_2d(world_size // 2, 2) if world_size > 2 else None
     ring = mesh["cp"] if mesh is not None else None
     if wrapper == "none":
         wrapped = model

@@ -112,6 +112,7 @@ def test_bench_model_runs_the_ring_and_matches_the_unsharded_loss(tmp_path, caps
     assert "ringpass backward step 1: compute" in names
 
 
+@pytest.mark.heavy  # suite time; the decode attention itself is checked in test_decode
 def test_bench_decode_reads_each_rank_s_part_of_the_cache_and_merges_once(tmp_path, capsys):
     out = tmp_path / "decode.json"
     assert (

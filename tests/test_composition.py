@@ -19,8 +19,7 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
     ("wrapped_step", ("ddp", 1, "auto", "llama", 0.001)),  # buckets of 1 kB: optimize_ddp would cut the graph
-    ("per_rank_step", ("none", 1, True)),
-    ("per_rank_step", ("ddp", 2)),
+    ("per_rank_step", ("ddp", 2, True)),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -47,6 +46,7 @@ FOUR_RANKS = [
     ("per_rank_step", ("ddp_dp", 1)),
     ("per_rank_step", ("ddp", 1)),
     ("per_rank_step", ("fsdp2_root", 1)),
+    ("per_rank_step", ("none", 1)),
 ]
 
 
@@ -102,16 +102,16 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
 
 
 def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
-    """inputs='per_rank', one and two rows per rank, the ranks' token counts differ: each rank's loss and logits are
-    its own batch's, the gradients DDP's mean of the ranks' (no wrapper: every rank holds it; under DDP after
-    DDP's mean), the ring ran on every batch; a rank with a batch of another length: the same error everywhere."""
+    """inputs='per_rank' under DDP, two rows per rank, the ranks' token counts differ: each rank's loss and logits
+    are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; a
+    rank with a batch of another length: the same error everywhere. (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
-        for result, wrapper in zip(rank[5:7], ("none", "ddp")):
-            assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
-            assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
-            assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
-            assert set(result["gradients"]) == {"mean" if wrapper == "ddp" else "reduced"}, result
-        other_length = rank[5]["other_length"]
+        result = rank[5]
+        assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
+        assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
+        assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
+        assert set(result["gradients"]) == {"mean"}, result
+        other_length = result["other_length"]
         assert "input `input_ids` has shape" in other_length and "rank 1" in other_length, other_length
 
 
@@ -217,10 +217,10 @@ def test_inspect_and_convert_refuse_ulysses_until_they_describe_it():
 def test_per_rank_inputs_on_a_data_and_ring_mesh():
     """inputs='per_rank' on a (dp 2, cp 2) mesh, the ring over cp, four ranks with four batches: DDP over the
     data-parallel ranks only (the ring reduces, DDP averages across rings), DDP and FSDP2 (root) over all four
-    ranks (the ring's shares scaled for the wrapper's mean): each rank's own loss and logits, the four-rank
-    data-parallel gradient."""
+    ranks (the ring's shares scaled for the wrapper's mean), no wrapper (every rank ends with the mean over its
+    ring's ranks): each rank's own loss and logits, the data-parallel gradient."""
     for rank in results(4):
-        for result, mode in zip(rank[-3:], ("reduced", "mean", "mean")):
+        for result, mode in zip(rank[-4:], ("reduced", "mean", "mean", "reduced")):
             assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
             assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x the ring's 2 batches
             assert set(result["gradients"]) == {mode}, result
