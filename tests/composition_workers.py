@@ -32,7 +32,6 @@ def wrapped_step(
     dp: int,
     grads: str = "auto",
     family: str = "llama",
-    bucket_mb: float = 25.0,
 ) -> dict:
     """One step of ``family`` (tests.models' Llama with its loss, or ``hf_llama``) wrapped as ``wrapper`` says,
     the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
@@ -40,9 +39,7 @@ def wrapped_step(
     - ``fsdp2``: ``fully_shard`` on every block and the root over the data x ring ranks flattened
       (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only; ``hsdp``: every block and the root
       on the 2-D mesh (replicated over dp, sharded over cp);
-    - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only;
-      ``bucket_mb``: DDP's bucket size (Dynamo's default optimize_ddp cuts a graph of several buckets, the ring
-      keeps it whole: `ringpass.ddp_whole_graph`).
+    - ``ddp``: DDP over the data x ring ranks flattened; ``ddp_dp``: DDP over the data-parallel ranks only.
 
     Returns the loss and gradient errors against the unsharded model on the global batch, the ring's KV
     exchanges, ringpass's all-reduces in the backward and the collectives CommDebugMode saw there."""
@@ -72,9 +69,7 @@ def wrapped_step(
         units += 1
     elif wrapper in ("ddp", "ddp_dp"):
         group = everyone.get_group() if wrapper == "ddp" else mesh["dp"].get_group()
-        wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
-        # Dynamo's DDPOptimizer opens with a bucket of at least 1 MiB: as small as the others, as for a big model
-        dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, wrapped.bucket_bytes_cap)
+        wrapped = DistributedDataParallel(model, process_group=group)
     else:
         raise ValueError(wrapper)
     backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"], grads=grads, unsharded="warn")
@@ -336,9 +331,10 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
-    else:
+    else:  # buckets of 1 kB: Dynamo's DDPOptimizer would cut the graph (it opens with a bucket as small)
         over = mesh["dp"].get_group() if wrapper == "ddp_dp" else None
-        wrapped = DistributedDataParallel(model, process_group=over)
+        wrapped = DistributedDataParallel(model, process_group=over, bucket_cap_mb=0.001)
+        dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, wrapped.bucket_bytes_cap)
     backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank", group=ring)
     compiled = torch.compile(wrapped, backend=backend)
     with record_ring_events() as events:

@@ -18,8 +18,7 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
-    ("wrapped_step", ("ddp", 1, "auto", "llama", 0.001)),  # buckets of 1 kB: optimize_ddp would cut the graph
-    ("per_rank_step", ("ddp", 2, True)),
+    ("per_rank_step", ("ddp", 2, True)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -91,14 +90,11 @@ def test_combinations_that_would_be_wrong_are_refused():
 
 
 def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
-    """DDP with buckets small enough that Dynamo's DDPOptimizer would cut the graph into pieces: the ring's
-    graph arrives whole (one graph, its attention rewritten), the summary says so, the step is exact."""
+    """DDP with buckets small enough that Dynamo's DDPOptimizer would cut the graph into pieces (the per_rank case
+    below): the ring's graph arrives whole (one graph, its attentions rewritten), the summary says so."""
     for rank in results(2):
-        result = rank[4]
-        check_exact(result)
-        (summary,) = result["summaries"]
-        assert "DDP: kept whole (Dynamo's optimize_ddp" in summary, result
-        assert set(result["gradients"]) == {"mean"} and "DDP over ranks 0, 1" in result["why"][0], result
+        summary = rank[4]["summaries"][0]  # the first call's graph (a second length compiles a second)
+        assert "2 attention(s) rewritten" in summary and "DDP: kept whole (Dynamo's optimize_ddp" in summary, summary
 
 
 def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
@@ -106,7 +102,7 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
     are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; a
     rank with a batch of another length: the same error everywhere. (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
-        result = rank[5]
+        result = rank[4]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result

@@ -5,10 +5,11 @@ The Trainer wraps the model in DDP (Dynamo's default optimize_ddp: the ring keep
 rank its own batches (DistributedSampler; ``inputs="per_rank"``), normalises the loss by the token count over
 all ranks (``average_tokens_across_devices``) and saves the model. The ring job must log the same losses and
 gradient norms, save the same weights (a checkpoint that ``from_pretrained`` reloads equal), and show that the
-ring ran (its summary line). fp32 with gradient accumulation and checkpointing in the default suite; bf16
+ring ran (its summary line). All with -m heavy (suite time: per_rank under DDP runs by default in
+test_composition): fp32 with gradient accumulation and checkpointing; bf16
 (autocast: the two jobs round differently; measured 3e-5 on the losses, 1.5e-4 on the gradient norms, a mean
 weight difference 3.6% of the mean change: bounds 1e-3 and 10%) with -m heavy. fp32 weights are compared
-absolutely (1e-5), after checking that training moved each by more than 100 x that.
+absolutely (1e-5), after checking that training moved each by more than 100 x that; an accelerate loop.
 """
 
 import json
@@ -85,11 +86,13 @@ def compare(ring: dict, plain: dict, loss_tol: float, weight_tol: float, *, bf16
 FP32 = ("--accum", "2", "--checkpointing")
 
 
+@pytest.mark.heavy  # two 2-process jobs (~25 s; suite time): per_rank under DDP runs by default in test_composition
 def test_hf_trainer_with_the_ring_trains_as_the_same_ddp_job():
     """fp32, gradient accumulation 2, gradient checkpointing: the same losses, gradient norms and weights."""
     compare(run_job("--ring", *FP32), run_job(*FP32), loss_tol=1e-5, weight_tol=1e-5)
 
 
+@pytest.mark.heavy  # the job of the test above
 def test_a_checkpoint_the_ring_job_saved_reloads_equal():
     """``from_pretrained`` of the ring job's saved model: every weight as trained (no ``_orig_mod.`` prefix)."""
     import transformers
