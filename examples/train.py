@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="load --ckpt first")
     parser.add_argument("--check", action="store_true", help="compare the first step with the unsharded model")
     args = parser.parse_args()
+    if args.check and args.resume:
+        parser.error("--check compares with a freshly initialised model: leave out --resume")
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -76,11 +76,11 @@ def _wrap(module, is_ring_backend: Callable[[object], bool]) -> None:
     def compile_fn(self, gm, example_inputs, **configs):
         if not is_ring_backend(self.backend_compile_fn):
             return split(self, gm, example_inputs, **configs)
-        _state.active = True
+        previous, _state.active = kept_whole_under_ddp(), True
         try:
             return self.backend_compile_fn(gm, example_inputs, **configs)
         finally:
-            _state.active = False
+            _state.active = previous
 
     compile_fn._ringpass_keeps_ring_graphs_whole = True
     DDPOptimizer.compile_fn = compile_fn

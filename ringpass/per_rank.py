@@ -23,8 +23,10 @@ losses and reaches the same weights as the same job without the ring, also where
 and where the loss is normalised by a count over all ranks (the HF Trainer's ``average_tokens_across_devices``).
 The cost: P ring calls of one batch each per step (the same FLOPs and bytes as one call on P batches).
 
-`per_rank_graph` wraps a compiled ring graph so; `refuse_crossings` refuses what it cannot take yet (values
-carried in sharded from another graph, masks crossing as descriptions).
+`per_rank_graph` wraps a compiled ring graph so; `refuse_crossings` refuses what it cannot take yet (activations
+from code before the graph: values that require grad, values carried in sharded, masks crossing as
+descriptions). A graph that updates module state (BatchNorm's running statistics) updates it once per rank's
+batch, P times a call.
 """
 
 from __future__ import annotations
@@ -43,13 +45,19 @@ from ringpass.report import size_text
 
 
 def refuse_crossings(ctx: PassContext) -> None:
-    """``inputs="per_rank"`` takes each rank's plain inputs; a value carried in from another graph is refused."""
-    if ctx.carried_inputs or ctx.mask_inputs:
+    """``inputs="per_rank"`` gathers each rank's small inputs; a value from another graph or from eager code that
+    trains (an activation: it requires grad) or is carried in sharded would gather every rank's whole sequences
+    onto every rank, and is refused."""
+    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+    training = [n for n in placeholders if _per_rank_input(n) and n.meta["example_value"].requires_grad]
+    if ctx.carried_inputs or ctx.mask_inputs or training:
+        what = f"`{user_name(training[0])}`, which requires grad" if training else "a sequence-sharded value"
         raise NotSupportedError(
-            "inputs='per_rank' takes each rank's own plain inputs, but this graph receives a value another compiled "
-            "graph left sequence-sharded (a SequenceSharded tensor or a SequenceMask): compile the model whole "
-            "(one torch.compile around the model, no graph break inside it), or compile every graph with "
-            "inputs='full' and feed each ring the same batch (ringpass.data.RingSampler)."
+            f"inputs='per_rank' gathers each rank's inputs (token ids, labels, masks), but this graph receives {what}: "
+            "an activation computed before it (a graph break inside the model, per-block compile, an eager module, "
+            "trainable input embeddings). Gathering it would put every rank's whole sequences on every rank. "
+            "Compile the model as one graph (one torch.compile around it, no graph break inside), or compile with "
+            "inputs='full' and feed each ring the same batch (ringpass.RingSampler)."
         )
 
 
@@ -69,7 +77,7 @@ class PerRankGraph:
         mine = {"shapes": [_shape(args[i]) for i in self.own]}
         failures.begin_call()
         failures.agree(self.group_name, "per_rank", mine, self._difference)
-        gathered = {i: _GatherRows.apply(args[i], self.group_name, self.world_size) for i in self.own}
+        gathered = {i: _gather(args[i], group, self.group_name) for i in self.own}
         runs = []
         for source in range(self.world_size):  # every rank's batch, in rank order on every rank
             call = list(args)
@@ -115,22 +123,13 @@ def _shape(value) -> list:
     return [str(value.dtype), *map(int, value.shape)]
 
 
-class _GatherRows(torch.autograd.Function):
-    """Every rank's ``x``, in rank order. Backward: this rank's own gradient — the ring reduces an input's
-    gradient before it leaves a graph, so every rank holds the whole gradient of every rank's input."""
-
-    @staticmethod
-    def forward(ctx, x, group_name: str, world_size: int):
-        ctx.rank = dist.get_rank(group_by_name(group_name))
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        work = dist.all_gather(parts, x, group=group_by_name(group_name), async_op=True)
-        failures.wait_collective(work, x, group_name, f"all-gathering the ranks' {tuple(x.shape)} inputs")
-        return tuple(parts)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads[ctx.rank], None, None
+def _gather(x: torch.Tensor, group, group_name: str) -> list[torch.Tensor]:
+    """Every rank's ``x``, in rank order (inputs that train are refused: `refuse_crossings`)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, x, group=group, async_op=True)
+    failures.wait_collective(work, x, group_name, f"all-gathering the ranks' {tuple(x.shape)} inputs")
+    return parts
 
 
 def _own_output(values: list, rank: int, group_name: str):

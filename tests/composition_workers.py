@@ -7,6 +7,7 @@ import hf_workers
 import models
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from reference import grad_error, rel_err
 
 import ringpass
@@ -305,7 +306,8 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
     ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
     The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
     gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks). With
-    ``other_length``, then a batch of another length on rank 1: the error every rank raises."""
+    ``other_length``, then a batch of another length on rank 1 and an activation (requires grad) passed to a
+    per_rank graph: the errors every rank raises."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -340,12 +342,20 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
     with record_ring_events() as events:
         out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
     out.loss.backward()
+    activation = "not tried"
     if other_length:
         try:
             compiled(input_ids=batches[rank][:, : SEQ_LEN - rank], use_cache=False)
             other_length = "no error"
         except ringpass.RingpassError as error:
             other_length = str(error)
+        hidden = model.model.embed_tokens(batches[rank])[:, None]  # eager: an activation that trains
+        attend = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), backend=backend)
+        try:
+            attend(hidden)
+            activation = "no error"
+        except ringpass.RingpassError as error:
+            activation = str(error)
     grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
     return {
         "loss": rel_err(out.loss.detach(), expected[rank].loss.detach()),
@@ -355,4 +365,5 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
         "summaries": [r.summary() for r in backend.reports],
         "gradients": [r.gradients for r in backend.reports if r.gradients],
         "other_length": other_length,
+        "activation": activation,
     }

@@ -100,7 +100,8 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
 def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
     """inputs='per_rank' under DDP, two rows per rank, the ranks' token counts differ: each rank's loss and logits
     are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; a
-    rank with a batch of another length: the same error everywhere. (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
+    rank with a batch of another length: the same error everywhere; an activation fed to a per_rank graph: refused.
+    (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
         result = rank[4]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
@@ -109,6 +110,7 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
         assert set(result["gradients"]) == {"mean"}, result
         other_length = result["other_length"]
         assert "input `input_ids` has shape" in other_length and "rank 1" in other_length, other_length
+        assert "receives `x`, which requires grad" in result["activation"], result["activation"]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
