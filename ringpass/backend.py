@@ -48,7 +48,7 @@ from ringpass.guard import guard_graph
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
-from ringpass.per_rank import describe_per_rank, per_rank_graph, refuse_crossings
+from ringpass.per_rank import PerRankGraph, describe_per_rank, refuse_crossings
 from ringpass.report import Report
 from ringpass.retrace import release_marks, request_retrace
 from ringpass.wrappers import find_wrapper, gradient_mode
@@ -142,7 +142,7 @@ class RingBackend:
                 compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
                 compiled = guard_graph(compiled, ctx, index)
             compiled = CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
-            return per_rank_graph(compiled, ctx) if per_rank and not report.unchanged else compiled
+            return PerRankGraph(compiled, ctx) if per_rank and not report.unchanged else compiled
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             if error is retrace:
                 raise

@@ -23,7 +23,7 @@ losses and reaches the same weights as the same job without the ring, also where
 and where the loss is normalised by a count over all ranks (the HF Trainer's ``average_tokens_across_devices``).
 The cost: P ring calls of one batch each per step (the same FLOPs and bytes as one call on P batches).
 
-`per_rank_graph` wraps a compiled ring graph so; `refuse_crossings` refuses what it cannot take yet (activations
+`PerRankGraph` wraps a compiled ring graph so; `refuse_crossings` refuses what it cannot take yet (activations
 from code before the graph: values that require grad, values carried in sharded, masks crossing as
 descriptions). A graph that updates module state (BatchNorm's running statistics) updates it once per rank's
 batch, P times a call.
@@ -97,11 +97,6 @@ class PerRankGraph:
                     "and give every rank the same number of sequences (drop_last=True)."
                 )
         return ""
-
-
-def per_rank_graph(compiled, ctx: PassContext) -> PerRankGraph:
-    """``compiled`` called as the module docstring says."""
-    return PerRankGraph(compiled, ctx)
 
 
 def describe_per_rank(ctx: PassContext) -> None:
