@@ -31,6 +31,8 @@ batch, P times a call.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -67,34 +69,97 @@ class PerRankGraph:
     def __init__(self, compiled, ctx: PassContext):
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         self.compiled = compiled
+        self.examples = [n.meta.get("example_value") for n in placeholders]
         self.own = [i for i, n in enumerate(placeholders) if _per_rank_input(n)]
+        self.numbers = [i for i, value in enumerate(self.examples) if isinstance(value, torch.SymInt)]
         self.names = [user_name(placeholders[i]) for i in self.own]
+        self.dynamic = bool(self.numbers) or any(_symbolic(self.examples[i]) for i in self.own)
         self.group_name, self.world_size = ctx.group_name, ctx.world_size
+        self._guards = None  # the shape guards the graph was compiled under, as a Python expression (lazily)
 
     def __call__(self, *args):
         group = group_by_name(self.group_name)
         rank = dist.get_rank(group)
-        mine = {"shapes": [_shape(args[i]) for i in self.own]}
         failures.begin_call()
-        failures.agree(self.group_name, "per_rank", mine, self._difference)
-        gathered = {i: _gather(args[i], group, self.group_name) for i in self.own}
+        fixed = [_fixed_shape(args[i], self.examples[i]) for i in self.own]
+        failures.agree(self.group_name, "per_rank", {"shapes": fixed}, self._difference)
+        sizes = self._everyones_sizes(args, group) if self.dynamic else [self._sizes(args)] * self.world_size
+        if any(s != sizes[rank] for s in sizes):
+            self._check_guards(args, sizes, group)
         runs = []
+        gathered = {
+            i: _gather(args[i], [self._shape_of(s, k) for s in sizes], self.group_name) for k, i in enumerate(self.own)
+        }
         for source in range(self.world_size):  # every rank's batch, in rank order on every rank
-            call = list(args)
-            for i, values in gathered.items():
-                call[i] = values[source]
-            runs.append(list(self.compiled(*call)))
+            runs.append(list(self.compiled(*self._call(args, gathered, sizes[source], source))))
         return [_own_output([run[k] for run in runs], rank, self.group_name) for k in range(len(runs[0]))]
+
+    def _sizes(self, args) -> list[int]:
+        """This rank's sizes: every dim of its own inputs, then the graph's symbolic numbers."""
+        return [int(d) for i in self.own for d in args[i].shape] + [int(args[i]) for i in self.numbers]
+
+    def _shape_of(self, sizes: list[int], k: int) -> list[int]:
+        start = sum(self.examples[i].dim() for i in self.own[:k])
+        return sizes[start : start + self.examples[self.own[k]].dim()]
+
+    def _call(self, args, gathered: dict, sizes: list[int], source: int) -> list:
+        call = list(args)
+        for i, values in gathered.items():
+            call[i] = values[source]
+        for i, value in zip(self.numbers, sizes[len(sizes) - len(self.numbers) :]):
+            call[i] = value
+        return call
+
+    def _everyones_sizes(self, args, group) -> list[list[int]]:
+        mine = torch.tensor(self._sizes(args), dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        failures.wait_collective(work, mine, self.group_name, "all-gathering the sizes of the ranks' batches")
+        return [p.tolist() for p in parts]
+
+    def _check_guards(self, args, sizes: list[list[int]], group) -> None:
+        """The ranks' batches differ in a dimension the graph holds symbolic: every rank checks that its graph
+        was compiled for every rank's sizes (the guards Dynamo checked on its own batch only); any rank's no is an
+        error on every rank."""
+        if self._guards is None:
+            shape_env = next(_shape_env(v) for v in self.examples if _shape_env(v) is not None)
+            self._guards = shape_env.produce_guards_expression(self.examples, ignore_static=False) or "True"
+            self._shape_env = shape_env
+        empty = {
+            i: [torch.empty(self._shape_of(s, k), dtype=args[i].dtype) for s in sizes] for k, i in enumerate(self.own)
+        }
+        accepted = [
+            bool(self._shape_env.evaluate_guards_expression(self._guards, self._call(args, empty, s, source)))
+            for source, s in enumerate(sizes)
+        ]
+        mine = torch.tensor(accepted, dtype=torch.bool)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        failures.wait_collective(work, mine, self.group_name, "all-gathering which batches each rank's graph takes")
+        refused = [(q, j) for q, part in enumerate(parts) for j, ok in enumerate(part.tolist()) if not ok]
+        if refused:
+            q, j = refused[0]
+            raise InvalidInputError(
+                f"inputs='per_rank': rank {q}'s compiled graph does not take rank {j}'s batch. Rank {q} traced it on "
+                f"{self._described(sizes[q])}; it holds the sizes symbolic only within its shape guards (the branches "
+                f"its code took on them, e.g. a Python `if` on a length), which rank {j}'s {self._described(sizes[j])} "
+                "breaks. Pad every batch to one length, or keep the model's code from branching on the length."
+            )
+
+    def _described(self, sizes: list[int]) -> str:
+        return ", ".join(f"`{name}` {tuple(self._shape_of(sizes, k))}" for k, name in enumerate(self.names))
 
     def _difference(self, everyone: list[dict]) -> str:
         for k, name in enumerate(self.names):
             shapes = [f["shapes"][k] for f in everyone]
             if len(set(map(str, shapes))) > 1:
                 return (
-                    f"With inputs='per_rank' every rank of the ring passes a batch of the same shape; input `{name}` "
-                    f"has shape {failures.by_rank(shapes)}. Pad every batch to one length (a collator's "
-                    "padding='max_length' or pad_to_multiple_of with a fixed maximum, or packing to a fixed length), "
-                    "and give every rank the same number of sequences (drop_last=True)."
+                    f"With inputs='per_rank' the ranks of the ring may pass batches of different shapes only in the "
+                    f"dims the compiled graph holds symbolic ('*'); input `{name}` has shape "
+                    f"{failures.by_rank(shapes)}. Compile with dynamic=True (model.compile(backend='ring', "
+                    "dynamic=True, options=...)) so every rank's graph takes any length and batch size, or pad every "
+                    "batch to one length (a collator's padding='max_length' or pad_to_multiple_of with a fixed "
+                    "maximum) and give every rank the same number of sequences (drop_last=True)."
                 )
         return ""
 
@@ -114,24 +179,42 @@ def _per_rank_input(node) -> bool:
     return isinstance(value, torch.Tensor) and not is_module_state(node)
 
 
-def _shape(value) -> list:
-    return [str(value.dtype), *map(int, value.shape)]
+def _symbolic(value) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
-def _gather(x: torch.Tensor, group, group_name: str) -> list[torch.Tensor]:
-    """Every rank's ``x``, in rank order (inputs that train are refused: `refuse_crossings`)."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(parts, x, group=group, async_op=True)
-    failures.wait_collective(work, x, group_name, f"all-gathering the ranks' {tuple(x.shape)} inputs")
-    return parts
+def _fixed_shape(value: torch.Tensor, example: torch.Tensor) -> list:
+    """What must match on every rank: the dtype, and each dim the graph holds fixed ('*': symbolic)."""
+    return [
+        str(value.dtype),
+        *("*" if isinstance(e, torch.SymInt) else int(d) for d, e in zip(value.shape, example.shape)),
+    ]
+
+
+def _shape_env(value):
+    if isinstance(value, torch.SymInt):
+        return value.node.shape_env
+    fake_mode = getattr(value, "fake_mode", None)
+    return getattr(fake_mode, "shape_env", None)
+
+
+def _gather(x: torch.Tensor, shapes: list, group_name: str) -> list[torch.Tensor]:
+    """Every rank's ``x`` (rank q's of shape ``shapes[q]``), in rank order: one all-gather of the flattened values,
+    each padded to the largest (inputs that train are refused: `refuse_crossings`)."""
+    numels = [math.prod(shape) for shape in shapes]
+    flat = x.new_zeros(max(numels))
+    flat[: x.numel()] = x.reshape(-1)
+    parts = [torch.empty_like(flat) for _ in shapes]
+    work = dist.all_gather(parts, flat, group=group_by_name(group_name), async_op=True)
+    failures.wait_collective(work, flat, group_name, f"all-gathering the ranks' {tuple(x.shape)} inputs")
+    return [part[:n].view(shape) for part, n, shape in zip(parts, numels, shapes)]
 
 
 def _own_output(values: list, rank: int, group_name: str):
     """This rank's output from the runs' ``values`` (one per rank's batch)."""
     first = values[0]
     if isinstance(first, SequenceSharded):
-        spec = first.spec
+        spec = values[rank].spec
         if spec.rows != 1:
             raise NotSupportedError(
                 f"inputs='per_rank': an output of shape {tuple(first.shape)} holds {spec.rows} sequences one after "
@@ -140,12 +223,7 @@ def _own_output(values: list, rank: int, group_name: str):
         return _OwnSharded.apply(spec, *[v.to_local() for v in values])
     if isinstance(first, torch.Tensor):
         return _OwnWhole.apply(group_name, *values)
-    if len({repr(v) for v in values}) > 1:
-        raise InvalidInputError(
-            f"inputs='per_rank': the graph returns a number that differs between the ranks' batches "
-            f"({', '.join(map(repr, values))}); return it as a tensor."
-        )
-    return values[rank]
+    return values[rank]  # a number (a size of this rank's batch)
 
 
 class _OwnWhole(torch.autograd.Function):
@@ -155,16 +233,13 @@ class _OwnWhole(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group_name: str, *values):
         group = group_by_name(group_name)
-        ctx.group_name, ctx.world_size = group_name, dist.get_world_size(group)
+        ctx.group_name, ctx.shapes = group_name, [v.shape for v in values]
         return values[dist.get_rank(group)].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        parts = [torch.empty_like(grad) for _ in range(ctx.world_size)]
-        work = dist.all_gather(parts, grad, group=group_by_name(ctx.group_name), async_op=True)
-        failures.wait_collective(work, grad, ctx.group_name, "all-gathering the ranks' output gradients")
-        return (None, *(g / ctx.world_size for g in parts))
+        parts = _gather(grad.contiguous(), ctx.shapes, ctx.group_name)
+        return (None, *(g / len(parts) for g in parts))
 
 
 class _OwnSharded(torch.autograd.Function):
@@ -173,24 +248,31 @@ class _OwnSharded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, *locals_):
-        ctx.spec = spec
+        ctx.spec, ctx.shapes = spec, [x.shape for x in locals_]
         layout = cached_layout(spec.kind, spec.world_size, spec.seq_len)
-        received = _all_to_all(torch.stack(locals_), spec.group_name, "the ranks' tokens of each rank's outputs")
-        return layout.unshard(list(received), spec.dim).contiguous()
+        mine = locals_[dist.get_rank(group_by_name(spec.group_name))].shape
+        received = _all_to_all(
+            locals_, [mine] * len(locals_), spec.group_name, "the ranks' tokens of each rank's outputs"
+        )
+        return layout.unshard(received, spec.dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
         layout = cached_layout(spec.kind, spec.world_size, spec.seq_len)
-        shards = torch.stack([layout.shard(grad, spec.dim, q) for q in range(spec.world_size)])
-        received = _all_to_all(shards, spec.group_name, "each rank's output gradients to the ranks holding its tokens")
-        return (None, *(received / spec.world_size).unbind(0))
+        shards = [layout.shard(grad, spec.dim, q) for q in range(spec.world_size)]
+        what = "each rank's output gradients to the ranks holding its tokens"
+        received = _all_to_all(shards, ctx.shapes, spec.group_name, what)
+        return (None, *(g / spec.world_size for g in received))
 
 
-def _all_to_all(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
-    """``x[q]`` goes to rank q; returns what every rank q sent this one, stacked the same way."""
-    x = x.contiguous()
-    received = torch.empty_like(x)
-    work = dist.all_to_all_single(received, x, group=group_by_name(group_name), async_op=True)
+def _all_to_all(send: list[torch.Tensor], shapes: list, group_name: str, what: str) -> list[torch.Tensor]:
+    """``send[q]`` goes to rank q; returns what every rank q sent this one (of shape ``shapes[q]``), in rank order."""
+    flat = torch.cat([x.reshape(-1) for x in send])
+    numels = [math.prod(shape) for shape in shapes]
+    received = flat.new_empty(sum(numels))
+    work = dist.all_to_all_single(
+        received, flat, numels, [x.numel() for x in send], group=group_by_name(group_name), async_op=True
+    )
     failures.wait_collective(work, received, group_name, f"the all-to-all of {what}")
-    return received
+    return [part.view(shape) for part, shape in zip(received.split(numels), shapes)]

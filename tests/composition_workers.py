@@ -299,15 +299,15 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
     return results
 
 
-def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_length: bool = False) -> dict:
+def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, activation: bool = False) -> dict:
     """``inputs="per_rank"``: each rank passes its own ``rows`` sequences (the ranks' label counts differ), an HF
     Llama with its loss; ``wrapper``: ``none``, ``ddp`` (over every rank), ``ddp_dp`` (over the data-parallel
     ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every wrapper) or
     ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
     The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
     gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks). With
-    ``other_length``, then a batch of another length on rank 1 and an activation (requires grad) passed to a
-    per_rank graph: the errors every rank raises."""
+    ``activation``, then an activation (requires grad) passed to a per_rank graph: the error every rank raises.
+    (Batches of different lengths: `per_rank_lengths`.)"""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -342,13 +342,7 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
     with record_ring_events() as events:
         out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
     out.loss.backward()
-    activation = "not tried"
-    if other_length:
-        try:
-            compiled(input_ids=batches[rank][:, : SEQ_LEN - rank], use_cache=False)
-            other_length = "no error"
-        except ringpass.RingpassError as error:
-            other_length = str(error)
+    if activation:
         hidden = model.model.embed_tokens(batches[rank])[:, None]  # eager: an activation that trains
         attend = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), backend=backend)
         try:
@@ -364,6 +358,63 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, other_len
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "summaries": [r.summary() for r in backend.reports],
         "gradients": [r.gradients for r in backend.reports if r.gradients],
-        "other_length": other_length,
         "activation": activation,
     }
+
+
+def per_rank_lengths(rank: int, world_size: int) -> dict:
+    """``inputs="per_rank"`` compiled with ``dynamic=True`` under DDP, each rank's batch of its own length and
+    size (a data-parallel loader padding each batch to its longest row: one row right-padded, masked, its labels
+    -100): each rank's loss and logits its own batch's, DDP's mean gradient; then a graph compiled for one length
+    (``dynamic=False``) and one whose shape guards take only one rank's length, given batches of different lengths:
+    the errors every rank raises."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, reference = hf_workers.build("llama"), hf_workers.build("llama")
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for source in range(world_size):
+        rows, length = 2 + source % 2, SEQ_LEN - 3 * source
+        ids = torch.randint(0, 61, (rows, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[-1, length - 2 - source :] = 0
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    expected = []
+    for batch in batches:
+        out = reference(**batch, use_cache=False)
+        (out.loss / world_size).backward()
+        expected.append(out)
+    torch._dynamo.reset()
+    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    compiled = torch.compile(DistributedDataParallel(model), backend=backend, dynamic=True)
+    with record_ring_events() as events:
+        out = compiled(**batches[rank], use_cache=False)
+    out.loss.backward()
+    errors = {}
+    for case, program in {
+        "fixed_length": torch.compile(model, backend=backend, dynamic=False),
+        "branch_on_length": torch.compile(_attend_by_length, backend=backend, dynamic=True),
+    }.items():
+        try:
+            program(**batches[rank], use_cache=False)
+            errors[case] = "no error"
+        except ringpass.RingpassError as error:
+            errors[case] = str(error)
+    return {
+        "loss": rel_err(out.loss.detach(), expected[rank].loss.detach()),
+        "logits": rel_err(out.logits.detach(), expected[rank].logits.detach()),
+        "grads": grad_error(
+            {n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}
+        ),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        **errors,
+    }
+
+
+def _attend_by_length(input_ids, attention_mask, labels, use_cache):
+    """Causal attention over codes of the token ids, coded one way for long sequences and another for short: a graph
+    that holds the length symbolic but only for lengths on one side of 10 (its shape guards)."""
+    x = torch.sin(input_ids[:, None, :, None] * torch.arange(1.0, 9.0))
+    if input_ids.size(1) > 10:
+        x = x.flip(-1)
+    return F.scaled_dot_product_attention(x, x, x, is_causal=True)

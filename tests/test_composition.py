@@ -19,6 +19,7 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
     ("per_rank_step", ("ddp", 2, True)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
+    ("per_rank_lengths", ()),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -99,8 +100,8 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
 
 def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
     """inputs='per_rank' under DDP, two rows per rank, the ranks' token counts differ: each rank's loss and logits
-    are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; a
-    rank with a batch of another length: the same error everywhere; an activation fed to a per_rank graph: refused.
+    are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; an
+    activation fed to a per_rank graph: refused.
     (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
         result = rank[4]
@@ -108,9 +109,25 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
         assert set(result["gradients"]) == {"mean"}, result
-        other_length = result["other_length"]
-        assert "input `input_ids` has shape" in other_length and "rank 1" in other_length, other_length
         assert "receives `x`, which requires grad" in result["activation"], result["activation"]
+
+
+def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph():
+    """inputs='per_rank' compiled with dynamic=True under DDP, the ranks' batches of different lengths and row
+    counts (padded rows masked): each rank's loss and logits its own batch's, DDP's gradient, the ring ran on both
+    batches. A graph compiled for one length, and one whose shape guards break on the other rank's length: the
+    same error on every rank, saying what to do."""
+    errors = []
+    for rank in results(2):
+        result = rank[5]
+        assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
+        assert result["kv_exchanges"] == 2 * 2, result
+        fixed, branch = result["fixed_length"], result["branch_on_length"]
+        assert "['torch.int64', 2, 12] on rank 0; ['torch.int64', 3, 9] on rank 1" in fixed, fixed
+        assert "Compile with dynamic=True" in fixed, fixed
+        assert "rank 0's compiled graph does not take rank 1's batch" in branch and "shape guards" in branch, branch
+        errors.append((fixed, branch))
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
