@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
 from lowering.layout import GroupLayout, Layout
@@ -192,7 +192,7 @@ class Report:
                     else []
                 ),
             )
-        lines += _section("attention", [_attention_text(a) for a in self.attention])
+        lines += _section("attention", _attention_lines(self.attention))
         lines += _section("positions", self.positions)
         for title, placement in (
             ("inputs sharded (each rank gets its tokens)", "sharded"),
@@ -351,6 +351,26 @@ FULLY_MASKED_TEXT = {
     "uniform": "a query with every key hidden averages all keys, as eager (gradients to q, k, v)",
     "uniform_values": "a query with every key hidden averages all keys, as eager (gradients to v)",
 }
+
+
+def _attention_lines(attention: list[AttentionRecord]) -> list[str]:
+    """One line per kind of attention: attentions that differ only in the numbers of their module paths
+    (``model.layers.0.self_attn`` ... ``model.layers.31.self_attn``) share a line with the numbers as ranges."""
+    groups: dict[str, list[AttentionRecord]] = {}
+    for a in attention:
+        pattern = ".".join("#" if part.isdigit() else part for part in a.module.split("."))
+        groups.setdefault(_attention_text(replace(a, module=pattern)), []).append(a)
+    lines = []
+    for members in groups.values():
+        if len(members) == 1:
+            lines.append(_attention_text(members[0]))
+            continue
+        paths = list(zip(*(a.module.split(".") for a in members)))
+        module = ".".join(
+            parts[0] if len(set(parts)) == 1 else "{" + _ranges(sorted(set(map(int, parts)))) + "}" for parts in paths
+        )
+        lines.append(f"{len(members)} x {_attention_text(replace(members[0], module=module))}")
+    return lines
 
 
 def _attention_text(a: AttentionRecord) -> str:

@@ -269,7 +269,7 @@ def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
     assert graph["ring"][0]["kv_bytes_per_hop"] == 2 * 1 * 2 * (n // world) * 32 * 4
     names = {v["name"]: v["placement"] for v in graph["inputs"]}
     assert names == {"input_ids": "sharded", "labels": "whole"}
-    assert "model.layers.0.self_attn: sdpa (causal" in result.stdout
+    assert "2 x model.layers.{0-1}.self_attn: sdpa (causal" in result.stdout  # identical attentions: one line
 
 
 def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):
@@ -632,3 +632,26 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
     with torch.no_grad():
         torch.compile(layer, backend=pipeline, fullgraph=True)(torch.randn(2, 16, 32))
     assert "set_fastpath_enabled(False)" in messages[0]
+
+
+def test_attentions_alike_but_for_their_layer_numbers_share_a_line():
+    """32 layers alternating two kinds (a sliding window on the even ones) and one cross-attention: three lines,
+    each with its count and its layers; the JSON keeps every attention."""
+    from ringpass.report import AttentionRecord, Report
+
+    def record(module: str, window: int | None) -> AttentionRecord:
+        mask = f"causal, window {window}" if window else "causal"
+        return AttentionRecord(module, "model.py:10", "sdpa", mask, True, window, [], 1, 8, 2, 64, "bf16", 2, 0.125)
+
+    layers = [record(f"model.layers.{i}.self_attn", 4096 if i % 2 == 0 else None) for i in range(32)]
+    report = Report(world_size=4, layout="zigzag", seq_len=8192, attention=[*layers, record("cross.0.attn", None)])
+    lines = [line for line in str(report).splitlines() if "-> ringpass::ring_attention" in line]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(
+        "    - 16 x model.layers.{" + ", ".join(map(str, range(0, 32, 2))) + "}.self_attn: sdpa (causal, window 4096"
+    )
+    assert lines[1].startswith(
+        "    - 16 x model.layers.{" + ", ".join(map(str, range(1, 32, 2))) + "}.self_attn: sdpa (causal, scale"
+    )
+    assert lines[2].startswith("    - cross.0.attn: sdpa (causal, scale 0.125"), lines[2]
+    assert len(report.as_dict()["attentions"]) == 33
