@@ -105,9 +105,7 @@ class RingBackend:
             try:
                 rebuild_mask_inputs(ctx)
                 take_carried_inputs(ctx)
-                if per_rank:
-                    refuse_crossings(ctx)
-                else:
+                if not per_rank:
                     describe_mask_outputs(ctx)
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 try:
@@ -121,7 +119,8 @@ class RingBackend:
                     _reports.remove(report)
                     raise retrace from None
                 carry_length_output(ctx)
-                if per_rank and not report.unchanged:
+                if per_rank and not report.unchanged:  # a graph without attention runs on this rank's batch
+                    refuse_crossings(ctx)
                     describe_per_rank(ctx)
                 gm = ctx.gm  # a copy when mask inputs were rebuilt (`ringpass.crossing_masks`)
                 gm.graph.lint()

@@ -197,15 +197,30 @@ def _convert(args) -> int:
     return 0
 
 
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
 def _plan_arguments(p) -> None:
     from lowering.costmodel import DEVICES, LINKS
 
-    p.add_argument("--world-size", type=int, required=True, help="ranks in the ring")
+    p.add_argument(
+        "target",
+        nargs="?",
+        help="a whole model: path/to/file.py:factory or package.module:factory returning (model, example_inputs)",
+    )
+    p.add_argument("--hf-config", metavar="CONFIG", help="a whole model: a local Hugging Face config.json (or folder)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks (a whole model: the ring's ranks at most)")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True, help="query heads")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--heads", type=int, help="one attention: query heads")
+    p.add_argument("--kv-heads", type=int, help="one attention: key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, help="one attention: head dimension")
     p.add_argument("--batch", type=int, default=1)
+    wrap = p.add_mutually_exclusive_group()
+    wrap.add_argument("--fsdp", action="store_true", help="a whole model: FSDP2 over every rank")
+    wrap.add_argument("--ddp", action="store_true", help="a whole model: DDP over every rank")
+    p.add_argument("--checkpointing", action="store_true", help="a whole model: activation checkpointing")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw", help="a whole model")
+    p.add_argument("--gpu-mem", type=float, metavar="GIB", help="a whole model: memory of one device, GiB")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp64"], default="bf16")
     p.add_argument("--bidirectional", action="store_true", help="no causal mask")
     p.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default="auto")
@@ -239,14 +254,6 @@ def _plan(args) -> int:
     from lowering.costmodel import AttentionShape
     from ringpass.plan import hardware, make_plan
 
-    shape = AttentionShape(
-        args.batch,
-        args.heads,
-        args.kv_heads or args.heads,
-        args.head_dim,
-        {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[args.dtype],
-        is_causal=not args.bidirectional,
-    )
     if args.hardware:
         from ringpass.bench.results import load_hardware
 
@@ -255,21 +262,87 @@ def _plan(args) -> int:
         hw = hardware(
             args.link, args.device, bandwidth_gb_s=args.bandwidth, latency_us=args.latency, tflops=args.tflops
         )
-    plan = make_plan(
-        shape,
-        args.world_size,
-        args.seq_len,
-        hw,
-        decode=args.decode,
-        layout=args.layout,
-        ulysses=args.ulysses,
-        ulysses_link=hardware(args.ulysses_link, tflops=1.0) if args.ulysses else None,
-    )
+    if args.target or args.hf_config:
+        plan = _model_plan(args, hw)
+    else:
+        if args.heads is None or args.head_dim is None:
+            raise InvalidInputError(
+                "plan: give a whole model (TARGET or --hf-config CONFIG) or one attention's --heads and --head-dim."
+            )
+        shape = AttentionShape(
+            args.batch,
+            args.heads,
+            args.kv_heads or args.heads,
+            args.head_dim,
+            ITEMSIZE[args.dtype],
+            is_causal=not args.bidirectional,
+        )
+        plan = make_plan(
+            shape,
+            args.world_size,
+            args.seq_len,
+            hw,
+            decode=args.decode,
+            layout=args.layout,
+            ulysses=args.ulysses,
+            ulysses_link=hardware(args.ulysses_link, tflops=1.0) if args.ulysses else None,
+        )
     print(plan)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan.as_dict(), f, indent=1)
     return 0
+
+
+def _model_plan(args, hw):
+    """The whole-model plan (`ringpass.model_plan`): the attentions from `inspect` on the meta device, the step
+    measured on fake tensors."""
+    import torch
+
+    from ringpass.inspection import inspect
+    from ringpass.model_plan import PLAN_ATTENTION, hf_plan_attention, plan_model
+    from ringpass.targets import call_factory, hf_config_model, load_factory
+
+    if (args.target is None) == (args.hf_config is None):
+        raise InvalidInputError("plan: give either TARGET or --hf-config CONFIG")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
+    if args.hf_config:
+        hf_plan_attention()
+
+        def build(tokens, device="cpu", attention=PLAN_ATTENTION):
+            return hf_config_model(args.hf_config, tokens, args.batch, True, device, attention, dtype)
+
+        model, inputs = build(args.seq_len, "meta", "sdpa")
+    else:
+        factory = load_factory(args.target)
+
+        def build(tokens):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)  # the factory's floating tensors in --dtype
+            try:
+                return call_factory(factory, tokens, args.batch)
+            finally:
+                torch.set_default_dtype(default)
+
+        with torch.device("meta"):
+            model, inputs = build(args.seq_len)
+    inspection = inspect(model, inputs, world_size=max(args.world_size, 2))
+    attentions = [a for report in inspection.reports for a in report.attention]
+    refused = [report.refusal.message for report in inspection.reports if report.refusal is not None]
+    if refused:
+        raise InvalidInputError(f"plan: the ring refuses this model: {refused[0]}")
+    wrapper = "fsdp" if args.fsdp else "ddp" if args.ddp else "none"
+    return plan_model(
+        build,
+        args.seq_len,
+        args.world_size,
+        hw,
+        attentions=attentions,
+        wrapper=wrapper,
+        checkpointing=args.checkpointing,
+        optimizer=args.optimizer,
+        gpu_mem=args.gpu_mem,
+    )
 
 
 def _bench_arguments(b) -> None:

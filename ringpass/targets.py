@@ -67,10 +67,19 @@ def call_factory(factory: Callable, seq_len: int | None, batch: int | None) -> t
     return result
 
 
-def hf_config_model(path: str, seq_len: int | None, batch: int, labels: bool, device: str = "meta") -> tuple:
+def hf_config_model(
+    path: str,
+    seq_len: int | None,
+    batch: int,
+    labels: bool,
+    device: str = "meta",
+    attention: str = "sdpa",
+    dtype: torch.dtype | None = None,
+) -> tuple:
     """(model on ``device``, keyword inputs) for a local Hugging Face config: on the meta device no weight is
-    allocated; elsewhere the weights are randomly initialised. The model trains when ``labels`` (loss
-    included), else runs in eval; ``use_cache=False`` either way (the ring's regime)."""
+    allocated; elsewhere the weights are randomly initialised (in ``dtype``, default the config's). The model
+    trains when ``labels`` (loss included), else runs in eval; ``use_cache=False`` either way (the ring's
+    regime). ``attention``: the attention implementation."""
     try:
         import transformers
     except ImportError:
@@ -82,23 +91,24 @@ def hf_config_model(path: str, seq_len: int | None, batch: int, labels: bool, de
     if "model_type" not in config_dict:
         raise InvalidInputError(f"--hf-config {path!r} has no `model_type`; it is not a Hugging Face model config.")
     config = transformers.AutoConfig.for_model(**config_dict)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     seq_len = seq_len or getattr(config, "max_position_embeddings", None)
     if not seq_len:
         raise InvalidInputError("--hf-config: the config names no max_position_embeddings; give --seq-len.")
     architecture = getattr(transformers, (config.architectures or [""])[0], None)  # the class the config names
+    chosen = {"dtype": dtype} if dtype is not None else {}
     with torch.device(device):
         if architecture is not None:
-            model = architecture._from_config(config)
+            model = architecture._from_config(config, **chosen)
         else:
             try:
-                model = transformers.AutoModelForCausalLM.from_config(config)
+                model = transformers.AutoModelForCausalLM.from_config(config, **chosen)
             except ValueError:  # not a causal LM (an encoder): the base model
                 if labels:
                     raise InvalidInputError(
                         f"--labels: {config.model_type} has no causal-LM head to take labels."
                     ) from None
-                model = transformers.AutoModel.from_config(config)
+                model = transformers.AutoModel.from_config(config, **chosen)
     model.train(labels)
     if labels and hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph

@@ -35,12 +35,14 @@ SHRINK = {
     "ringpass inspect": "",  # on meta tensors: any length takes seconds
     "ringpass convert": "--seq-len 64",
     "ringpass plan": "",  # arithmetic only
+    "ringpass plan --hf-config": "--seq-len 256",  # fake training steps of the 1-layer config.json
     "ringpass bench": "--seq-len 64 --repeats 1",
     "ringpass bench --what model": "--seq-len 64 --repeats 1 --hidden 32 --layers 1 --intermediate 64 --vocab 64",
     "python examples/model_coverage.py": "llama --no-write",  # one family; the page is not rewritten
     "python examples/gpu_check.py": "TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=",  # its tiny CPU run
     "python examples/boundary_memory.py": "--seq-len 64 --hidden 32 --layers 2",
     "python examples/mask_crossing_memory.py": "--seq-len 64 --hidden 32",
+    "python examples/plan_check.py": "--model llama --seq-len 512 --world-sizes 1,2",
 }
 HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "ringpass bench": "fresh processes for every method: 12-40 s a line",
@@ -48,6 +50,7 @@ HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "python examples/gpu_check.py": "the Triton kernels in the interpreter: 2 minutes idle, 11 on busy cores",
     "python examples/boundary_memory.py": "six spawns of fresh processes, each compiling: about a minute made small",
     "python examples/mask_crossing_memory.py": "three spawns of fresh processes compiling a Hugging Face model: 30 s",
+    "python examples/plan_check.py": "four spawns of fresh processes training a Hugging Face model: a minute",
 }
 SKIP = {
     "./dev test": "the test suite itself, this file included",

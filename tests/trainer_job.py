@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] [--accum N] [--bf16] [--checkpointing]
     torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT --accelerate [--ring]
+    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] ... --stop-after K | --resume CHECKPOINT
 
 A tiny Llama trains 6 optimizer steps on 16 random sequences of 48 tokens, each rank its own batches from the
 Trainer's DistributedSampler (the ranks' label counts differ: some labels are -100). With ``--ring`` the only
@@ -9,6 +10,9 @@ change to the job is one line, ``model.compile(backend="ring", options={"inputs"
 writes ``OUT/log.json`` (the Trainer's log history and the ring's summary lines) and the trained model
 (``save_model``) to ``OUT/model``. With ``--accelerate`` the job is a plain loop on accelerate's ``Accelerator``
 (``prepare`` of model, AdamW and a shuffled DataLoader; ``accelerator.backward``) instead of the Trainer.
+``--stop-after K`` saves a checkpoint at step K (``OUT/trainer/checkpoint-K``: model, optimizer, scheduler, RNG
+states) and stops there, as a job killed after its checkpoint; ``--resume CHECKPOINT`` trains on from it
+(``trainer.train(resume_from_checkpoint=...)``) to step 6.
 test_training compares the ring job with the same job without the ring.
 """
 
@@ -53,6 +57,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--stop-after", type=int, help="save a checkpoint at this step and stop")
+    parser.add_argument("--resume", help="a checkpoint folder to train on from")
     args = parser.parse_args()
     transformers.set_seed(0)
     model = build_model()
@@ -76,7 +82,8 @@ def main() -> None:
         learning_rate=1e-3,
         bf16=args.bf16,
         gradient_checkpointing=args.checkpointing,
-        save_strategy="no",
+        save_strategy="steps" if args.stop_after else "no",
+        save_steps=args.stop_after or 500,
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
@@ -84,8 +91,9 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset())
-    trainer.train()
+    callbacks = [_StopAtCheckpoint()] if args.stop_after else None
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(os.path.join(args.out, "model"))
     if trainer.is_world_process_zero():
         with open(os.path.join(args.out, "log.json"), "w") as f:
@@ -110,6 +118,14 @@ def accelerate_loop(model, out: str) -> list[dict]:
         history.append({"loss": accelerator.gather(loss.detach()).mean().item(), "grad_norm": float(norm)})
     accelerator.unwrap_model(model).save_pretrained(out)
     return history
+
+
+class _StopAtCheckpoint(transformers.TrainerCallback):
+    """Ends training once the first checkpoint is written: the job is interrupted there."""
+
+    def on_save(self, args, state, control, **kwargs):
+        control.should_training_stop = True
+        return control
 
 
 class _Lines(logging.Handler):

@@ -1,0 +1,312 @@
+"""`ringpass plan` for a whole model: what one training step holds per rank, how long it takes, what to choose.
+
+    ringpass plan --hf-config config.json --seq-len 131072 --world-size 8 --fsdp --gpu-mem 80 --device h100 \\
+        --link nvlink
+
+Memory is measured, not modelled: the model runs one training step (forward, backward, optimizer step; a first
+step beforehand so the optimizer's states exist) on fake tensors at one rank's share of the sequence (the
+layout's slots per rank), under torch's ``MemTracker``, which records what is live at the step's peak by kind:
+weights, gradients, optimizer states, activations (and temporaries). That is what a rank of the ring holds: it
+computes every op on its own tokens, and ring attention keeps what local attention keeps (q, k, v, out, LSE).
+Two things differ from the model run alone, and are accounted for:
+
+- attention runs as the ring runs it: no S x S mask (Hugging Face models get an attention function that calls
+  SDPA with the causal flag and no mask, as the ring's lifted masks do), plus the ring's own buffers (KV blocks
+  in flight, dK/dV accumulators: `lowering.costmodel.RingCost.working_memory`) at the backward's peak;
+- a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
+  adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
+
+Time: the step's FLOPs outside attention (torch's ``FlopCounterMode`` on the same fake step, recomputation under
+checkpointing included) at the device's rate, plus each attention's ring forward and backward as
+`lowering.costmodel` predicts them (compute against transfer per step), plus the wrapper's gradient traffic over
+the link. The candidates: ring sizes P dividing the world size (the others data-parallel), checkpointing on or
+off; the recommendation is the fastest that fits ``gpu_mem``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lowering.costmodel import BACKWARD_FLOPS_RATIO, Hardware, predict, ring_cost
+from lowering.errors import InvalidInputError
+from lowering.layout import Layout
+
+OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer states per parameter (SGD: momentum)
+PLAN_ATTENTION = "ringpass_plan"  # the Hugging Face attention function the fake step runs
+
+
+@dataclass
+class Candidate:
+    """One way to run the step: ring size, checkpointing, and what it holds and takes per rank."""
+
+    ring_size: int
+    checkpointing: bool
+    memory_per_rank: dict  # bytes: weights, gradients, optimizer, activations, ring, total
+    step_s: float
+    batch_s: float  # seconds per batch: the step's, over the W / P batches the data-parallel replicas take at once
+    time_parts: dict  # seconds: compute (outside attention), attention (the ring), wrapper (gradient traffic)
+    fits: bool | None  # None: no --gpu-mem given
+
+    def line(self) -> str:
+        m = self.memory_per_rank
+        fit = "" if self.fits is None else (", fits" if self.fits else ", does NOT fit")
+        return (
+            f"P={self.ring_size}{' checkpointed' if self.checkpointing else ''}: {_gib(m['total'])} per rank "
+            f"(weights {_gib(m['weights'])}, gradients {_gib(m['gradients'])}, optimizer {_gib(m['optimizer'])}, "
+            f"activations {_gib(m['activations'])}, ring {_gib(m['ring'])}){fit}; step {self.step_s:.3g} s, "
+            f"{self.batch_s:.3g} s per batch (compute {self.time_parts['compute']:.3g}, "
+            f"attention {self.time_parts['attention']:.3g}, "
+            f"wrapper {self.time_parts['wrapper']:.3g})"
+        )
+
+
+@dataclass
+class ModelPlan:
+    world_size: int
+    seq_len: int
+    batch: int
+    wrapper: str  # "fsdp" | "ddp" | "none"
+    optimizer: str
+    attentions: list[str]  # one line per kind of attention, with its count
+    asked: Candidate  # the configuration the command line names (P = world size)
+    candidates: list[Candidate] = field(default_factory=list)
+    recommendation: str = ""
+
+    def as_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "batch": self.batch,
+            "wrapper": self.wrapper,
+            "optimizer": self.optimizer,
+            "attentions": self.attentions,
+            "memory_per_rank": self.asked.memory_per_rank,
+            "step_s": self.asked.step_s,
+            "time_parts": self.asked.time_parts,
+            "fits": self.asked.fits,
+            "candidates": [asdict(c) for c in self.candidates],
+            "recommendation": self.recommendation,
+        }
+
+    def __str__(self) -> str:
+        return "\n".join(
+            [
+                f"ringpass plan: a training step of batch {self.batch} x {self.seq_len} tokens on {self.world_size} "
+                f"ranks, {self.wrapper}, optimizer {self.optimizer}",
+                *(f"  attention: {a}" for a in self.attentions),
+                f"  as asked: {self.asked.line()}",
+                "  candidates (ring size P, the other ranks data-parallel):",
+                *(f"    - {c.line()}" for c in self.candidates),
+                f"  recommendation: {self.recommendation}",
+            ]
+        )
+
+
+def plan_model(
+    build: Callable[[int], tuple],
+    seq_len: int,
+    world_size: int,
+    hw: Hardware,
+    *,
+    attentions: list,
+    wrapper: str = "none",
+    checkpointing: bool = False,
+    optimizer: str = "adamw",
+    gpu_mem: float | None = None,
+) -> ModelPlan:
+    """Plan a training step (module docstring). ``build(tokens)`` returns ``(model, inputs)`` at that many tokens
+    per sequence, on the current (fake) device; ``attentions``: the report's `AttentionRecord`s of the model at
+    ``seq_len`` (what the ring rewrites)."""
+    if optimizer not in OPTIMIZERS:
+        raise InvalidInputError(f"plan: --optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+    if not attentions:
+        raise InvalidInputError("plan: the model has no attention the ring rewrites; there is nothing to plan.")
+    batch = attentions[0].batch
+    sizes = [p for p in range(1, world_size + 1) if world_size % p == 0]
+    candidates = []
+    for p in sizes:
+        layout = Layout(_layout(attentions), p, seq_len)
+        step = measure_step(build, layout.local_len, optimizer)
+        for ckpt in (False, True):
+            candidates.append(_candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem))
+    asked = next(c for c in candidates if c.ring_size == world_size and c.checkpointing == checkpointing)
+    fitting = [c for c in candidates if c.fits is not False]
+    if not fitting:
+        least = min(candidates, key=lambda c: c.memory_per_rank["total"])
+        advice = (
+            f"nothing fits {gpu_mem:g} GiB: the least memory is {least.line()}. Use more ranks, a shorter sequence, "
+            "or a smaller batch."
+        )
+    else:
+        best = min(fitting, key=lambda c: c.batch_s)
+        dp = world_size // best.ring_size
+        advice = (
+            f"ring over {best.ring_size} rank(s)"
+            + (f" x {dp} data-parallel" if dp > 1 else "")
+            + (", activation checkpointing" if best.checkpointing else ", no checkpointing")
+            + f", layout {_layout(attentions)}, outputs='auto' (logits stay sharded): {best.step_s:.3g} s per step"
+            + (f" of {dp} batches of {batch} ({best.batch_s:.3g} s per batch)" if dp > 1 else "")
+        )
+    from ringpass.report import _attention_lines
+
+    return ModelPlan(
+        world_size, seq_len, batch, wrapper, optimizer, _attention_lines(attentions), asked, candidates, advice
+    )
+
+
+def _candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, checkpointing, gpu_mem) -> Candidate:
+    """The memory and time of one candidate from the fake step at its tokens per rank (`measure_step`)."""
+    ring_size = layout.world_size
+    if checkpointing:
+        step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients", "flops")}}
+    ring_costs = [ring_cost(layout, a.shape()) for a in attentions]
+    ring_buffers = max(c.working_memory()["backward"] for c in ring_costs) if ring_size > 1 else 0
+    weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
+    parameter_bytes = step["parameter_bytes"]
+    shards = world_size if wrapper == "fsdp" else 1
+    if wrapper == "fsdp":  # sharded over every rank, two units gathered (running + prefetched)
+        weights = weights // shards + 2 * step["largest_unit_bytes"]
+        gradients, optimizer_bytes = gradients // shards, optimizer_bytes // shards
+    elif wrapper == "ddp":
+        gradients += parameter_bytes  # the buckets: a second copy of every gradient
+    memory = {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer": optimizer_bytes,
+        "activations": step["activations"],
+        "ring": ring_buffers,
+    }
+    memory["total"] = sum(memory.values())
+    compute = step["flops"] / hw.flops_per_s
+    attention = 0.0
+    for cost in ring_costs:
+        p = predict(cost, hw)
+        attention += p.forward_s * (2 if checkpointing else 1) + p.backward_s
+    if wrapper == "none" or world_size == 1:
+        traffic = 0.0
+    else:  # an all-reduce (DDP) or all-gather + reduce-scatter (FSDP2): 2 (W-1)/W of the gradients each way
+        rounds = 2 if wrapper == "ddp" else 3  # FSDP2: forward and backward all-gathers, one reduce-scatter
+        traffic = rounds * (world_size - 1) / world_size * parameter_bytes / hw.link_bytes_per_s
+    fits = None if gpu_mem is None else memory["total"] <= gpu_mem * 2**30
+    step_s = compute + attention + traffic
+    return Candidate(
+        ring_size,
+        checkpointing,
+        memory,
+        step_s,
+        step_s * ring_size / world_size,
+        {"compute": compute, "attention": attention, "wrapper": traffic},
+        fits,
+    )
+
+
+def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> dict:
+    """One training step of ``build(tokens)`` on fake tensors: bytes live at the peak by kind (weights,
+    gradients, optimizer, activations + temporaries), the FLOPs outside attention, the parameters' bytes and
+    the largest block's (an FSDP unit); and the same step with every block checkpointed (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model, inputs = build(tokens)
+        model.train()
+        states = OPTIMIZERS[optimizer]
+        step_optimizer = (
+            torch.optim.AdamW(model.parameters())
+            if states == 2
+            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if states == 1
+            else None
+        )
+        _train_step(model, inputs, step_optimizer)  # the optimizer's states exist from the first step on
+        tracker = MemTracker()
+        tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
+        with tracker, FlopCounterMode(display=False) as flops:
+            _train_step(model, inputs, step_optimizer)
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        blocks = _blocks(model)
+
+        def activations(state, block) -> int:
+            return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))[_MemRefType.ACT]
+
+        kept = [activations(_ModState.POST_FW, b) - activations(_ModState.PRE_FW, b) for b in blocks]
+        block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
+        counts = flops.get_flop_counts()
+        block_flops = sum(sum(counts.get(name, {}).values()) for name in _flop_names(model, blocks))
+    whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "weights": peak[_MemRefType.PARAM] + peak[_MemRefType.BUFFER],
+        "gradients": peak[_MemRefType.GRAD],
+        "optimizer": peak[_MemRefType.OPT],
+        "activations": whole,
+        "flops": flops.get_total_flops(),
+        # checkpointed: the forward's end keeps each block's input instead of what it saved; the backward's
+        # peak recomputes one block, with the blocks' inputs and every gradient live; a block's forward again
+        "activations_checkpointed": max(whole - sum(kept) + block_inputs, block_inputs + max(kept, default=0))
+        if blocks
+        else whole,
+        "gradients_checkpointed": parameter_bytes if blocks else peak[_MemRefType.GRAD],
+        "flops_checkpointed": flops.get_total_flops() + block_flops // (1 + BACKWARD_FLOPS_RATIO),
+        "parameter_bytes": parameter_bytes,
+        "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
+    }
+
+
+def _train_step(model, inputs, step_optimizer) -> None:
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+    loss.float().sum().backward()
+    if step_optimizer is not None:
+        step_optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The entries of the model's block lists: what checkpointing and FSDP2 wrap one by one."""
+    return [block for module in model.modules() if isinstance(module, torch.nn.ModuleList) for block in module]
+
+
+def _flop_names(model: torch.nn.Module, blocks: list) -> list[str]:
+    """``FlopCounterMode``'s names of ``blocks`` (the root's class name, then the module path)."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    return [f"{type(model).__name__}.{paths[id(b)]}" for b in blocks]
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _layout(attentions) -> str:
+    return "zigzag" if any(a.is_causal for a in attentions) else "contiguous"
+
+
+def hf_plan_attention() -> None:
+    """Register `PLAN_ATTENTION` with Hugging Face: SDPA with the causal flag and no mask (the ring lifts masks
+    into its tiles, so no S x S tensor exists), on the KV heads as they are (GQA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            is_causal=bool(getattr(module, "is_causal", True)) and query.shape[2] > 1,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(PLAN_ATTENTION, attend)
+    AttentionMaskInterface.register(PLAN_ATTENTION, lambda *args, **kwargs: None)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
