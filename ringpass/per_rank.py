@@ -111,10 +111,15 @@ class PerRankGraph:
         return call
 
     def _everyones_sizes(self, args, group) -> list[list[int]]:
-        mine = torch.tensor(self._sizes(args), dtype=torch.int64)
+        return self._everyones(self._sizes(args), args, group, "the sizes of the ranks' batches")
+
+    def _everyones(self, values: list[int], args, group, what: str) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank), on the inputs' device (NCCL takes no CPU tensor)."""
+        device = args[self.own[0]].device if self.own else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(parts, mine, group=group, async_op=True)
-        failures.wait_collective(work, mine, self.group_name, "all-gathering the sizes of the ranks' batches")
+        failures.wait_collective(work, mine, self.group_name, f"all-gathering {what}")
         return [p.tolist() for p in parts]
 
     def _check_guards(self, args, sizes: list[list[int]], group) -> None:
@@ -129,14 +134,11 @@ class PerRankGraph:
             i: [torch.empty(self._shape_of(s, k), dtype=args[i].dtype) for s in sizes] for k, i in enumerate(self.own)
         }
         accepted = [
-            bool(self._shape_env.evaluate_guards_expression(self._guards, self._call(args, empty, s, source)))
+            int(bool(self._shape_env.evaluate_guards_expression(self._guards, self._call(args, empty, s, source))))
             for source, s in enumerate(sizes)
         ]
-        mine = torch.tensor(accepted, dtype=torch.bool)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(parts, mine, group=group, async_op=True)
-        failures.wait_collective(work, mine, self.group_name, "all-gathering which batches each rank's graph takes")
-        refused = [(q, j) for q, part in enumerate(parts) for j, ok in enumerate(part.tolist()) if not ok]
+        verdicts = self._everyones(accepted, args, group, "which batches each rank's graph takes")
+        refused = [(q, j) for q, verdict in enumerate(verdicts) for j, ok in enumerate(verdict) if not ok]
         if refused:
             q, j = refused[0]
             raise InvalidInputError(
@@ -175,8 +177,10 @@ def describe_per_rank(ctx: PassContext) -> None:
 
 
 def _per_rank_input(node) -> bool:
+    """A tensor input of the batch: not a parameter or buffer, and read by the graph (the model's Python floats,
+    inputs under ``dynamic=True``, are unused once `pin_model_numbers` has read them as numbers)."""
     value = node.meta.get("example_value")
-    return isinstance(value, torch.Tensor) and not is_module_state(node)
+    return isinstance(value, torch.Tensor) and not is_module_state(node) and bool(node.users)
 
 
 def _symbolic(value) -> bool:

@@ -99,7 +99,7 @@ def test_factory_through_the_cli(tmp_path, capsys, layout):
     assert output["placement"] == "carried" and output["nbytes"] == batch * n * 61 * 4  # left sharded: 0 gathered
     assert graph["activations"]["per_rank"] * world == graph["activations"]["unsharded"]
     text = capsys.readouterr().out  # the report as printed for people
-    assert "blocks.0: sdpa (causal" in text and "ids [2, 64] int64" in text
+    assert "2 x blocks.{0-1}: sdpa (causal" in text and "ids [2, 64] int64" in text
     assert "L_" not in text and "l_ids" not in text  # the user's names, never Dynamo's
 
 
