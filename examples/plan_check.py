@@ -1,15 +1,17 @@
-"""The whole-model plan's memory against measurement on this machine (docs/performance.md).
+"""The whole-model plan against measurement on this machine (docs/performance.md).
 
     python examples/plan_check.py [--model llama,qwen2,hand] [--seq-len 4096] [--world-sizes 1,2,4]
 
 For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a
-warm-up step) adds to a rank's memory. Predicted: `ringpass.model_plan.measure_step` on fake tensors at the rank's
-share of the sequence (activations and temporaries + the gradients live at the step's peak; no optimizer) plus
-the ring's buffers, as `ringpass plan` adds them. Measured: `ringpass.bench.measure.PeakMemory` (VmHWM above the
-resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed tensors leave it), P gloo ranks of this machine with
-the model compiled by the ring backend (``compiler="eager"``: autograd keeps what the model's ops keep, as in the
-fake step), the rank with the higher peak. Models: Hugging Face Llama and Qwen2 (hidden 256, 4 layers, 8 query / 2
-KV heads, vocabulary 1000, fp32) and the tests' hand-written Llama (no checkpointing method: checkpointing off only).
+warm-up step) adds to a rank's memory, and how long it takes. Predicted: `ringpass.model_plan` as `ringpass plan`
+computes it (the fake step at the rank's share of the sequence: activations and temporaries + the gradients live at
+the step's peak + the ring's buffers; time from the step's FLOPs and the cost model, on the `cpu` and `loopback`
+presets, no optimizer). Measured: `ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step;
+MALLOC_MMAP_THRESHOLD_ so freed tensors leave it) and the step's wall time, on P gloo ranks of this machine (one
+thread each; more ranks than the 2 cores share them) with the model compiled by the ring backend
+(``compiler="aot_eager"``; P = 1: the model alone, eager), the rank with the higher peak and time. Models: Hugging
+Face Llama and Qwen2 (hidden 256, 4 layers, 8 query / 2 KV heads, vocabulary 1000, fp32) and the tests'
+hand-written Llama (it has no checkpointing method: off only).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,10 +59,11 @@ def build(model: str, tokens: int, checkpointing: bool = False):
     return net, {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
-def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool) -> int:
-    from lowering.costmodel import ring_cost
+def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool, hw) -> tuple[int, float]:
+    """(bytes the step adds, seconds it takes) as `ringpass plan` predicts them for this configuration."""
     from lowering.layout import Layout
-    from ringpass.model_plan import PLAN_ATTENTION, hf_plan_attention, measure_step
+    from ringpass.model_plan import PLAN_ATTENTION, candidate, hf_plan_attention, measure_step
+    from ringpass.report import AttentionRecord
 
     layout = Layout("zigzag", world_size, seq_len)
 
@@ -71,18 +75,14 @@ def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool) ->
 
     hf_plan_attention()
     step = measure_step(fake_build, layout.local_len, "none")
-    if checkpointing:
-        step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients")}}
-    ring = 0
-    if world_size > 1:
-        from lowering.costmodel import AttentionShape
-
-        shape = AttentionShape(1, 8, 2, 32, 4, True)
-        ring = ring_cost(layout, shape).working_memory()["backward"]
-    return step["activations"] + step["gradients"] + ring
+    attention = AttentionRecord("", "", "sdpa", "causal", True, None, [], 1, 8, 2, 32, "float32", 4, 32**-0.5)
+    plan = candidate(step, layout, world_size, hw, [attention] * 4, "none", checkpointing, None)
+    memory = plan.memory_per_rank
+    return memory["activations"] + memory["gradients"] + memory["ring"], plan.step_s
 
 
-def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing: bool) -> float:
+def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing: bool) -> tuple[float, float]:
+    """(MiB the step adds to this rank, its seconds)."""
     import ringpass
     from ringpass.bench.measure import PeakMemory
 
@@ -102,8 +102,9 @@ def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing:
     net.zero_grad(set_to_none=True)
     memory = PeakMemory(torch.device("cpu"))
     memory.start()
+    started = time.perf_counter()
     step()
-    return memory.peak() / MIB
+    return memory.peak() / MIB, time.perf_counter() - started
 
 
 def main() -> None:
@@ -114,18 +115,24 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
     from ringpass.launch import spawn_ranks
+    from ringpass.plan import hardware
 
-    print(f"N={args.seq_len}, one training step (forward + backward) after a warm-up; MiB per rank")
-    print("| model | P | checkpointing | predicted | measured | predicted / measured |\n|---|---|---|---|---|---|")
+    hw = hardware("loopback", "cpu")
+    print(f"N={args.seq_len}, one training step (forward + backward) after a warm-up; MiB and seconds per rank")
+    print(
+        "| model | P | checkpointing | predicted MiB | measured MiB | ratio | predicted s | measured s | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
     for model in args.model.split(","):
         for world_size in map(int, args.world_sizes.split(",")):
             for checkpointing in (False, True) if model != "hand" else (False,):
-                guess = predicted(model, args.seq_len, world_size, checkpointing) / MIB
-                peaks = spawn_ranks(measure, world_size, (model, args.seq_len, checkpointing), timeout=1800)
-                real = max(peaks)
+                guess, guess_s = predicted(model, args.seq_len, world_size, checkpointing, hw)
+                runs = spawn_ranks(measure, world_size, (model, args.seq_len, checkpointing), timeout=1800)
+                real, real_s = max(mib for mib, _ in runs), max(s for _, s in runs)
+                guess /= MIB
                 print(
                     f"| {model} | {world_size} | {'on' if checkpointing else 'off'} | {guess:.0f} | {real:.0f} | "
-                    f"{guess / real:.2f} |",
+                    f"{guess / real:.2f} | {guess_s:.2f} | {real_s:.2f} | {guess_s / real_s:.2f} |",
                     flush=True,
                 )
 

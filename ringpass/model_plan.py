@@ -131,7 +131,7 @@ def plan_model(
         layout = Layout(_layout(attentions), p, seq_len)
         step = measure_step(build, layout.local_len, optimizer)
         for ckpt in (False, True):
-            candidates.append(_candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem))
+            candidates.append(candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem))
     asked = next(c for c in candidates if c.ring_size == world_size and c.checkpointing == checkpointing)
     fitting = [c for c in candidates if c.fits is not False]
     if not fitting:
@@ -157,7 +157,7 @@ def plan_model(
     )
 
 
-def _candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, checkpointing, gpu_mem) -> Candidate:
+def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, checkpointing, gpu_mem) -> Candidate:
     """The memory and time of one candidate from the fake step at its tokens per rank (`measure_step`)."""
     ring_size = layout.world_size
     if checkpointing:
