@@ -16,11 +16,19 @@ Two things differ from the model run alone, and are accounted for:
 - a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
   adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
 
-Time: the step's FLOPs outside attention (torch's ``FlopCounterMode`` on the same fake step, recomputation under
-checkpointing included) at the device's rate, plus each attention's ring forward and backward as
-`lowering.costmodel` predicts them (compute against transfer per step), plus the wrapper's gradient traffic over
-the link. The candidates: ring sizes P dividing the world size (the others data-parallel), checkpointing on or
-off; the recommendation is the fastest that fits ``gpu_mem``.
+Checkpointing every block (each entry of the model's block lists) is derived from the same step's per-block
+numbers, not run (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): the forward's end
+keeps each block's input instead of what the block saved; the backward's peak recomputes one block with every
+block input and every gradient live; the blocks' forward FLOPs run again.
+
+Eager autograd is what the fake step measures: exact for ``compiler="eager"`` graphs and the model alone, an upper
+bound for AOT-compiled ones, whose partitioner saves less (docs/performance.md has the measured table).
+
+Time: the step's FLOPs outside attention (torch's ``FlopCounterMode`` on the same fake step) at the device's
+rate, plus each attention's ring forward and backward as `lowering.costmodel` predicts them (compute against
+transfer per step), plus the wrapper's gradient traffic over the link (not yet checked against measurement: it
+is optimistic on this machine). The candidates: ring sizes P dividing the world size (the others
+data-parallel), checkpointing on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, Hardware, predict, ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
+from ringpass.report import attention_lines
 
 OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer states per parameter (SGD: momentum)
 PLAN_ATTENTION = "ringpass_plan"  # the Hugging Face attention function the fake step runs
@@ -150,10 +159,8 @@ def plan_model(
             + f", layout {_layout(attentions)}, outputs='auto' (logits stay sharded): {best.step_s:.3g} s per step"
             + (f" of {dp} batches of {batch} ({best.batch_s:.3g} s per batch)" if dp > 1 else "")
         )
-    from ringpass.report import _attention_lines
-
     return ModelPlan(
-        world_size, seq_len, batch, wrapper, optimizer, _attention_lines(attentions), asked, candidates, advice
+        world_size, seq_len, batch, wrapper, optimizer, attention_lines(attentions), asked, candidates, advice
     )
 
 
@@ -166,10 +173,9 @@ def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, c
     ring_buffers = max(c.working_memory()["backward"] for c in ring_costs) if ring_size > 1 else 0
     weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
     parameter_bytes = step["parameter_bytes"]
-    shards = world_size if wrapper == "fsdp" else 1
     if wrapper == "fsdp":  # sharded over every rank, two units gathered (running + prefetched)
-        weights = weights // shards + 2 * step["largest_unit_bytes"]
-        gradients, optimizer_bytes = gradients // shards, optimizer_bytes // shards
+        weights = weights // world_size + 2 * step["largest_unit_bytes"]
+        gradients, optimizer_bytes = gradients // world_size, optimizer_bytes // world_size
     elif wrapper == "ddp":
         gradients += parameter_bytes  # the buckets: a second copy of every gradient
     memory = {

@@ -192,7 +192,7 @@ class Report:
                     else []
                 ),
             )
-        lines += _section("attention", _attention_lines(self.attention))
+        lines += _section("attention", attention_lines(self.attention))
         lines += _section("positions", self.positions)
         for title, placement in (
             ("inputs sharded (each rank gets its tokens)", "sharded"),
@@ -353,7 +353,7 @@ FULLY_MASKED_TEXT = {
 }
 
 
-def _attention_lines(attention: list[AttentionRecord]) -> list[str]:
+def attention_lines(attention: list[AttentionRecord]) -> list[str]:
     """One line per kind of attention: attentions that differ only in the numbers of their module paths
     (``model.layers.0.self_attn`` ... ``model.layers.31.self_attn``) share a line with the numbers as ranges."""
     groups: dict[str, list[AttentionRecord]] = {}
