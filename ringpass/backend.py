@@ -97,6 +97,7 @@ class RingBackend:
             group.group_name,
             report,
             ulysses=ulysses_groups(options.group, options.ulysses),
+            per_rank=per_rank,
         )
         failures.configure(group.group_name, timeout=options.timeout)
         failures.set_state(f"compiling graph {index}")
@@ -141,7 +142,10 @@ class RingBackend:
                 compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
                 compiled = guard_graph(compiled, ctx, index)
             compiled = CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
-            return PerRankGraph(compiled, ctx) if per_rank and not report.unchanged else compiled
+            if not per_rank or report.unchanged:
+                return compiled
+            tail = _inner_compile(options.compiler, ctx.tail.gm, ctx.tail.examples()) if ctx.tail else None
+            return PerRankGraph(compiled, ctx, tail)
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             if error is retrace:
                 raise

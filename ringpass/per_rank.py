@@ -40,6 +40,7 @@ from lowering import failures
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import group_by_name
 from lowering.layout import cached_layout
+from lowering.sequence_ops import reduce_grad, scale_grad
 from lowering.sequence_tensor import SequenceSharded
 from ringpass.graph import example_value, is_module_state, nbytes, user_name
 from ringpass.graph_utils.context import PassContext
@@ -66,9 +67,12 @@ def refuse_crossings(ctx: PassContext) -> None:
 class PerRankGraph:
     """A compiled ring graph called once per rank of the ring on that rank's inputs (module docstring)."""
 
-    def __init__(self, compiled, ctx: PassContext):
+    def __init__(self, compiled, ctx: PassContext, tail=None):
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         self.compiled = compiled
+        self.tail, self.compiled_tail = ctx.tail, tail  # `ringpass.passes.split_tail`
+        self.module_state = {i for i, n in enumerate(placeholders) if is_module_state(n)}
+        self.gradients = ctx.gradients
         self.examples = [n.meta.get("example_value") for n in placeholders]
         self.own = [i for i, n in enumerate(placeholders) if _per_rank_input(n)]
         self.numbers = [i for i, value in enumerate(self.examples) if isinstance(value, torch.SymInt)]
@@ -92,7 +96,28 @@ class PerRankGraph:
         }
         for source in range(self.world_size):  # every rank's batch, in rank order on every rank
             runs.append(list(self.compiled(*self._call(args, gathered, sizes[source], source))))
-        return [_own_output([run[k] for run in runs], rank, self.group_name) for k in range(len(runs[0]))]
+        own = [_own_output([run[k] for run in runs], rank, self.group_name) for k in range(len(runs[0]))]
+        return own if self.tail is None else self._run_tail(args, own)
+
+    def _run_tail(self, args, own: list) -> list:
+        """The tail (`ringpass.passes.split_tail`) once, on this rank's own arguments and own ring outputs; the
+        graph's outputs in Dynamo's order."""
+        inputs = [
+            own[i] if kind == "output" else self._tail_parameter(args[i]) if i in self.module_state else args[i]
+            for kind, i in self.tail.sources
+        ]
+        values = self.compiled_tail(*inputs)
+        return [own[k] if kind == "ring" else values[k] for kind, k in self.tail.outputs]
+
+    def _tail_parameter(self, x):
+        """A parameter the tail reads, its gradient made what the ring graph's gradients are (``grads``): the tail
+        gives this rank's own batch's, which a wrapper averaging over the ring's ranks takes as it is; without one
+        (``reduced``) every rank gets the mean over the ring's ranks, and with ``local`` each its share of it."""
+        if not getattr(x, "requires_grad", False) or self.gradients is None or self.gradients.mode == "mean":
+            return x
+        if self.gradients.mode == "reduced":
+            x = reduce_grad(x, self.group_name)
+        return scale_grad(x, 1 / self.world_size)
 
     def _sizes(self, args) -> list[int]:
         """This rank's sizes: every dim of its own inputs, then the graph's symbolic numbers."""
@@ -173,6 +198,12 @@ def describe_per_rank(ctx: PassContext) -> None:
     ctx.report.notes.append(
         f"inputs='per_rank': each rank's {', '.join(map(user_name, own)) or 'nothing'} all-gathered "
         f"({size_text(gathered)} per call), the graph run on each rank's batch, each rank's own outputs returned"
+        + (
+            f"; the tail from {', '.join(ctx.tail.starts)} runs once on this rank's own batch, on its own values "
+            "assembled (split_tail)"
+            if ctx.tail
+            else ""
+        )
     )
 
 

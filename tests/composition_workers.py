@@ -411,6 +411,53 @@ def per_rank_lengths(rank: int, world_size: int) -> dict:
     }
 
 
+def per_rank_tail(rank: int, world_size: int, wrapper: str) -> dict:
+    """``inputs="per_rank"``, a model whose loss shifts the hidden states by one after the last attention
+    (`models.ShiftedHead`, its head tied to the embedding), each rank its own 2 rows (the ranks' label counts
+    differ); ``wrapper``: ``none`` (every rank ends with the mean gradient) or ``ddp``. The shift, the head and the
+    loss run once on each rank's own batch (`ringpass.passes.split_tail`); the reference is a one-process
+    data-parallel job. Then a token shift between two attentions: still refused, on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model, reference = models.ShiftedHead(models.Llama()), models.ShiftedHead(models.Llama())
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(9)
+    batches = [torch.randint(0, 61, (2, SEQ_LEN), generator=g) for _ in range(world_size)]
+    labels = [ids.clone() for ids in batches]
+    labels[1][:, :5] = -100
+    losses = []
+    for ids, lab in zip(batches, labels):
+        losses.append(reference(ids, lab))
+        (losses[-1] / world_size).backward()
+    torch._dynamo.reset()
+    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    compiled = torch.compile(model if wrapper == "none" else DistributedDataParallel(model), backend=backend)
+    with record_ring_events() as events:
+        loss = compiled(batches[rank], labels[rank])
+    loss.backward()
+    try:
+        torch.compile(_shift_between_attentions, backend=backend)(torch.randn(1, 2, SEQ_LEN, 8))
+        refused = "no error"
+    except ringpass.RingpassError as error:
+        refused = str(error)
+    return {
+        "loss": rel_err(loss.detach(), losses[rank].detach()),
+        "grads": grad_error(
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+            {n: p.grad for n, p in reference.named_parameters() if p.requires_grad},
+        ),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "summary": backend.reports[0].summary(),
+        "refused": refused,
+    }
+
+
+def _shift_between_attentions(x):
+    y = torch.roll(F.scaled_dot_product_attention(x, x, x, is_causal=True), 1, dims=2)
+    return F.scaled_dot_product_attention(y, y, y, is_causal=True)
+
+
 def _attend_by_length(input_ids, attention_mask, labels, use_cache):
     """Causal attention over codes of the token ids, coded one way for long sequences and another for short: a graph
     that holds the length symbolic but only for lengths on one side of 10 (its shape guards)."""

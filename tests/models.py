@@ -110,6 +110,10 @@ class Llama(nn.Module):
         )
 
     def forward(self, ids):
+        return self.head(self.hidden(ids))
+
+    def hidden(self, ids):
+        """The last hidden states (normed), before the head."""
         pos = torch.arange(ids.shape[1], device=ids.device)
         freqs = pos[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -117,7 +121,7 @@ class Llama(nn.Module):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x, cos, sin)
-        return self.head(self.norm(x))
+        return self.norm(x)
 
 
 class HandWritten(nn.Module):
@@ -258,6 +262,22 @@ class WithLoss(nn.Module):
         labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return loss, logits
+
+
+class ShiftedHead(nn.Module):
+    """A language model that scores the hidden states shifted by one against the next tokens, flattened, with the
+    head tied to the embedding (TRL's fused LM head, spelled out): ops after the last attention that mix tokens."""
+
+    def __init__(self, body: Llama):
+        super().__init__()
+        self.body = body
+        body.head.requires_grad_(False)  # unused (DDP would wait for its gradient)
+
+    def forward(self, ids, labels):
+        hidden = self.body.hidden(ids)[:, :-1]
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ self.body.embed.weight.T
+        targets = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / (targets != -100).sum()
 
 
 class Spellings(nn.Module):

@@ -20,6 +20,8 @@ TWO_RANKS = [
     ("refused", ("fsdp2", "local")),
     ("per_rank_step", ("ddp", 2, True)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
     ("per_rank_lengths", ()),
+    ("per_rank_tail", ("none",)),
+    ("per_rank_tail", ("ddp",)),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -128,6 +130,21 @@ def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph()
         assert "rank 0's compiled graph does not take rank 1's batch" in branch and "shape guards" in branch, branch
         errors.append((fixed, branch))
     assert errors[0] == errors[1]
+
+
+def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_batch():
+    """inputs='per_rank', a loss that shifts the hidden states by one after the last attention and scores them with
+    the embedding's weight (TRL's fused LM head, spelled out): the tail runs once on each rank's own batch (said in
+    the summary), the loss is each rank's own, every rank's gradient the data-parallel mean, without a wrapper and
+    under DDP (the tied weight trains through both the ring graph and the tail); the ring ran on both batches. A
+    token shift between two attentions is still refused on every rank."""
+    for rank in results(2):
+        for result in rank[6:8]:
+            assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
+            assert result["kv_exchanges"] == 2 * 2, result
+            assert "the tail from `getitem`" in result["summary"], result["summary"]
+            assert "runs once on this rank's own batch" in result["summary"], result["summary"]
+            assert "cannot run on a sequence-sharded activation" in result["refused"], result["refused"]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

@@ -173,44 +173,37 @@ def ring_summary(log: dict) -> str:
     return summary
 
 
-@pytest.mark.heavy  # a 2-process job that stops at its first step (~25 s)
-def test_trls_fused_lm_head_is_refused_clearly_on_every_rank():
-    """TRL 1.16's own ``SFTTrainer.compute_loss`` scores the hidden states shifted by one and flattened (its
-    fused LM head): the ring cannot take that yet and says so at the first step, on every rank, naming the op and
-    TRL's source line, instead of training on something else (docs/training.md: the workaround, tested below)."""
-    out = tempfile.mkdtemp(prefix="ringpass-trl-refused-")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*command, str(ROOT / "tests" / "trl_job.py"), out, "--ring"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode != 0, done.stdout[-3000:]
-    for rank in (0, 1):
-        errors = [line for line in done.stderr.splitlines() if line.startswith(f"[rank{rank}]: ") and "Error" in line]
-        assert any(
-            "NotSupportedError" in line and "trl/trainer/utils.py" in line and "splits the sequence axis" in line
-            for line in errors
-        ), done.stderr[-6000:]
+@pytest.mark.heavy  # one more 2-process job (~25 s)
+def test_trl_sft_with_packing_and_its_fused_lm_head_trains_as_without_the_ring():
+    """TRL's SFTTrainer as it comes: ``packing=True`` (best fit, padding-free: each rank's batch one row of several
+    sequences, its own length; ``dynamic=True``) and TRL 1.16's own loss, its fused LM head (the hidden states
+    shifted by one, flattened and scored in a chunked ``autograd.Function``). The shift mixes the tokens of the
+    sharded hidden states: under ``per_rank`` that tail is cut off the ring graph and runs once on each rank's own
+    batch (`ringpass.passes.split_tail`, said in the summary). With the ring on 2 processes (DDP) against the job
+    without the ring on 1 process accumulating 2 batches a step (``trl_reference``): losses, gradient norms and
+    weights within 1e-5 (measured 1.2e-7, 1e-7, 6.5e-6; the median weight 6e-8)."""
+    ring, reference = run_job("--ring", job="trl_job"), trl_reference()
+    check_packing(ring, reference)
+    compare(ring, reference, loss_tol=1e-5, weight_tol=1e-5, gathered=None, job="trl_job")
+    summary = ring_summary(ring)
+    assert "the tail from `getitem`" in summary and "last_hidden_state[:, :-1]" in summary, summary
+    assert "runs once on this rank's own batch" in summary, summary
 
 
 @pytest.mark.heavy  # one more 2-process job (~25 s)
 def test_trl_sft_with_packing_and_the_models_own_loss():
     """TRL's SFTTrainer, ``packing=True`` (best fit, padding-free: each rank's batch one row of several
     sequences, its own length; ``dynamic=True``), with ``SFTTrainer.compute_loss`` replaced by
-    ``transformers.Trainer``'s (the model's own cross-entropy instead of TRL's fused LM head, refused above), with
+    ``transformers.Trainer``'s (the model's own cross-entropy instead of TRL's fused LM head), with
     the ring on 2 processes (DDP) against the unchanged TRL job without the ring on 1 process accumulating 2
-    batches a step: losses, gradient norms and weights within 1e-5 (measured 1.2e-7, 1e-7, 8e-6: single elements
-    of the MLP whose tiny gradients Adam normalises).
+    batches a step (TRL's fused loss: another summation order): losses and gradient norms within 1e-5, weights
+    within 2e-5 (measured 1.2e-7, 1e-7, 1.1e-5: one element of the MLP whose tiny gradient Adam normalises; the
+    median weight 6e-8).
 
     The 1-process job steps on the same batches (step k: rank 0's and rank 1's k-th batch, see ``trl_reference``)
     and normalises by the same token count, so it gives the 2-process job's numbers without the ring (measured
     equal to the bit, losses and weights) and is the unsharded reference."""
     ring, reference = run_job("--ring", "--model-loss", job="trl_job"), trl_reference()
     check_packing(ring, reference)
-    compare(ring, reference, loss_tol=1e-5, weight_tol=1e-5, gathered=None, job="trl_job")
+    compare(ring, reference, loss_tol=1e-5, weight_tol=2e-5, gathered=None, job="trl_job")
     ring_summary(ring)

@@ -37,8 +37,13 @@ def dataset(count: int = 16, length: int = 48, vocab: int = 97) -> list[dict]:
 
 
 def build_model():
+    return tiny_llama(vocab_size=97)
+
+
+def tiny_llama(vocab_size: int):
+    """The tiny Llama the training jobs train (random weights)."""
     config = transformers.LlamaConfig(
-        vocab_size=97,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -65,8 +70,7 @@ def main() -> None:
     summaries = []
     if args.ring:
         model.compile(backend="ring", options={"inputs": "per_rank", "compiler": "eager"})
-        logging.getLogger("ringpass.summary").addHandler(_Lines(summaries))
-        logging.getLogger("ringpass.summary").setLevel(logging.INFO)
+        summaries = ring_summaries()
     if args.accelerate:
         history = accelerate_loop(model, os.path.join(args.out, "model"))
         if int(os.environ["RANK"]) == 0:
@@ -128,13 +132,14 @@ class _StopAtCheckpoint(transformers.TrainerCallback):
         return control
 
 
-class _Lines(logging.Handler):
-    def __init__(self, lines: list):
-        super().__init__()
-        self.lines = lines
-
-    def emit(self, record) -> None:
-        self.lines.append(record.getMessage())
+def ring_summaries() -> list[str]:
+    """A list that fills with the ring's summary lines (the ``ringpass.summary`` logger) as graphs compile."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ringpass.summary").addHandler(handler)
+    logging.getLogger("ringpass.summary").setLevel(logging.INFO)
+    return lines
 
 
 if __name__ == "__main__":

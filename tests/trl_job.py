@@ -25,7 +25,6 @@ top-1) instead of building the logits. ``--model-loss`` replaces that ``compute_
 
 import argparse
 import json
-import logging
 import os
 
 import datasets
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from trainer_job import ring_summaries, tiny_llama  # this script's folder is on the path
 from trl import SFTConfig, SFTTrainer
 
 WORDS = [f"w{i}" for i in range(58)]
@@ -62,16 +62,7 @@ def dataset(count: int = 80) -> datasets.Dataset:
 
 
 def build_model():
-    config = transformers.LlamaConfig(
-        vocab_size=len(SPECIAL) + len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab_size=len(SPECIAL) + len(WORDS))
 
 
 class Recorder:
@@ -111,8 +102,7 @@ def main() -> None:
     summaries = []
     if args.ring:
         model.compile(backend="ring", dynamic=True, options={"inputs": "per_rank", "compiler": "eager"})
-        logging.getLogger("ringpass.summary").addHandler(_Lines(summaries))
-        logging.getLogger("ringpass.summary").setLevel(logging.INFO)
+        summaries = ring_summaries()
     config = SFTConfig(
         output_dir=os.path.join(args.out, "trainer"),
         packing=True,  # best-fit decreasing: padding-free batches, position ids restarting per sequence
@@ -149,15 +139,6 @@ class ModelLossSFTTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-
-
-class _Lines(logging.Handler):
-    def __init__(self, lines: list):
-        super().__init__()
-        self.lines = lines
-
-    def emit(self, record) -> None:
-        self.lines.append(record.getMessage())
 
 
 if __name__ == "__main__":

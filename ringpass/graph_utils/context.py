@@ -63,6 +63,7 @@ class PassContext:
     report: Report = field(default_factory=Report)
     host_values: dict = field(default_factory=dict)  # id(meta tensor of module state) -> its real value (inspect)
     ulysses: UlyssesGroups | None = None  # Ulysses x ring (None: a plain ring)
+    per_rank: bool = False  # the backend: inputs="per_rank" (``options.inputs`` reads "full": one rank's batch)
     # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
     gradients: GradientMode | None = None
     # the backend: SequenceSharded inputs (placeholder -> sequence dim), which arrive as this rank's tokens, and
@@ -81,6 +82,7 @@ class PassContext:
     sequence: SequenceFindings = field(default_factory=SequenceFindings)  # find_sequence_axes
     # choose_layout
     layout_kind: str = ""
+    tail: Any = None  # split_tail (inputs="per_rank"): the tail that runs on this rank's own batch (a `Tail`)
     # decide_placements
     placement: dict[fx.Node, Placement] = field(default_factory=dict)
     gathered_inputs: set[fx.Node] = field(default_factory=set)  # inputs="sharded": inputs a mask program reads whole

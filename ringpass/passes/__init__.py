@@ -44,6 +44,7 @@ from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_dec
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
+from ringpass.passes.split_tail import split_tail
 from ringpass.report import Refusal
 
 PREPARE = Stage(
@@ -67,6 +68,7 @@ PREFILL = (
             choose_layout,
             globalize_sharded_lengths,
             find_local_permutations,
+            split_tail,
             decide_placements,
             keep_cache_sharded,
         ),

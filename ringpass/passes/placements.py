@@ -28,13 +28,13 @@ from ringpass.report import ValueRecord
 
 
 def decide_placements(ctx: PassContext) -> None:
-    for node in _replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
+    for node in replaced_by_ring(ctx):  # scores, probabilities and masks of hand-written attention
         ctx.sequence.mixing.pop(node, None)
         ctx.sequence.axes.pop(node, None)
     for match in ctx.attention:  # `probs @ v` sums over the keys: the ring does that
         ctx.sequence.mixing.pop(match.output, None)
     needs_full = _needs_full(ctx)
-    after_attention = _downstream_of([m.output for m in ctx.attention])
+    after_attention = downstream_of([m.output for m in ctx.attention])
     for node in ctx.gm.graph.nodes:
         if node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
@@ -84,7 +84,7 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
     ctx.report.computed_whole = list(whole_ops)
 
 
-def _replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
+def replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
     """Nodes that only feed the inside of an attention: they disappear with the rewrite."""
     gone = {n for m in ctx.attention for n in m.internal if n is not m.output} | ctx.masks.lifted
     operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)} | ctx.masks.whole_values
@@ -118,7 +118,7 @@ def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
     return needed
 
 
-def _downstream_of(roots: list[fx.Node]) -> set[fx.Node]:
+def downstream_of(roots: list[fx.Node]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = list(roots)
     while stack:
@@ -135,7 +135,8 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
         raise refusal(
             f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
             "the tokens of sharded activations; move this op onto per-token inputs before attention, or compile "
-            "this part of the model without the ring backend.",
+            "this part of the model without the ring backend. (After the last attention, with each rank passing its "
+            "own batch, inputs='per_rank' runs such an op on that rank's own values: docs/training.md.)",
             mixing_op,
         )
     if node in ctx.carried_inputs:  # arrived sequence-sharded from another graph: all-gathered (the report says so)

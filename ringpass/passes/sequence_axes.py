@@ -264,6 +264,8 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> int | None:
     in_shape = example_value(node.args[0]).shape
     out_shape = example_value(node).shape
     for axis in in_axes:
+        if not axis.aligned:  # a shifted or resized sequence: read whole (a mixing op), no inner factor
+            continue
         if node.target in EXPANDS:
             if axis.dim + out_shape.__len__() - len(in_shape) == dim:
                 return axis.inner
