@@ -1,25 +1,29 @@
 """The whole-model plan against measurement on this machine (docs/performance.md).
 
-    python examples/plan_check.py [--model llama,qwen2,hand] [--seq-len 4096] [--world-sizes 1,2,4]
+    python examples/plan_check.py [--model llama,qwen2,hand] [--seq-len 4096] [--world-sizes 1,2,4] \
+        [--hardware FILE]
 
-For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a
-warm-up step) adds to a rank's memory, and how long it takes. Predicted: `ringpass.model_plan` as `ringpass plan`
-computes it (the fake step at the rank's share of the sequence: activations and temporaries + the gradients live at
-the step's peak + the ring's buffers; time from the step's FLOPs and the cost model, on the `cpu` and `loopback`
-presets, no optimizer). Measured: `ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step;
-MALLOC_MMAP_THRESHOLD_ so freed tensors leave it) and the step's wall time, on P gloo ranks of this machine (one
-thread each; more ranks than the 2 cores share them) with the model compiled by the ring backend
-(``compiler="aot_eager"``; P = 1: the model alone, eager), the rank with the higher peak and time. Models: Hugging
-Face Llama and Qwen2 (hidden 256, 4 layers, 8 query / 2 KV heads, vocabulary 1000, fp32) and the tests'
-hand-written Llama (it has no checkpointing method: off only).
+For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a warm-up
+step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted: `ringpass.model_plan`
+as `ringpass plan` computes it (the fake step at the rank's share of the sequence: activations and temporaries +
+the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, no
+optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE`` file; with more
+ranks than cores each rank's rates are its share of a core's (the ranks take turns). Measured:
+`ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
+tensors leave it) and the step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
+cores share them) with the model compiled by the ring backend (``compiler="aot_eager"``; P = 1: the model alone,
+eager), the rank with the higher peak and time. Models: Hugging Face Llama and Qwen2 (hidden 256, 4 layers, 8 query
+/ 2 KV heads, vocabulary 1000, fp32) and the tests' hand-written Llama (it has no checkpointing method: off only).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -102,9 +106,29 @@ def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing:
     net.zero_grad(set_to_none=True)
     memory = PeakMemory(torch.device("cpu"))
     memory.start()
-    started = time.perf_counter()
-    step()
-    return memory.peak() / MIB, time.perf_counter() - started
+    seconds, peaks = [], []
+    for _ in range(3):  # the memory of the first, the median time of three
+        started = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - started)
+        peaks.append(memory.peak())
+        net.zero_grad(set_to_none=True)
+    return peaks[0] / MIB, statistics.median(seconds)
+
+
+def sharing_cores(hw, ranks: int):
+    """``hw`` for one of ``ranks`` ranks on this machine's cores: with more ranks than cores, each computes at its
+    share of a core's rates."""
+    share = min(1.0, (os.cpu_count() or 1) / ranks)
+    if share == 1.0:
+        return hw
+    return replace(
+        hw,
+        flops_per_s=hw.flops_per_s * share,
+        gemm_flops_per_s=(hw.gemm_flops_per_s or hw.flops_per_s) * share,
+        memory_bytes_per_s=hw.memory_bytes_per_s and hw.memory_bytes_per_s * share,
+        op_overhead_s=hw.op_overhead_s / share,
+    )
 
 
 def main() -> None:
@@ -112,12 +136,13 @@ def main() -> None:
     parser.add_argument("--model", default="llama,qwen2,hand")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--world-sizes", default="1,2,4")
+    parser.add_argument("--hardware", metavar="FILE", help="a `ringpass bench --calibrate --json` file")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
+    from ringpass.bench.results import default_hardware, load_hardware
     from ringpass.launch import spawn_ranks
-    from ringpass.plan import hardware
 
-    hw = hardware("loopback", "cpu")
+    calibrated = load_hardware(args.hardware) if args.hardware else default_hardware()
     print(f"N={args.seq_len}, one training step (forward + backward) after a warm-up; MiB and seconds per rank")
     print(
         "| model | P | checkpointing | predicted MiB | measured MiB | ratio | predicted s | measured s | ratio |\n"
@@ -126,6 +151,7 @@ def main() -> None:
     for model in args.model.split(","):
         for world_size in map(int, args.world_sizes.split(",")):
             for checkpointing in (False, True) if model != "hand" else (False,):
+                hw = sharing_cores(calibrated, world_size)
                 guess, guess_s = predicted(model, args.seq_len, world_size, checkpointing, hw)
                 runs = spawn_ranks(measure, world_size, (model, args.seq_len, checkpointing), timeout=1800)
                 real, real_s = max(mib for mib, _ in runs), max(s for _, s in runs)

@@ -197,6 +197,10 @@ class Hardware:
     link: str = "custom"
     device: str = "custom"
     memory_bytes_per_s: float | None = None  # how fast one rank reads its memory (a decode step's bound)
+    # the rest of a training step (`ringpass.model_plan`): matrix products outside attention (None: flops_per_s)
+    # and the fixed cost of launching one op
+    gemm_flops_per_s: float | None = None
+    op_overhead_s: float = 0.0
 
 
 LINKS = {  # name: (bytes/s one way, latency per message in s, source)
@@ -228,6 +232,19 @@ MEMORY = {  # name: (bytes/s one rank reads from its memory, source)
         3.8e9,
         "the 2-core dev machine, one thread: SDPA of one query over a 64 and a 256 MiB fp32 cache "
         "(3.79, 3.84 GB/s), `ringpass bench --what decode`, 2026-12-02",
+    ),
+}
+
+
+OTHER_WORK = {  # name: (matrix-product FLOP/s outside attention, seconds per op launched, source)
+    "h100": (700e12, 5e-6, "H100/H200 SXM: ~70% of 989 dense bf16 TFLOP/s in large GEMMs; ~5 us per eager launch"),
+    "a100": (220e12, 5e-6, "A100: ~70% of 312 dense bf16 TFLOP/s in large GEMMs; ~5 us per eager launch"),
+    "cpu": (
+        70e9,
+        2e-6,
+        "the 2-core dev machine, one thread per rank, both ranks at once: fp32 mm of 4096 x 256 by 256 x 1024 and "
+        "4096 x 1024 by 1024 x 256, 2000 adds of one element; five `ringpass bench --calibrate` runs, 2026-12-03: "
+        "68-84 GFLOP/s, 1.7-3.6 us",
     ),
 }
 

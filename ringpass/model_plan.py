@@ -24,11 +24,13 @@ block input and every gradient live; the blocks' forward FLOPs run again.
 Eager autograd is what the fake step measures: exact for ``compiler="eager"`` graphs and the model alone, an upper
 bound for AOT-compiled ones, whose partitioner saves less (docs/performance.md has the measured table).
 
-Time: the step's FLOPs outside attention (torch's ``FlopCounterMode`` on the same fake step) at the device's
-rate, plus each attention's ring forward and backward as `lowering.costmodel` predicts them (compute against
-transfer per step), plus the wrapper's gradient traffic over the link (not yet checked against measurement: it
-is optimistic on this machine). The candidates: ring sizes P dividing the world size (the others
-data-parallel), checkpointing on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
+Time: every op of the same fake step outside attention (`OpCosts`), each the longer of its FLOPs (torch's
+formulas) at the device's matrix-product rate and the bytes it reads and writes at its memory rate, plus a fixed
+cost per op (`Hardware.gemm_flops_per_s`, ``memory_bytes_per_s``, ``op_overhead_s``: presets, or ``ringpass bench
+--calibrate``); plus each attention's ring forward and backward as `lowering.costmodel` predicts them (compute
+against transfer per step); plus the wrapper's gradient traffic over the link. Checkpointing runs the blocks'
+forward ops again. The candidates: ring sizes P dividing the world size (the others data-parallel), checkpointing
+on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from torch.utils.module_tracker import ModuleTracker
 
-from lowering.costmodel import BACKWARD_FLOPS_RATIO, Hardware, predict, ring_cost
+from lowering.costmodel import Hardware, predict, ring_cost
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass.report import attention_lines
@@ -168,7 +174,7 @@ def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, c
     """The memory and time of one candidate from the fake step at its tokens per rank (`measure_step`)."""
     ring_size = layout.world_size
     if checkpointing:
-        step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients", "flops")}}
+        step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients")}}
     ring_costs = [ring_cost(layout, a.shape()) for a in attentions]
     ring_buffers = max(c.working_memory()["backward"] for c in ring_costs) if ring_size > 1 else 0
     weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
@@ -186,7 +192,7 @@ def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, c
         "ring": ring_buffers,
     }
     memory["total"] = sum(memory.values())
-    compute = step["flops"] / hw.flops_per_s
+    compute = step["ops"].seconds(hw, checkpointing)
     attention = 0.0
     for cost in ring_costs:
         p = predict(cost, hw)
@@ -215,7 +221,6 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> 
     the largest block's (an FSDP unit); and the same step with every block checkpointed (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-    from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):
         model, inputs = build(tokens)
@@ -231,18 +236,16 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> 
         _train_step(model, inputs, step_optimizer)  # the optimizer's states exist from the first step on
         tracker = MemTracker()
         tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
-        with tracker, FlopCounterMode(display=False) as flops:
+        blocks = _blocks(model)
+        with tracker, OpCosts(_module_names(model, blocks)) as ops:
             _train_step(model, inputs, step_optimizer)
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        blocks = _blocks(model)
 
         def activations(state, block) -> int:
             return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))[_MemRefType.ACT]
 
         kept = [activations(_ModState.POST_FW, b) - activations(_ModState.PRE_FW, b) for b in blocks]
         block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
-        counts = flops.get_flop_counts()
-        block_flops = sum(sum(counts.get(name, {}).values()) for name in _flop_names(model, blocks))
     whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
@@ -250,14 +253,13 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> 
         "gradients": peak[_MemRefType.GRAD],
         "optimizer": peak[_MemRefType.OPT],
         "activations": whole,
-        "flops": flops.get_total_flops(),
+        "ops": ops,
         # checkpointed: the forward's end keeps each block's input instead of what it saved; the backward's
         # peak recomputes one block, with the blocks' inputs and every gradient live; a block's forward again
         "activations_checkpointed": max(whole - sum(kept) + block_inputs, block_inputs + max(kept, default=0))
         if blocks
         else whole,
         "gradients_checkpointed": parameter_bytes if blocks else peak[_MemRefType.GRAD],
-        "flops_checkpointed": flops.get_total_flops() + block_flops // (1 + BACKWARD_FLOPS_RATIO),
         "parameter_bytes": parameter_bytes,
         "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
     }
@@ -279,10 +281,53 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for module in model.modules() if isinstance(module, torch.nn.ModuleList) for block in module]
 
 
-def _flop_names(model: torch.nn.Module, blocks: list) -> list[str]:
-    """``FlopCounterMode``'s names of ``blocks`` (the root's class name, then the module path)."""
+def _module_names(model: torch.nn.Module, blocks: list) -> set[str]:
+    """``ModuleTracker``'s names of ``blocks`` (the root's class name, then the module path)."""
     paths = {id(m): name for name, m in model.named_modules()}
-    return [f"{type(model).__name__}.{paths[id(b)]}" for b in blocks]
+    return {f"{type(model).__name__}.{paths[id(b)]}" for b in blocks}
+
+
+class OpCosts(TorchDispatchMode):
+    """Every op a step runs outside attention that makes a tensor (the ring's cost model prices attention): its
+    FLOPs (torch's formulas: matrix products), the bytes of the tensors it reads and writes (none for a view) and
+    whether it runs in a block's forward (what checkpointing runs again)."""
+
+    def __init__(self, blocks: set[str]):
+        super().__init__()
+        self.blocks, self.modules = blocks, ModuleTracker()
+        self.ops: list[tuple[int, int, bool]] = []
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        computes = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))  # not a query (`x.device`)
+        if computes and "attention" not in packet.__name__:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            moved = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tensors)
+            self.ops.append(
+                (int(flops), int(moved), not self.modules.is_bw and bool(self.modules.parents & self.blocks))
+            )
+        return out
+
+    def seconds(self, hw: Hardware, checkpointing: bool) -> float:
+        """The ops on ``hw``: each the longer of its FLOPs at the matrix-product rate and its bytes at the memory
+        rate, plus the cost of one op; with checkpointing the blocks' forward ops twice."""
+        gemm = hw.gemm_flops_per_s or hw.flops_per_s
+        total = 0.0
+        for flops, moved, in_block_forward in self.ops:
+            memory = moved / hw.memory_bytes_per_s if hw.memory_bytes_per_s else 0.0
+            total += (hw.op_overhead_s + max(flops / gemm, memory)) * (2 if checkpointing and in_block_forward else 1)
+        return total
 
 
 def _bytes(module: torch.nn.Module) -> int:

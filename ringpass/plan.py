@@ -18,6 +18,7 @@ from lowering.costmodel import (
     DEVICES,
     LINKS,
     MEMORY,
+    OTHER_WORK,
     AttentionShape,
     DecodeCost,
     Hardware,
@@ -137,6 +138,8 @@ def hardware(
         link=link or "custom",
         device=device or "custom",
         memory_bytes_per_s=MEMORY[device][0] if device and tflops is None else None,
+        gemm_flops_per_s=OTHER_WORK[device][0] if device and tflops is None else None,
+        op_overhead_s=OTHER_WORK[device][1] if device and tflops is None else 0.0,
     )
 
 

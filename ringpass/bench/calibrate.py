@@ -4,8 +4,13 @@ Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingEx
 after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
 (intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's
 block kernel on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
-threads a rank gets) gives useful FLOP/s as the cost model counts them. The result is the `Hardware` that
-``ringpass plan --hardware FILE`` and ``ringpass bench --hardware FILE`` read.
+threads a rank gets) gives useful FLOP/s as the cost model counts them. The rest of a training step, for
+``ringpass plan`` of a whole model (`ringpass.model_plan`), measured on both ranks at once (a ring's ranks run
+side by side, sharing a host's memory system; rank 0's numbers): a matrix product's rate (fp32 4096 x 256 by 256 x 1024
+and 4096 x 1024 by 1024 x 256, the mean), an elementwise op's memory rate (a product of two 64 MiB tensors into a
+new one: three tensors' bytes, fresh pages included, as a step allocates them) and the fixed cost of one op (2000
+adds of one element). The result is the `Hardware` that ``ringpass plan --hardware FILE`` and ``ringpass bench
+--hardware FILE`` read.
 """
 
 from __future__ import annotations
@@ -48,20 +53,45 @@ def _device_rate() -> float:
     q, dout = (torch.randn(b, h, n, d, generator=generator) for _ in range(2))
     k, v = (torch.randn(b, hkv, n, d, generator=generator) for _ in range(2))
     pos = torch.arange(n)
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
+
+    def forward_and_backward():
         out, lse = block_attention(q, k, v, pos, pos, backend="torch")
         block_attention_backward(dout, q, k, v, out, lse, pos, pos, backend="torch")
+
+    return 4 * b * h * d * n * n * (1 + BACKWARD_FLOPS_RATIO) / _seconds(forward_and_backward)
+
+
+def _other_work() -> dict:
+    """The rates of a step's work outside attention, on this rank's threads."""
+    shapes = (((4096, 256), (256, 1024)), ((4096, 1024), (1024, 256)))
+    pairs = [(torch.randn(*a), torch.randn(*b)) for a, b in shapes]
+    gemm = [2 * 4096 * 256 * 1024 / _seconds(lambda x=x, y=y: x @ y) for x, y in pairs]
+    x = torch.randn(2**24)
+    y = torch.randn_like(x)
+    small = torch.ones(1)
+    return {
+        "gemm_flops_per_s": statistics.mean(gemm),
+        "memory_bytes_per_s": 3 * x.nbytes / _seconds(lambda: x * y),
+        "op_overhead_s": _seconds(lambda: [small + small for _ in range(2000)]) / 2000,
+    }
+
+
+def _seconds(run) -> float:
+    """The median of four timed runs after a warm-up."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        run()
         times.append(time.perf_counter() - start)
-    flops = 4 * b * h * d * n * n * (1 + BACKWARD_FLOPS_RATIO)
-    return flops / statistics.median(times[1:])
+    return statistics.median(times[1:])
 
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
     points = _link(rank)
-    rate = _device_rate() if rank == 0 else None
-    return {"points": points, "flops_per_s": rate, "threads": torch.get_num_threads()}
+    rates = {"flops_per_s": _device_rate()} if rank == 0 else {}
+    dist.barrier()
+    rates.update(_other_work())  # every rank at once: a ring's ranks run their steps side by side
+    return {"points": points, **rates, "threads": torch.get_num_threads()}
 
 
 def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -86,6 +116,9 @@ def calibrate(timeout: float = 600.0) -> dict:
         "link_bytes_per_s": bandwidth,
         "link_latency_s": latency,
         "flops_per_s": result["flops_per_s"],
+        "gemm_flops_per_s": result["gemm_flops_per_s"],
+        "memory_bytes_per_s": result["memory_bytes_per_s"],
+        "op_overhead_s": result["op_overhead_s"],
         "link": "calibrated",
         "device": "calibrated",
         "measured": date.today().isoformat(),
@@ -101,6 +134,8 @@ def format_calibration(data: dict) -> str:
         f"{data['cores']} cores)",
         f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
         f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs)",
+        f"  the rest of a step: matrix products {data['gemm_flops_per_s'] / 1e9:.3g} GFLOP/s, elementwise "
+        f"{data['memory_bytes_per_s'] / 1e9:.3g} GB/s, {data['op_overhead_s'] * 1e6:.2g} us per op",
         "  message seconds: "
         + ", ".join(f"{m['bytes'] // 1024} KiB {m['seconds'] * 1e3:.2f} ms" for m in data["message_seconds"]),
     ]

@@ -35,9 +35,6 @@ import statistics
 from dataclasses import asdict
 
 from lowering.costmodel import (
-    DEVICES,
-    LINKS,
-    MEMORY,
     AttentionShape,
     DecodeCost,
     Hardware,
@@ -56,9 +53,10 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def default_hardware() -> Hardware:
-    """This machine's presets: gloo on loopback and the CPU's measured attention rate."""
-    link, device = LINKS["loopback"], DEVICES["cpu"]
-    return Hardware(link[0], link[1], device[0], link="loopback", device="cpu", memory_bytes_per_s=MEMORY["cpu"][0])
+    """This machine's presets: gloo on loopback and the CPU's measured rates."""
+    from ringpass.plan import hardware
+
+    return hardware("loopback", "cpu")
 
 
 def load_hardware(path: str) -> Hardware:
@@ -72,12 +70,19 @@ def load_hardware(path: str) -> Hardware:
             float(data["flops_per_s"]),
             link=str(data.get("link", "calibrated")),
             device=str(data.get("device", "calibrated")),
+            memory_bytes_per_s=_optional(data.get("memory_bytes_per_s")),
+            gemm_flops_per_s=_optional(data.get("gemm_flops_per_s")),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InvalidInputError(
             f"--hardware {path!r}: not a calibration file written by `ringpass bench --calibrate "
             f"--json FILE` ({type(error).__name__}: {error})."
         ) from None
+
+
+def _optional(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _spread(values: list[float]) -> dict:
