@@ -10,7 +10,8 @@ the gradients live at the step's peak + the ring's buffers; time from the step's
 optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE`` file; with more
 ranks than cores each rank's rates are its share of a core's (the ranks take turns). Measured:
 `ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
-tensors leave it) and the step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
+tensors leave it) and, in other processes without that setting (it makes every allocation fault its pages in), the
+step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
 cores share them) with the model compiled by the ring backend (``compiler="aot_eager"``; P = 1: the model alone,
 eager), the rank with the higher peak and time. Models: Hugging Face Llama and Qwen2 (hidden 256, 4 layers, 8 query
 / 2 KV heads, vocabulary 1000, fp32) and the tests' hand-written Llama (it has no checkpointing method: off only).
@@ -85,8 +86,10 @@ def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool, hw
     return memory["activations"] + memory["gradients"] + memory["ring"], plan.step_s
 
 
-def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing: bool) -> tuple[float, float]:
-    """(MiB the step adds to this rank, its seconds)."""
+def measure(
+    rank: int, world_size: int, model: str, seq_len: int, checkpointing: bool, steps: int
+) -> tuple[float, float]:
+    """(MiB the first step adds to this rank, the median seconds of ``steps`` steps)."""
     import ringpass
     from ringpass.bench.measure import PeakMemory
 
@@ -107,7 +110,7 @@ def measure(rank: int, world_size: int, model: str, seq_len: int, checkpointing:
     memory = PeakMemory(torch.device("cpu"))
     memory.start()
     seconds, peaks = [], []
-    for _ in range(3):  # the memory of the first, the median time of three
+    for _ in range(steps):  # the memory of the first, the median time
         started = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - started)
@@ -138,7 +141,6 @@ def main() -> None:
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--hardware", metavar="FILE", help="a `ringpass bench --calibrate --json` file")
     args = parser.parse_args()
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
     from ringpass.bench.results import default_hardware, load_hardware
     from ringpass.launch import spawn_ranks
 
@@ -153,8 +155,11 @@ def main() -> None:
             for checkpointing in (False, True) if model != "hand" else (False,):
                 hw = sharing_cores(calibrated, world_size)
                 guess, guess_s = predicted(model, args.seq_len, world_size, checkpointing, hw)
-                runs = spawn_ranks(measure, world_size, (model, args.seq_len, checkpointing), timeout=1800)
-                real, real_s = max(mib for mib, _ in runs), max(s for _, s in runs)
+                case = (model, args.seq_len, checkpointing)
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (PeakMemory)
+                real = max(mib for mib, _ in spawn_ranks(measure, world_size, (*case, 1), timeout=1800))
+                del os.environ["MALLOC_MMAP_THRESHOLD_"]  # the time in plain processes: it slows every allocation
+                real_s = max(s for _, s in spawn_ranks(measure, world_size, (*case, 3), timeout=1800))
                 guess /= MIB
                 print(
                     f"| {model} | {world_size} | {'on' if checkpointing else 'off'} | {guess:.0f} | {real:.0f} | "

@@ -261,6 +261,15 @@ def data_parallel_rings(rank: int, world_size: int, name: str, seq_len: int) -> 
     return compare(rank, world_size, name, seq_len, {"compiler": "aot_eager"}, None, group=mesh["cp"], seed=rank // 2)
 
 
+def refusals(rank: int, world_size: int, cases: list[str]) -> dict[str, str]:
+    """`refusal` of each case, one after the other in this process."""
+    errors = {}
+    for case in cases:
+        torch._dynamo.reset()
+        errors[case] = refusal(rank, world_size, case)
+    return errors
+
+
 def refusal(rank: int, world_size: int, case: str) -> str:
     """Compile a model the backend must refuse; returns the error message."""
     import torch.nn as nn
@@ -362,6 +371,8 @@ def refusal(rank: int, world_size: int, case: str) -> str:
         )
     except Exception as error:
         return f"not a ringpass error: {type(error).__name__}: {error}"
+    finally:
+        logging.getLogger("torch._subclasses.fake_tensor").removeHandler(logged)
     return "no error"
 
 

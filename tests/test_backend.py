@@ -9,6 +9,7 @@ on 2 ranks (`_default_share`); ``-m heavy`` runs every family in every mode, on 
 
 import re
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import backend_workers
@@ -454,38 +455,40 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
         assert [a["mask"] for a in results["square_subsequent_mask"]["report"]["attentions"]] == ["causal"]
 
 
-@pytest.mark.parametrize(
-    "case,message",
-    [
-        (
-            "cumsum",
-            r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
-            r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumsum`",
-        ),
-        ("dropout", r"dropout_p=0.1.*dropout inside ring attention is not supported"),
-        ("lengths", r"16 queries but 4 keys"),
-        ("reshape", r"`view`.*backend_workers.py.*splits the sequence axis"),
-        ("sort", r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence"),
-        ("max", r"`max`.*`max` runs along the sequence"),
-        ("conv1d", r"`conv1d`.*is not known to act on each token separately"),
-        (
-            "token_mixing_linear",
-            r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim",
-        ),
-        ("sequence_long_weight", r"`linear` .* `linear` sums over the sequence"),
-        ("vmap_dynamic", r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid"),
-        (
-            "sxs_mask",
-            r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor"
-            r".*'masks': 'materialize'",
-        ),
-        ("float_mask", r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself"),
-        ("flex", r"The score_mod of `flex_attention` at .* computes `mul` .* from the score"),
-    ],
-)
-def test_refusals_name_the_op_and_the_source_line(case, message):
-    for error in spawn_ranks(backend_workers.refusal, 2, (case,), timeout=TIMEOUT):
+REFUSALS = {  # case -> what its error must say
+    "cumsum": (
+        r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
+        r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumsum`"
+    ),
+    "dropout": r"dropout_p=0.1.*dropout inside ring attention is not supported",
+    "lengths": r"16 queries but 4 keys",
+    "reshape": r"`view`.*backend_workers.py.*splits the sequence axis",
+    "sort": r"`sort`.*cannot run on a sequence-sharded activation: `sort` runs along the sequence",
+    "max": r"`max`.*`max` runs along the sequence",
+    "conv1d": r"`conv1d`.*is not known to act on each token separately",
+    "token_mixing_linear": (
+        r"`linear` .* cannot run on a sequence shard: RuntimeError: a and b must have same reduction dim"
+    ),
+    "sequence_long_weight": r"`linear` .* `linear` sums over the sequence",
+    "vmap_dynamic": r"`view` .* cannot run on a sequence shard: RuntimeError: shape .* is invalid",
+    "sxs_mask": r"attention mask of .*backend_workers.py.*needs `matmul`.*sequence x sequence tensor"
+    r".*'masks': 'materialize'",
+    "float_mask": r"is a boolean mask cast to a float.*backend_workers.py.*Pass the boolean mask itself",
+    "flex": r"The score_mod of `flex_attention` at .* computes `mul` .* from the score",
+}
+
+
+@cache
+def refusal_errors() -> list[dict]:
+    """Every rank's error for each case of `REFUSALS`, from one spawn."""
+    return spawn_ranks(backend_workers.refusals, 2, (list(REFUSALS),), timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_op_and_the_source_line(case):
+    for errors in refusal_errors():
+        error = errors[case]
         assert error.startswith("NotSupportedError: "), error  # ringpass's own type and message, unwrapped
-        assert re.search(message, error, re.S), error
+        assert re.search(REFUSALS[case], error, re.S), error
         assert "logged:" not in error, error  # no fake-tensor tracebacks from the backend's probe
         assert "left open" not in error, error  # the probe closes the vmap levels it opens (Jamba's scan)

@@ -141,7 +141,7 @@ def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_ba
     for rank in results(2):
         for result in rank[6:8]:
             assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
-            assert result["kv_exchanges"] == 2 * 2, result
+            assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions, each rank's batch
             assert "the tail from `getitem`" in result["summary"], result["summary"]
             assert "runs once on this rank's own batch" in result["summary"], result["summary"]
             assert "cannot run on a sequence-sharded activation" in result["refused"], result["refused"]

@@ -4,7 +4,8 @@ Each rank passes its shard, so Dynamo traces the model at N/P tokens. Under stat
 ``x.shape[1]`` into that number; the backend has Dynamo trace again with the sequence dims dynamic
 (`ringpass.retrace`), and `globalize_sharded_lengths` gives every read of the length as a value N. ESM's
 token dropout (issue 27: logits 11% off before) and a hand-written model, static and ``dynamic=True``, on 2
-ranks (one spawn): logits equal the unsharded model's, the ring ran, one compile serves a second length.
+ranks (one spawn; ESM with ``dynamic=True`` and ``dynamic=False`` with -m heavy): logits equal the unsharded
+model's, the ring ran, one compile serves a second length.
 A length fixed while tracing, and a read that is neither a size nor a number, are refused with the op, the
 line and what to do.
 """
@@ -35,15 +36,26 @@ CASES = [
 ]
 
 
+HEAVY = ("esm-dynamic", "scaled-static-false")  # suite time: ESM and dynamic=False on a family the default runs
+
+
 @cache
-def results() -> list[dict]:
-    return spawn_ranks(workers.run_cases, 2, (CASES,), timeout=TIMEOUT)
+def results(heavy: bool = False) -> list[dict]:
+    """Every rank's results of the default cases (one spawn), or of the heavy ones."""
+    return spawn_ranks(workers.run_cases, 2, ([c for c in CASES if (c[0] in HEAVY) == heavy],), timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("case_id", [c for c, _ in CASES if not c.startswith(("specialized", "shift"))])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(c, marks=[pytest.mark.heavy] if c in HEAVY else [])
+        for c, _ in CASES
+        if not c.startswith(("specialized", "shift"))
+    ],
+)
 def test_a_length_read_as_a_number_is_the_whole_sequences(case_id):
-    for rank, per_rank in enumerate(results()):
+    for rank, per_rank in enumerate(results(case_id in HEAVY)):
         result = per_rank[case_id]
         assert "refused" not in result, (rank, result["refused"])
         assert max(result["errors"]) <= 1e-5 and max(result["gathered"]) <= 1e-5, (rank, result)
