@@ -40,6 +40,8 @@ SHARDED_IO = (
     "learned_bias_padded",
 )
 SHARDED_IO_DYNAMIC = ("gpt", "llama", "encoder_padded", "hand_written_packed")  # the rest: HEAVY_CASES (-m heavy)
+# suite time: compiler="eager" runs by default in the HF and sharded-length tests, learned biases on the padded family
+REPEATED = ("gpt-eager", "learned_bias-static-float64")
 OTHER_DYNAMIC = ("gpt_regions", "torch_layers", "llama_last_tokens")  # dynamic with full inputs, beyond MODELS
 FLOAT32 = ("gpt", "llama", "encoder_padded", "hand_written_packed", "gpt_with_loss", "torch_layers")  # fp32 tolerance
 SHARDED_IO_ON_4 = ("gpt", "llama", "gpt_with_loss", "encoder_padded", "hand_written_packed", "learned_bias_padded")
@@ -88,10 +90,12 @@ def _cases(world_size) -> list:
 
 def _default_share(cases: list) -> list:
     """The cases the default suite runs (suite time): each family in the first mode it appears in and each mode
-    (options, dynamic shapes, dtype, length) on the first family that has it; the whole cross product runs with
-    ``-m heavy``."""
+    (options, dynamic shapes, dtype, length) on the first family that has it, but the `REPEATED`; the whole cross
+    product runs with ``-m heavy``."""
     families, modes, kept = set(), set(), []
     for case_id, arguments in cases:
+        if case_id in REPEATED:
+            continue
         options = tuple(sorted(arguments["options"].items()))
         mode = (options, arguments["dynamic"], arguments.get("dtype"), arguments["seq_len"])
         if arguments["name"] not in families or mode not in modes:

@@ -25,7 +25,11 @@ def results(world_size: int) -> list[dict]:
 
 
 def _params():
-    return [pytest.param(p, case, id=f"P{p}-{case.name}") for p in WORLD_SIZES for case in ring_workers.cases(p)]
+    return [  # P=3 with -m heavy (suite time: odd rings run by default in the fully-masked and disagreement tests)
+        pytest.param(p, case, id=f"P{p}-{case.name}", marks=[pytest.mark.heavy] if p == 3 else [])
+        for p in WORLD_SIZES
+        for case in ring_workers.cases(p)
+    ]
 
 
 @pytest.mark.parametrize("world_size,case", _params())
