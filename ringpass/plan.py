@@ -131,15 +131,16 @@ def hardware(
         raise InvalidInputError("plan: give --device (" + ", ".join(DEVICES) + ") or --tflops.")
     bandwidth, latency, _ = LINKS[link] if link else (None, None, None)
     rate = DEVICES[device][0] if device else None
+    preset = device if tflops is None else None  # the device's other rates hold only for its own FLOP rate
     return Hardware(
         link_bytes_per_s=bandwidth_gb_s * 1e9 if bandwidth_gb_s is not None else bandwidth,
         link_latency_s=latency_us * 1e-6 if latency_us is not None else latency,
         flops_per_s=tflops * 1e12 if tflops is not None else rate,
         link=link or "custom",
         device=device or "custom",
-        memory_bytes_per_s=MEMORY[device][0] if device and tflops is None else None,
-        gemm_flops_per_s=OTHER_WORK[device][0] if device and tflops is None else None,
-        op_overhead_s=OTHER_WORK[device][1] if device and tflops is None else 0.0,
+        memory_bytes_per_s=MEMORY[preset][0] if preset else None,
+        gemm_flops_per_s=OTHER_WORK[preset][0] if preset else None,
+        op_overhead_s=OTHER_WORK[preset][1] if preset else 0.0,
     )
 
 
