@@ -71,6 +71,8 @@ class RingBackend:
         world_size = dist.get_world_size(group) if group is not None else 1
         index = len(self.reports)
         report = Report(world_size=world_size, graph_index=index)
+        if options.inputs == "per_rank":
+            report.unchanged_runs = "on each rank's own batch (inputs='per_rank', as under DDP)"
         if kept_whole_under_ddp():
             report.notes.append(KEPT_WHOLE_NOTE)
         self.reports.append(report)
@@ -133,8 +135,8 @@ class RingBackend:
             if report.unchanged:
                 _unsharded(
                     options,
-                    f"graph {index}: no attention found, so it runs unchanged (replicated, unsharded) "
-                    f"on every rank of the ring ({report.unchanged}). If the model has attention, "
+                    f"graph {index}: no attention found, so it runs unchanged {report.unchanged_runs}, not "
+                    f"sharded ({report.unchanged}). If the model has attention, "
                     "ringpass.inspect(model, inputs) shows why it was not found.",
                 )
                 compiled = _inner_compile(options.compiler, gm, ctx.example_inputs)

@@ -99,7 +99,7 @@ def local_examples(example_inputs: list, ctx: PassContext) -> list:
         if node not in ctx.carried_inputs:
             continue
         traced, dim = example_value(node), ctx.carried_inputs[node]
-        if ctx.dynamic:
+        if ctx.dynamic or node in ctx.exchanged_inputs:  # (an exchanged input's example is its whole batch)
             shape = list(traced.shape)
             shape[dim] = local_length(ctx.layout_kind, ctx.world_size, shape[dim])
             examples[i] = traced.new_empty(shape).requires_grad_(traced.requires_grad)
@@ -129,7 +129,10 @@ class CarriedGraph:
     def __init__(self, compiled, ctx: PassContext):
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         self.compiled = compiled
-        self.inputs = [i for i, n in enumerate(placeholders) if n in ctx.carried_inputs]
+        # exchanged inputs (``inputs="per_rank"``) arrive as this rank's tokens already
+        self.inputs = [
+            i for i, n in enumerate(placeholders) if n in ctx.carried_inputs and n not in ctx.exchanged_inputs
+        ]
         self.mask_inputs = dict(ctx.mask_inputs)  # argument index -> how many tensors describe it
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
         self.mask_outputs = dict(ctx.mask_outputs)

@@ -6,7 +6,9 @@ alone: the sequences are sharded over the ranks of the ring. So every rank takes
 
 1. the ranks agree on the shapes of their inputs (a batch of another length is an error on every rank, before
    any transfer), then all-gather the graph's inputs (token ids, labels, masks, position ids, a token count:
-   the small per-sample values, never activations);
+   the small per-sample values). An activation computed before the graph on this rank's batch (between blocks
+   compiled one by one, FSDP2 per block, a graph break: `ringpass.passes.exchange_activations`) is not gathered
+   but sent by tokens: one all-to-all leaves each rank its tokens of every rank's, as much as its own batch;
 2. the compiled graph (traced on one rank's batch, a plain ``inputs="full"`` ring graph) runs once per rank of
    the ring on that rank's batch: each rank computes its share of every sequence of every batch;
 3. each rank gets the outputs of its own batch: values every rank holds whole (the loss, pooled logits) are
@@ -23,10 +25,12 @@ losses and reaches the same weights as the same job without the ring, also where
 and where the loss is normalised by a count over all ranks (the HF Trainer's ``average_tokens_across_devices``).
 The cost: P ring calls of one batch each per step (the same FLOPs and bytes as one call on P batches).
 
-`PerRankGraph` wraps a compiled ring graph so; `refuse_crossings` refuses what it cannot take yet (activations
-from code before the graph: values that require grad, values carried in sharded, masks crossing as
-descriptions). A graph that updates module state (BatchNorm's running statistics) updates it once per rank's
-batch, P times a call.
+Between graphs every rank holds its own batch's values whole, as under DDP: code between them runs as it would
+there, and each boundary costs one all-to-all of the activation each way.
+
+`PerRankGraph` wraps a compiled ring graph so; `refuse_crossings` refuses values that another graph, compiled
+without ``per_rank``, carried out sequence-sharded or as a mask's description. A graph that updates module state
+(BatchNorm's running statistics) updates it once per rank's batch, P times a call.
 """
 
 from __future__ import annotations
@@ -48,19 +52,14 @@ from ringpass.report import size_text
 
 
 def refuse_crossings(ctx: PassContext) -> None:
-    """``inputs="per_rank"`` gathers each rank's small inputs; a value from another graph or from eager code that
-    trains (an activation: it requires grad) or is carried in sharded would gather every rank's whole sequences
-    onto every rank, and is refused."""
-    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-    training = [n for n in placeholders if _per_rank_input(n) and n.meta["example_value"].requires_grad]
-    if ctx.carried_inputs or ctx.mask_inputs or training:
-        what = f"`{user_name(training[0])}`, which requires grad" if training else "a sequence-sharded value"
+    """``inputs="per_rank"`` takes each rank's own batch: a value another graph carried out sequence-sharded or as a
+    mask's description (a graph compiled with ``inputs="full"`` or ``"sharded"``) is refused."""
+    carried = [n for n in ctx.carried_inputs if n not in ctx.exchanged_inputs]
+    if carried or ctx.mask_inputs:
+        what = f"`{user_name(carried[0])}`, a SequenceSharded value" if carried else "a SequenceMask"
         raise NotSupportedError(
-            f"inputs='per_rank' gathers each rank's inputs (token ids, labels, masks), but this graph receives {what}: "
-            "an activation computed before it (a graph break inside the model, per-block compile, an eager module, "
-            "trainable input embeddings). Gathering it would put every rank's whole sequences on every rank. "
-            "Compile the model as one graph (one torch.compile around it, no graph break inside), or compile with "
-            "inputs='full' and feed each ring the same batch (ringpass.RingSampler)."
+            f"inputs='per_rank' takes each rank's own batch, but this graph receives {what} from a graph compiled "
+            "with inputs='full' or 'sharded'. Compile every graph of the model with the same inputs= option."
         )
 
 
@@ -75,6 +74,9 @@ class PerRankGraph:
         self.gradients = ctx.gradients
         self.examples = [n.meta.get("example_value") for n in placeholders]
         self.own = [i for i, n in enumerate(placeholders) if _per_rank_input(n)]
+        # activations (`ringpass.passes.exchange_activations`): index -> sequence dim, sent by tokens, not gathered
+        self.exchanged = {i: ctx.carried_inputs[n] for i, n in enumerate(placeholders) if n in ctx.exchanged_inputs}
+        self.layout_kind = ctx.layout_kind
         self.numbers = [i for i, value in enumerate(self.examples) if isinstance(value, torch.SymInt)]
         self.names = [user_name(placeholders[i]) for i in self.own]
         self.dynamic = bool(self.numbers) or any(_symbolic(self.examples[i]) for i in self.own)
@@ -91,8 +93,12 @@ class PerRankGraph:
         if any(s != sizes[rank] for s in sizes):
             self._check_guards(args, sizes, group)
         runs = []
+        shapes = {i: [self._shape_of(s, k) for s in sizes] for k, i in enumerate(self.own)}
         gathered = {
-            i: _gather(args[i], [self._shape_of(s, k) for s in sizes], self.group_name) for k, i in enumerate(self.own)
+            i: _ToRuns.apply(args[i], self.exchanged[i], self.layout_kind, self.group_name, shapes[i])
+            if i in self.exchanged
+            else _gather(args[i], shapes[i], self.group_name)
+            for i in self.own
         }
         for source in range(self.world_size):  # every rank's batch, in rank order on every rank
             runs.append(list(self.compiled(*self._call(args, gathered, sizes[source], source))))
@@ -194,10 +200,19 @@ class PerRankGraph:
 def describe_per_rank(ctx: PassContext) -> None:
     """The report's summary line: what each call all-gathers, and that the graph runs once per rank's batch."""
     own = [n for n in ctx.gm.graph.nodes if n.op == "placeholder" and _per_rank_input(n)]
+    exchanged = [n for n in own if n in ctx.exchanged_inputs]
+    own = [n for n in own if n not in ctx.exchanged_inputs]
     gathered = sum(nbytes(example_value(n)) for n in own) * ctx.world_size
     ctx.report.notes.append(
         f"inputs='per_rank': each rank's {', '.join(map(user_name, own)) or 'nothing'} all-gathered "
-        f"({size_text(gathered)} per call), the graph run on each rank's batch, each rank's own outputs returned"
+        f"({size_text(gathered)} per call)"
+        + (
+            f", its {', '.join(map(user_name, exchanged))} (activations) sent by tokens to the ranks (one all-to-all "
+            f"each, {size_text(sum(nbytes(example_value(n)) for n in exchanged))} per rank per call)"
+            if exchanged
+            else ""
+        )
+        + ", the graph run on each rank's batch, each rank's own outputs returned"
         + (
             f"; the tail from {', '.join(ctx.tail.starts)} runs once on this rank's own batch, on its own values "
             "assembled (split_tail)"
@@ -259,6 +274,32 @@ def _own_output(values: list, rank: int, group_name: str):
     if isinstance(first, torch.Tensor):
         return _OwnWhole.apply(group_name, *values)
     return values[rank]  # a number (a size of this rank's batch)
+
+
+class _ToRuns(torch.autograd.Function):
+    """This rank's activation (of its own batch, whole) sent by tokens: rank q gets its tokens of it, and this rank
+    its tokens of every rank's (one all-to-all); returns them in rank order, one per run. Backward: the reverse,
+    times the ring's size: the runs backpropagate the mean over the ranks of each rank's objective, the code before
+    the graph this rank's own objective (as under DDP, before its mean)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, kind: str, group_name: str, shapes: list):
+        world_size = len(shapes)
+        layout = cached_layout(kind, world_size, x.shape[dim])
+        sent = [layout.shard(x, dim, q) for q in range(world_size)]
+        received = [list(shape) for shape in shapes]
+        for shape in received:
+            shape[dim] = cached_layout(kind, world_size, shape[dim]).local_len
+        ctx.dim, ctx.layout, ctx.group_name, ctx.sent = dim, layout, group_name, [t.shape for t in sent]
+        return tuple(
+            _all_to_all(sent, received, group_name, "the ranks' activations to the ranks holding their tokens")
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        what = "the activations' gradients to the ranks whose batches they are"
+        received = _all_to_all(list(grads), ctx.sent, ctx.group_name, what)
+        return ctx.layout.unshard(received, ctx.dim) * len(received), None, None, None, None
 
 
 class _OwnWhole(torch.autograd.Function):

@@ -52,7 +52,8 @@ class ValueRecord:
     name: str  # argument name, module state path, or "output 0"
     shape: list
     dtype: str
-    # "sharded" | "whole" | "replicated" | "gathered" | "partial" | "carried" (a `SequenceSharded` in or out)
+    # "sharded" | "whole" | "replicated" | "gathered" | "partial" | "carried" (a `SequenceSharded` in or out);
+    # inputs="per_rank": "exchanged" (an activation sent by tokens) | "assembled" (an output sent to its owner)
     placement: str
     dim: int | None = None  # the sequence dimension, when it has one
     why: str = ""  # for values kept whole: the op that needs them; for outputs: where they come from
@@ -103,6 +104,7 @@ class Report:
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
     refusal: Refusal | None = None
     unchanged: str = ""  # why the graph runs unchanged (one rank, no attention)
+    unchanged_runs: str = "(replicated) on every rank"  # where such a graph runs (inputs="per_rank": each rank's batch)
     decode: int = 0  # decode attentions rewritten to attend to a sharded KV cache where it lies
     cache: str = ""  # what became of the KV cache in this graph
     notes: list[str] = field(default_factory=list)  # how the graph was taken, ended on the summary line
@@ -153,7 +155,7 @@ class Report:
         if self.status != "rewritten":
             return (
                 f"{head} {self.unchanged or self.cache or 'no attention found'}: "
-                "the graph runs unchanged (replicated) on every rank"
+                f"the graph runs unchanged {self.unchanged_runs}"
                 + (f", {len(self.masks)} mask(s) crossing as per-token descriptions" if self.masks else "")
             )
         if self.decode:
@@ -197,6 +199,7 @@ class Report:
         for title, placement in (
             ("inputs sharded (each rank gets its tokens)", "sharded"),
             ("inputs carried in sharded (SequenceSharded from another graph: 0 bytes at the boundary)", "carried"),
+            ("inputs sent by tokens (inputs='per_rank': each rank's own activation, one all-to-all)", "exchanged"),
             ("inputs kept whole on every rank", "whole"),
             ("inputs replicated (no sequence axis)", "replicated"),
         ):
@@ -206,6 +209,10 @@ class Report:
             ("outputs gathered", "gathered"),
             ("outputs left sharded", "sharded"),
             ("outputs carried out sharded (SequenceSharded: 0 bytes until .full_tensor())", "carried"),
+            (
+                "outputs assembled whole for the rank whose batch they are (inputs='per_rank': one all-to-all)",
+                "assembled",
+            ),
             ("outputs replicated", "replicated"),
         ):
             lines += _section(title, [_value_text(v) for v in self.outputs if v.placement == placement])

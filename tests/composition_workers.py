@@ -299,15 +299,14 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
     return results
 
 
-def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, activation: bool = False) -> dict:
+def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int) -> dict:
     """``inputs="per_rank"``: each rank passes its own ``rows`` sequences (the ranks' label counts differ), an HF
     Llama with its loss; ``wrapper``: ``none``, ``ddp`` (over every rank), ``ddp_dp`` (over the data-parallel
     ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every wrapper) or
     ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
     The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
-    gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks). With
-    ``activation``, then an activation (requires grad) passed to a per_rank graph: the error every rank raises.
-    (Batches of different lengths: `per_rank_lengths`.)"""
+    gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks).
+    (Batches of different lengths: `per_rank_lengths`; activations across graph boundaries: `per_rank_blocks`.)"""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -342,14 +341,6 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, activatio
     with record_ring_events() as events:
         out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
     out.loss.backward()
-    if activation:
-        hidden = model.model.embed_tokens(batches[rank])[:, None]  # eager: an activation that trains
-        attend = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), backend=backend)
-        try:
-            attend(hidden)
-            activation = "no error"
-        except ringpass.RingpassError as error:
-            activation = str(error)
     grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
     return {
         "loss": rel_err(out.loss.detach(), expected[rank].loss.detach()),
@@ -358,7 +349,6 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, activatio
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
         "summaries": [r.summary() for r in backend.reports],
         "gradients": [r.gradients for r in backend.reports if r.gradients],
-        "activation": activation,
     }
 
 
@@ -421,16 +411,7 @@ def per_rank_tail(rank: int, world_size: int, wrapper: str) -> dict:
 
     torch.manual_seed(0)
     model, reference = models.ShiftedHead(models.Llama()), models.ShiftedHead(models.Llama())
-    reference.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(9)
-    batches = [torch.randint(0, 61, (2, SEQ_LEN), generator=g) for _ in range(world_size)]
-    labels = [ids.clone() for ids in batches]
-    labels[1][:, :5] = -100
-    losses = []
-    for ids, lab in zip(batches, labels):
-        losses.append(reference(ids, lab))
-        (losses[-1] / world_size).backward()
-    torch._dynamo.reset()
+    batches, labels, losses = _data_parallel_reference(model, reference, world_size, 9, reference)
     backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
     compiled = torch.compile(model if wrapper == "none" else DistributedDataParallel(model), backend=backend)
     with record_ring_events() as events:
@@ -451,6 +432,81 @@ def per_rank_tail(rank: int, world_size: int, wrapper: str) -> dict:
         "summary": backend.reports[0].summary(),
         "refused": refused,
     }
+
+
+def per_rank_blocks(rank: int, world_size: int, how: str) -> dict:
+    """``inputs="per_rank"`` across graph boundaries: a Llama (`models.Llama`, fp64) whose blocks are compiled one by
+    one under DDP (``ddp_blocks``), FSDP2 on every block and the root with the blocks compiled one by one (as
+    torchtitan: ``fsdp2_blocks``) or the whole model compiled (FSDP2's hooks cut it into a graph per block:
+    ``fsdp2_model``); each rank its own 2 rows, the ranks' label counts differ. The hidden
+    states reach every ring graph as this rank's own batch's and are sent by tokens; the embedding, the norm, the
+    head and the loss run on the own batch. Reference: a one-process data-parallel job (each rank's loss on its own
+    batch, the gradient of their mean). ``ddp_blocks`` then attends over an eager activation of shape
+    [rows, 1, N, D] without a wrapper: its output and its gradient (this rank's own objective's) as unsharded."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model, reference = models.Llama().double(), models.Llama().double()
+
+    def loss_of(ids, lab):
+        return F.cross_entropy(reference(ids).flatten(0, 1), lab.flatten())
+
+    batches, labels, losses = _data_parallel_reference(model, reference, world_size, 11, loss_of)
+    backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    if how == "ddp_blocks":
+        for block in model.blocks:
+            block.compile(backend=backend)
+        run = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+            if how == "fsdp2_blocks":
+                block.compile(backend=backend)
+        run = fully_shard(model, mesh=mesh)
+        if how == "fsdp2_model":
+            run.compile(backend=backend)
+    with record_ring_events() as events:
+        loss = F.cross_entropy(run(batches[rank]).flatten(0, 1), labels[rank].flatten())
+        loss.backward()
+    result = {
+        "loss": rel_err(loss.detach(), losses[rank].detach()),
+        "grads": grad_error(
+            {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()},
+            {n: p.grad for n, p in reference.named_parameters()},
+        ),
+        "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "summaries": [r.summary() for r in backend.reports],
+    }
+    if how == "ddp_blocks":
+        hidden = reference.embed(batches[rank])[:, None].detach().requires_grad_()
+        attend = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), backend=backend)
+        expected = F.scaled_dot_product_attention(hidden, hidden, hidden, is_causal=True)
+        (expected_grad,) = torch.autograd.grad(expected.pow(2).sum(), hidden)
+        out = attend(hidden)
+        out.pow(2).sum().backward()
+        result["activation"] = (rel_err(out.detach(), expected.detach()), rel_err(hidden.grad, expected_grad))
+    return result
+
+
+def _data_parallel_reference(model, reference, world_size: int, seed: int, loss_of) -> tuple[list, list, list]:
+    """Each rank's own 2 rows of token ids and their labels (rank 1's first 5 labels ignored, so the ranks' label
+    counts differ), and the one-process data-parallel job on them: ``reference`` (given ``model``'s weights) gets the
+    gradient of the mean of ``loss_of(ids, labels)`` over the ranks' batches; returns the batches, labels and losses."""
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, 61, (2, SEQ_LEN), generator=g) for _ in range(world_size)]
+    labels = [ids.clone() for ids in batches]
+    labels[1][:, :5] = -100
+    losses = []
+    for ids, lab in zip(batches, labels):
+        losses.append(loss_of(ids, lab))
+        (losses[-1] / world_size).backward()
+    torch._dynamo.reset()
+    return batches, labels, losses
 
 
 def _shift_between_attentions(x):

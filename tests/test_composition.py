@@ -18,10 +18,13 @@ TWO_RANKS = [
     ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
     ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
-    ("per_rank_step", ("ddp", 2, True)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
+    ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
     ("per_rank_lengths", ()),
     ("per_rank_tail", ("none",)),
     ("per_rank_tail", ("ddp",)),
+    ("per_rank_blocks", ("ddp_blocks",)),
+    ("per_rank_blocks", ("fsdp2_blocks",)),
+    ("per_rank_blocks", ("fsdp2_model",)),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -102,8 +105,7 @@ def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
 
 def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs_gradients():
     """inputs='per_rank' under DDP, two rows per rank, the ranks' token counts differ: each rank's loss and logits
-    are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch; an
-    activation fed to a per_rank graph: refused.
+    are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch.
     (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
         result = rank[4]
@@ -111,7 +113,6 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
         assert set(result["gradients"]) == {"mean"}, result
-        assert "receives `x`, which requires grad" in result["activation"], result["activation"]
 
 
 def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph():
@@ -145,6 +146,21 @@ def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_ba
             assert "the tail from `getitem`" in result["summary"], result["summary"]
             assert "runs once on this rank's own batch" in result["summary"], result["summary"]
             assert "cannot run on a sequence-sharded activation" in result["refused"], result["refused"]
+
+
+def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
+    """inputs='per_rank' with the model cut into graphs: blocks compiled one by one under DDP, FSDP2 on every block
+    and the root with the blocks compiled one by one (torchtitan's way) or the model compiled (a graph per block).
+    Each rank's loss is its own batch's and the gradients the data-parallel mean; the ring ran on both batches in
+    each block; the summary says the hidden states were sent by tokens (not gathered). An eager activation attended
+    without a wrapper: its output and the gradient of this rank's own objective as unsharded."""
+    for rank in results(2):
+        for result in rank[8:11]:
+            assert result["loss"] <= 1e-12 and result["grads"] <= 1e-10, result
+            assert result["kv_exchanges"] == 2 * 2 * 2, result  # 2 blocks, each rank's batch, forward and backward
+            ring_graphs = [s for s in result["summaries"] if "rewritten to ring attention" in s]
+            assert ring_graphs and all("(activations) sent by tokens" in s for s in ring_graphs), result["summaries"]
+        assert max(rank[8]["activation"]) <= 1e-12, rank[8]["activation"]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

@@ -25,8 +25,10 @@ def results(world_size: int) -> list[dict]:
 
 
 def _params():
-    return [  # P=3 with -m heavy (suite time: odd rings run by default in the fully-masked and disagreement tests)
-        pytest.param(p, case, id=f"P{p}-{case.name}", marks=[pytest.mark.heavy] if p == 3 else [])
+    # P=3 and 4 with -m heavy (suite time: odd rings run by default in the fully-masked and disagreement tests, four
+    # ranks in the test of two rings on subgroups)
+    return [
+        pytest.param(p, case, id=f"P{p}-{case.name}", marks=[pytest.mark.heavy] if p in (3, 4) else [])
         for p in WORLD_SIZES
         for case in ring_workers.cases(p)
     ]

@@ -70,6 +70,9 @@ class PassContext:
     # their layout kind ("" without any); `ringpass.carried`
     carried_inputs: dict[fx.Node, int] = field(default_factory=dict)
     carried_layout: str = ""
+    # exchange_activations, inputs="per_rank": carried inputs that arrive whole, this rank's own batch's activation
+    # (`ringpass.per_rank.PerRankGraph` sends each rank its tokens of every rank's)
+    exchanged_inputs: set[fx.Node] = field(default_factory=set)
     # the backend: masks crossing as their per-token description (`ringpass.crossing_masks`): for each SequenceMask
     # input, its index among the call's arguments -> how many tensors describe it; for each mask output, its index ->
     # `MaskOutput` (the outputs that describe it leave whole)

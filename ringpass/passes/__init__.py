@@ -26,6 +26,7 @@ from ringpass.graph_view import op_chain
 from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.choose_layout import choose_layout
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
+from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.inline_subgraphs import inline_subgraphs
@@ -62,6 +63,7 @@ PREFILL = (
     Stage(
         "analyse",
         (
+            exchange_activations,
             lift_masks,
             invert_permutations,
             find_sequence_axes,

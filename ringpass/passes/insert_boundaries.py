@@ -358,7 +358,7 @@ def _gather_outputs(ctx: PassContext) -> None:
         if dim is not None and ctx.options.inputs == "sharded":  # the graph saw one rank's length
             shape[dim], size = shape[dim] * ctx.world_size, size * ctx.world_size
         if placement == LOCAL and carries and arg not in caches and index not in describing:
-            kind = "carried"
+            kind = "assembled" if ctx.per_rank else "carried"  # per_rank: `PerRankGraph` assembles it for its owner
             ctx.carried_outputs[index] = dim
         elif placement == LOCAL and ctx.options.outputs != "sharded":
             kind = "gathered"

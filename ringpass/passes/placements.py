@@ -54,7 +54,8 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
     for node in ctx.gm.graph.nodes:
         placement, value = ctx.placement.get(node), example_value(node)
         if node.op == "placeholder" and not is_module_state(node) and isinstance(value, torch.Tensor):
-            kind = {LOCAL: "carried" if node in ctx.carried_inputs else "sharded", FULL: "whole"}.get(
+            carried = "exchanged" if node in ctx.exchanged_inputs else "carried"
+            kind = {LOCAL: carried if node in ctx.carried_inputs else "sharded", FULL: "whole"}.get(
                 placement, "replicated"
             )
             needed_by = needs_full.get(node, node)
