@@ -108,8 +108,7 @@ class RingBackend:
             try:
                 rebuild_mask_inputs(ctx)
                 take_carried_inputs(ctx)
-                if not per_rank:
-                    describe_mask_outputs(ctx)
+                describe_mask_outputs(ctx)
                 ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
                 try:
                     run_pipeline(ctx)
@@ -143,8 +142,9 @@ class RingBackend:
             else:
                 compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
                 compiled = guard_graph(compiled, ctx, index)
-            compiled = CarriedGraph(compiled, ctx) if crosses_boundaries(ctx) else compiled
-            if not per_rank or report.unchanged:
+            runs_per_rank = per_rank and not report.unchanged  # `PerRankGraph` splices and wraps the masks
+            compiled = CarriedGraph(compiled, ctx, masks=not runs_per_rank) if crosses_boundaries(ctx) else compiled
+            if not runs_per_rank:
                 return compiled
             tail = _inner_compile(options.compiler, ctx.tail.gm, ctx.tail.examples()) if ctx.tail else None
             return PerRankGraph(compiled, ctx, tail)

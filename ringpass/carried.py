@@ -124,25 +124,26 @@ def crosses_boundaries(ctx: PassContext) -> bool:
 
 class CarriedGraph:
     """The compiled graph called with carried inputs unwrapped and `SequenceMask` inputs replaced by the tensors
-    that describe them (`ringpass.crossing_masks`), its carried outputs wrapped and its mask descriptions wrapped."""
+    that describe them (`ringpass.crossing_masks`), its carried outputs wrapped and its mask descriptions wrapped.
+    With ``masks=False`` the caller splices and wraps the masks (`ringpass.per_rank.PerRankGraph`, whose runs each
+    take one rank's description)."""
 
-    def __init__(self, compiled, ctx: PassContext):
+    def __init__(self, compiled, ctx: PassContext, masks: bool = True):
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         self.compiled = compiled
         # exchanged inputs (``inputs="per_rank"``) arrive as this rank's tokens already
         self.inputs = [
             i for i, n in enumerate(placeholders) if n in ctx.carried_inputs and n not in ctx.exchanged_inputs
         ]
-        self.mask_inputs = dict(ctx.mask_inputs)  # argument index -> how many tensors describe it
+        self.mask_inputs = dict(ctx.mask_inputs) if masks else {}  # argument index -> how many tensors describe it
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
-        self.mask_outputs = dict(ctx.mask_outputs)
+        self.mask_outputs = dict(ctx.mask_outputs) if masks else {}
         self.length_output = bool(self.outputs) and ctx.dynamic
         self.static_length = None if ctx.dynamic or not self.outputs else int(ctx.sequence.global_seq_len)
         self.layout = (ctx.layout_kind, ctx.world_size, ctx.group_name)
 
     def __call__(self, *args):
-        args = [a.inputs if i in self.mask_inputs else [a] for i, a in enumerate(args)]
-        args = [a for spliced in args for a in spliced]
+        args = splice_mask_inputs(args, self.mask_inputs)
         for i in self.inputs:
             args[i] = args[i].to_local()
         outputs = list(self.compiled(*args))
@@ -153,3 +154,8 @@ class CarriedGraph:
             if self.length_output:  # a graph compiled for any length hands on values of any length
                 torch._dynamo.maybe_mark_dynamic(outputs[index], dim)
         return wrap_mask_outputs(outputs, self.mask_outputs)
+
+
+def splice_mask_inputs(args, mask_inputs: dict) -> list:
+    """``args``, each `SequenceMask` (at the indices of ``mask_inputs``) replaced by the tensors that describe it."""
+    return [t for i, a in enumerate(args) for t in (a.inputs if i in mask_inputs else [a])]

@@ -26,10 +26,13 @@ and where the loss is normalised by a count over all ranks (the HF Trainer's ``a
 The cost: P ring calls of one batch each per step (the same FLOPs and bytes as one call on P batches).
 
 Between graphs every rank holds its own batch's values whole, as under DDP: code between them runs as it would
-there, and each boundary costs one all-to-all of the activation each way.
+there, and each boundary costs one all-to-all of the activation each way. A mask one graph builds and another
+uses (padding under FSDP2 per block) crosses as its per-token description (`ringpass.crossing_masks`, a
+`SequenceMask` of this rank's batch): the next ring graph gathers those tensors with the other small inputs and
+each run evaluates its rank's mask per tile.
 
 `PerRankGraph` wraps a compiled ring graph so; `refuse_crossings` refuses values that another graph, compiled
-without ``per_rank``, carried out sequence-sharded or as a mask's description. A graph that updates module state
+without ``per_rank``, carried out sequence-sharded. A graph that updates module state
 (BatchNorm's running statistics) updates it once per rank's batch, P times a call.
 """
 
@@ -46,20 +49,22 @@ from lowering.groups import group_by_name
 from lowering.layout import cached_layout
 from lowering.sequence_ops import reduce_grad, scale_grad
 from lowering.sequence_tensor import SequenceSharded
+from ringpass.carried import splice_mask_inputs
+from ringpass.crossing_masks import wrap_mask_outputs
 from ringpass.graph import example_value, is_module_state, nbytes, user_name
 from ringpass.graph_utils.context import PassContext
 from ringpass.report import size_text
 
 
 def refuse_crossings(ctx: PassContext) -> None:
-    """``inputs="per_rank"`` takes each rank's own batch: a value another graph carried out sequence-sharded or as a
-    mask's description (a graph compiled with ``inputs="full"`` or ``"sharded"``) is refused."""
+    """``inputs="per_rank"`` takes each rank's own batch: a value another graph carried out sequence-sharded (a
+    graph compiled with ``inputs="full"`` or ``"sharded"``) is refused."""
     carried = [n for n in ctx.carried_inputs if n not in ctx.exchanged_inputs]
-    if carried or ctx.mask_inputs:
-        what = f"`{user_name(carried[0])}`, a SequenceSharded value" if carried else "a SequenceMask"
+    if carried:
         raise NotSupportedError(
-            f"inputs='per_rank' takes each rank's own batch, but this graph receives {what} from a graph compiled "
-            "with inputs='full' or 'sharded'. Compile every graph of the model with the same inputs= option."
+            f"inputs='per_rank' takes each rank's own batch, but this graph receives `{user_name(carried[0])}`, a "
+            "SequenceSharded value, from a graph compiled with inputs='full' or 'sharded'. Compile every graph of "
+            "the model with the same inputs= option."
         )
 
 
@@ -81,9 +86,11 @@ class PerRankGraph:
         self.names = [user_name(placeholders[i]) for i in self.own]
         self.dynamic = bool(self.numbers) or any(_symbolic(self.examples[i]) for i in self.own)
         self.group_name, self.world_size = ctx.group_name, ctx.world_size
+        self.mask_inputs, self.mask_outputs = dict(ctx.mask_inputs), dict(ctx.mask_outputs)  # `crossing_masks`
         self._guards = None  # the shape guards the graph was compiled under, as a Python expression (lazily)
 
     def __call__(self, *args):
+        args = splice_mask_inputs(args, self.mask_inputs)  # their tensors gathered as the other small inputs
         group = group_by_name(self.group_name)
         rank = dist.get_rank(group)
         failures.begin_call()
@@ -103,7 +110,7 @@ class PerRankGraph:
         for source in range(self.world_size):  # every rank's batch, in rank order on every rank
             runs.append(list(self.compiled(*self._call(args, gathered, sizes[source], source))))
         own = [_own_output([run[k] for run in runs], rank, self.group_name) for k in range(len(runs[0]))]
-        return own if self.tail is None else self._run_tail(args, own)
+        return wrap_mask_outputs(own if self.tail is None else self._run_tail(args, own), self.mask_outputs)
 
     def _run_tail(self, args, own: list) -> list:
         """The tail (`ringpass.passes.split_tail`) once, on this rank's own arguments and own ring outputs; the

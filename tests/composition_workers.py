@@ -3,6 +3,8 @@ DeviceMesh, one training step against the unsharded model on the whole global ba
 
 from __future__ import annotations
 
+from functools import partial
+
 import hf_workers
 import models
 import torch
@@ -435,26 +437,31 @@ def per_rank_tail(rank: int, world_size: int, wrapper: str) -> dict:
 
 
 def per_rank_blocks(rank: int, world_size: int, how: str) -> dict:
-    """``inputs="per_rank"`` across graph boundaries: a Llama (`models.Llama`, fp64) whose blocks are compiled one by
-    one under DDP (``ddp_blocks``), FSDP2 on every block and the root with the blocks compiled one by one (as
-    torchtitan: ``fsdp2_blocks``) or the whole model compiled (FSDP2's hooks cut it into a graph per block:
-    ``fsdp2_model``); each rank its own 2 rows, the ranks' label counts differ. The hidden
-    states reach every ring graph as this rank's own batch's and are sent by tokens; the embedding, the norm, the
-    head and the loss run on the own batch. Reference: a one-process data-parallel job (each rank's loss on its own
-    batch, the gradient of their mean). ``ddp_blocks`` then attends over an eager activation of shape
+    """``inputs="per_rank"`` across graph boundaries, fp64: a Llama (`models.Llama`) whose blocks are compiled one by
+    one under DDP (``ddp_blocks``) or under FSDP2 on every block and the root (as torchtitan: ``fsdp2_blocks``), and
+    a Hugging Face Llama under FSDP2 on every decoder layer and the root, compiled whole (FSDP2's hooks cut it into
+    a graph per block), rank 1's rows right-padded with their mask (``hf_fsdp2_padded``: the mask the first graph
+    builds crosses to the blocks as its description). Each rank its own 2 rows, the ranks' label counts differ. The
+    hidden states reach every ring graph as this rank's own batch's and are sent by tokens; the embedding, the norm,
+    the head and the loss run on the own batch. Reference: a one-process data-parallel job (each rank's loss on its
+    own batch, the gradient of their mean). ``ddp_blocks`` then attends over an eager activation of shape
     [rows, 1, N, D] without a wrapper: its output and its gradient (this rank's own objective's) as unsharded."""
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
-    model, reference = models.Llama().double(), models.Llama().double()
+    hf = how == "hf_fsdp2_padded"
+    model, reference = (_model("hf_llama"), _model("hf_llama")) if hf else (models.Llama(), models.Llama())
+    model, reference = model.double(), reference.double()
 
-    def loss_of(ids, lab):
-        return F.cross_entropy(reference(ids).flatten(0, 1), lab.flatten())
+    def loss_of(net, ids, lab):
+        if hf:  # the ignored labels are rank 1's padding
+            return net(input_ids=ids, attention_mask=(lab != -100).long(), labels=lab, use_cache=False).loss
+        return F.cross_entropy(net(ids).flatten(0, 1), lab.flatten())
 
-    batches, labels, losses = _data_parallel_reference(model, reference, world_size, 11, loss_of)
+    batches, labels, losses = _data_parallel_reference(model, reference, world_size, 11, partial(loss_of, reference))
     backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank")
+    blocks = model.model.layers if hf else model.blocks
     if how == "ddp_blocks":
-        for block in model.blocks:
+        for block in blocks:
             block.compile(backend=backend)
         run = DistributedDataParallel(model)
     else:
@@ -462,15 +469,15 @@ def per_rank_blocks(rank: int, world_size: int, how: str) -> dict:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, mesh=mesh)
-            if how == "fsdp2_blocks":
+            if not hf:
                 block.compile(backend=backend)
         run = fully_shard(model, mesh=mesh)
-        if how == "fsdp2_model":
+        if hf:
             run.compile(backend=backend)
     with record_ring_events() as events:
-        loss = F.cross_entropy(run(batches[rank]).flatten(0, 1), labels[rank].flatten())
+        loss = loss_of(run, batches[rank], labels[rank])
         loss.backward()
     result = {
         "loss": rel_err(loss.detach(), losses[rank].detach()),
@@ -493,14 +500,14 @@ def per_rank_blocks(rank: int, world_size: int, how: str) -> dict:
 
 
 def _data_parallel_reference(model, reference, world_size: int, seed: int, loss_of) -> tuple[list, list, list]:
-    """Each rank's own 2 rows of token ids and their labels (rank 1's first 5 labels ignored, so the ranks' label
+    """Each rank's own 2 rows of token ids and their labels (rank 1's last 5 labels ignored, so the ranks' label
     counts differ), and the one-process data-parallel job on them: ``reference`` (given ``model``'s weights) gets the
     gradient of the mean of ``loss_of(ids, labels)`` over the ranks' batches; returns the batches, labels and losses."""
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(seed)
     batches = [torch.randint(0, 61, (2, SEQ_LEN), generator=g) for _ in range(world_size)]
     labels = [ids.clone() for ids in batches]
-    labels[1][:, :5] = -100
+    labels[1][:, -5:] = -100
     losses = []
     for ids, lab in zip(batches, labels):
         losses.append(loss_of(ids, lab))

@@ -24,7 +24,7 @@ TWO_RANKS = [
     ("per_rank_tail", ("ddp",)),
     ("per_rank_blocks", ("ddp_blocks",)),
     ("per_rank_blocks", ("fsdp2_blocks",)),
-    ("per_rank_blocks", ("fsdp2_model",)),
+    ("per_rank_blocks", ("hf_fsdp2_padded",)),
 ]
 FOUR_RANKS = [
     ("wrapped_step", ("fsdp2", 2)),
@@ -150,7 +150,8 @@ def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_ba
 
 def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
     """inputs='per_rank' with the model cut into graphs: blocks compiled one by one under DDP, FSDP2 on every block
-    and the root with the blocks compiled one by one (torchtitan's way) or the model compiled (a graph per block).
+    and the root with the blocks compiled one by one (torchtitan's way), and a Hugging Face Llama under FSDP2 per
+    block compiled whole with one rank's rows padded (its mask crosses to the blocks as its description).
     Each rank's loss is its own batch's and the gradients the data-parallel mean; the ring ran on both batches in
     each block; the summary says the hidden states were sent by tokens (not gathered). An eager activation attended
     without a wrapper: its output and the gradient of this rank's own objective as unsharded."""
@@ -161,6 +162,7 @@ def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
             ring_graphs = [s for s in result["summaries"] if "rewritten to ring attention" in s]
             assert ring_graphs and all("(activations) sent by tokens" in s for s in ring_graphs), result["summaries"]
         assert max(rank[8]["activation"]) <= 1e-12, rank[8]["activation"]
+        assert all("mask(s) crossing" in s for s in rank[10]["summaries"] if "ring attention" in s), rank[10]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

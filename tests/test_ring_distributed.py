@@ -67,8 +67,8 @@ def test_communication_and_kernel_calls_are_counted(world_size, case):
 
 
 def test_contiguous_causal_rank0_computes_only_its_own_block():
-    case = next(c for c in ring_workers.cases(4) if c.kind == "contiguous" and c.causal and c.dtype == "float64")
-    assert results(4)[0][case.name]["forward"]["blocks"] == 1
+    case = next(c for c in ring_workers.cases(2) if c.kind == "contiguous" and c.causal and c.dtype == "float64")
+    assert results(2)[0][case.name]["forward"]["blocks"] == 1  # (rank 1's block lies after all its queries)
 
 
 def test_layout_for_another_world_size_is_refused_on_every_rank():

@@ -117,7 +117,18 @@ def _singles(config: BenchConfig) -> list[str]:
 
 
 def _spawned(config: BenchConfig) -> list[dict]:
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's malloc (measure.py)
+    try:
+        return _spawn_cases(config)
+    finally:  # the caller's later processes start as they would have
+        if previous is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+
+
+def _spawn_cases(config: BenchConfig) -> list[dict]:
     distributed = [m for m in config.methods if m not in _singles(config)]
     thread_counts = sorted(
         {1} | {min(os.cpu_count() or 1, p * config.for_world_size(p).threads_per_rank) for p in config.world_sizes}
