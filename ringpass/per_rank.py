@@ -293,20 +293,18 @@ class _ToRuns(torch.autograd.Function):
     def forward(ctx, x, dim: int, kind: str, group_name: str, shapes: list):
         world_size = len(shapes)
         layout = cached_layout(kind, world_size, x.shape[dim])
-        sent = [layout.shard(x, dim, q) for q in range(world_size)]
         received = [list(shape) for shape in shapes]
         for shape in received:
             shape[dim] = cached_layout(kind, world_size, shape[dim]).local_len
-        ctx.dim, ctx.layout, ctx.group_name, ctx.sent = dim, layout, group_name, [t.shape for t in sent]
-        return tuple(
-            _all_to_all(sent, received, group_name, "the ranks' activations to the ranks holding their tokens")
-        )
+        ctx.dim, ctx.layout, ctx.group_name = dim, layout, group_name
+        what = "the ranks' activations to the ranks holding their tokens"
+        return tuple(_split_by_tokens(x, layout, dim, received, group_name, what))
 
     @staticmethod
     def backward(ctx, *grads):
         what = "the activations' gradients to the ranks whose batches they are"
-        received = _all_to_all(list(grads), ctx.sent, ctx.group_name, what)
-        return ctx.layout.unshard(received, ctx.dim) * len(received), None, None, None, None
+        whole = _assemble_by_tokens(list(grads), ctx.layout, ctx.dim, ctx.group_name, what)
+        return whole * len(grads), None, None, None, None
 
 
 class _OwnWhole(torch.autograd.Function):
@@ -333,20 +331,29 @@ class _OwnSharded(torch.autograd.Function):
     def forward(ctx, spec, *locals_):
         ctx.spec, ctx.shapes = spec, [x.shape for x in locals_]
         layout = cached_layout(spec.kind, spec.world_size, spec.seq_len)
-        mine = locals_[dist.get_rank(group_by_name(spec.group_name))].shape
-        received = _all_to_all(
-            locals_, [mine] * len(locals_), spec.group_name, "the ranks' tokens of each rank's outputs"
-        )
-        return layout.unshard(received, spec.dim).contiguous()
+        what = "the ranks' tokens of each rank's outputs"
+        return _assemble_by_tokens(list(locals_), layout, spec.dim, spec.group_name, what).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
         layout = cached_layout(spec.kind, spec.world_size, spec.seq_len)
-        shards = [layout.shard(grad, spec.dim, q) for q in range(spec.world_size)]
         what = "each rank's output gradients to the ranks holding its tokens"
-        received = _all_to_all(shards, ctx.shapes, spec.group_name, what)
+        received = _split_by_tokens(grad, layout, spec.dim, ctx.shapes, spec.group_name, what)
         return (None, *(g / spec.world_size for g in received))
+
+
+def _split_by_tokens(x: torch.Tensor, layout, dim: int, shapes: list, group_name: str, what: str) -> list:
+    """This rank's batch ``x``, whole, sent by tokens: rank q gets its layout shard of it; returns this rank's tokens
+    of every rank's batch (rank q's of shape ``shapes[q]``), in rank order (one all-to-all)."""
+    return _all_to_all([layout.shard(x, dim, q) for q in range(len(shapes))], shapes, group_name, what)
+
+
+def _assemble_by_tokens(parts: list, layout, dim: int, group_name: str, what: str) -> torch.Tensor:
+    """The inverse of `_split_by_tokens`: ``parts[q]`` (this rank's tokens of rank q's batch) goes to rank q, and
+    this rank's batch comes back whole from every rank's tokens of it (one all-to-all)."""
+    mine = parts[dist.get_rank(group_by_name(group_name))].shape
+    return layout.unshard(_all_to_all(parts, [mine] * len(parts), group_name, what), dim)
 
 
 def _all_to_all(send: list[torch.Tensor], shapes: list, group_name: str, what: str) -> list[torch.Tensor]:
