@@ -10,7 +10,8 @@ On given `Hardware` (a link's bandwidth and latency, the FLOP rate one rank's ke
 `LINKS`, `DEVICES`), `predict` gives each step's compute and transfer time and whether the transfer hides,
 `hiding_slice` the fewest tokens per rank at which it does, and `all_gather_seconds` the alternative's
 forward time (`ringpass plan` prints them and recommends); `ulysses_seconds` the same attention as Ulysses x
-ring (all-to-all over heads on the fast links inside groups, the ring over the slow ones). A decode step
+ring (all-to-all over heads on the fast links inside groups, the ring over the slow ones). `choose_strategies`
+picks, per attention, the fastest predicted of these and of no sequence parallelism (``strategy="auto"``). A decode step
 (`DecodeCost`, `decode_seconds`): every rank reads its part of the cache (memory-bound: `MEMORY` presets) and
 the ranks merge their out and LSE in one small all-gather.
 
@@ -401,3 +402,139 @@ def decode_seconds(cost: DecodeCost, hardware: Hardware) -> dict:
     p = cost.world_size
     merge = (p - 1) * (hardware.link_latency_s + cost.merge_bytes / hardware.link_bytes_per_s) if p > 1 else 0.0
     return {"compute": compute, "merge": merge, "total": compute + merge}
+
+
+# ---- strategies: the exact ways to run one attention over P ranks, and the cheapest ---------------------------
+@dataclass(frozen=True)
+class Strategy:
+    """One exact way to run an attention over P ranks: ``ring`` (K/V passed around, transfers overlapped),
+    ``ulysses`` (all-to-all over heads in groups of ``ulysses`` ranks, the ring across the groups), ``all-gather``
+    (K/V gathered at once) in the graph's ``layout``; or ``none`` (no sequence parallelism: every rank runs the
+    attention whole)."""
+
+    kind: str
+    layout: str = ""
+    ulysses: int = 1
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "ulysses":
+            return f"ulysses {self.ulysses} ({self.layout})"
+        return f"{self.kind} ({self.layout})"
+
+
+PREFERENCE = ("ring", "ulysses", "all-gather", "none")  # on equal predicted times: the ring holds the least
+
+
+def strategy_seconds(
+    strategy: Strategy, shape: AttentionShape, seq_len: int, world_size: int, hw: Hardware, *, backward: bool = True
+) -> float:
+    """The predicted seconds of one attention call (forward, plus its backward with ``backward``) by ``strategy``
+    over ``world_size`` ranks on ``hw`` (a Ulysses group's all-to-alls over the same link)."""
+    if strategy.kind == "none":
+        cost = ring_cost(Layout("contiguous", 1, seq_len), shape)
+        forward = cost.flops_forward[0][0] / hw.flops_per_s
+        return forward * (1 + BACKWARD_FLOPS_RATIO * backward)
+    layout = Layout(strategy.layout, world_size, seq_len)
+    if strategy.kind == "ulysses":
+        times = ulysses_seconds(shape, layout, strategy.ulysses, hw, hw)
+        return times["forward"] + backward * times["backward"]
+    cost = ring_cost(layout, shape)
+    if strategy.kind == "all-gather":
+        return all_gather_seconds(cost, hw) + backward * all_gather_seconds(cost, hw, backward=True)
+    prediction = predict(cost, hw)
+    return prediction.forward_s + backward * prediction.backward_s
+
+
+def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, world_size: int) -> int:
+    """Bytes one rank holds at the backward's peak for one attention by ``strategy`` beyond its own q, k, v and output
+    gradient (`RingCost.working_memory`'s yardstick): the ring's two KV blocks and three dK/dV accumulators; the
+    all-gather holds all P blocks and P dK/dV blocks before the reduce-scatter; Ulysses x ring the ring across the
+    groups plus the exchanged q, k, v and output (each as large as the rank's own) and their gradients; ``none`` the
+    whole attention's state."""
+    if strategy.kind == "none":
+        return ring_cost(Layout("contiguous", 1, seq_len), shape).memory(unsharded=True)["backward"]
+    layout = Layout(strategy.layout, world_size, seq_len)
+    if strategy.kind == "ulysses":
+        ring = ring_cost(GroupLayout(layout, strategy.ulysses), ulysses_shape(shape, strategy.ulysses))
+        q, kv, _ = ring._elements(layout.local_len)
+        exchanged = 2 * (2 * q + 2 * kv * max(1, strategy.ulysses // shape.kv_heads)) * shape.itemsize
+        return ring.working_memory()["backward"] + exchanged
+    cost = ring_cost(layout, shape)
+    working = cost.working_memory()["backward"]
+    if strategy.kind == "all-gather":
+        working += (world_size - 2) * (cost.kv_bytes_per_hop + cost.dkv_bytes_per_hop)
+    return working
+
+
+def candidate_strategies(shape: AttentionShape, world_size: int, layouts: tuple[str, ...], ulysses: bool) -> list:
+    """Every `Strategy` ``shape`` can run by over ``world_size`` ranks in ``layouts``: the ring and the all-gather
+    in each; Ulysses with each group size U > 1 dividing the ranks whose heads it can split (``ulysses``: the
+    groups exist)."""
+    from lowering.errors import NotSupportedError
+    from lowering.ulysses import check_heads
+
+    found = []
+    for layout in layouts:
+        found += [Strategy("ring", layout), Strategy("all-gather", layout)]
+        for u in range(2, world_size + 1):
+            if not ulysses or world_size % u:
+                continue
+            try:
+                check_heads(shape.query_heads, shape.kv_heads, u)
+            except NotSupportedError:  # the group cannot split these heads
+                continue
+            found.append(Strategy("ulysses", layout, u))
+    return found
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """What `choose_strategies` decided for a graph: the layout, each attention's strategy, and each attention's
+    predicted seconds by every alternative (``str(Strategy)`` -> seconds, ``none`` included)."""
+
+    layout: str
+    chosen: list[Strategy]
+    alternatives: list[dict[str, float]]
+
+    @property
+    def unsharded(self) -> bool:
+        return all(s.kind == "none" for s in self.chosen)
+
+
+def choose_strategies(
+    shapes: list[AttentionShape],
+    seq_len: int,
+    world_size: int,
+    hw: Hardware,
+    *,
+    layouts: tuple[str, ...],
+    ulysses: bool = True,
+    none: bool = True,
+    backward: bool = True,
+) -> StrategyChoice:
+    """The fastest predicted strategy for each attention of one graph. The layout is the graph's (activations
+    between attentions are sharded in it), so it is chosen for the sum over the attentions (``layouts``: those
+    allowed, the preferred first: it wins ties); ``none`` holds for the whole graph or for no attention: it is
+    chosen when running every attention whole beats the best sharded total (``none=False``: not allowed)."""
+    alternatives, best_per_layout = [], {layout: [] for layout in layouts}
+    for shape in shapes:
+        times = {
+            s: strategy_seconds(s, shape, seq_len, world_size, hw, backward=backward)
+            for s in candidate_strategies(shape, world_size, layouts, ulysses)
+        }
+        whole = Strategy("none")
+        times[whole] = strategy_seconds(whole, shape, seq_len, world_size, hw, backward=backward)
+        alternatives.append({str(s): t for s, t in times.items()})
+        for layout in layouts:
+            mine = [s for s in times if s.layout == layout]
+            best_per_layout[layout].append(min(mine, key=lambda s: (times[s], PREFERENCE.index(s.kind))))
+    totals = {
+        layout: sum(alt[str(s)] for alt, s in zip(alternatives, chosen)) for layout, chosen in best_per_layout.items()
+    }
+    layout = min(layouts, key=lambda name: totals[name])  # min keeps the first of equal totals
+    whole_total = sum(alt["none"] for alt in alternatives)
+    if none and whole_total < totals[layout]:
+        return StrategyChoice(layout, [Strategy("none")] * len(shapes), alternatives)
+    return StrategyChoice(layout, best_per_layout[layout], alternatives)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lowering.all_gather import gathered_backward, gathered_forward
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import agree_once, by_rank, ring_work
@@ -54,6 +55,7 @@ def ring_attention(
     bias: Callable | None = None,
     bias_inputs: Sequence[torch.Tensor] = (),
     fully_masked: str = "zero",
+    strategy: str = "ring",
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -82,6 +84,9 @@ def ring_attention(
     (as SDPA with a bool mask), ``"uniform"`` (the mean of every key's value, with the gradients eager
     attention adding a finite mask such as ``finfo.min`` computes), ``"uniform_values"`` (that mean with
     gradients into the values only, as eager ``masked_fill`` with a finite value). Their lse stays -inf.
+
+    ``strategy``: ``"ring"`` (K/V blocks travel around the ring, each transfer overlapped with a block's compute)
+    or ``"all-gather"`` (every rank gathers all K/V at once and reduce-scatters dK/dV: `lowering.all_gather`).
     """
     if not isinstance(layout, Layout):
         raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
@@ -104,6 +109,7 @@ def ring_attention(
             bias=bias,
             bias_inputs=bias_inputs,
             fully_masked=fully_masked,
+            strategy=strategy,
         )
         return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
@@ -114,6 +120,7 @@ def ring_attention(
     mask_id = register_mask(mask) if mask is not None else ""
     check_score_options(softcap, alibi_slopes)
     check_fully_masked(fully_masked)
+    check_strategy(strategy)
     slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
     if slopes is not None and len(slopes) != q.size(1):
         raise InvalidInputError(
@@ -134,6 +141,7 @@ def ring_attention(
         register_mask(bias) if bias is not None else "",
         list(bias_inputs),
         fully_masked,
+        strategy=strategy,
     )
     agree_on_call("ring_attention", args.group_name, layout, (q, k, v), args, mask, bias)
     out, lse = torch.ops.ringpass.ring_attention(q, k, v, *args.op_args())
@@ -240,6 +248,14 @@ def check_inputs(q, k, v, layout: Layout) -> None:
             )
 
 
+STRATEGIES = ("ring", "all-gather")  # how the ring op moves K/V (`RingArgs.strategy`)
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise InvalidInputError(f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}.")
+
+
 def _spec(args: RingArgs) -> RingSpec:
     if args.window is not None and not args.is_causal:
         raise InvalidInputError(
@@ -280,7 +296,16 @@ def _ring_attention_op(q, k, v, *config):
                 f"The layout is for {spec.layout.world_size} ranks but process group "
                 f"{args.group_name!r} has {exchange.world_size}."
             )
-        return ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, exchange)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if _gathers(args, exchange):
+            return gathered_forward(q, k, v, spec, exchange.group)
+        return ring_forward(q, k, v, spec, exchange)
+
+
+def _gathers(args: RingArgs, exchange: RingExchange) -> bool:
+    """The call gathers K/V at once (a ring of one rank has nothing to gather: it runs its own lap)."""
+    check_strategy(args.strategy)
+    return args.strategy == "all-gather" and exchange.world_size > 1
 
 
 @_ring_attention_op.register_fake
@@ -315,18 +340,11 @@ def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_train
             [i in trained for i in range(first)],
             [first + i in trained for i in range(len(args.bias_inputs))],
         ]
-        return ring_backward(
-            dout.contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out.contiguous(),
-            lse.contiguous(),
-            None if dlse is None else dlse.contiguous(),
-            spec,
-            RingExchange(group_by_name(args.group_name)),
-            per_program,
-        )
+        exchange = RingExchange(group_by_name(args.group_name))
+        tensors = [t.contiguous() for t in (dout, q, k, v, out, lse)] + [None if dlse is None else dlse.contiguous()]
+        if _gathers(args, exchange):
+            return gathered_backward(*tensors, spec, exchange.group, per_program)
+        return ring_backward(*tensors, spec, exchange, per_program)
 
 
 @_ring_attention_backward_op.register_fake

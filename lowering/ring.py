@@ -224,7 +224,7 @@ class RankBackward:
 
 
 @contextmanager
-def _span(phase: str, step: int, part: str, message: str = ""):
+def span(phase: str, step: int, part: str, message: str = ""):
     """A profiler range (``ringpass forward step 0: compute``): traces show where a step waits. While ring
     events are recorded, each range is also a ``span`` event with its ``start`` (``time.perf_counter``,
     one clock for every process on a machine) and ``seconds`` of host wall time, and for a post or a wait
@@ -258,12 +258,12 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     for step in range(p):
         arriving = None
         if step < p - 1:
-            with _span("forward", step, "post", f"kv {step}"):
+            with span("forward", step, "post", f"kv {step}"):
                 arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG)
-        with _span("forward", step, "compute"):
+        with span("forward", step, "compute"):
             state.add_block(kv[0], kv[1], kv_source(rank, step, p))
         if arriving is not None:
-            with _span("forward", step, "wait", f"kv {step}"):
+            with span("forward", step, "wait", f"kv {step}"):
                 kv = arriving.wait()
     return state.result()
 
@@ -281,19 +281,19 @@ def ring_backward(
     for step in range(p):
         kv_arriving = None
         if step < p - 1:
-            with _span("backward", step, "post", f"kv {step}"):
+            with span("backward", step, "post", f"kv {step}"):
                 kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward")
-        with _span("backward", step, "compute"):
+        with span("backward", step, "compute"):
             dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
         if dkv_arriving is not None:
-            with _span("backward", step, "wait", f"dkv {step - 1}"):
+            with span("backward", step, "wait", f"dkv {step - 1}"):
                 dkv += dkv_arriving.wait()
-        with _span("backward", step, "post", f"dkv {step}"):
+        with span("backward", step, "post", f"dkv {step}"):
             dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
         if kv_arriving is not None:
-            with _span("backward", step, "wait", f"kv {step}"):
+            with span("backward", step, "wait", f"kv {step}"):
                 kv = kv_arriving.wait()
-    with _span("backward", p - 1, "wait", f"dkv {p - 1}"):
+    with span("backward", p - 1, "wait", f"dkv {p - 1}"):
         dkv = dkv_arriving.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
     return (state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True), state.program_results())

@@ -26,8 +26,9 @@ class RingArgs(NamedTuple):
     """What a ring call says besides q, k, v: the layout as plain values (``ulysses`` > 1: the ring runs across
     Ulysses groups, `lowering.layout.GroupLayout`), the causal flag and scale, the process group by name ("" for
     one process), a sliding ``window``, the mask and bias programs (`lowering.masks` ids) with the tensors each
-    reads, the other score modifiers (`lowering.scores`) and what a fully masked query gives
-    (`lowering.fully_masked`). The annotations are the schema's types."""
+    reads, the other score modifiers (`lowering.scores`), what a fully masked query gives
+    (`lowering.fully_masked`) and how K/V reach the queries: ``strategy`` ``"ring"`` (passed around the ring) or
+    ``"all-gather"`` (gathered at once: `lowering.all_gather`). The annotations are the schema's types."""
 
     layout_kind: str
     world_size: int
@@ -44,6 +45,7 @@ class RingArgs(NamedTuple):
     bias_inputs: list[torch.Tensor] = ()
     fully_masked: str = "zero"
     ulysses: int = 1
+    strategy: str = "ring"
 
     def op_args(self) -> tuple:
         """The ring ops' positional arguments after q, k, v (the tensor lists and the slopes as lists)."""

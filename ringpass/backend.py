@@ -99,8 +99,10 @@ class RingBackend:
             group.group_name,
             report,
             ulysses=ulysses_groups(options.group, options.ulysses),
+            ulysses_for=_ulysses_maker(options.group),
             per_rank=per_rank,
         )
+        captured = _copy(gm) if options.strategy == "auto" else None  # what runs if auto chooses no parallelism
         failures.configure(group.group_name, timeout=options.timeout)
         failures.set_state(f"compiling graph {index}")
         retrace = None
@@ -131,7 +133,9 @@ class RingBackend:
                 if retrace is None:
                     release_marks()
                     report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
-            if report.unchanged:
+            if report.unchanged and ctx.strategy is not None:  # auto chose to run it whole: the report says why
+                compiled = _inner_compile(options.compiler, captured, example_inputs)
+            elif report.unchanged:
                 _unsharded(
                     options,
                     f"graph {index}: no attention found, so it runs unchanged {report.unchanged_runs}, not "
@@ -212,6 +216,20 @@ def _unsharded(options: RingOptions, message: str) -> None:
 
 def _as_dict(options: RingOptions) -> dict:
     return {name: getattr(options, name) for name in options.__dataclass_fields__}
+
+
+def _ulysses_maker(group) -> Callable[[int], UlyssesGroups] | None:
+    """``strategy="auto"``'s maker of Ulysses groups of U consecutive ranks, over the default group only."""
+    if group is not None and group != dist.group.WORLD:
+        return None
+    return lambda size: ulysses_groups(None, size)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph module with its own copy of ``gm``'s graph (the passes rewrite ``gm``'s in place)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def ulysses_groups(group, ulysses) -> UlyssesGroups | None:

@@ -16,7 +16,8 @@ from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from ringpass import demo
 from ringpass.options import CHOICES
 
-INSPECT_OPTIONS = ("layout", "inputs", "outputs", "grads", "masks")  # the backend options that change the rewrite
+# the backend options that change the rewrite
+INSPECT_OPTIONS = ("layout", "inputs", "outputs", "grads", "masks", "strategy")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,6 +133,12 @@ def _target_arguments(i, built: str) -> None:
     for name, choices in CHOICES.items():
         if name in INSPECT_OPTIONS:
             i.add_argument(f"--{name}", choices=choices, help="backend option (see docs/backend.md)")
+    i.add_argument(
+        "--hardware",
+        metavar="LINK/DEVICE|FILE",
+        help="what --strategy auto predicts on: preset names (nvlink/h100, infiniband/a100, loopback/cpu ...) or a "
+        "`ringpass bench --calibrate --json` file (default: this machine's kind)",
+    )
 
 
 def _target(args, device: str) -> tuple:
@@ -146,7 +153,8 @@ def _target(args, device: str) -> tuple:
         if args.labels:
             raise InvalidInputError("--labels goes with --hf-config (a factory returns its own inputs)")
         model, inputs = call_factory(load_factory(args.target), args.seq_len, args.batch)
-    return model, inputs, {name: getattr(args, name) for name in INSPECT_OPTIONS if getattr(args, name) is not None}
+    options = {name: getattr(args, name) for name in (*INSPECT_OPTIONS, "hardware") if getattr(args, name) is not None}
+    return model, inputs, options
 
 
 def _inspect_arguments(i) -> None:
@@ -221,6 +229,13 @@ def _plan_arguments(p) -> None:
     p.add_argument("--checkpointing", action="store_true", help="a whole model: activation checkpointing")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw", help="a whole model")
     p.add_argument("--gpu-mem", type=float, metavar="GIB", help="a whole model: memory of one device, GiB")
+    p.add_argument(
+        "--strategy",
+        choices=["ring", "auto"],
+        default="ring",
+        help="a whole model: every attention a ring, or each by the fastest predicted strategy (ring, Ulysses x "
+        "ring, all-gather), as the backend's strategy='auto' picks",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp64"], default="bf16")
     p.add_argument("--bidirectional", action="store_true", help="no causal mask")
     p.add_argument("--layout", choices=["auto", "zigzag", "contiguous"], default="auto")
@@ -342,6 +357,7 @@ def _model_plan(args, hw):
         checkpointing=args.checkpointing,
         optimizer=args.optimizer,
         gpu_mem=args.gpu_mem,
+        strategy=args.strategy,
     )
 
 

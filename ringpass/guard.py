@@ -115,9 +115,10 @@ def graph_hash(ctx: PassContext) -> str:
     """What the ranks compare to know they run the same graph: its code and the options that shaped it."""
     options = {k: v for k, v in vars(ctx.options).items() if k not in ("group", "report", "timeout", "checks")}
     code = _canonical(ctx.gm.code)
-    if ctx.ulysses:  # each rank's Ulysses and ring groups have their own names
-        for name, role in zip((ctx.ulysses.ulysses_group, ctx.ulysses.ring_group), ("<ulysses group>", "<ring group>")):
-            code = re.sub(rf"'{re.escape(name)}'", role, code)
+    chosen = [ctx.ulysses_for(size) for size in ctx.ulysses_used]  # strategy="auto"'s Ulysses groups
+    for groups in [ctx.ulysses] * bool(ctx.ulysses) + chosen:  # each rank's groups have their own names
+        for name, role in zip((groups.ulysses_group, groups.ring_group), ("ulysses", "ring")):
+            code = re.sub(rf"'{re.escape(name)}'", f"<{role} group of {groups.size}>", code)
     return hashlib.sha1(f"{code}{sorted(options.items())}{ctx.world_size}".encode()).hexdigest()
 
 

@@ -27,7 +27,7 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import as_call
 from ringpass.crossing_masks import describe_mask_outputs, rebuild_mask_inputs, wrap_mask_outputs
 from ringpass.graph import example_value, plain
-from ringpass.graph_utils.context import PassContext
+from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
@@ -64,15 +64,17 @@ class Inspection:
 
     @property
     def status(self) -> str:
-        """ "rewritten" (every attention rewritten), "refused" (a graph was refused) or "no attention"."""
+        """ "rewritten" (every attention rewritten), "refused" (a graph was refused), "whole" (``strategy="auto"``
+        runs every graph with attention whole) or "no attention"."""
         statuses = {r.status for r in self.reports}
         if "refused" in statuses:
             return "refused"
-        return "rewritten" if "rewritten" in statuses else "no attention"
+        return next((s for s in ("rewritten", "whole") if s in statuses), "no attention")
 
     @property
     def exit_code(self) -> int:
-        return {"rewritten": EXIT_REWRITTEN, "refused": EXIT_REFUSED}.get(self.status, EXIT_NO_ATTENTION)
+        codes = {"rewritten": EXIT_REWRITTEN, "whole": EXIT_REWRITTEN, "refused": EXIT_REFUSED}
+        return codes.get(self.status, EXIT_NO_ATTENTION)
 
     def __str__(self) -> str:
         head = {
@@ -80,6 +82,8 @@ class Inspection:
             f"over {self.world_size} ranks",
             "refused": f"ringpass {self.front_end}: REFUSED - the ring backend would stop on this model "
             "(see 'refused' below)",
+            "whole": f"ringpass {self.front_end}: strategy='auto' runs this model whole on every rank: no "
+            "sequence parallelism is predicted to pay at this length (see each graph's line)",
             "no attention": f"ringpass {self.front_end}: NO ATTENTION FOUND - the ring backend would run this model "
             "unchanged and unsharded on every rank",
         }[self.status]
@@ -149,6 +153,10 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
             "(ulysses=1), and see `ringpass plan --ulysses U` for its cost."
         )
     args, kwargs = as_call(example_inputs)
+
+    def _named_groups(size: int) -> UlyssesGroups:  # strategy="auto" may choose Ulysses: the groups by role
+        return UlyssesGroups(size, f"<ulysses group of {size}>", f"<ring over {world_size // size} groups>")
+
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
     twin, host_values = meta_twin(model)
     args, kwargs = _to_meta((args, kwargs))
@@ -156,7 +164,9 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
 
     def capture(gm: fx.GraphModule, graph_inputs: list, **_: Any):
         report = Report(world_size=world_size, graph_index=len(graphs))
-        ctx = PassContext(gm, graph_inputs, ring_options, world_size, "", report, host_values=host_values)
+        ctx = PassContext(
+            gm, graph_inputs, ring_options, world_size, "", report, host_values=host_values, ulysses_for=_named_groups
+        )
         rebuild_mask_inputs(ctx)  # as the backend: masks cross graphs as their per-token descriptions
         describe_mask_outputs(ctx)
         outputs = _meta_outputs(ctx.gm)

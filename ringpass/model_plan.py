@@ -35,6 +35,7 @@ on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -44,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
-from lowering.costmodel import Hardware, predict, ring_cost
+from lowering.costmodel import Hardware, Strategy, choose_strategies, strategy_memory, strategy_seconds
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass.report import attention_lines
@@ -60,6 +61,7 @@ class Candidate:
     ring_size: int
     checkpointing: bool
     memory_per_rank: dict  # bytes: weights, gradients, optimizer, activations, ring, total
+    strategies: str  # how the attentions run ("4 x ring (zigzag)"; strategy="auto": the cost model's picks)
     step_s: float
     batch_s: float  # seconds per batch: the step's, over the W / P batches the data-parallel replicas take at once
     time_parts: dict  # seconds: compute (outside attention), attention (the ring), wrapper (gradient traffic)
@@ -69,7 +71,8 @@ class Candidate:
         m = self.memory_per_rank
         fit = "" if self.fits is None else (", fits" if self.fits else ", does NOT fit")
         return (
-            f"P={self.ring_size}{' checkpointed' if self.checkpointing else ''}: {_gib(m['total'])} per rank "
+            f"P={self.ring_size}{' checkpointed' if self.checkpointing else ''} ({self.strategies}): "
+            f"{_gib(m['total'])} per rank "
             f"(weights {_gib(m['weights'])}, gradients {_gib(m['gradients'])}, optimizer {_gib(m['optimizer'])}, "
             f"activations {_gib(m['activations'])}, ring {_gib(m['ring'])}){fit}; step {self.step_s:.3g} s, "
             f"{self.batch_s:.3g} s per batch (compute {self.time_parts['compute']:.3g}, "
@@ -131,10 +134,12 @@ def plan_model(
     checkpointing: bool = False,
     optimizer: str = "adamw",
     gpu_mem: float | None = None,
+    strategy: str = "ring",
 ) -> ModelPlan:
     """Plan a training step (module docstring). ``build(tokens)`` returns ``(model, inputs)`` at that many tokens
     per sequence, on the current (fake) device; ``attentions``: the report's `AttentionRecord`s of the model at
-    ``seq_len`` (what the ring rewrites)."""
+    ``seq_len`` (what the ring rewrites); ``strategy``: ``ring`` (every attention a ring) or ``auto`` (each
+    candidate's attentions by the strategies `lowering.costmodel.choose_strategies` picks in its layout)."""
     if optimizer not in OPTIMIZERS:
         raise InvalidInputError(f"plan: --optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     if not attentions:
@@ -146,7 +151,7 @@ def plan_model(
         layout = Layout(_layout(attentions), p, seq_len)
         step = measure_step(build, layout.local_len, optimizer)
         for ckpt in (False, True):
-            candidates.append(candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem))
+            candidates.append(candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem, strategy))
     asked = next(c for c in candidates if c.ring_size == world_size and c.checkpointing == checkpointing)
     fitting = [c for c in candidates if c.fits is not False]
     if not fitting:
@@ -162,7 +167,9 @@ def plan_model(
             f"ring over {best.ring_size} rank(s)"
             + (f" x {dp} data-parallel" if dp > 1 else "")
             + (", activation checkpointing" if best.checkpointing else ", no checkpointing")
-            + f", layout {_layout(attentions)}, outputs='auto' (logits stay sharded): {best.step_s:.3g} s per step"
+            + f", layout {_layout(attentions)}, attention by {best.strategies}"
+            + (", strategy='auto'" if strategy == "auto" else "")
+            + f", outputs='auto' (logits stay sharded): {best.step_s:.3g} s per step"
             + (f" of {dp} batches of {batch} ({best.batch_s:.3g} s per batch)" if dp > 1 else "")
         )
     return ModelPlan(
@@ -170,13 +177,20 @@ def plan_model(
     )
 
 
-def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, checkpointing, gpu_mem) -> Candidate:
+def candidate(
+    step: dict, layout: Layout, world_size, hw, attentions, wrapper, checkpointing, gpu_mem, strategy: str = "ring"
+) -> Candidate:
     """The memory and time of one candidate from the fake step at its tokens per rank (`measure_step`)."""
     ring_size = layout.world_size
     if checkpointing:
         step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients")}}
-    ring_costs = [ring_cost(layout, a.shape()) for a in attentions]
-    ring_buffers = max(c.working_memory()["backward"] for c in ring_costs) if ring_size > 1 else 0
+    shapes = [a.shape() for a in attentions]
+    if strategy == "auto" and ring_size > 1:
+        chosen = choose_strategies(shapes, layout.seq_len, ring_size, hw, layouts=(layout.kind,), none=False).chosen
+    else:
+        chosen = [Strategy("ring", layout.kind)] * len(shapes)
+    n, p = layout.seq_len, ring_size
+    ring_buffers = max(strategy_memory(s, a, n, p) for s, a in zip(chosen, shapes)) if ring_size > 1 else 0
     weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
     parameter_bytes = step["parameter_bytes"]
     if wrapper == "fsdp":  # sharded over every rank, two units gathered (running + prefetched)
@@ -193,10 +207,10 @@ def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, c
     }
     memory["total"] = sum(memory.values())
     compute = step["ops"].seconds(hw, checkpointing)
-    attention = 0.0
-    for cost in ring_costs:
-        p = predict(cost, hw)
-        attention += p.forward_s * (2 if checkpointing else 1) + p.backward_s
+    attention = sum(  # checkpointing runs each forward again
+        strategy_seconds(s, a, n, p, hw) + checkpointing * strategy_seconds(s, a, n, p, hw, backward=False)
+        for s, a in zip(chosen, shapes)
+    )
     if wrapper == "none" or world_size == 1:
         traffic = 0.0
     else:  # an all-reduce (DDP) or all-gather + reduce-scatter (FSDP2): 2 (W-1)/W of the gradients each way
@@ -204,10 +218,12 @@ def candidate(step: dict, layout: Layout, world_size, hw, attentions, wrapper, c
         traffic = rounds * (world_size - 1) / world_size * parameter_bytes / hw.link_bytes_per_s
     fits = None if gpu_mem is None else memory["total"] <= gpu_mem * 2**30
     step_s = compute + attention + traffic
+    counts = Counter(str(s) for s in chosen)
     return Candidate(
         ring_size,
         checkpointing,
         memory,
+        ", ".join(f"{count} x {name}" for name, count in counts.items()) if ring_size > 1 else "unsharded",
         step_s,
         step_s * ring_size / world_size,
         {"compute": compute, "attention": attention, "wrapper": traffic},

@@ -18,6 +18,7 @@ CHOICES = {
     "checks": ("every", "first", "off"),
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
+    "strategy": ("ring", "auto", "all-gather"),
 }
 
 
@@ -60,7 +61,14 @@ class RingOptions:
     ``cache``: ``sharded`` (a `ringpass.ShardedCache` keeps the prefill's keys and values on the ranks that
     hold their tokens and decode steps attend to every rank's part; a decode step against a cache held
     whole on every rank is refused) or ``gathered`` (caches are gathered whole and decode steps run
-    unsharded on every rank, as the model does on one device)."""
+    unsharded on every rank, as the model does on one device).
+    ``strategy``: how each attention runs over the ranks: ``ring`` (K/V around the ring, as ``layout`` and
+    ``ulysses`` say), ``all-gather`` (every rank gathers K/V at once) or ``auto`` (per attention the fastest the
+    cost model predicts on ``hardware`` among the ring, Ulysses x ring, the all-gather and, for a whole graph,
+    none: `ringpass.passes.choose_strategy`; the report lists each alternative's predicted time).
+    ``hardware``: what ``auto`` predicts on: None (this machine's kind: NVLink + H100 presets with CUDA, else the
+    loopback + CPU calibration), ``"link/device"`` preset names (``"infiniband/h100"``), a ``ringpass bench
+    --calibrate --json`` file, or a `lowering.costmodel.Hardware`."""
 
     group: Any = None
     layout: str = "auto"
@@ -75,6 +83,8 @@ class RingOptions:
     unsharded: str = "warn"
     cache: str = "sharded"
     ulysses: int = 1
+    strategy: str = "ring"
+    hardware: Any = None
 
     @classmethod
     def from_dict(cls, options: dict | None) -> RingOptions:
@@ -96,6 +106,11 @@ class RingOptions:
             raise InvalidInputError(
                 "inputs='per_rank' returns each rank its own batch's outputs, whole; outputs='sharded' (plain local "
                 "shards of every rank's batch) does not apply. Use outputs='auto' (the default) or 'gathered'."
+            )
+        if result.strategy != "ring" and result.ulysses != 1:
+            raise InvalidInputError(
+                f"strategy={result.strategy!r} chooses how attention runs itself; ulysses={result.ulysses} asks for "
+                "Ulysses x ring: give one of them (strategy='ring' with ulysses=U, or strategy='auto')."
             )
         if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:
             raise InvalidInputError(

@@ -110,6 +110,28 @@ class Plan:
         return "\n".join(lines)
 
 
+def hardware_option(value) -> Hardware:
+    """The ``hardware`` option: None (this machine's kind: NVLink + H100 with CUDA, else loopback + CPU), a
+    `Hardware`, ``"link/device"`` preset names, or a calibration file's path."""
+    if isinstance(value, Hardware):
+        return value
+    if value is None:
+        import torch
+
+        return hardware("nvlink", "h100") if torch.cuda.is_available() else hardware("loopback", "cpu")
+    if isinstance(value, str) and "/" in value and value.split("/")[0] in LINKS:
+        link, device = value.split("/", 1)
+        return hardware(link, device)
+    if isinstance(value, str):
+        from ringpass.bench.results import load_hardware
+
+        return load_hardware(value)
+    raise InvalidInputError(
+        f"hardware={value!r}: give 'link/device' preset names ({', '.join(LINKS)} / {', '.join(DEVICES)}), a "
+        "`ringpass bench --calibrate --json` file or a lowering.costmodel.Hardware."
+    )
+
+
 def hardware(
     link: str | None = None,
     device: str | None = None,

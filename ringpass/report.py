@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
@@ -38,6 +39,8 @@ class AttentionRecord:
     scale: float
     score_mods: list[str] = field(default_factory=list)  # soft-cap, ALiBi slopes, a lifted bias program
     fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
+    # strategy="auto" / "all-gather": how it runs and, for auto, every alternative's predicted time ("" = the ring)
+    strategy: str = ""
 
     def shape(self) -> AttentionShape:
         return AttentionShape(
@@ -103,7 +106,8 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     differs: list[str] = field(default_factory=list)  # where the numbers can differ from the model's
     refusal: Refusal | None = None
-    unchanged: str = ""  # why the graph runs unchanged (one rank, no attention)
+    unchanged: str = ""  # why the graph runs unchanged (one rank, no attention, strategy="auto" chose so)
+    runs_whole: bool = False  # strategy="auto" chose no sequence parallelism for the graph (``unchanged`` says why)
     unchanged_runs: str = "(replicated) on every rank"  # where such a graph runs (inputs="per_rank": each rank's batch)
     decode: int = 0  # decode attentions rewritten to attend to a sharded KV cache where it lies
     cache: str = ""  # what became of the KV cache in this graph
@@ -112,9 +116,12 @@ class Report:
     # ---- derived -------------------------------------------------------------------------------------
     @property
     def status(self) -> str:
-        """ "rewritten", "refused", "no attention" or "unchanged" (one rank)."""
+        """ "rewritten", "refused", "whole" (``strategy="auto"`` chose so), "no attention" or "unchanged" (one
+        rank)."""
         if self.refusal is not None:
             return "refused"
+        if self.runs_whole:
+            return "whole"
         if self.attention or self.decode or self.carried():
             return "rewritten"
         return "no attention" if self.world_size > 1 else "unchanged"
@@ -174,6 +181,8 @@ class Report:
             if self.attention
             else f"no attention, sharded over {over}"
         )
+        chosen = Counter(a.strategy.split(",")[0] for a in self.attention if a.strategy)
+        what += "".join(f", {count} by {strategy}" for strategy, count in chosen.items())
         carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""
         carried += f", {len(self.masks)} mask(s) crossing as per-token descriptions" if self.masks else ""
         notes = "".join(f"; {note}" for note in self.notes)
@@ -389,6 +398,7 @@ def _attention_text(a: AttentionRecord) -> str:
     return (
         f"{where}: {a.spelling} ({mask}, scale {a.scale:.4g}, {a.query_heads} query / {a.kv_heads} key-value heads, "
         f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}"
+        + (f"; strategy {a.strategy}" if a.strategy else "")
     )
 
 

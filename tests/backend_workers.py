@@ -534,3 +534,28 @@ def flex_training_step(rank: int, world_size: int, case: str, seq_len: int) -> d
         "report": backend.reports[-1].as_dict(),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
     }
+
+
+def strategy_cases(rank: int, world_size: int, cases: list) -> dict:
+    """``compare`` for each (case id, model name, options) at 64 tokens, with what moved between the ranks: ring
+    exchanges, Ulysses all-to-alls, all-gather waits; and the RingpassWarnings raised."""
+    import warnings
+
+    from lowering.errors import RingpassWarning
+
+    results = {}
+    for case_id, name, options in cases:
+        with record_ring_events() as events, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compare(rank, world_size, name, 64, options, dynamic=False)
+        result["moved"] = sorted(
+            {
+                e.kind if e.kind != "span" else e.fields["message"]
+                for e in events
+                if e.kind in ("exchange", "heads_exchange")
+                or (e.kind == "span" and "all-gather" in e.fields["message"])
+            }
+        )
+        result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RingpassWarning)]
+        results[case_id] = result
+    return results

@@ -8,13 +8,12 @@ import torch
 import torch.nn.functional as F
 from reference import rel_err
 
-from lowering import Layout
-from lowering.all_gather import gathered_attention
+from lowering import Layout, record_ring_events, ring_attention
 
 
 def gathered_matches_fp64_sdpa(rank: int, world_size: int, kind: str, causal: bool) -> dict:
-    """`gathered_attention` on this rank's shard against fp64 SDPA on the whole sequence, with gradients;
-    and the seconds it reports in collectives."""
+    """``ring_attention(strategy="all-gather")`` on this rank's shard against fp64 SDPA on the whole sequence, with
+    gradients; and the collectives it reported (its gathers and reduce-scatter) and the ring exchanges (none)."""
     generator = torch.Generator().manual_seed(3)
     n = 48 if kind == "contiguous" else 4 * world_size * 6
     q, dout = (torch.randn(1, 4, n, 8, generator=generator, dtype=torch.float64) for _ in range(2))
@@ -24,13 +23,14 @@ def gathered_matches_fp64_sdpa(rank: int, world_size: int, kind: str, causal: bo
     reference = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
     reference.backward(dout)
     local = [layout.shard(t.detach(), 2, rank).float().requires_grad_() for t in (q, k, v)]
-    timings = {}
-    out = gathered_attention(*local, layout=layout, is_causal=causal, timings=timings)
-    out.backward(layout.shard(dout, 2, rank).float())
+    with record_ring_events() as events:
+        out = ring_attention(*local, layout=layout, is_causal=causal, strategy="all-gather")
+        out.backward(layout.shard(dout, 2, rank).float())
     errors = {"out": rel_err(out.double(), layout.shard(reference.detach(), 2, rank))}
     for name, mine, full in zip("qkv", local, leaves):
         errors["d" + name] = rel_err(mine.grad.double(), layout.shard(full.grad, 2, rank))
-    return {"errors": errors, "communication": timings.get("communication")}
+    waits = [e.fields["message"] for e in events if e.kind == "span" and e.fields["part"] == "wait"]
+    return {"errors": errors, "waits": waits, "exchanges": sum(e.kind == "exchange" for e in events)}
 
 
 def peak_of_a_freed_allocation(rank: int, world_size: int) -> dict:

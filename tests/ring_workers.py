@@ -355,17 +355,18 @@ def disagreeing_layouts(rank: int, world_size: int) -> dict:
 
 
 def disagreeing_strategies(rank: int, world_size: int) -> dict:
-    """`gathered_attention` and `ulysses_attention` by hand (Ulysses over all the ranks, a ring of one group):
-    rank 0 passes a 192-token layout, the others a 96-token one, and every rank must refuse before any
+    """``ring_attention(strategy="all-gather")`` and `ulysses_attention` by hand (Ulysses over all the ranks, a ring
+    of one group): rank 0 passes a 192-token layout, the others a 96-token one, and every rank must refuse before any
     collective; then a call that agrees gives the unsharded fp64 attention."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lowering import ulysses_attention
-    from lowering.all_gather import gathered_attention
 
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("ring", "ulysses"))
     calls = {
-        "gathered_attention": lambda q, k, v, layout: gathered_attention(q, k, v, layout=layout, is_causal=True),
+        "ring_attention": lambda q, k, v, layout: ring_attention(
+            q, k, v, layout=layout, is_causal=True, strategy="all-gather"
+        ),
         "ulysses_attention": lambda q, k, v, layout: ulysses_attention(
             q,
             k,

@@ -12,11 +12,14 @@ from lowering.costmodel import (
     AttentionShape,
     DecodeCost,
     Hardware,
+    Strategy,
     all_gather_seconds,
     decode_seconds,
     hiding_slice,
     predict,
     ring_cost,
+    strategy_memory,
+    strategy_seconds,
     ulysses_seconds,
 )
 from lowering.layout import Layout
@@ -189,6 +192,27 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     assert 0.4 <= by[2, False]["activations"] / by[1, False]["activations"] <= 0.6, by
     assert by[2, True]["activations"] < by[2, False]["activations"], by
     assert by[2, True]["gradients"] == params
+
+
+def test_a_whole_model_plan_with_strategy_auto(tmp_path, capsys):
+    """``--strategy auto`` on a link so slow that one gather beats the ring's hops: the P=2 candidates run both
+    attentions by the all-gather, priced and sized as `lowering.costmodel` prices and sizes that strategy; the
+    recommendation names it."""
+    plan = _whole_model_plan(tmp_path, "--strategy", "auto", "--bandwidth", "0.001", "--latency", "1000")
+    printed = capsys.readouterr().out
+    shape = AttentionShape(2, 4, 2, 8, 4, True)
+    gather = Strategy("all-gather", "zigzag")
+    hw = hardware(bandwidth_gb_s=0.001, latency_us=1000, device="cpu")
+    for c in plan["candidates"]:
+        if c["ring_size"] == 1:
+            assert c["strategies"] == "unsharded" and c["time_parts"]["attention"] > 0
+            continue
+        assert c["strategies"] == "2 x all-gather (zigzag)", c["strategies"]
+        assert c["memory_per_rank"]["ring"] == strategy_memory(gather, shape, 128, 2)
+        once = strategy_seconds(gather, shape, 128, 2, hw)
+        again = strategy_seconds(gather, shape, 128, 2, hw, backward=False) if c["checkpointing"] else 0.0
+        assert c["time_parts"]["attention"] == pytest.approx(2 * (once + again))
+    assert "(2 x all-gather (zigzag))" in printed, printed
 
 
 def test_the_step_time_prices_each_op_by_hand():

@@ -9,18 +9,18 @@ import torch.fx as fx
 import lowering  # noqa: F401 -- registers the ops
 from lowering.ring_args import PROGRAM_INPUTS, RingArgs
 
-# The schemas as they were before RingArgs spelled them: a saved program calls the ops by these positions.
+# The schemas a saved program calls the ops by, by position (a new field: a new converted-model format version).
 FORWARD = (
     "ringpass::ring_attention(Tensor q, Tensor k, Tensor v, str layout_kind, SymInt world_size, SymInt seq_len, "
     "bool is_causal, float scale, str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, "
-    "float? softcap, float[]? alibi_slopes, str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses)"
-    " -> (Tensor, Tensor)"
+    "float? softcap, float[]? alibi_slopes, str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses, "
+    "str strategy) -> (Tensor, Tensor)"
 )
 BACKWARD = (
     "ringpass::ring_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? dlse, str layout_kind, SymInt world_size, SymInt seq_len, bool is_causal, float scale, "
     "str group_name, SymInt? window, str mask_id, Tensor[] mask_inputs, float? softcap, float[]? alibi_slopes, "
-    "str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses, SymInt[] trained) "
+    "str bias_id, Tensor[] bias_inputs, str fully_masked, SymInt ulysses, str strategy, SymInt[] trained) "
     "-> (Tensor, Tensor, Tensor, Tensor[])"
 )
 
@@ -58,6 +58,7 @@ def _example() -> tuple[RingArgs, list[torch.Tensor]]:
         (first_bias, second_bias),
         "uniform",
         2,
+        "all-gather",
     )
     return args, [mask_input, first_bias, second_bias]
 

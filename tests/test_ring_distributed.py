@@ -145,7 +145,7 @@ def test_ranks_that_disagree_on_a_call_by_hand_all_refuse_then_agreeing_calls_ru
         assert len(result["errors"]) == 5 and max(result["errors"]) < 1e-12, (rank, result["errors"])
 
 
-def test_by_hand_gathered_and_ulysses_attention_refuse_ranks_that_disagree():
+def test_by_hand_all_gather_and_ulysses_attention_refuse_ranks_that_disagree():
     """The all-gather and Ulysses strategies called by hand agree on their calls as `ring_attention` does:
     rank 0's 192-token layout against rank 1's 96 raises on both ranks, naming the layouts, and the group then
     runs an agreeing call exactly."""

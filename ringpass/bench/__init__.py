@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lowering.costmodel import Hardware
 from lowering.errors import InvalidInputError
 from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
@@ -68,6 +69,7 @@ class BenchConfig:
     hf_config: str | None = None
     compiler: str = "aot_eager"
     new_tokens: int = 1  # decode: queries per step
+    hardware: Hardware | None = None  # what predictions and the ``auto`` method use (`run_bench` sets it)
 
     def __post_init__(self):
         if self.what not in WHAT:
@@ -99,6 +101,7 @@ def run_bench(config: BenchConfig, hardware=None) -> dict:
     """Run every case; the summary `results.summarise` makes of it (``rows``), with ``config`` and the
     ``hardware`` its predictions used."""
     hardware = hardware or results.default_hardware()
+    config = dataclasses.replace(config, hardware=hardware)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         records = _in_launched_ranks(config)
         if records is None:

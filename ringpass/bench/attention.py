@@ -2,16 +2,19 @@
 
 Methods (`METHODS`): ``sdpa`` (``F.scaled_dot_product_attention`` on the whole sequence in one process,
 run once with one thread and once with as many threads as the ranks had together); ``all-gather``
-(`lowering.all_gather.gathered_attention`); ``ring-contiguous`` and ``ring-zigzag``
-(`lowering.ring_attention`); ``context-parallel`` (PyTorch's ``context_parallel``, which shards the
-buffers itself; where it cannot run the row says why). Every process builds the same full q, k, v and
+(``lowering.ring_attention(..., strategy="all-gather")``); ``ring-contiguous`` and ``ring-zigzag``
+(`lowering.ring_attention`); ``ulysses`` (`lowering.ulysses_attention` over every rank: one all-to-all over heads
+each way, no ring); ``auto`` (what ``strategy="auto"`` picks for this shape on the bench's hardware, among those,
+Ulysses x ring with smaller groups, and running the attention whole on every rank; the row names the pick);
+``context-parallel`` (PyTorch's ``context_parallel``, which shards the buffers itself; where it cannot run the
+row says why). Every process builds the same full q, k, v and
 output gradient from one seed and takes its shard; each method's output is checked against fp32 SDPA on
 the whole sequence (the ``error`` column), so a wrong method shows as wrong, not as fast.
 
 Each rank returns, per method, sequence length and repeat: forward and forward+backward seconds, peak
 memory of the forward and of the whole call (`measure.PeakMemory`), its seconds computing blocks, and,
 from the ring's ``span`` events, when it posted each message and how long it waited for each
-(``all-gather``: compute is what its collectives leave). The standalone time of each message the ring
+(``all-gather``: its collectives). The standalone time of each message the ring
 sends (`message_seconds`, measured without compute) is what the waits are compared to.
 """
 
@@ -26,12 +29,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lowering
-from lowering.all_gather import gathered_attention
 from lowering.comm import RingExchange
+from lowering.costmodel import AttentionShape, Strategy, choose_strategies
+from lowering.errors import NotSupportedError
+from lowering.groups import group_by_name
 from lowering.kernels import accumulation_dtype
+from lowering.ulysses import check_heads
+from ringpass.backend import ulysses_groups
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
 
-METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "context-parallel")
+METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ulysses", "auto", "context-parallel")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,6 +68,12 @@ def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
     return Inputs(q, k, v, dout, reference)
 
 
+def attention_shape(config) -> AttentionShape:
+    return AttentionShape(
+        config.batch, config.heads, config.kv_heads, config.head_dim, DTYPES[config.dtype].itemsize, config.causal
+    )
+
+
 def layout_kind(method: str, causal: bool) -> str:
     """The layout a distributed method shards in: its own for the rings, else zigzag under a causal mask."""
     return {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(method, "zigzag" if causal else "contiguous")
@@ -76,19 +89,24 @@ class _Unavailable(Exception):
 
 class _Step:
     """One method ready to call on this rank: ``forward()`` gives (output, the reference's rows for it),
-    ``backward(out)`` runs the backward, ``communication`` the seconds of the last call in collectives
-    (all-gather only; the ring's waits come from its span events)."""
+    ``backward(out)`` runs the backward."""
 
     def __init__(self, method: str, inputs: Inputs, config, rank: int, world_size: int):
-        self.method, self.causal = method, config.causal
-        self.communication: dict = {}
-        if method == "sdpa":
-            self.layout, rows = None, (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
-        else:
-            self.layout = lowering.Layout(layout_kind(method, config.causal), world_size, inputs.q.size(2))
-            rows = tuple(
-                self.layout.shard(t, 2, rank) for t in (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
-            )
+        self.causal = config.causal
+        self.strategy = (
+            Strategy("none") if method == "sdpa" else _strategy(method, config, world_size, inputs.q.size(2))
+        )
+        rows = (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
+        self.layout = None
+        if self.strategy.kind != "none":  # each rank its shard; else every rank the whole sequence
+            self.layout = lowering.Layout(self.strategy.layout, world_size, inputs.q.size(2))
+            rows = tuple(self.layout.shard(t, 2, rank) for t in rows)
+        if self.strategy.kind == "ulysses":
+            groups = ulysses_groups(None, self.strategy.ulysses)
+            self.groups = {
+                "ulysses_group": group_by_name(groups.ulysses_group),
+                "ring_group": group_by_name(groups.ring_group),
+            }
         self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])
         self.reference, self.dout = rows[3], rows[4]
 
@@ -96,21 +114,36 @@ class _Step:
         """Free the previous call's gradients (before memory is measured: freeing them is not the call's)."""
         for t in (self.q, self.k, self.v):
             t.grad = None
-        self.communication.clear()
 
     def forward(self):
-        if self.method == "sdpa":
-            out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal, enable_gqa=True)
-        elif self.method == "all-gather":
-            out = gathered_attention(
-                self.q, self.k, self.v, layout=self.layout, is_causal=self.causal, timings=self.communication
-            )
+        kind, q, k, v = self.strategy.kind, self.q, self.k, self.v
+        if kind == "none":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+        elif kind == "ulysses":
+            out = lowering.ulysses_attention(q, k, v, layout=self.layout, is_causal=self.causal, **self.groups)
         else:
-            out = lowering.ring_attention(self.q, self.k, self.v, layout=self.layout, is_causal=self.causal)
+            out = lowering.ring_attention(q, k, v, layout=self.layout, is_causal=self.causal, strategy=kind)
         return out, self.reference
 
     def backward(self, out) -> None:
         out.backward(self.dout)
+
+
+def _strategy(method: str, config, world_size: int, seq_len: int) -> Strategy:
+    """The strategy a distributed method runs (``auto``: the cost model's pick on ``config.hardware``)."""
+    layout = layout_kind(method, config.causal)
+    if method == "auto":
+        layouts = ("zigzag", "contiguous") if config.causal else ("contiguous", "zigzag")
+        return choose_strategies(
+            [attention_shape(config)], seq_len, world_size, config.hardware, layouts=layouts
+        ).chosen[0]
+    if method == "ulysses":
+        try:
+            check_heads(config.heads, config.kv_heads, world_size)
+        except NotSupportedError as error:
+            raise _Unavailable(str(error)) from None
+        return Strategy("ulysses", layout, world_size)
+    return Strategy("all-gather" if method == "all-gather" else "ring", layout)
 
 
 class _ContextParallelStep:
@@ -123,7 +156,7 @@ class _ContextParallelStep:
             from torch.distributed.tensor.experimental import context_parallel
         except ImportError as error:
             raise _Unavailable(f"this torch has no context_parallel ({error})") from None
-        self.inputs, self.causal, self.communication = inputs, config.causal, {}
+        self.inputs, self.causal = inputs, config.causal
         self.mesh, self.context_parallel = init_device_mesh(inputs.q.device.type, (world_size,)), context_parallel
 
     def reset(self) -> None:
@@ -166,8 +199,6 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         total_bytes = memory.peak()
     spans = [e.fields for e in events if e.kind == "span"]
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
-    if "communication" in step.communication:
-        compute = total_s - step.communication["communication"]
     return {
         "forward_s": forward_s,
         "total_s": total_s,
@@ -189,6 +220,7 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             if method == "context-parallel"
             else _Step(method, inputs, config, rank, world_size)
         )
+        chosen = str(step.strategy) if method == "auto" else None
         first = _run_once(step, memory, device)  # a warm-up call, or the first measured one with --warmup 0
     except _Unavailable as error:
         return {"unavailable": str(error)}
@@ -215,6 +247,7 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
         "samples": samples,
         "memory_note": memory.unavailable,
         "first_call_bytes": warmups[0]["total_bytes"] if warmups else None,
+        "chosen": chosen,
     }
 
 

@@ -35,7 +35,6 @@ import statistics
 from dataclasses import asdict
 
 from lowering.costmodel import (
-    AttentionShape,
     DecodeCost,
     Hardware,
     all_gather_seconds,
@@ -45,11 +44,10 @@ from lowering.costmodel import (
 )
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
-from ringpass.bench.attention import layout_kind
+from ringpass.bench.attention import attention_shape, layout_kind
 
 MIB = 2**20
 SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded", "decode": "sdpa", "generate": "unsharded"}  # baselines
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def default_hardware() -> Hardware:
@@ -103,18 +101,12 @@ def _peak_mib(record: dict, key: str):
     return statistics.median(per_repeat) / MIB
 
 
-def _shape(config) -> AttentionShape:
-    return AttentionShape(
-        config.batch, config.heads, config.kv_heads, config.head_dim, ITEMSIZE[config.dtype], is_causal=config.causal
-    )
-
-
 def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
     p, n, method = record["world_size"], record["seq_len"], record["method"]
     row["error"] = max(s["error"] for r in record["ranks"] for s in r["samples"])
     if p == 1:
         return
-    cost = ring_cost(Layout(layout_kind(method, config.causal), p, n), _shape(config))
+    cost = ring_cost(Layout(layout_kind(method, config.causal), p, n), attention_shape(config))
     if method.startswith("ring"):
         prediction = predict(cost, hardware)
         row["predicted"] = {
@@ -166,7 +158,7 @@ def _decode_extras(row: dict, record: dict, config, hardware: Hardware) -> None:
     row["merges"] = min(s["merges"] for s in samples)
     row["kv_exchanges"] = max(s["kv_exchanges"] for s in samples)
     ranks = record["world_size"] if record["method"] == "sharded" else 1
-    cost = DecodeCost(_shape(config), record["seq_len"], ranks, config.new_tokens)
+    cost = DecodeCost(attention_shape(config), record["seq_len"], ranks, config.new_tokens)
     predicted = decode_seconds(cost, hardware)
     row["predicted"] = {
         "forward_s": predicted["total"],
@@ -210,6 +202,7 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
         row["first_call_mib"] = max(first) / MIB if first and None not in first else None
         if config.what == "attention":
             _attention_extras(row, record, config, hardware)
+            row["chosen"] = record["ranks"][0].get("chosen")  # the auto method's pick
         elif config.what == "decode":
             _decode_extras(row, record, config, hardware)
         elif config.what == "generate":
@@ -308,6 +301,7 @@ def format_table(summary: dict) -> str:
                 f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}"
                 f"{_fmt(r.get('balance'), '.2f'):>6}{r['error']:>9.1e}"
             )
+            line += f"  picked: {r['chosen']}" if r.get("chosen") else ""
         lines.append(line)
     notes = {r["memory_note"] for r in summary["rows"] if r.get("memory_note")}
     lines += [f"  memory not measured: {note}" for note in notes]

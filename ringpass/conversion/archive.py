@@ -35,7 +35,7 @@ from ringpass.graph import example_value, plain
 from ringpass.version import __version__
 
 FORMAT = "ringpass.converted-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the ring ops take `RingArgs.strategy` (programs saved at 1 call them without it)
 META, DIGEST = "ringpass.json", "ringpass.sha256"
 
 

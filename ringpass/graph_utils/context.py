@@ -63,6 +63,9 @@ class PassContext:
     report: Report = field(default_factory=Report)
     host_values: dict = field(default_factory=dict)  # id(meta tensor of module state) -> its real value (inspect)
     ulysses: UlyssesGroups | None = None  # Ulysses x ring (None: a plain ring)
+    # the backend, strategy="auto": the Ulysses groups of U ranks (made on first ask, on every rank alike); None where
+    # none can be made (a sub-group, no process group)
+    ulysses_for: Any = None
     per_rank: bool = False  # the backend: inputs="per_rank" (``options.inputs`` reads "full": one rank's batch)
     # the backend: what reduce_grads does for the wrapper it found (None: from options.grads alone)
     gradients: GradientMode | None = None
@@ -83,6 +86,9 @@ class PassContext:
     attention: list[AttentionMatch] = field(default_factory=list)  # find_attention
     masks: MaskFindings = field(default_factory=MaskFindings)  # lift_masks
     sequence: SequenceFindings = field(default_factory=SequenceFindings)  # find_sequence_axes
+    # choose_strategy: each attention's strategy (None: the ring as the options say) and the Ulysses group sizes used
+    strategy: Any = None
+    ulysses_used: list[int] = field(default_factory=list)
     # choose_layout
     layout_kind: str = ""
     tail: Any = None  # split_tail (inputs="per_rank"): the tail that runs on this rank's own batch (a `Tail`)
@@ -97,6 +103,13 @@ class PassContext:
     rank_own_inputs: set[fx.Node] = field(default_factory=set)
 
     _length_args: dict = field(default_factory=dict)  # "global" / "local" / "size" -> what insert_length gave
+
+    @property
+    def hardware(self):
+        """The `lowering.costmodel.Hardware` ``strategy="auto"`` predicts on (the ``hardware`` option)."""
+        from ringpass.plan import hardware_option
+
+        return hardware_option(self.options.hardware)
 
     @property
     def dynamic(self) -> bool:

@@ -8,7 +8,7 @@ for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
   sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
 - decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
   nothing else in the graph is sharded;
-- else the prefill (`PREFILL`): ``analyse`` (masks, sequence axes, layout, placements), ``shard`` (positions,
+- else the prefill (`PREFILL`): ``analyse`` (masks, sequence axes, strategy, layout, placements), ``shard`` (positions,
   sizes, attention and boundaries rewritten for this rank's tokens) and ``gradients``.
 - ``check`` (`CHECK`), always last: no rewrite may cut a gradient path.
 
@@ -25,6 +25,7 @@ from ringpass.graph_utils.runner import PassRunner, Stage
 from ringpass.graph_view import op_chain
 from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.choose_layout import choose_layout
+from ringpass.passes.choose_strategy import RunsWhole, choose_strategy
 from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
@@ -67,6 +68,7 @@ PREFILL = (
             lift_masks,
             invert_permutations,
             find_sequence_axes,
+            choose_strategy,
             choose_layout,
             globalize_sharded_lengths,
             find_local_permutations,
@@ -119,6 +121,8 @@ def _run_stages(ctx: PassContext) -> None:
             stages = PREFILL
         for stage in (*stages, CHECK):
             runner.run(stage)
+    except RunsWhole:  # strategy="auto" chose no sequence parallelism: the backend compiles the graph as captured
+        return
     except NotSupportedError as error:
         node = getattr(error, "node", None)
         chain = op_chain(ctx.gm, [m.output for m in ctx.attention], node) if node is not None else []

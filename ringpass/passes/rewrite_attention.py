@@ -8,9 +8,10 @@ the model gave none) and the process group by name, and removes the SDPA call or
 nodes. Values with a smaller head dim than the keys (MLA) are padded with zero columns to the key head dim and
 the output's extra columns cut off. 3-D single-head attention gains a head axis around the call; 3-D attention
 over merged batch and heads (``[B·H, S, D]``, BLOOM) is unflattened to ``[B, H, S, D]`` around it. The score
-modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan. With Ulysses x ring (``ctx.ulysses``),
-q, k, v go through ``ringpass::ulysses_heads_to_tokens`` first, the ring runs over the ring group, and its
-output through ``ringpass::ulysses_tokens_to_heads`` (`lowering.ulysses`).
+modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan. With Ulysses x ring (``ctx.ulysses``,
+or the attention's strategy from `choose_strategy`), q, k, v go through ``ringpass::ulysses_heads_to_tokens``
+first, the ring runs over the ring group, and its output through ``ringpass::ulysses_tokens_to_heads``
+(`lowering.ulysses`); an attention whose strategy is the all-gather calls the op with ``strategy="all-gather"``.
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ from ringpass.graph import (
     source_line,
     user_name,
 )
-from ringpass.graph_utils.context import LOCAL, PassContext
+from ringpass.graph_utils.context import LOCAL, PassContext, UlyssesGroups
+from ringpass.passes.choose_strategy import strategy_of, strategy_text
 from ringpass.report import AttentionRecord
 
 
 def rewrite_attention(ctx: PassContext) -> None:
     graph = ctx.gm.graph
-    for match in ctx.attention:
+    for index, match in enumerate(ctx.attention):
+        strategy = strategy_of(ctx, index)
+        ulysses = _ulysses_of(ctx, strategy)
         q = example_value(match.query)
         for role, operand in zip(("query", "key", "value"), (match.query, match.key, match.value)):
             axes = ctx.sequence.axes.get(operand, ())
@@ -68,8 +72,8 @@ def rewrite_attention(ctx: PassContext) -> None:
             if narrower:  # MLA: values narrower than keys travel padded with zeros to the key head dim
                 operands[2] = graph.call_function(torch.nn.functional.pad, (operands[2], (0, narrower)))
             ring_group = ctx.group_name
-            if ctx.ulysses:
-                operands, ring_group = _ulysses_operands(ctx, match, plan, operands)
+            if ulysses:
+                operands, ring_group = _ulysses_operands(ctx, ulysses, match, plan, operands)
             args = RingArgs(
                 ctx.layout_kind,
                 ctx.world_size,
@@ -77,7 +81,8 @@ def rewrite_attention(ctx: PassContext) -> None:
                 plan.is_causal,
                 float(scale),
                 ring_group,
-                ulysses=ctx.ulysses.size if ctx.ulysses else 1,
+                ulysses=ulysses.size if ulysses else 1,
+                strategy="all-gather" if strategy is not None and strategy.kind == "all-gather" else "ring",
                 **plan.op_args(),
             )
             ring = graph.call_function(torch.ops.ringpass.ring_attention.default, (*operands, *args.op_args()))
@@ -93,26 +98,38 @@ def rewrite_attention(ctx: PassContext) -> None:
                     )
                 match.output.replace_all_uses_with(ring)
             else:
-                _replace_output(ctx, match, ring, back if q.dim() == 3 else None, narrower)
+                _replace_output(ctx, ulysses, match, ring, back if q.dim() == 3 else None, narrower)
         graph.erase_node(match.output)
         for node in reversed([n for n in graph.nodes if n in match.internal]):  # flex's block mask: writes too
             if not node.users:
                 graph.erase_node(node)
-        ctx.report.attention.append(_record(match, plan, scale))
+        record = _record(match, plan, scale)
+        if strategy is not None:
+            record.strategy = strategy_text(strategy, ctx.strategy.alternatives[index])
+        ctx.report.attention.append(record)
         ctx.report.ulysses = ctx.ulysses.size if ctx.ulysses else 1
     remove_dead_code(graph)  # the rest of hand-written attentions
 
 
-def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
+def _ulysses_of(ctx: PassContext, strategy) -> UlyssesGroups | None:
+    """The Ulysses groups the attention's all-to-alls run in: the ``ulysses`` option's, or its chosen strategy's."""
+    if strategy is None:
+        return ctx.ulysses
+    return ctx.ulysses_for(strategy.ulysses) if strategy.kind == "ulysses" else None
+
+
+def _replace_output(ctx: PassContext, ulysses: UlyssesGroups | None, match, ring, back, narrower: int) -> None:
     """The attention's output becomes the ring's (``back``: the method and arguments undoing a 3-D
     attention's reshape; ``narrower``: the zero columns padded onto the values, cut off again)."""
     graph = ctx.gm.graph
     out = copy_origin(graph.call_function(operator.getitem, (ring, 0)), match.output)
     out.meta.update({key: ring.meta[key] for key in ("recompute", "ac_graph_id") if key in ring.meta})
-    if ctx.ulysses:  # the output goes back to the ranks that hold its tokens, with every head
+    if ulysses:  # the output goes back to the ranks that hold its tokens, with every head
         ctx.placement[out] = LOCAL
         out = copy_origin(
-            graph.call_function(torch.ops.ringpass.ulysses_tokens_to_heads.default, (out, *_ulysses_args(ctx))),
+            graph.call_function(
+                torch.ops.ringpass.ulysses_tokens_to_heads.default, (out, *_ulysses_args(ctx, ulysses))
+            ),
             match.output,
         )
     if narrower:
@@ -125,12 +142,12 @@ def _replace_output(ctx: PassContext, match, ring, back, narrower: int) -> None:
     match.output.replace_all_uses_with(out)
 
 
-def _ulysses_args(ctx: PassContext) -> tuple:
-    u, ulysses_group, ring_group = ctx.ulysses
+def _ulysses_args(ctx: PassContext, ulysses: UlyssesGroups) -> tuple:
+    u, ulysses_group, ring_group = ulysses
     return (ctx.layout_kind, ctx.world_size, ctx.insert_length("global"), u, ulysses_group, ring_group)
 
 
-def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[list, str]:
+def _ulysses_operands(ctx: PassContext, ulysses: UlyssesGroups, match, plan, operands: list) -> tuple[list, str]:
     """Ulysses x ring: q, k, v trade heads for the Ulysses group's tokens (KV heads repeated first when there are
     fewer than U); the ring runs across the groups. Returns the new operands and the ring's group name."""
     graph = ctx.gm.graph
@@ -144,19 +161,19 @@ def _ulysses_operands(ctx: PassContext, match, plan, operands: list) -> tuple[li
     heads = [example_value(t).shape[1] if example_value(t).dim() == 4 else 1 for t in (match.query, match.key)]
     kv_heads = heads[1] // match.kv_groups
     try:
-        repeat = check_heads(int(heads[0]), int(kv_heads), ctx.ulysses.size)
+        repeat = check_heads(int(heads[0]), int(kv_heads), ulysses.size)
     except NotSupportedError as error:
         raise refusal(f"Attention {describe(match.output)}: {error}", match.output) from None
     if repeat > 1:
         operands[1:] = [graph.call_method("repeat_interleave", (t, repeat, 1)) for t in operands[1:]]
     exchanged = [
-        graph.call_function(torch.ops.ringpass.ulysses_heads_to_tokens.default, (t, *_ulysses_args(ctx)))
+        graph.call_function(torch.ops.ringpass.ulysses_heads_to_tokens.default, (t, *_ulysses_args(ctx, ulysses)))
         for t in operands
     ]
     for node in exchanged + [t for t in operands if t.op == "call_method" and t.target == "repeat_interleave"]:
         copy_origin(node, match.output)
         ctx.placement[node] = LOCAL
-    return exchanged, ctx.ulysses.ring_group
+    return exchanged, ulysses.ring_group
 
 
 def _to_4d(match, t: fx.Node) -> tuple:

@@ -1,0 +1,127 @@
+"""``strategy="auto"``: the cost model's choice per attention (`lowering.costmodel.choose_strategies`), checked by
+hand; and the backend running every choice it can make, forced by hardware, exactly (fp64 against the model run
+whole), with the report naming the choice and its alternatives and the events showing what moved."""
+
+import math
+
+import backend_workers
+import pytest
+
+from lowering.costmodel import (
+    BACKWARD_FLOPS_RATIO,
+    AttentionShape,
+    Hardware,
+    Strategy,
+    choose_strategies,
+    predict,
+    ring_cost,
+    strategy_seconds,
+)
+from lowering.layout import Layout
+from ringpass.launch import spawn_ranks
+
+MHA = AttentionShape(2, 4, 4, 8, 8, is_causal=True)  # tests/models.py GPT in fp64, batch 2
+GQA = AttentionShape(2, 4, 2, 8, 8, is_causal=True)  # tests/models.py Llama
+LAYOUTS = ("zigzag", "contiguous")
+# hardware that makes each strategy the fastest for these shapes at 64 tokens on 2 ranks (see the test below)
+COMPUTE_BOUND = Hardware(1e15, 0.0, 1e6)  # transfers free: the ring hides them and holds least
+BANDWIDTH_BOUND = Hardware(1e8, 0.0, 1e9)  # MHA: one all-to-all each way moves less than a KV block and its dK/dV
+LATENCY_BOUND = Hardware(1e3, 1e-3, 1e9)  # slow messages: one gather beats the ring; nothing sent beats both
+
+
+def test_each_strategy_is_chosen_where_it_is_predicted_fastest():
+    cases = [
+        (MHA, COMPUTE_BOUND, True, "ring (zigzag)"),
+        (MHA, BANDWIDTH_BOUND, True, "ulysses 2 (zigzag)"),
+        (GQA, LATENCY_BOUND, False, "all-gather (zigzag)"),  # outputs sharded, say: no running whole
+        (GQA, LATENCY_BOUND, True, "none"),
+    ]
+    for shape, hw, none, expected in cases:
+        choice = choose_strategies([shape], 64, 2, hw, layouts=LAYOUTS, none=none)
+        times = choice.alternatives[0]
+        assert str(choice.chosen[0]) == expected, (expected, times)
+        assert set(times) == {
+            "ring (zigzag)",
+            "ring (contiguous)",
+            "all-gather (zigzag)",
+            "all-gather (contiguous)",
+            "ulysses 2 (zigzag)",
+            "ulysses 2 (contiguous)",
+            "none",
+        }
+        allowed = [t for name, t in times.items() if none or name != "none"]
+        assert times[expected] == min(allowed)
+
+
+def test_strategy_times_by_hand():
+    hw = Hardware(1e6, 1e-3, 1e9)
+    layout = Layout("zigzag", 2, 64)
+    flops = 4 * 2 * 4 * 8 * (64 * 65 // 2)  # causal pairs of the whole sequence, 4·B·Hq·D each
+    assert strategy_seconds(Strategy("none"), GQA, 64, 2, hw) == pytest.approx(flops / 1e9 * (1 + BACKWARD_FLOPS_RATIO))
+    ring = predict(ring_cost(layout, GQA), hw)
+    assert strategy_seconds(Strategy("ring", "zigzag"), GQA, 64, 2, hw) == ring.forward_s + ring.backward_s
+    assert strategy_seconds(Strategy("ring", "zigzag"), GQA, 64, 2, hw, backward=False) == ring.forward_s
+    kv_hop = 1e-3 + 2 * 2 * 2 * 32 * 8 * 8 / 1e6  # latency + K and V of 32 tokens, 2 heads, fp64
+    busiest = max(sum(row) for row in ring_cost(layout, GQA).flops_forward) / 1e9
+    assert strategy_seconds(Strategy("all-gather", "zigzag"), GQA, 64, 2, hw) == pytest.approx(
+        kv_hop + busiest + kv_hop + BACKWARD_FLOPS_RATIO * busiest + kv_hop  # gather, gather again, reduce-scatter
+    )
+    # Ulysses over both ranks: four all-to-alls each way (q, k, v, out), half of each rank's tensors moved
+    moved = 2 * 32 * 8 * (4 + 2 + 2 + 4) * 8 / 2
+    ulysses = strategy_seconds(Strategy("ulysses", "zigzag", 2), GQA, 64, 2, hw)
+    assert ulysses == pytest.approx(2 * (4e-3 + moved / 1e6) + busiest * (1 + BACKWARD_FLOPS_RATIO))
+    assert not math.isnan(ulysses)
+
+
+def test_a_layout_is_chosen_for_the_whole_graph_and_none_only_for_all_of_it():
+    # causal attention: zigzag balances the ranks, so the ring in zigzag beats contiguous for every attention
+    choice = choose_strategies([GQA, GQA], 4096, 4, COMPUTE_BOUND, layouts=("contiguous", "zigzag"), none=True)
+    assert choice.layout == "zigzag" and [str(s) for s in choice.chosen] == ["ring (zigzag)"] * 2
+    # a long attention that shards well and a short one that would rather run whole: the graph stays sharded
+    long_and_short = choose_strategies([GQA, GQA], 64, 2, LATENCY_BOUND, layouts=LAYOUTS, none=True)
+    assert [s.kind for s in long_and_short.chosen] == ["none", "none"]  # both short: the graph runs whole
+    assert long_and_short.unsharded
+
+
+@pytest.mark.timeout(400)
+def test_the_backend_runs_every_strategy_auto_can_choose_exactly():
+    """Two ranks, fp64, 64 tokens: each choice forced by hardware, the model's outputs and gradients against the
+    model run whole, the report's choice and alternatives, what moved between the ranks."""
+    cases = [
+        ("ring", "llama", {"strategy": "auto", "hardware": COMPUTE_BOUND}),
+        ("ulysses", "gpt", {"strategy": "auto", "hardware": BANDWIDTH_BOUND}),
+        ("all-gather", "llama", {"strategy": "auto", "hardware": LATENCY_BOUND, "outputs": "sharded"}),
+        ("none", "llama", {"strategy": "auto", "hardware": LATENCY_BOUND}),
+        ("all-gather masks", "encoder_padded", {"strategy": "all-gather"}),  # a lifted padding mask program
+        ("default hardware", "llama", {"strategy": "auto"}),
+    ]
+    cases = [(case, name, {"compiler": "aot_eager", **options}) for case, name, options in cases]
+    expected_moved = {
+        "ring": ["exchange"],
+        "ulysses": ["heads_exchange"],
+        "all-gather": ["kv all-gather"],
+        "none": [],
+        "all-gather masks": ["kv all-gather"],
+        "default hardware": None,  # whatever this machine's calibration says: exact either way
+    }
+    for rank_results in spawn_ranks(backend_workers.strategy_cases, 2, (cases,), timeout=380):
+        for case, result in rank_results.items():
+            assert max(result["outputs"]) < 1e-10 and result["grads"] < 1e-10, (case, result)
+            assert result["warnings"] == [], (case, result["warnings"])
+            if expected_moved[case] is not None:
+                assert result["moved"] == expected_moved[case], (case, result["moved"])
+            report = result["report"]
+            if report["status"] == "whole":  # this machine's calibration, at 64 tokens, also runs it whole
+                assert case in ("none", "default hardware") and report["attentions"] == [], case
+                assert "strategy='auto' chose no sequence parallelism" in result["report_text"]
+                continue
+            strategies = [a["strategy"] for a in report["attentions"]]
+            assert len(strategies) == 2, case  # both blocks' attentions
+            if case in ("all-gather masks",):
+                assert strategies == ["all-gather (zigzag)"] * 2
+                continue
+            for text in strategies:
+                chosen = text.split(",")[0]
+                assert case == "default hardware" or chosen.startswith(case), (case, text)
+                assert "predicted" in text and "none" in text and "ring (contiguous)" in text, text
+            assert f"by {strategies[0].split(',')[0]}" in result["report_text"].splitlines()[0]
