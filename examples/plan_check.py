@@ -6,9 +6,10 @@
 For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a warm-up
 step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted: `ringpass.model_plan`
 as `ringpass plan` computes it (the fake step at the rank's share of the sequence: activations and temporaries +
-the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, no
-optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE`` file; with more
-ranks than cores each rank's rates are its share of a core's (the ranks take turns). Measured:
+the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, one rank's
+attention at the calibrated rate of the model's own SDPA, no optimizer), on the `cpu` and `loopback` presets or a
+``ringpass bench --calibrate --json FILE`` file; with more ranks than cores each rank's rates are its share of a
+core's (the ranks take turns). Measured:
 `ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
 tensors leave it) and, in other processes without that setting (it makes every allocation fault its pages in), the
 step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
@@ -89,7 +90,8 @@ def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool, hw
 def measure(
     rank: int, world_size: int, model: str, seq_len: int, checkpointing: bool, steps: int
 ) -> tuple[float, float]:
-    """(MiB the first step adds to this rank, the median seconds of ``steps`` steps)."""
+    """(MiB the first step adds to this rank (None in a process without ``MALLOC_MMAP_THRESHOLD_``), the median
+    seconds of ``steps`` steps)."""
     import ringpass
     from ringpass.bench.measure import PeakMemory
 
@@ -116,7 +118,7 @@ def measure(
         seconds.append(time.perf_counter() - started)
         peaks.append(memory.peak())
         net.zero_grad(set_to_none=True)
-    return peaks[0] / MIB, statistics.median(seconds)
+    return (None if peaks[0] is None else peaks[0] / MIB), statistics.median(seconds)  # None: no MMAP threshold
 
 
 def sharing_cores(hw, ranks: int):
@@ -128,6 +130,7 @@ def sharing_cores(hw, ranks: int):
     return replace(
         hw,
         flops_per_s=hw.flops_per_s * share,
+        sdpa_flops_per_s=hw.sdpa_flops_per_s and hw.sdpa_flops_per_s * share,
         gemm_flops_per_s=(hw.gemm_flops_per_s or hw.flops_per_s) * share,
         memory_bytes_per_s=hw.memory_bytes_per_s and hw.memory_bytes_per_s * share,
         op_overhead_s=hw.op_overhead_s / share,

@@ -202,6 +202,9 @@ class Hardware:
     # and the fixed cost of launching one op
     gemm_flops_per_s: float | None = None
     op_overhead_s: float = 0.0
+    # the model's own attention kernel on a whole sequence (strategy "none"; None: flops_per_s, as on a GPU, where
+    # both are flash kernels)
+    sdpa_flops_per_s: float | None = None
 
 
 LINKS = {  # name: (bytes/s one way, latency per message in s, source)
@@ -431,10 +434,11 @@ def strategy_seconds(
     strategy: Strategy, shape: AttentionShape, seq_len: int, world_size: int, hw: Hardware, *, backward: bool = True
 ) -> float:
     """The predicted seconds of one attention call (forward, plus its backward with ``backward``) by ``strategy``
-    over ``world_size`` ranks on ``hw`` (a Ulysses group's all-to-alls over the same link)."""
+    over ``world_size`` ranks on ``hw`` (a Ulysses group's all-to-alls over the same link; ``none``: the model's own
+    kernel on the whole sequence, at ``hw.sdpa_flops_per_s``)."""
     if strategy.kind == "none":
         cost = ring_cost(Layout("contiguous", 1, seq_len), shape)
-        forward = cost.flops_forward[0][0] / hw.flops_per_s
+        forward = cost.flops_forward[0][0] / (hw.sdpa_flops_per_s or hw.flops_per_s)
         return forward * (1 + BACKWARD_FLOPS_RATIO * backward)
     layout = Layout(strategy.layout, world_size, seq_len)
     if strategy.kind == "ulysses":
@@ -510,19 +514,21 @@ def choose_strategies(
     hw: Hardware,
     *,
     layouts: tuple[str, ...],
-    ulysses: bool = True,
+    ulysses: bool | list[bool] = True,
     none: bool = True,
     backward: bool = True,
 ) -> StrategyChoice:
     """The fastest predicted strategy for each attention of one graph. The layout is the graph's (activations
     between attentions are sharded in it), so it is chosen for the sum over the attentions (``layouts``: those
     allowed, the preferred first: it wins ties); ``none`` holds for the whole graph or for no attention: it is
-    chosen when running every attention whole beats the best sharded total (``none=False``: not allowed)."""
+    chosen when running every attention whole beats the best sharded total (``none=False``: not allowed).
+    ``ulysses``: whether Ulysses x ring may run the attentions (one flag for all, or one per attention)."""
     alternatives, best_per_layout = [], {layout: [] for layout in layouts}
-    for shape in shapes:
+    allowed = ulysses if isinstance(ulysses, list) else [ulysses] * len(shapes)
+    for shape, may_ulysses in zip(shapes, allowed):
         times = {
             s: strategy_seconds(s, shape, seq_len, world_size, hw, backward=backward)
-            for s in candidate_strategies(shape, world_size, layouts, ulysses)
+            for s in candidate_strategies(shape, world_size, layouts, may_ulysses)
         }
         whole = Strategy("none")
         times[whole] = strategy_seconds(whole, shape, seq_len, world_size, hw, backward=backward)

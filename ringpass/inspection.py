@@ -15,6 +15,7 @@ return meta tensors of the right shapes instead of running.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from ringpass.graph_utils.context import PassContext, UlyssesGroups
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
-from ringpass.report import Report
+from ringpass.report import Report, size_text
 from ringpass.retrace import release_marks, request_retrace
 
 SCHEMA_VERSION = 1
@@ -57,6 +58,8 @@ class Inspection:
     options: dict
     graphs: list[CapturedGraph]
     front_end: str = "inspect"  # the command the report's first line names
+    # bytes per rank: weights, gradients, optimizer (AdamW), activations, ring, total (`memory_per_rank`)
+    memory: dict = field(default_factory=dict)
 
     @property
     def reports(self) -> list[Report]:
@@ -96,7 +99,18 @@ class Inspection:
             )
         if not self.graphs:
             parts.append("(Dynamo captured no graph: nothing in the model's forward runs tensor ops)")
-        return "\n".join(parts + [str(r) for r in self.reports])
+        return "\n".join(parts + [str(r) for r in self.reports] + self._memory_lines())
+
+    def _memory_lines(self) -> list[str]:
+        m = self.memory
+        if not m or self.status != "rewritten":
+            return []
+        parts = ", ".join(f"{name} {size_text(m[name])}" for name in ("weights", "gradients", "optimizer", "ring"))
+        return [
+            f"per GPU, one training step with AdamW, no FSDP: {size_text(m['total'])} ({parts}, activations "
+            f"{size_text(m['activations'])}: every value the graphs compute on a rank, counted once, an upper bound; "
+            "`ringpass plan` measures the step's peak, with FSDP2 / DDP, checkpointing and other optimizers)"
+        ]
 
     def as_dict(self) -> dict:
         return {
@@ -105,6 +119,7 @@ class Inspection:
             "world_size": self.world_size,
             "options": self.options,
             "graphs": [r.as_dict() for r in self.reports],
+            "memory_per_rank": self.memory or None,
         }
 
     def write_json(self, path) -> None:
@@ -197,7 +212,26 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     finally:
         torch._dynamo.reset()
     shown = {k: v for k, v in ring_options.__dict__.items() if k not in ("group", "report")}
-    return Inspection(world_size, shown, graphs)
+    if dataclasses.is_dataclass(shown["hardware"]):
+        shown["hardware"] = dataclasses.asdict(shown["hardware"])
+    return Inspection(world_size, shown, graphs, memory=memory_per_rank(model, [g.report for g in graphs]))
+
+
+def memory_per_rank(model: torch.nn.Module, reports: list[Report]) -> dict:
+    """What one rank holds for a training step with AdamW and no FSDP, from the model and the graphs' reports:
+    every parameter and buffer; a gradient and two AdamW states per trainable parameter; the activations, every
+    value the graphs compute on this rank's tokens or whole, counted once (an upper bound of what is live at
+    once); the ring's buffers at the backward's peak (the largest attention's). Bytes, with their ``total``."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    memory = {
+        "weights": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
+        "gradients": trainable,
+        "optimizer": 2 * trainable,
+        "activations": sum(r.activation_bytes.get("per_rank", 0) + r.activation_bytes.get("whole", 0) for r in reports),
+        "ring": max((c.working_memory()["backward"] for r in reports for _, c in r.ring_costs()), default=0),
+    }
+    memory["total"] = sum(memory.values())
+    return memory
 
 
 def meta_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:

@@ -27,10 +27,12 @@ bound for AOT-compiled ones, whose partitioner saves less (docs/performance.md h
 Time: every op of the same fake step outside attention (`OpCosts`), each the longer of its FLOPs (torch's
 formulas) at the device's matrix-product rate and the bytes it reads and writes at its memory rate, plus a fixed
 cost per op (`Hardware.gemm_flops_per_s`, ``memory_bytes_per_s``, ``op_overhead_s``: presets, or ``ringpass bench
---calibrate``); plus each attention's ring forward and backward as `lowering.costmodel` predicts them (compute
-against transfer per step); plus the wrapper's gradient traffic over the link. Checkpointing runs the blocks'
-forward ops again. The candidates: ring sizes P dividing the world size (the others data-parallel), checkpointing
-on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
+--calibrate``); plus each attention's forward and backward as `lowering.costmodel` predicts them: the ring (compute
+against transfer per step), or with ``strategy="auto"`` the fastest of the ring, Ulysses x ring and the all-gather
+(`choose_strategies`, its memory by `strategy_memory`); one rank runs the model's own attention whole (at
+``Hardware.sdpa_flops_per_s`` where calibrated); plus the wrapper's gradient traffic over the link. Checkpointing
+runs the blocks' forward ops again. The candidates: ring sizes P dividing the world size (the others
+data-parallel), checkpointing on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
 """
 
 from __future__ import annotations
@@ -185,7 +187,9 @@ def candidate(
     if checkpointing:
         step = {**step, **{k: step[f"{k}_checkpointed"] for k in ("activations", "gradients")}}
     shapes = [a.shape() for a in attentions]
-    if strategy == "auto" and ring_size > 1:
+    if ring_size == 1:  # the model's own attention on the whole sequence
+        chosen = [Strategy("none")] * len(shapes)
+    elif strategy == "auto":
         chosen = choose_strategies(shapes, layout.seq_len, ring_size, hw, layouts=(layout.kind,), none=False).chosen
     else:
         chosen = [Strategy("ring", layout.kind)] * len(shapes)

@@ -107,10 +107,11 @@ class RingOptions:
                 "inputs='per_rank' returns each rank its own batch's outputs, whole; outputs='sharded' (plain local "
                 "shards of every rank's batch) does not apply. Use outputs='auto' (the default) or 'gathered'."
             )
-        if result.strategy != "ring" and result.ulysses != 1:
+        if result.strategy != "ring" and (result.ulysses != 1 or getattr(result.group, "ndim", 1) == 2):
+            asked = f"ulysses={result.ulysses}" if result.ulysses != 1 else "a 2-D DeviceMesh as group"
             raise InvalidInputError(
-                f"strategy={result.strategy!r} chooses how attention runs itself; ulysses={result.ulysses} asks for "
-                "Ulysses x ring: give one of them (strategy='ring' with ulysses=U, or strategy='auto')."
+                f"strategy={result.strategy!r} chooses how attention runs itself; {asked} asks for Ulysses x ring: "
+                "give one of them (strategy='ring' with Ulysses, or strategy='auto' over a 1-D group)."
             )
         if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:
             raise InvalidInputError(

@@ -22,8 +22,10 @@ import transformers
 
 import ringpass
 from lowering import Layout
+from lowering.costmodel import AttentionShape, ring_cost
 from lowering.schedule import schedule_table
 from ringpass.cli import main
+from ringpass.report import size_text
 
 TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "inspect.md"
@@ -123,6 +125,23 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     )
     missing = sorted(k for k in keys if f"`{k}`" not in documented)
     assert not missing, f"keys not documented in docs/inspect.md: {missing}"
+
+
+def test_per_gpu_totals_by_hand(tmp_path, capsys):
+    """The per-rank memory of a training step: parameters and buffers, a gradient and two AdamW states per
+    parameter, the graphs' activations per rank and whole, the ring's backward buffers; their total, printed."""
+    code, data = _cli(tmp_path, f"{TARGETS}:llama_with_loss", "--world-size", "2")
+    model, _ = inspect_targets.llama_with_loss()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    memory = data["memory_per_rank"]
+    graph = data["graphs"][0]
+    assert memory["weights"] == params + sum(b.numel() * b.element_size() for b in model.buffers())
+    assert memory["gradients"] == params and memory["optimizer"] == 2 * params
+    assert memory["activations"] == graph["activations"]["per_rank"] + graph["activations"]["whole"] > 0
+    working = ring_cost(Layout("zigzag", 2, 64), AttentionShape(2, 4, 2, 8, 4, True)).working_memory()
+    assert memory["ring"] == working["backward"] > 0
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    assert f"per GPU, one training step with AdamW, no FSDP: {size_text(memory['total'])}" in capsys.readouterr().out
 
 
 def test_placements_and_collectives_of_a_model_with_its_loss(tmp_path):

@@ -125,3 +125,31 @@ def test_the_backend_runs_every_strategy_auto_can_choose_exactly():
                 assert case == "default hardware" or chosen.startswith(case), (case, text)
                 assert "predicted" in text and "none" in text and "ring (contiguous)" in text, text
             assert f"by {strategies[0].split(',')[0]}" in result["report_text"].splitlines()[0]
+
+
+def test_auto_offline_and_where_ulysses_cannot_run():
+    """`ringpass.inspect` takes the strategy too (Ulysses groups named by role); an attention with a score bias
+    program (learned ALiBi-like slopes), which Ulysses cannot split by heads, is never given Ulysses."""
+    import models
+    import torch
+
+    import ringpass
+
+    ids = torch.randint(0, 61, (2, 64))
+    for model, ulysses in ((models.GPT(), True), (models.LearnedBias(), False)):
+        inspection = ringpass.inspect(
+            model.double(), (ids,), world_size=2, strategy="auto", hardware=BANDWIDTH_BOUND, outputs="sharded"
+        )
+        texts = [a.strategy for report in inspection.reports for a in report.attention]
+        assert texts and all(t.startswith("ulysses 2 (zigzag)") == ulysses for t in texts), texts
+        assert all(("ulysses" in t) == ulysses for t in texts), texts
+
+
+def test_options_that_contradict_the_strategy_are_refused():
+    from lowering.errors import InvalidInputError
+    from ringpass.options import RingOptions
+
+    with pytest.raises(InvalidInputError, match="strategy='auto' chooses how attention runs itself; ulysses=2"):
+        RingOptions.from_dict({"strategy": "auto", "ulysses": 2})
+    with pytest.raises(InvalidInputError, match="strategy='fastest' is not one of 'ring', 'auto', 'all-gather'"):
+        RingOptions.from_dict({"strategy": "fastest"})

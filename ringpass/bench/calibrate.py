@@ -4,7 +4,9 @@ Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingEx
 after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
 (intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's
 block kernel on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
-threads a rank gets) gives useful FLOP/s as the cost model counts them. The rest of a training step, for
+threads a rank gets) gives useful FLOP/s as the cost model counts them; the model's own SDPA (aten's kernel, causal,
+on a whole 4096-token sequence, forward then backward) gives the rate of an attention run whole (``strategy``
+``none``, a plan's one-rank candidates). The rest of a training step, for
 ``ringpass plan`` of a whole model (`ringpass.model_plan`), measured on both ranks at once (a ring's ranks run
 side by side, sharing a host's memory system; rank 0's numbers): a matrix product's rate (fp32 4096 x 256 by 256 x 1024
 and 4096 x 1024 by 1024 x 256, the mean), an elementwise op's memory rate (a product of two 64 MiB tensors into a
@@ -61,6 +63,21 @@ def _device_rate() -> float:
     return 4 * b * h * d * n * n * (1 + BACKWARD_FLOPS_RATIO) / _seconds(forward_and_backward)
 
 
+def _sdpa_rate(tokens: int = 4096) -> float:
+    """Useful FLOP/s of ``F.scaled_dot_product_attention`` itself, causal, forward and backward."""
+    b, h, hkv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(b, h, tokens, d, generator=generator) for _ in range(2))
+    k, v = (torch.randn(b, hkv, tokens, d, generator=generator) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def forward_and_backward():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+
+    pairs = tokens * (tokens + 1) // 2
+    return 4 * b * h * d * pairs * (1 + BACKWARD_FLOPS_RATIO) / _seconds(forward_and_backward)
+
+
 def _other_work() -> dict:
     """The rates of a step's work outside attention, on this rank's threads."""
     shapes = (((4096, 256), (256, 1024)), ((4096, 1024), (1024, 256)))
@@ -88,7 +105,7 @@ def _seconds(run) -> float:
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
     points = _link(rank)
-    rates = {"flops_per_s": _device_rate()} if rank == 0 else {}
+    rates = {"flops_per_s": _device_rate(), "sdpa_flops_per_s": _sdpa_rate()} if rank == 0 else {}
     dist.barrier()
     rates.update(_other_work())  # every rank at once: a ring's ranks run their steps side by side
     return {"points": points, **rates, "threads": torch.get_num_threads()}
@@ -116,6 +133,7 @@ def calibrate(timeout: float = 600.0) -> dict:
         "link_bytes_per_s": bandwidth,
         "link_latency_s": latency,
         "flops_per_s": result["flops_per_s"],
+        "sdpa_flops_per_s": result["sdpa_flops_per_s"],
         "gemm_flops_per_s": result["gemm_flops_per_s"],
         "memory_bytes_per_s": result["memory_bytes_per_s"],
         "op_overhead_s": result["op_overhead_s"],
@@ -133,7 +151,8 @@ def format_calibration(data: dict) -> str:
         f"ringpass bench --calibrate ({data['measured']}, {data['threads_per_rank']} thread(s) per rank, "
         f"{data['cores']} cores)",
         f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
-        f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs)",
+        f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs); the "
+        f"model's SDPA on a whole sequence: {data['sdpa_flops_per_s'] / 1e9:.3g} GFLOP/s",
         f"  the rest of a step: matrix products {data['gemm_flops_per_s'] / 1e9:.3g} GFLOP/s, elementwise "
         f"{data['memory_bytes_per_s'] / 1e9:.3g} GB/s, {data['op_overhead_s'] * 1e6:.2g} us per op",
         "  message seconds: "

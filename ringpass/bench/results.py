@@ -71,6 +71,7 @@ def load_hardware(path: str) -> Hardware:
             memory_bytes_per_s=_optional(data.get("memory_bytes_per_s")),
             gemm_flops_per_s=_optional(data.get("gemm_flops_per_s")),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            sdpa_flops_per_s=_optional(data.get("sdpa_flops_per_s")),
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InvalidInputError(

@@ -3,12 +3,14 @@
 Matches every attention (``ctx.attention``, with its mask plan from `lift_masks`) when ``strategy`` is ``auto`` or
 ``all-gather``. ``all-gather``: every attention gathers K/V at once. ``auto``: for each attention, among the ring,
 Ulysses x ring (each group size U > 1 that divides the ranks and splits the heads; only where the backend can make
-the groups: the default process group, no ``ulysses`` option, no sequence-sharded input) and the all-gather, in
+the groups: the default process group, no ``ulysses`` option, no sequence-sharded input, not ``inputs="per_rank"``;
+and for 4-D attention without flex_attention, ALiBi slopes or a score bias) and the all-gather, in
 the layout the graph shards in (zigzag or contiguous: chosen for the sum over the attentions, unless the
 ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies` predicts fastest on
 ``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence
 parallelism (``none``: the graph runs as captured on every rank) is chosen when running every attention whole is
-predicted faster than the best sharded total, and only where that keeps the graph's contract: ``inputs="full"``,
+predicted faster than the best sharded total, and only where that keeps the graph's contract (with dynamic shapes
+the choice is made at the traced length and serves every length the graph runs at): ``inputs="full"``,
 outputs not asked sharded, gradients not ``local``, nothing crossing the graph's boundaries sharded (inputs,
 masks).
 
@@ -43,7 +45,7 @@ def choose_strategy(ctx: PassContext) -> None:
         ctx.strategy = StrategyChoice(layout, chosen, [{} for _ in shapes])
         return
     layouts = _layouts(ctx)
-    ulysses = ctx.ulysses_for is not None and not ctx.ulysses and not ctx.carried_inputs
+    ulysses = ctx.ulysses_for is not None and not (ctx.ulysses or ctx.carried_inputs or ctx.per_rank)
     if ulysses:  # every rank makes every candidate's groups, in the same order, before any is chosen
         for size in range(2, ctx.world_size + 1):
             if ctx.world_size % size == 0:
@@ -54,7 +56,7 @@ def choose_strategy(ctx: PassContext) -> None:
         ctx.world_size,
         ctx.hardware,
         layouts=layouts,
-        ulysses=ulysses,
+        ulysses=[ulysses and _heads_only(ctx, match) for match in ctx.attention],
         none=_may_run_whole(ctx),
         backward=any(getattr(example_value(m.query), "requires_grad", False) for m in ctx.attention),
     )
@@ -105,6 +107,14 @@ def _layouts(ctx: PassContext) -> tuple[str, ...]:
         return (ctx.options.layout,)
     preferred = default_layout(ctx)
     return (preferred, *(name for name in LAYOUTS if name != preferred))
+
+
+def _heads_only(ctx: PassContext, match) -> bool:
+    """Ulysses can split the attention's heads: no flex_attention, ALiBi slopes or score bias (what
+    `rewrite_attention` refuses under Ulysses), no heads merged with the batch or a single head."""
+    plan = ctx.masks.plans[match.output]
+    q = example_value(match.query)
+    return match.flex is None and plan.slopes is None and not plan.bias_id and q.dim() == 4
 
 
 def _may_run_whole(ctx: PassContext) -> bool:

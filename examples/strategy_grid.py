@@ -1,0 +1,101 @@
+"""Does ``strategy="auto"`` pick the fastest strategy? ``ringpass bench`` on a grid, auto beside the fixed methods.
+
+    python examples/strategy_grid.py --json strategy-grid.json           # the grid of docs/performance.md
+    python examples/strategy_grid.py --seq-lens 1024 --world-sizes 2 --repeats 1   # a quick look
+
+For each cell (sequence length N, ranks P, causal or not; 8 query / 2 KV heads, head dim 64, fp32) it runs
+the fixed methods (``ring-zigzag``, ``ring-contiguous``, ``all-gather``, ``ulysses``) and ``auto`` (what the
+backend's cost model picks on the bench's hardware: the presets of this machine, or ``--hardware FILE``), and
+prints the fastest fixed method's forward+backward time, auto's pick, the pick's own fixed row against the fastest
+(the strategy auto picks, measured among the others), and auto's row (the same strategy measured again: the
+machine's run-to-run spread shows there). N = 32768 runs one warm-up and ``--long-repeats`` measured calls. Each
+cell's process first runs ``ring-zigzag`` once more, unrecorded: the first method a fresh process measures ran up
+to 25 % slow here (``--no-throwaway`` to see it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ringpass.bench import BenchConfig, run_bench
+from ringpass.bench.results import load_hardware
+
+FIXED = ("ring-zigzag", "ring-contiguous", "all-gather", "ulysses")
+PICKED = {"ring (zigzag)": "ring-zigzag", "ring (contiguous)": "ring-contiguous"}  # else by its kind
+
+
+def fixed_method(picked: str, world_size: int) -> str | None:
+    """The fixed method that runs what auto picked (None: no fixed method does, e.g. Ulysses in smaller groups)."""
+    if picked in PICKED:
+        return PICKED[picked]
+    if picked.startswith("all-gather"):
+        return "all-gather"
+    if picked.startswith(f"ulysses {world_size} "):
+        return "ulysses"
+    return None
+
+
+def cell(seq_len: int, world_size: int, causal: bool, repeats: int, hardware, throwaway: bool = True) -> dict:
+    config = BenchConfig(
+        world_sizes=(world_size,),
+        seq_lens=(seq_len,),
+        causal=causal,
+        methods=(*FIXED[:throwaway], *FIXED[:3], "auto", "ulysses"),  # rows of a repeated method: the last is kept
+        repeats=repeats,
+        progress=False,
+    )
+    rows = {r["method"]: r for r in run_bench(config, hardware)["rows"] if "total_s" in r}
+    fixed = {m: rows[m]["total_s"]["median"] for m in FIXED if m in rows}
+    fastest = min(fixed, key=fixed.get)
+    picked = rows["auto"]["chosen"]
+    as_fixed = fixed_method(picked, world_size)
+    return {
+        "seq_len": seq_len,
+        "world_size": world_size,
+        "causal": causal,
+        "fixed_s": fixed,
+        "fastest": fastest,
+        "picked": picked,
+        "picked_ratio": fixed[as_fixed] / fixed[fastest] if as_fixed in fixed else None,
+        "auto_s": rows["auto"]["total_s"]["median"],
+        "auto_ratio": rows["auto"]["total_s"]["median"] / fixed[fastest],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3, help="measured calls per method below 32768 tokens")
+    parser.add_argument("--long-repeats", type=int, default=1, help="measured calls per method at 32768 tokens")
+    parser.add_argument("--hardware", metavar="FILE", help="a `ringpass bench --calibrate --json` file")
+    parser.add_argument("--masks", nargs="+", choices=["causal", "none"], default=["causal", "none"])
+    parser.add_argument("--no-throwaway", action="store_true", help="no unrecorded first method")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    hardware = load_hardware(args.hardware) if args.hardware else None
+    cells = []
+    print(
+        f"{'N':>6} {'P':>2} {'mask':<7} {'fastest fixed':<16} {'s':>8}  {'auto picks':<18} "
+        f"{'pick/fastest':>12} {'auto/fastest':>12}"
+    )
+    for seq_len in args.seq_lens:
+        for world_size in args.world_sizes:
+            for causal in [mask == "causal" for mask in args.masks]:
+                repeats = args.long_repeats if seq_len >= 32768 else args.repeats
+                c = cell(seq_len, world_size, causal, repeats, hardware, not args.no_throwaway)
+                cells.append(c)
+                ratio = "-" if c["picked_ratio"] is None else f"{c['picked_ratio']:.3f}"
+                print(
+                    f"{seq_len:>6} {world_size:>2} {'causal' if causal else 'none':<7} {c['fastest']:<16} "
+                    f"{c['fixed_s'][c['fastest']]:>8.3f}  {c['picked']:<18} {ratio:>12} {c['auto_ratio']:>12.3f}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(cells, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
