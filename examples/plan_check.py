@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--hardware", metavar="FILE", help="a `ringpass bench --calibrate --json` file")
     args = parser.parse_args()
-    from ringpass.bench.results import default_hardware, load_hardware
+    from ringpass.hardware import default_hardware, load_hardware
     from ringpass.launch import spawn_ranks
 
     calibrated = load_hardware(args.hardware) if args.hardware else default_hardware()

@@ -19,7 +19,7 @@ import argparse
 import json
 
 from ringpass.bench import BenchConfig, run_bench
-from ringpass.bench.results import load_hardware
+from ringpass.hardware import load_hardware
 
 FIXED = ("ring-zigzag", "ring-contiguous", "all-gather", "ulysses")
 PICKED = {"ring (zigzag)": "ring-zigzag", "ring (contiguous)": "ring-contiguous"}  # else by its kind

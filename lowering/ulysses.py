@@ -19,6 +19,8 @@ U / Hkv times first, so every rank gets the one KV head its query heads read); t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -124,6 +126,16 @@ heads_to_tokens.register_autograd(
 tokens_to_heads.register_autograd(
     lambda ctx, grad: (heads_to_tokens(grad, *ctx.config), *[None] * len(ctx.config)), setup_context=_setup
 )
+
+
+@functools.cache
+def ulysses_mesh(ring: int, ulysses: int):
+    """The default group's ranks as a (ring, ulysses) `DeviceMesh` (Ulysses groups of ``ulysses`` consecutive ranks),
+    made once per process: every rank must ask for it, in the same order (making its groups is collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    return init_device_mesh(device, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
 def ulysses_attention(

@@ -24,7 +24,6 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from functools import cache
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +32,7 @@ import torch.fx as fx
 from lowering import failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
+from lowering.ulysses import ulysses_mesh
 from ringpass.carried import (
     CarriedGraph,
     carry_length_output,
@@ -252,19 +252,11 @@ def ulysses_groups(group, ulysses) -> UlyssesGroups | None:
         world = dist.get_world_size()
         if world % ulysses:
             raise InvalidInputError(f"ulysses={ulysses} does not divide the {world} ranks.")
-        mesh = _default_mesh(world // ulysses, ulysses)
+        mesh = ulysses_mesh(world // ulysses, ulysses)
     elif ulysses not in (1, mesh.size(1)):
         raise InvalidInputError(f"ulysses={ulysses} but the mesh's Ulysses dimension has {mesh.size(1)} ranks.")
     ring, inner = mesh.get_group(0), mesh.get_group(1)
     return UlyssesGroups(mesh.size(1), inner.group_name, ring.group_name)
-
-
-@cache
-def _default_mesh(ring: int, ulysses: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = "cpu" if dist.get_backend() == "gloo" else "cuda"
-    return init_device_mesh(device, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
 def _inner_compile(compiler: str, gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -267,11 +267,10 @@ def _plan(args) -> int:
     import json
 
     from lowering.costmodel import AttentionShape
-    from ringpass.plan import hardware, make_plan
+    from ringpass.hardware import hardware, load_hardware
+    from ringpass.plan import make_plan
 
     if args.hardware:
-        from ringpass.bench.results import load_hardware
-
         hw = load_hardware(args.hardware)
     else:
         hw = hardware(
@@ -410,6 +409,7 @@ def _bench_arguments(b) -> None:
 def _bench(args) -> int:
     from ringpass import bench
     from ringpass.bench import calibrate, model, results
+    from ringpass.hardware import load_hardware
 
     if args.calibrate:
         data = calibrate.calibrate(timeout=args.timeout)
@@ -447,7 +447,7 @@ def _bench(args) -> int:
         compiler=args.compiler,
         new_tokens=args.new_tokens,
     )
-    summary = bench.run_bench(config, results.load_hardware(args.hardware) if args.hardware else None)
+    summary = bench.run_bench(config, load_hardware(args.hardware) if args.hardware else None)
     if summary:  # not a torchrun rank other than 0
         print(results.format_table(summary))
         if args.json:

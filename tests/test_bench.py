@@ -11,8 +11,9 @@ import pytest
 from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, ring_cost
 from lowering.layout import Layout
 from ringpass import cli
-from ringpass.bench import calibrate, results
+from ringpass.bench import calibrate
 from ringpass.bench.measure import MMAP_THRESHOLD
+from ringpass.hardware import load_hardware
 from ringpass.launch import spawn_ranks
 
 
@@ -199,7 +200,7 @@ def test_calibrate_then_plan_with_it(tmp_path, capsys):
     data = json.loads(hardware.read_text())
     assert data["link_bytes_per_s"] > 0 and data["flops_per_s"] > 0
     assert data["gemm_flops_per_s"] > 0 and data["memory_bytes_per_s"] > 0 and 0 < data["op_overhead_s"] < 1e-3
-    loaded = results.load_hardware(str(hardware))  # what `ringpass plan --hardware` prices a step's other work with
+    loaded = load_hardware(str(hardware))  # what `ringpass plan --hardware` prices a step's other work with
     assert (loaded.gemm_flops_per_s, loaded.op_overhead_s) == (data["gemm_flops_per_s"], data["op_overhead_s"])
     assert (
         cli.main(

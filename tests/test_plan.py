@@ -24,7 +24,8 @@ from lowering.costmodel import (
 )
 from lowering.layout import Layout
 from ringpass import cli
-from ringpass.plan import hardware, make_plan
+from ringpass.hardware import hardware
+from ringpass.plan import make_plan
 
 ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
 

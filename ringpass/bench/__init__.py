@@ -29,6 +29,7 @@ from lowering.costmodel import Hardware
 from lowering.errors import InvalidInputError
 from ringpass.bench import attention, decode, model, results
 from ringpass.bench.measure import MMAP_THRESHOLD
+from ringpass.hardware import default_hardware
 from ringpass.launch import spawn_ranks
 
 RANK_FUNCTIONS = {
@@ -100,7 +101,7 @@ class BenchConfig:
 def run_bench(config: BenchConfig, hardware=None) -> dict:
     """Run every case; the summary `results.summarise` makes of it (``rows``), with ``config`` and the
     ``hardware`` its predictions used."""
-    hardware = hardware or results.default_hardware()
+    hardware = hardware or default_hardware()
     config = dataclasses.replace(config, hardware=hardware)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         records = _in_launched_ranks(config)

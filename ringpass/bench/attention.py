@@ -32,10 +32,8 @@ import lowering
 from lowering.comm import RingExchange
 from lowering.costmodel import AttentionShape, Strategy, choose_strategies
 from lowering.errors import NotSupportedError
-from lowering.groups import group_by_name
 from lowering.kernels import accumulation_dtype
-from lowering.ulysses import check_heads
-from ringpass.backend import ulysses_groups
+from lowering.ulysses import check_heads, ulysses_mesh
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ulysses", "auto", "context-parallel")
@@ -102,11 +100,8 @@ class _Step:
             self.layout = lowering.Layout(self.strategy.layout, world_size, inputs.q.size(2))
             rows = tuple(self.layout.shard(t, 2, rank) for t in rows)
         if self.strategy.kind == "ulysses":
-            groups = ulysses_groups(None, self.strategy.ulysses)
-            self.groups = {
-                "ulysses_group": group_by_name(groups.ulysses_group),
-                "ring_group": group_by_name(groups.ring_group),
-            }
+            mesh = ulysses_mesh(world_size // self.strategy.ulysses, self.strategy.ulysses)
+            self.groups = {"ulysses_group": mesh.get_group(1), "ring_group": mesh.get_group(0)}
         self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])
         self.reference, self.dout = rows[3], rows[4]
 

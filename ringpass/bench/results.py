@@ -50,40 +50,6 @@ MIB = 2**20
 SINGLE_PROCESS = {"attention": "sdpa", "model": "unsharded", "decode": "sdpa", "generate": "unsharded"}  # baselines
 
 
-def default_hardware() -> Hardware:
-    """This machine's presets: gloo on loopback and the CPU's measured rates."""
-    from ringpass.plan import hardware
-
-    return hardware("loopback", "cpu")
-
-
-def load_hardware(path: str) -> Hardware:
-    """`Hardware` from a ``ringpass bench --calibrate --json FILE`` file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return Hardware(
-            float(data["link_bytes_per_s"]),
-            float(data["link_latency_s"]),
-            float(data["flops_per_s"]),
-            link=str(data.get("link", "calibrated")),
-            device=str(data.get("device", "calibrated")),
-            memory_bytes_per_s=_optional(data.get("memory_bytes_per_s")),
-            gemm_flops_per_s=_optional(data.get("gemm_flops_per_s")),
-            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
-            sdpa_flops_per_s=_optional(data.get("sdpa_flops_per_s")),
-        )
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise InvalidInputError(
-            f"--hardware {path!r}: not a calibration file written by `ringpass bench --calibrate "
-            f"--json FILE` ({type(error).__name__}: {error})."
-        ) from None
-
-
-def _optional(value) -> float | None:
-    return None if value is None else float(value)
-
-
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 

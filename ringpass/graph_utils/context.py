@@ -14,6 +14,7 @@ from lowering.layout import Layout, local_length
 from ringpass.graph import example_value
 from ringpass.graph_utils.findings import AttentionMatch, MaskFindings, SequenceFindings
 from ringpass.graph_utils.gradient_reach import CapturedGradients
+from ringpass.hardware import hardware_option
 from ringpass.options import RingOptions
 from ringpass.report import Report
 from ringpass.wrappers import GradientMode
@@ -107,8 +108,6 @@ class PassContext:
     @property
     def hardware(self):
         """The `lowering.costmodel.Hardware` ``strategy="auto"`` predicts on (the ``hardware`` option)."""
-        from ringpass.plan import hardware_option
-
         return hardware_option(self.options.hardware)
 
     @property
