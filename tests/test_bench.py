@@ -271,3 +271,21 @@ def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
     ring = rows[("ring-zigzag", 2)]
     assert ring["error"] < 1e-5 and ring["total_mib"] is not None and ring["hidden"] is not None, ring
     assert ("sdpa", 1) in rows
+
+
+@pytest.mark.heavy  # one spawn of six methods (~20 s)
+def test_the_strategy_grid_script_at_a_tiny_size(tmp_path):
+    """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell: every fixed method
+    measured, auto's pick named, and the ratios taken against the fastest fixed method."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "grid.json"
+    argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--json"]
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "examples/strategy_grid.py", *argv, str(out)], cwd=root, check=True, timeout=600)
+    (cell,) = json.loads(out.read_text())
+    assert set(cell["fixed_s"]) == {"ring-zigzag", "ring-contiguous", "all-gather", "ulysses"}
+    assert cell["fastest"] == min(cell["fixed_s"], key=cell["fixed_s"].get)
+    assert cell["picked"] and cell["auto_ratio"] == cell["auto_s"] / cell["fixed_s"][cell["fastest"]]
