@@ -19,7 +19,8 @@ Two things differ from the model run alone, and are accounted for:
 Checkpointing every block (each entry of the model's block lists) is derived from the same step's per-block
 numbers, not run (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): the forward's end
 keeps each block's input instead of what the block saved; the backward's peak recomputes one block with every
-block input and every gradient live; the blocks' forward FLOPs run again.
+block input and every gradient live; the blocks' forward FLOPs run again, but not a ring attention's (the backend
+saves its output, `MUST_SAVE`: no communication is repeated).
 
 Eager autograd is what the fake step measures: exact for ``compiler="eager"`` graphs and the model alone, an upper
 bound for AOT-compiled ones, whose partitioner saves less (docs/performance.md has the measured table).
@@ -211,8 +212,9 @@ def candidate(
     }
     memory["total"] = sum(memory.values())
     compute = step["ops"].seconds(hw, checkpointing)
-    attention = sum(  # checkpointing runs each forward again
-        strategy_seconds(s, a, n, p, hw) + checkpointing * strategy_seconds(s, a, n, p, hw, backward=False)
+    attention = sum(  # checkpointing runs the model's own attention again, never a ring (its output is saved)
+        strategy_seconds(s, a, n, p, hw)
+        + (checkpointing and s.kind == "none") * strategy_seconds(s, a, n, p, hw, backward=False)
         for s, a in zip(chosen, shapes)
     )
     if wrapper == "none" or world_size == 1:

@@ -210,9 +210,8 @@ def test_a_whole_model_plan_with_strategy_auto(tmp_path, capsys):
             continue
         assert c["strategies"] == "2 x all-gather (zigzag)", c["strategies"]
         assert c["memory_per_rank"]["ring"] == strategy_memory(gather, shape, 128, 2)
-        once = strategy_seconds(gather, shape, 128, 2, hw)
-        again = strategy_seconds(gather, shape, 128, 2, hw, backward=False) if c["checkpointing"] else 0.0
-        assert c["time_parts"]["attention"] == pytest.approx(2 * (once + again))
+        # checkpointing never runs a sharded attention's forward again (the backend saves its output)
+        assert c["time_parts"]["attention"] == pytest.approx(2 * strategy_seconds(gather, shape, 128, 2, hw))
     assert "(2 x all-gather (zigzag))" in printed, printed
 
 
