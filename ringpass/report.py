@@ -133,13 +133,16 @@ class Report:
         return Layout(self.layout, self.world_size, self.seq_len)
 
     def ring_costs(self) -> list[tuple[list[int], RingCost]]:
-        """(indices of the attentions, their cost) for each distinct attention shape; with Ulysses x ring, the
-        ring across the groups on each rank's share of the heads."""
+        """(indices of the attentions, their cost) for each distinct attention shape the ring runs (not those
+        ``strategy`` gives to Ulysses or the all-gather: their predicted times are in their lines); with Ulysses x
+        ring, the ring across the groups on each rank's share of the heads."""
         layout = self.layout_object
         if layout is not None and self.ulysses > 1:
             layout = GroupLayout(layout, self.ulysses)
         groups: dict[AttentionShape, list[int]] = {}
         for i, a in enumerate(self.attention):
+            if a.strategy and not a.strategy.startswith("ring"):  # strategy="auto" chose Ulysses or the all-gather
+                continue
             shape = a.shape() if self.ulysses == 1 else ulysses_shape(a.shape(), self.ulysses)
             groups.setdefault(shape, []).append(i)
         return [] if layout is None else [(idx, ring_cost(layout, shape)) for shape, idx in groups.items()]

@@ -15,6 +15,7 @@ from lowering.costmodel import (
     choose_strategies,
     predict,
     ring_cost,
+    strategy_memory,
     strategy_seconds,
 )
 from lowering.layout import Layout
@@ -71,6 +72,10 @@ def test_strategy_times_by_hand():
     ulysses = strategy_seconds(Strategy("ulysses", "zigzag", 2), GQA, 64, 2, hw)
     assert ulysses == pytest.approx(2 * (4e-3 + moved / 1e6) + busiest * (1 + BACKWARD_FLOPS_RATIO))
     assert not math.isnan(ulysses)
+    # memory: at P=4 the all-gather holds two more KV blocks (K and V of 16 tokens, 2 heads, fp64) and two more
+    # dK/dV blocks (fp64 accumulators) than the ring's two and three
+    gathered = strategy_memory(Strategy("all-gather", "zigzag"), GQA, 64, 4)
+    assert gathered - strategy_memory(Strategy("ring", "zigzag"), GQA, 64, 4) == 2 * (2 * 2 * 2 * 16 * 8 * 8) * 2
 
 
 def test_a_layout_is_chosen_for_the_whole_graph_and_none_only_for_all_of_it():
@@ -111,6 +116,8 @@ def test_the_backend_runs_every_strategy_auto_can_choose_exactly():
             if expected_moved[case] is not None:
                 assert result["moved"] == expected_moved[case], (case, result["moved"])
             report = result["report"]
+            if case == "default hardware":  # whatever it chose, something moved exactly when it sharded
+                assert (result["moved"] == []) == (report["status"] == "whole"), (report["status"], result["moved"])
             if report["status"] == "whole":  # this machine's calibration, at 64 tokens, also runs it whole
                 assert case in ("none", "default hardware") and report["attentions"] == [], case
                 assert "strategy='auto' chose no sequence parallelism" in result["report_text"]
@@ -153,3 +160,16 @@ def test_options_that_contradict_the_strategy_are_refused():
         RingOptions.from_dict({"strategy": "auto", "ulysses": 2})
     with pytest.raises(InvalidInputError, match="strategy='fastest' is not one of 'ring', 'auto', 'all-gather'"):
         RingOptions.from_dict({"strategy": "fastest"})
+
+
+def test_convert_refuses_a_model_auto_would_run_whole():
+    """A converted model runs sharded: where ``strategy="auto"`` would run the graph whole, convert says so."""
+    import models
+    import torch
+
+    import ringpass
+    from lowering.errors import NotSupportedError
+
+    ids = torch.randint(0, 61, (2, 64))
+    with pytest.raises(NotSupportedError, match="convert: strategy='auto' chose no sequence parallelism"):
+        ringpass.convert(models.Llama().double(), (ids,), world_size=2, strategy="auto", hardware=LATENCY_BOUND)

@@ -105,6 +105,11 @@ def capture(model, call: list, options: RingOptions, world_size: int, dynamic: b
         ) from error
     captured = found["captured"]
     captured.global_scope = run_call.__globals__
+    if captured.ctx.report.runs_whole:
+        raise NotSupportedError(
+            f"convert: {captured.ctx.report.unchanged}; a converted model runs sharded, so there is nothing to "
+            "convert. Convert with strategy='ring' (the default) to shard it anyway, or at the length it will run at."
+        )
     if captured.ctx.report.unchanged:
         raise NotSupportedError(
             "convert: no attention found in the model's graph, so there is nothing to run as a ring: the converted "

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ringpass.graph import example_value, plain
+
 
 @dataclass(frozen=True)
 class AttentionMatch:
@@ -31,6 +33,16 @@ class AttentionMatch:
     outer_scale: float = 1.0  # a scale applied outside the mask and bias: their values scale with it
     inner_masks: tuple = ()  # further masks inside ``mask``: ((kind, node), fill) each, outermost first
     kv_groups: int = 1  # K and V heads repeat in consecutive groups of this size: one of each travels
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(batch, query heads, key/value heads, one per group of repeated heads) at the traced shapes."""
+        q, k = example_value(self.query), example_value(self.key)
+        if q.dim() == 4:
+            return plain(q.shape[0]), plain(q.shape[1]), plain(k.shape[1]) // self.kv_groups
+        if self.batch is None:  # single-head 3-D attention
+            return plain(q.shape[0]), 1, 1
+        batch = plain(self.batch)
+        return batch, plain(q.shape[0]) // batch, plain(k.shape[0]) // batch  # heads merged with the batch in dim 0
 
 
 @dataclass(frozen=True)

@@ -87,16 +87,8 @@ def strategy_of(ctx: PassContext, index: int) -> Strategy | None:
 
 
 def _shape(ctx: PassContext, match) -> AttentionShape:
-    q, k = example_value(match.query), example_value(match.key)
-    plan = ctx.masks.plans[match.output]
-    if q.dim() == 4:
-        batch, heads, kv_heads = plain(q.shape[0]), plain(q.shape[1]), plain(k.shape[1]) // match.kv_groups
-    elif match.batch is None:  # single-head 3-D
-        batch, heads, kv_heads = plain(q.shape[0]), 1, 1
-    else:  # merged batch x heads
-        batch = plain(match.batch)
-        heads, kv_heads = plain(q.shape[0]) // batch, plain(k.shape[0]) // batch
-    return AttentionShape(batch, heads, kv_heads, plain(q.shape[-1]), q.element_size(), plan.is_causal, plan.window)
+    q, plan = example_value(match.query), ctx.masks.plans[match.output]
+    return AttentionShape(*match.sizes(), plain(q.shape[-1]), q.element_size(), plan.is_causal, plan.window)
 
 
 def _layouts(ctx: PassContext) -> tuple[str, ...]:

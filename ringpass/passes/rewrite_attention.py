@@ -203,11 +203,8 @@ def _mask_inputs(plan) -> list[str]:
 
 
 def _record(match, plan, scale: float) -> AttentionRecord:
-    q, k = example_value(match.query), example_value(match.key)
-    heads = (plain(q.shape[1]), plain(k.shape[1]) // match.kv_groups) if q.dim() == 4 else (1, 1)
-    batch = plain(q.shape[0]) if match.batch is None else plain(match.batch)
-    if match.batch is not None:  # merged batch x heads
-        heads = (plain(q.shape[0]) // batch, plain(k.shape[0]) // batch)
+    q = example_value(match.query)
+    batch, *heads = match.sizes()
     return AttentionRecord(
         module=module_path(match.output),
         source=source_line(match.output),
