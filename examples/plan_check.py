@@ -131,6 +131,7 @@ def sharing_cores(hw, ranks: int):
         hw,
         flops_per_s=hw.flops_per_s * share,
         sdpa_flops_per_s=hw.sdpa_flops_per_s and hw.sdpa_flops_per_s * share,
+        head_dim_rates=tuple((d, ring * share, sdpa * share) for d, ring, sdpa in hw.head_dim_rates),
         gemm_flops_per_s=(hw.gemm_flops_per_s or hw.flops_per_s) * share,
         memory_bytes_per_s=hw.memory_bytes_per_s and hw.memory_bytes_per_s * share,
         op_overhead_s=hw.op_overhead_s / share,

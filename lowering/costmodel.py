@@ -205,6 +205,25 @@ class Hardware:
     # the model's own attention kernel on a whole sequence (strategy "none"; None: flops_per_s, as on a GPU, where
     # both are flash kernels)
     sdpa_flops_per_s: float | None = None
+    # both attentions' rates by head dim as measured (`ringpass bench --calibrate`): (head dim, the ring's compute
+    # FLOP/s, the model's SDPA FLOP/s); empty: flops_per_s and sdpa_flops_per_s at every head dim
+    head_dim_rates: tuple[tuple[int, float, float], ...] = ()
+
+    def attention_flops_per_s(self, head_dim: int, kernel: str = "ring") -> float:
+        """The rate of the ring's compute (``kernel="ring"``) or of the model's own SDPA (``"sdpa"``) at
+        ``head_dim``: from `head_dim_rates`, linear in log2(head dim) between the measured head dims and the nearest
+        one's outside them; without them, `flops_per_s` (`sdpa_flops_per_s` for SDPA, where given)."""
+        column = 1 if kernel == "ring" else 2
+        if not self.head_dim_rates:
+            return self.flops_per_s if kernel == "ring" else self.sdpa_flops_per_s or self.flops_per_s
+        points = sorted((math.log2(row[0]), row[column]) for row in self.head_dim_rates)
+        x = math.log2(head_dim)
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
 
 LINKS = {  # name: (bytes/s one way, latency per message in s, source)
@@ -284,7 +303,8 @@ class Prediction:
 def predict(cost: RingCost, hardware: Hardware) -> Prediction:
     """The ring's time on ``hardware``: each step as long as the busiest rank's compute there."""
     steps = cost.layout.world_size
-    busiest = [max(cost.flops_forward[r][step] for r in range(steps)) / hardware.flops_per_s for step in range(steps)]
+    rate = hardware.attention_flops_per_s(cost.shape.head_dim)
+    busiest = [max(cost.flops_forward[r][step] for r in range(steps)) / rate for step in range(steps)]
     hop = hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s
     backward_hop = hop + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s  # a KV block and its dK/dV travel together
     final_hop = hardware.link_latency_s + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s if steps > 1 else 0.0
@@ -298,7 +318,7 @@ def all_gather_seconds(cost: RingCost, hardware: Hardware, *, backward: bool = F
     blocks)."""
     p = cost.layout.world_size
     gather = (p - 1) * (hardware.link_latency_s + cost.kv_bytes_per_hop / hardware.link_bytes_per_s)
-    compute = max(sum(row) for row in cost.flops_forward) / hardware.flops_per_s
+    compute = max(sum(row) for row in cost.flops_forward) / hardware.attention_flops_per_s(cost.shape.head_dim)
     if not backward:
         return gather + compute
     scatter = (p - 1) * (hardware.link_latency_s + cost.dkv_bytes_per_hop / hardware.link_bytes_per_s)
@@ -310,7 +330,7 @@ def hiding_slice(shape: AttentionShape, hardware: Hardware) -> int:
     against n keys scores n² pairs (half of them under a causal zigzag layout) at 4·B·Hq·D FLOPs each,
     while the hop moves 2·B·Hkv·n·D·itemsize bytes after the link's latency."""
     visible = 0.5 if shape.is_causal else 1.0
-    a = visible * 4 * shape.batch * shape.query_heads * shape.head_dim / hardware.flops_per_s
+    a = visible * 4 * shape.batch * shape.query_heads * shape.head_dim / hardware.attention_flops_per_s(shape.head_dim)
     b = 2 * shape.batch * shape.kv_heads * shape.head_dim * shape.itemsize / hardware.link_bytes_per_s
     return math.ceil((b + math.sqrt(b * b + 4 * a * hardware.link_latency_s)) / (2 * a))
 
@@ -399,7 +419,7 @@ def decode_seconds(cost: DecodeCost, hardware: Hardware) -> dict:
     """A decode attention's time on ``hardware``: ``compute`` (the slower of its FLOPs at the kernel's rate
     and reading its cache at the memory's rate, when that is known), ``merge`` (the all-gather: P - 1
     messages of every rank's out and LSE, one after another) and their sum, ``total``."""
-    compute = cost.flops / hardware.flops_per_s
+    compute = cost.flops / hardware.attention_flops_per_s(cost.shape.head_dim)
     if hardware.memory_bytes_per_s:
         compute = max(compute, cost.cache_bytes / hardware.memory_bytes_per_s)
     p = cost.world_size
@@ -435,10 +455,10 @@ def strategy_seconds(
 ) -> float:
     """The predicted seconds of one attention call (forward, plus its backward with ``backward``) by ``strategy``
     over ``world_size`` ranks on ``hw`` (a Ulysses group's all-to-alls over the same link; ``none``: the model's own
-    kernel on the whole sequence, at ``hw.sdpa_flops_per_s``)."""
+    kernel on the whole sequence, at its SDPA rate, `Hardware.attention_flops_per_s`)."""
     if strategy.kind == "none":
         cost = ring_cost(Layout("contiguous", 1, seq_len), shape)
-        forward = cost.flops_forward[0][0] / (hw.sdpa_flops_per_s or hw.flops_per_s)
+        forward = cost.flops_forward[0][0] / hw.attention_flops_per_s(shape.head_dim, kernel="sdpa")
         return forward * (1 + BACKWARD_FLOPS_RATIO * backward)
     layout = Layout(strategy.layout, world_size, seq_len)
     if strategy.kind == "ulysses":

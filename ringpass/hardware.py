@@ -84,6 +84,10 @@ def load_hardware(path: str) -> Hardware:
             gemm_flops_per_s=_optional(data.get("gemm_flops_per_s")),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
             sdpa_flops_per_s=_optional(data.get("sdpa_flops_per_s")),
+            head_dim_rates=tuple(
+                (int(r["head_dim"]), float(r["flops_per_s"]), float(r["sdpa_flops_per_s"]))
+                for r in data.get("head_dim_rates", ())
+            ),
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InvalidInputError(

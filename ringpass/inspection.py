@@ -221,14 +221,19 @@ def memory_per_rank(model: torch.nn.Module, reports: list[Report]) -> dict:
     """What one rank holds for a training step with AdamW and no FSDP, from the model and the graphs' reports:
     every parameter and buffer; a gradient and two AdamW states per trainable parameter; the activations, every
     value the graphs compute on this rank's tokens or whole, counted once (an upper bound of what is live at
-    once); the ring's buffers at the backward's peak (the largest attention's). Bytes, with their ``total``."""
+    once); the ring's buffers at the backward's peak (the largest attention's; with ``strategy="auto"`` or
+    ``"all-gather"``, what the chosen strategy holds). Bytes, with their ``total``."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     memory = {
         "weights": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
         "gradients": trainable,
         "optimizer": 2 * trainable,
         "activations": sum(r.activation_bytes.get("per_rank", 0) + r.activation_bytes.get("whole", 0) for r in reports),
-        "ring": max((c.working_memory()["backward"] for r in reports for _, c in r.ring_costs()), default=0),
+        "ring": max(
+            [c.working_memory()["backward"] for r in reports for _, c in r.ring_costs()]
+            + [a.working_bytes for r in reports for a in r.attention],
+            default=0,
+        ),
     }
     memory["total"] = sum(memory.values())
     return memory

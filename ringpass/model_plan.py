@@ -30,10 +30,11 @@ formulas) at the device's matrix-product rate and the bytes it reads and writes 
 cost per op (`Hardware.gemm_flops_per_s`, ``memory_bytes_per_s``, ``op_overhead_s``: presets, or ``ringpass bench
 --calibrate``); plus each attention's forward and backward as `lowering.costmodel` predicts them: the ring (compute
 against transfer per step), or with ``strategy="auto"`` the fastest of the ring, Ulysses x ring and the all-gather
-(`choose_strategies`, its memory by `strategy_memory`); one rank runs the model's own attention whole (at
-``Hardware.sdpa_flops_per_s`` where calibrated); plus the wrapper's gradient traffic over the link. Checkpointing
-runs the blocks' forward ops again. The candidates: ring sizes P dividing the world size (the others
-data-parallel), checkpointing on or off; the recommendation is the fastest per batch that fits ``gpu_mem``.
+(`choose_strategies`, its memory by `strategy_memory`); one rank runs the model's own attention whole (at the
+SDPA rate where calibrated); every attention at its head dim's rate (`Hardware.attention_flops_per_s`); plus the
+wrapper's gradient traffic over the link. Checkpointing runs the blocks' forward ops again. The candidates: ring
+sizes P dividing the world size (the others data-parallel), checkpointing on or off; the recommendation is the
+fastest per batch that fits ``gpu_mem``.
 """
 
 from __future__ import annotations

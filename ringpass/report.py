@@ -41,6 +41,9 @@ class AttentionRecord:
     fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
     # strategy="auto" / "all-gather": how it runs and, for auto, every alternative's predicted time ("" = the ring)
     strategy: str = ""
+    # with a strategy: the bytes it holds on a rank at the backward's peak beyond q, k, v and the output gradient
+    # (`lowering.costmodel.strategy_memory`: the all-gather's P KV blocks, Ulysses' exchanged heads)
+    working_bytes: int = 0
 
     def shape(self) -> AttentionShape:
         return AttentionShape(

@@ -202,6 +202,9 @@ def test_calibrate_then_plan_with_it(tmp_path, capsys):
     assert data["gemm_flops_per_s"] > 0 and data["memory_bytes_per_s"] > 0 and 0 < data["op_overhead_s"] < 1e-3
     loaded = load_hardware(str(hardware))  # what `ringpass plan --hardware` prices a step's other work with
     assert (loaded.gemm_flops_per_s, loaded.op_overhead_s) == (data["gemm_flops_per_s"], data["op_overhead_s"])
+    assert [d for d, _, _ in loaded.head_dim_rates] == [32, 64, 128]  # the attention kernels by head dim
+    assert loaded.attention_flops_per_s(64) == data["flops_per_s"] > 0
+    assert loaded.attention_flops_per_s(64, kernel="sdpa") == data["sdpa_flops_per_s"] > 0
     assert (
         cli.main(
             shlex.split(

@@ -1,8 +1,10 @@
 """The examples run as a user runs them (torchrun on 2 CPU processes, 4 for the 2 x 2 mesh), with a timeout."""
 
+import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -10,22 +12,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# gloo sometimes aborts a worker at interpreter exit after all its work is done (a C++ thread of the process group
+# still holding a tensor while Python finalizes; ../shared/notes/torch-compile-facts.md): seen once in CI in
+# compile_with_ring.py, not reproduced in 70 runs here. Such a run is tried once more, loudly; any other failure, or
+# the abort twice, fails the test. PYTHONFAULTHANDLER prints every thread's stack when it happens.
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script: str, timeout: float, processes: int = 2, args: tuple = ()) -> str:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(processes),
-            str(ROOT / "examples" / script),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        str(ROOT / "examples" / script),
+        *args,
+    ]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if result.returncode != 0 and EXIT_ABORT in result.stderr:
+        warnings.warn(f"{script}: a worker aborted at exit; running it again:\n{result.stderr[-3000:]}", stacklevel=2)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
 

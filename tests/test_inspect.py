@@ -142,6 +142,11 @@ def test_per_gpu_totals_by_hand(tmp_path, capsys):
     assert memory["ring"] == working["backward"] > 0
     assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
     assert f"per GPU, one training step with AdamW, no FSDP: {size_text(memory['total'])}" in capsys.readouterr().out
+    # the all-gather over 4 ranks holds every rank's KV block (16 tokens: 2 x B 2 x 2 KV heads x 16 x D 8 x 4 bytes =
+    # 4096 bytes) and its dK/dV (fp32, as large) before the reduce-scatter: 2 more of each than the ring's two
+    code, data = _cli(tmp_path, f"{TARGETS}:llama_with_loss", "--world-size", "4", "--strategy", "all-gather")
+    ring = ring_cost(Layout("zigzag", 4, 64), AttentionShape(2, 4, 2, 8, 4, True)).working_memory()["backward"]
+    assert data["memory_per_rank"]["ring"] == ring + 2 * (4096 + 4096)
 
 
 def test_placements_and_collectives_of_a_model_with_its_loss(tmp_path):

@@ -44,6 +44,22 @@ def test_a_hand_computed_ring():
     assert all_gather_seconds(ring_cost(Layout("contiguous", 2, 8), ONE), hw) == 3.0
 
 
+def test_attention_rates_by_head_dim():
+    """A calibration's rates at D = 32 and 128 (block kernel 40 and 80, SDPA 20 and 60 FLOP/s): D = 64 lies half way
+    in log2(D), 60 and 40; outside the measured head dims the nearest one's; without rates, the single ones."""
+    hw = Hardware(1, 0, 10.0, sdpa_flops_per_s=5.0, head_dim_rates=((128, 80.0, 60.0), (32, 40.0, 20.0)))
+    assert [hw.attention_flops_per_s(d) for d in (16, 32, 64, 128, 256)] == [40.0, 40.0, 60.0, 80.0, 80.0]
+    assert [hw.attention_flops_per_s(d, kernel="sdpa") for d in (16, 64, 256)] == [20.0, 40.0, 60.0]
+    plain = Hardware(1, 0, 10.0, sdpa_flops_per_s=5.0)
+    assert (plain.attention_flops_per_s(32), plain.attention_flops_per_s(32, kernel="sdpa")) == (10.0, 5.0)
+    assert Hardware(1, 0, 10.0).attention_flops_per_s(32, kernel="sdpa") == 10.0
+    # the ring prices a D = 32 attention at 40 FLOP/s: P=2, N=8, one head, bidirectional, 16 pairs a step x 4 x 32
+    shape = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=32, itemsize=4)
+    assert predict(ring_cost(Layout("contiguous", 2, 8), shape), hw).compute_forward == [16 * 4 * 32 / 40] * 2
+    # unsharded ("none") at the SDPA rate: N=8 non-causal, 64 pairs x 4 x 32 FLOPs forward, 3.5 x that with backward
+    assert strategy_seconds(Strategy("none"), shape, 8, 1, hw) == pytest.approx(64 * 4 * 32 / 20 * 3.5)
+
+
 def test_a_hand_computed_decode_step():
     """One query against 8 positions on P=2: each rank 4 slots, 4 x 4 = 16 FLOPs (1 s at 16 FLOP/s), reading
     4 x 8 = 32 bytes (0.5 s at 64 B/s: the FLOPs bound it); the merge sends out and LSE, (1 + 1) fp32 numbers

@@ -2,17 +2,24 @@
 
 Link: two ranks exchange blocks of 256 KiB to 64 MiB with the ring's own `RingExchange` (median of five
 after a warm-up each); a least-squares line through (bytes, seconds) gives the per-message latency
-(intercept) and the bandwidth (1 / slope), in relative error. Device: one rank's attention kernel (the ring's
-block kernel on a fully visible 2048 x 2048 block, B=1, Hq=8, Hkv=2, D=64, forward then backward, fp32, with the
-threads a rank gets) gives useful FLOP/s as the cost model counts them; the model's own SDPA (aten's kernel, causal,
-on a whole 4096-token sequence, forward then backward) gives the rate of an attention run whole (``strategy``
-``none``, a plan's one-rank candidates). The rest of a training step, for
-``ringpass plan`` of a whole model (`ringpass.model_plan`), measured on both ranks at once (a ring's ranks run
-side by side, sharing a host's memory system; rank 0's numbers): a matrix product's rate (fp32 4096 x 256 by 256 x 1024
-and 4096 x 1024 by 1024 x 256, the mean), an elementwise op's memory rate (a product of two 64 MiB tensors into a
-new one: three tensors' bytes, fresh pages included, as a step allocates them) and the fixed cost of one op (2000
-adds of one element). The result is the `Hardware` that ``ringpass plan --hardware FILE`` and ``ringpass bench
---hardware FILE`` read.
+(intercept) and the bandwidth (1 / slope), in relative error. Then every rate below on both ranks at once (a
+ring's ranks compute side by side, sharing a host's memory system; rank 0's numbers), with the threads a rank gets:
+
+- the ring's attention: one rank's share of the ring's own compute (`lowering.simulate_ring`: every rank's blocks,
+  masks and merges in one process, no transfers) for a causal zigzag ring of 2 ranks over 4096 tokens, B=1, Hq=8,
+  Hkv=2, forward then backward, fp32, in useful FLOP/s as the cost model counts them (the ring's tiles and merges
+  reach 0.8 of the block kernel on one fully visible 2048 x 2048 block here);
+- the model's own SDPA (aten's kernel, causal, on the whole 4096-token sequence, forward then backward): an
+  attention run whole (``strategy`` ``none``, a plan's one-rank candidates);
+- both at head dims 32, 64 and 128 (`HEAD_DIMS`: a kernel's rate depends on it, 44 / 55 / 61 GFLOP/s for the ring
+  here), D=64 also as the single rates;
+- the rest of a training step, for ``ringpass plan`` of a whole model (`ringpass.model_plan`): a matrix product's
+  rate (fp32 4096 x 256 by 256 x 1024 and 4096 x 1024 by 1024 x 256, the mean), an elementwise op's memory rate (a
+  product of two 8 MiB tensors into a new one: three tensors' bytes, the new one taken from memory the allocator
+  reuses, as a step's activations are; a tensor past glibc's mmap threshold, 32 MiB at most, gets fresh pages each
+  time instead: 3-4 GB/s here against 20-25) and the fixed cost of one op (2000 adds of one element).
+
+The result is the `Hardware` that ``ringpass plan --hardware FILE`` and ``ringpass bench --hardware FILE`` read.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ import torch.distributed as dist
 
 from lowering.comm import RingExchange
 from lowering.costmodel import BACKWARD_FLOPS_RATIO
-from lowering.kernels import block_attention, block_attention_backward
+from lowering.layout import Layout
+from lowering.simulate import simulate_ring
 from ringpass.launch import spawn_ranks
 
 SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)  # bytes per message
-BLOCK = dict(batch=1, heads=8, kv_heads=2, tokens=2048, head_dim=64)
+BLOCK = dict(batch=1, heads=8, kv_heads=2, tokens=4096)
+HEAD_DIMS = (32, 64, 128)
 
 
 def _link(rank: int) -> list[tuple[int, float]]:
@@ -49,33 +58,38 @@ def _link(rank: int) -> list[tuple[int, float]]:
     return points
 
 
-def _device_rate() -> float:
-    b, h, hkv, n, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "tokens", "head_dim"))
+def _attention(d: int) -> tuple:
+    """q, k, v and an output gradient of `BLOCK`'s shape at head dim ``d``."""
+    b, h, hkv, n = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "tokens"))
     generator = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(b, h, n, d, generator=generator) for _ in range(2))
     k, v = (torch.randn(b, hkv, n, d, generator=generator) for _ in range(2))
-    pos = torch.arange(n)
-
-    def forward_and_backward():
-        out, lse = block_attention(q, k, v, pos, pos, backend="torch")
-        block_attention_backward(dout, q, k, v, out, lse, pos, pos, backend="torch")
-
-    return 4 * b * h * d * n * n * (1 + BACKWARD_FLOPS_RATIO) / _seconds(forward_and_backward)
+    return q, k, v, dout
 
 
-def _sdpa_rate(tokens: int = 4096) -> float:
+def _useful_flops(d: int) -> float:
+    """Forward + backward FLOPs of `BLOCK`'s causal attention at head dim ``d``, as the cost model counts them."""
+    n = BLOCK["tokens"]
+    return 4 * BLOCK["batch"] * BLOCK["heads"] * d * n * (n + 1) / 2 * (1 + BACKWARD_FLOPS_RATIO)
+
+
+def _ring_rate(d: int, ranks: int = 2) -> float:
+    """Useful FLOP/s of one rank's share of a causal zigzag ring's compute (module docstring)."""
+    q, k, v, dout = _attention(d)
+    layout = Layout("zigzag", ranks, BLOCK["tokens"])
+    seconds = _seconds(lambda: simulate_ring(q, k, v, layout=layout, is_causal=True, dout=dout))
+    return _useful_flops(d) / seconds  # every rank's share of the FLOPs in every rank's share of the time
+
+
+def _sdpa_rate(d: int) -> float:
     """Useful FLOP/s of ``F.scaled_dot_product_attention`` itself, causal, forward and backward."""
-    b, h, hkv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
-    generator = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(b, h, tokens, d, generator=generator) for _ in range(2))
-    k, v = (torch.randn(b, hkv, tokens, d, generator=generator) for _ in range(2))
+    q, k, v, dout = _attention(d)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def forward_and_backward():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
 
-    pairs = tokens * (tokens + 1) // 2
-    return 4 * b * h * d * pairs * (1 + BACKWARD_FLOPS_RATIO) / _seconds(forward_and_backward)
+    return _useful_flops(d) / _seconds(forward_and_backward)
 
 
 def _other_work() -> dict:
@@ -83,7 +97,7 @@ def _other_work() -> dict:
     shapes = (((4096, 256), (256, 1024)), ((4096, 1024), (1024, 256)))
     pairs = [(torch.randn(*a), torch.randn(*b)) for a, b in shapes]
     gemm = [2 * 4096 * 256 * 1024 / _seconds(lambda x=x, y=y: x @ y) for x, y in pairs]
-    x = torch.randn(2**24)
+    x = torch.randn(2**21)  # 8 MiB (module docstring)
     y = torch.randn_like(x)
     small = torch.ones(1)
     return {
@@ -105,9 +119,8 @@ def _seconds(run) -> float:
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
     points = _link(rank)
-    rates = {"flops_per_s": _device_rate(), "sdpa_flops_per_s": _sdpa_rate()} if rank == 0 else {}
-    dist.barrier()
-    rates.update(_other_work())  # every rank at once: a ring's ranks run their steps side by side
+    dist.barrier()  # then every rate on every rank at once: a ring's ranks compute side by side
+    rates = {"head_dim_rates": [(d, _ring_rate(d), _sdpa_rate(d)) for d in HEAD_DIMS], **_other_work()}
     return {"points": points, **rates, "threads": torch.get_num_threads()}
 
 
@@ -129,11 +142,15 @@ def calibrate(timeout: float = 600.0) -> dict:
     """Measure on two spawned ranks (one per half of the cores); the calibration file's contents."""
     result = spawn_ranks(_calibrate_rank, 2, timeout=timeout)[0]
     bandwidth, latency = fit_link(result["points"])
+    _, ring_rate, sdpa_rate = next(row for row in result["head_dim_rates"] if row[0] == 64)
     return {
         "link_bytes_per_s": bandwidth,
         "link_latency_s": latency,
-        "flops_per_s": result["flops_per_s"],
-        "sdpa_flops_per_s": result["sdpa_flops_per_s"],
+        "flops_per_s": ring_rate,
+        "sdpa_flops_per_s": sdpa_rate,
+        "head_dim_rates": [
+            {"head_dim": d, "flops_per_s": ring, "sdpa_flops_per_s": sdpa} for d, ring, sdpa in result["head_dim_rates"]
+        ],
         "gemm_flops_per_s": result["gemm_flops_per_s"],
         "memory_bytes_per_s": result["memory_bytes_per_s"],
         "op_overhead_s": result["op_overhead_s"],
@@ -151,8 +168,12 @@ def format_calibration(data: dict) -> str:
         f"ringpass bench --calibrate ({data['measured']}, {data['threads_per_rank']} thread(s) per rank, "
         f"{data['cores']} cores)",
         f"  link: {data['link_bytes_per_s'] / 1e9:.3g} GB/s one way, {data['link_latency_s'] * 1e6:.0f} us per message",
-        f"  attention kernel: {data['flops_per_s'] / 1e9:.3g} GFLOP/s (forward+backward, useful FLOPs); the "
-        f"model's SDPA on a whole sequence: {data['sdpa_flops_per_s'] / 1e9:.3g} GFLOP/s",
+        "  attention, forward+backward, useful GFLOP/s by head dim: "
+        + ", ".join(
+            f"D={r['head_dim']} ring {r['flops_per_s'] / 1e9:.3g}, "
+            f"whole-sequence SDPA {r['sdpa_flops_per_s'] / 1e9:.3g}"
+            for r in data["head_dim_rates"]
+        ),
         f"  the rest of a step: matrix products {data['gemm_flops_per_s'] / 1e9:.3g} GFLOP/s, elementwise "
         f"{data['memory_bytes_per_s'] / 1e9:.3g} GB/s, {data['op_overhead_s'] * 1e6:.2g} us per op",
         "  message seconds: "

@@ -12,6 +12,8 @@ modifiers (soft-cap, ALiBi slopes, bias program) go with the mask plan. With Uly
 or the attention's strategy from `choose_strategy`), q, k, v go through ``ringpass::ulysses_heads_to_tokens``
 first, the ring runs over the ring group, and its output through ``ringpass::ulysses_tokens_to_heads``
 (`lowering.ulysses`); an attention whose strategy is the all-gather calls the op with ``strategy="all-gather"``.
+Each attention's `AttentionRecord` goes to the report (with a strategy: the choice, its alternatives and the bytes it
+holds, `lowering.costmodel.strategy_memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lowering.costmodel import strategy_memory
 from lowering.errors import NotSupportedError
 from lowering.ring_args import RingArgs
 from lowering.ulysses import check_heads
@@ -106,6 +109,8 @@ def rewrite_attention(ctx: PassContext) -> None:
         record = _record(match, plan, scale)
         if strategy is not None:
             record.strategy = strategy_text(strategy, ctx.strategy.alternatives[index])
+            seq_len = plain(ctx.sequence.global_seq_len)
+            record.working_bytes = strategy_memory(strategy, record.shape(), seq_len, ctx.world_size)
         ctx.report.attention.append(record)
         ctx.report.ulysses = ctx.ulysses.size if ctx.ulysses else 1
     remove_dead_code(graph)  # the rest of hand-written attentions
