@@ -11,8 +11,8 @@ ring's ranks compute side by side, sharing a host's memory system; rank 0's numb
   reach 0.8 of the block kernel on one fully visible 2048 x 2048 block here);
 - the model's own SDPA (aten's kernel, causal, on the whole 4096-token sequence, forward then backward): an
   attention run whole (``strategy`` ``none``, a plan's one-rank candidates);
-- both at head dims 32, 64 and 128 (`HEAD_DIMS`: a kernel's rate depends on it, 44 / 55 / 61 GFLOP/s for the ring
-  here), D=64 also as the single rates;
+- both at head dims 32, 64 and 128 (`HEAD_DIMS`: a kernel's rate depends on it, 35 / 47 / 56 GFLOP/s for the ring
+  here with both ranks computing), D=64 also as the single rates;
 - the rest of a training step, for ``ringpass plan`` of a whole model (`ringpass.model_plan`): a matrix product's
   rate (fp32 4096 x 256 by 256 x 1024 and 4096 x 1024 by 1024 x 256, the mean), an elementwise op's memory rate (a
   product of two 8 MiB tensors into a new one: three tensors' bytes, the new one taken from memory the allocator
