@@ -11,8 +11,9 @@ computes every op on its own tokens, and ring attention keeps what local attenti
 Two things differ from the model run alone, and are accounted for:
 
 - attention runs as the ring runs it: no S x S mask (Hugging Face models get an attention function that calls
-  SDPA with the causal flag and no mask, as the ring's lifted masks do), plus the ring's own buffers (KV blocks
-  in flight, dK/dV accumulators: `lowering.costmodel.RingCost.working_memory`) at the backward's peak;
+  SDPA with the causal flag and no mask, as the ring's lifted masks do), plus what the ring holds at the
+  backward's peak beyond what that local attention holds (`lowering.costmodel.strategy_memory` less the out, LSE
+  and dq, dk, dv local SDPA keeps: the KV blocks in flight and the dK/dV accumulators, `local_attention_bytes`);
 - a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
   adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
 
@@ -49,7 +50,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
-from lowering.costmodel import Hardware, Strategy, choose_strategies, strategy_memory, strategy_seconds
+from lowering.costmodel import (
+    AttentionShape,
+    Hardware,
+    Strategy,
+    choose_strategies,
+    strategy_memory,
+    strategy_seconds,
+)
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass.report import attention_lines
@@ -196,7 +204,12 @@ def candidate(
     else:
         chosen = [Strategy("ring", layout.kind)] * len(shapes)
     n, p = layout.seq_len, ring_size
-    ring_buffers = max(strategy_memory(s, a, n, p) for s, a in zip(chosen, shapes)) if ring_size > 1 else 0
+    local = layout.local_len
+    ring_buffers = (
+        max(strategy_memory(s, a, n, p) - local_attention_bytes(a, local) for s, a in zip(chosen, shapes))
+        if ring_size > 1
+        else 0
+    )
     weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
     parameter_bytes = step["parameter_bytes"]
     if wrapper == "fsdp":  # sharded over every rank, two units gathered (running + prefetched)
@@ -236,6 +249,14 @@ def candidate(
         {"compute": compute, "attention": attention, "wrapper": traffic},
         fits,
     )
+
+
+def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
+    """What the fake step's local SDPA holds at its backward for ``tokens`` tokens, which the ring holds too: the
+    saved out and LSE (fp32) and the returned dq, dk, dv."""
+    q = shape.batch * shape.query_heads * tokens * shape.head_dim
+    kv = shape.batch * shape.kv_heads * tokens * shape.head_dim
+    return (2 * q + 2 * kv) * shape.itemsize + shape.batch * shape.query_heads * tokens * 4
 
 
 def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> dict:

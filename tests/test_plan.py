@@ -25,6 +25,7 @@ from lowering.costmodel import (
 from lowering.layout import Layout
 from ringpass import cli
 from ringpass.hardware import hardware
+from ringpass.model_plan import local_attention_bytes
 from ringpass.plan import make_plan
 
 ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
@@ -190,8 +191,9 @@ def _whole_model_plan(tmp_path, *flags: str) -> dict:
 def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     """Each memory part of the plan against the model's own numbers computed here: weights = parameters x 4
     bytes (+ buffers); AdamW two states each and a step count; the ring's buffers = the cost model's backward
-    working memory at P=2; the activations measured at 64 tokens per rank about half those at 128 (P=1), less
-    with checkpointing, which holds every gradient at its peak. (Other optimizers and wrappers: -m heavy.)"""
+    working memory at P=2 less what local attention holds; the activations measured at 64 tokens per rank about
+    half those at 128 (P=1), less with checkpointing, which holds every gradient at its peak. (Other optimizers
+    and wrappers: -m heavy.)"""
     model, params, block, adamw = _tiny_model_numbers()
     plain = _whole_model_plan(tmp_path)
     printed = capsys.readouterr().out
@@ -203,7 +205,11 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     assert memory["weights"] == params + sum(b.numel() * b.element_size() for b in model.buffers())
     assert memory["optimizer"] == adamw
     shape = AttentionShape(2, 4, 2, 8, 4, True)
-    assert memory["ring"] == ring_cost(Layout("zigzag", 2, 128), shape).working_memory()["backward"]
+    # the ring's buffers beyond what the fake step's local SDPA holds (out, LSE, dq, dk, dv): three fp32 dK/dV
+    # accumulators and two KV blocks, 10 x (B 2 x 2 KV heads x 64 tokens x D 8) fp32 numbers
+    assert memory["ring"] == 10 * (2 * 2 * 64 * 8) * 4
+    working = ring_cost(Layout("zigzag", 2, 128), shape).working_memory()["backward"]
+    assert memory["ring"] == working - local_attention_bytes(shape, 64)
     by = {(c["ring_size"], c["checkpointing"]): c["memory_per_rank"] for c in plain["candidates"]}
     assert set(by) == {(1, False), (1, True), (2, False), (2, True)}
     assert 0.4 <= by[2, False]["activations"] / by[1, False]["activations"] <= 0.6, by
@@ -225,7 +231,8 @@ def test_a_whole_model_plan_with_strategy_auto(tmp_path, capsys):
             assert c["strategies"] == "unsharded" and c["time_parts"]["attention"] > 0
             continue
         assert c["strategies"] == "2 x all-gather (zigzag)", c["strategies"]
-        assert c["memory_per_rank"]["ring"] == strategy_memory(gather, shape, 128, 2)
+        beyond_local = strategy_memory(gather, shape, 128, 2) - local_attention_bytes(shape, 64)
+        assert c["memory_per_rank"]["ring"] == beyond_local
         # checkpointing never runs a sharded attention's forward again (the backend saves its output)
         assert c["time_parts"]["attention"] == pytest.approx(2 * strategy_seconds(gather, shape, 128, 2, hw))
     assert "(2 x all-gather (zigzag))" in printed, printed
