@@ -492,6 +492,15 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
     return working
 
 
+def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
+    """What local attention (SDPA on a rank's own ``tokens``) holds at its backward that a ring holds too: the saved
+    out and LSE (fp32) and the returned dq, dk, dv. `ringpass.model_plan` adds only a strategy's memory beyond it to
+    a step that ran local attention."""
+    q = shape.batch * shape.query_heads * tokens * shape.head_dim
+    kv = shape.batch * shape.kv_heads * tokens * shape.head_dim
+    return (2 * q + 2 * kv) * shape.itemsize + shape.batch * shape.query_heads * tokens * 4
+
+
 def candidate_strategies(shape: AttentionShape, world_size: int, layouts: tuple[str, ...], ulysses: bool) -> list:
     """Every `Strategy` ``shape`` can run by over ``world_size`` ranks in ``layouts``: the ring and the all-gather
     in each; Ulysses with each group size U > 1 dividing the ranks whose heads it can split (``ulysses``: the

@@ -13,7 +13,8 @@ Two things differ from the model run alone, and are accounted for:
 - attention runs as the ring runs it: no S x S mask (Hugging Face models get an attention function that calls
   SDPA with the causal flag and no mask, as the ring's lifted masks do), plus what the ring holds at the
   backward's peak beyond what that local attention holds (`lowering.costmodel.strategy_memory` less the out, LSE
-  and dq, dk, dv local SDPA keeps: the KV blocks in flight and the dK/dV accumulators, `local_attention_bytes`);
+  and dq, dk, dv local SDPA keeps, `lowering.costmodel.local_attention_bytes`: the KV blocks in flight and the
+  dK/dV accumulators);
 - a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
   adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
 
@@ -51,10 +52,10 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 from lowering.costmodel import (
-    AttentionShape,
     Hardware,
     Strategy,
     choose_strategies,
+    local_attention_bytes,
     strategy_memory,
     strategy_seconds,
 )
@@ -249,14 +250,6 @@ def candidate(
         {"compute": compute, "attention": attention, "wrapper": traffic},
         fits,
     )
-
-
-def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
-    """What the fake step's local SDPA holds at its backward for ``tokens`` tokens, which the ring holds too: the
-    saved out and LSE (fp32) and the returned dq, dk, dv."""
-    q = shape.batch * shape.query_heads * tokens * shape.head_dim
-    kv = shape.batch * shape.kv_heads * tokens * shape.head_dim
-    return (2 * q + 2 * kv) * shape.itemsize + shape.batch * shape.query_heads * tokens * 4
 
 
 def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> dict:

@@ -16,6 +16,7 @@ from lowering.costmodel import (
     all_gather_seconds,
     decode_seconds,
     hiding_slice,
+    local_attention_bytes,
     predict,
     ring_cost,
     strategy_memory,
@@ -25,7 +26,6 @@ from lowering.costmodel import (
 from lowering.layout import Layout
 from ringpass import cli
 from ringpass.hardware import hardware
-from ringpass.model_plan import local_attention_bytes
 from ringpass.plan import make_plan
 
 ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
