@@ -54,6 +54,14 @@ class AttentionShape:
     def accumulation_itemsize(self) -> int:
         return 8 if self.itemsize == 8 else 4
 
+    def elements(self, tokens: int) -> tuple[int, int, int]:
+        """Elements of q (and out), of one of k / v, and of the LSE, for ``tokens`` tokens."""
+        return (
+            self.batch * self.query_heads * tokens * self.head_dim,
+            self.batch * self.kv_heads * tokens * self.head_dim,
+            self.batch * self.query_heads * tokens,
+        )
+
 
 @dataclass(frozen=True)
 class RingCost:
@@ -115,7 +123,7 @@ class RingCost:
         """Bytes of attention state one rank holds, ``forward`` and ``backward`` (see the module's notes);
         ``unsharded=True``: the same attention run whole on one device (P = 1)."""
         s, a = self.shape, self.shape.accumulation_itemsize
-        q, kv, rows = self._elements(self.layout.seq_len if unsharded else self.layout.local_len)
+        q, kv, rows = self.shape.elements(self.layout.seq_len if unsharded else self.layout.local_len)
         if unsharded:
             forward = (2 * q + 2 * kv) * s.itemsize + rows * 4
             backward = forward + (2 * q + 2 * kv) * s.itemsize  # dout, dq, dk, dv
@@ -134,22 +142,13 @@ class RingCost:
         arriving and the one leaving (a send buffer stays intact until the neighbour has it), which an
         overlapped backward holds at once."""
         s, a = self.shape, self.shape.accumulation_itemsize
-        q, kv, rows = self._elements(self.layout.local_len)
+        q, kv, rows = self.shape.elements(self.layout.local_len)
         narrow = q * s.itemsize if s.itemsize < a else 0  # the result cast to the input dtype
         forward = q * a + rows * a + 2 * 2 * kv * s.itemsize + narrow
         backward = (
             q * s.itemsize + rows * a + q * a + 3 * 2 * kv * a + 2 * 2 * kv * s.itemsize + 2 * kv * s.itemsize + narrow
         )
         return {"forward": forward, "backward": backward}
-
-    def _elements(self, n: int) -> tuple[int, int, int]:
-        """Elements of q (and out), of one of k / v, and of the LSE, for ``n`` tokens."""
-        s = self.shape
-        return (
-            s.batch * s.query_heads * n * s.head_dim,
-            s.batch * s.kv_heads * n * s.head_dim,
-            s.batch * s.query_heads * n,
-        )
 
     def _block_pairs(self, q_rank: int, kv_rank: int) -> int:
         return sum(
@@ -482,7 +481,7 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
     layout = Layout(strategy.layout, world_size, seq_len)
     if strategy.kind == "ulysses":
         ring = ring_cost(GroupLayout(layout, strategy.ulysses), ulysses_shape(shape, strategy.ulysses))
-        q, kv, _ = ring._elements(layout.local_len)
+        q, kv, _ = ring.shape.elements(layout.local_len)
         exchanged = 2 * (2 * q + 2 * kv * max(1, strategy.ulysses // shape.kv_heads)) * shape.itemsize
         return ring.working_memory()["backward"] + exchanged
     cost = ring_cost(layout, shape)
@@ -494,11 +493,10 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
 
 def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
     """What local attention (SDPA on a rank's own ``tokens``) holds at its backward that a ring holds too: the saved
-    out and LSE (fp32) and the returned dq, dk, dv. `ringpass.model_plan` adds only a strategy's memory beyond it to
-    a step that ran local attention."""
-    q = shape.batch * shape.query_heads * tokens * shape.head_dim
-    kv = shape.batch * shape.kv_heads * tokens * shape.head_dim
-    return (2 * q + 2 * kv) * shape.itemsize + shape.batch * shape.query_heads * tokens * 4
+    out and LSE (in the accumulation dtype) and the returned dq, dk, dv. `ringpass.model_plan` adds only a
+    strategy's memory beyond it to a step that ran local attention."""
+    q, kv, rows = shape.elements(tokens)
+    return (2 * q + 2 * kv) * shape.itemsize + rows * shape.accumulation_itemsize
 
 
 def candidate_strategies(shape: AttentionShape, world_size: int, layouts: tuple[str, ...], ulysses: bool) -> list:
