@@ -5,8 +5,8 @@
 
 For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a warm-up
 step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted: `ringpass.model_plan`
-as `ringpass plan` computes it (the fake step at the rank's share of the sequence: activations and temporaries +
-the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, one rank's
+as `ringpass plan` computes it (the fake step at the rank's share of the sequence, compiled as the backend
+compiles it when P > 1: activations and temporaries + the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, one rank's
 attention at the calibrated rate of the model's own SDPA, no optimizer), on the `cpu` and `loopback` presets or a
 ``ringpass bench --calibrate --json FILE`` file; with more ranks than cores each rank's rates are its share of a
 core's (the ranks take turns). Measured:
@@ -80,7 +80,7 @@ def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool, hw
         return net, inputs
 
     hf_plan_attention()
-    step = measure_step(fake_build, layout.local_len, "none")
+    step = measure_step(fake_build, layout.local_len, "none", compiled=world_size > 1)
     attention = AttentionRecord("", "", "sdpa", "causal", True, None, [], 1, 8, 2, 32, "float32", 4, 32**-0.5)
     plan = candidate(step, layout, world_size, hw, [attention] * 4, "none", checkpointing, None)
     memory = plan.memory_per_rank

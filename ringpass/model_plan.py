@@ -18,14 +18,15 @@ Two things differ from the model run alone, and are accounted for:
 - a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
   adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
 
-Checkpointing every block (each entry of the model's block lists) is derived from the same step's per-block
-numbers, not run (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): the forward's end
-keeps each block's input instead of what the block saved; the backward's peak recomputes one block with every
-block input and every gradient live; the blocks' forward FLOPs run again, but not a ring attention's (the backend
-saves its output, `MUST_SAVE`: no communication is repeated).
-
-Eager autograd is what the fake step measures: exact for ``compiler="eager"`` graphs and the model alone, an upper
-bound for AOT-compiled ones, whose partitioner saves less (docs/performance.md has the measured table).
+With the ring (P > 1) the model is compiled, and AOTAutograd's partitioner saves less than eager autograd keeps:
+the activations and the gradients live at the peak are then those of the same step compiled on fake tensors as
+the backend compiles it (`ringpass.compiled_memory`: the captured forward and backward graphs walked with every
+value freed after its last use), each block of the model's block lists checkpointed for the checkpointed
+candidates. At P = 1 (the model alone, eager) they are the eager step's; checkpointing every block is derived from
+its per-block numbers (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): the forward's
+end keeps each block's input instead of what the block saved; the backward's peak recomputes one block with every
+block input and every gradient live. Checkpointing runs the blocks' forward FLOPs again, but not a ring
+attention's (the backend saves its output, `MUST_SAVE`: no communication is repeated).
 
 Time: every op of the same fake step outside attention (`OpCosts`), each the longer of its FLOPs (torch's
 formulas) at the device's matrix-product rate and the bytes it reads and writes at its memory rate, plus a fixed
@@ -162,7 +163,7 @@ def plan_model(
     candidates = []
     for p in sizes:
         layout = Layout(_layout(attentions), p, seq_len)
-        step = measure_step(build, layout.local_len, optimizer)
+        step = measure_step(build, layout.local_len, optimizer, compiled=p > 1)
         for ckpt in (False, True):
             candidates.append(candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem, strategy))
     asked = next(c for c in candidates if c.ring_size == world_size and c.checkpointing == checkpointing)
@@ -252,10 +253,11 @@ def candidate(
     )
 
 
-def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> dict:
+def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, compiled: bool = False) -> dict:
     """One training step of ``build(tokens)`` on fake tensors: bytes live at the peak by kind (weights,
     gradients, optimizer, activations + temporaries), the FLOPs outside attention, the parameters' bytes and
-    the largest block's (an FSDP unit); and the same step with every block checkpointed (module docstring)."""
+    the largest block's (an FSDP unit); and the same step with every block checkpointed. ``compiled``: the
+    activations and gradients those of the step compiled as the ring backend compiles it (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
@@ -285,7 +287,7 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> 
         block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
     whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {
+    step = {
         "weights": peak[_MemRefType.PARAM] + peak[_MemRefType.BUFFER],
         "gradients": peak[_MemRefType.GRAD],
         "optimizer": peak[_MemRefType.OPT],
@@ -300,6 +302,24 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str) -> 
         "parameter_bytes": parameter_bytes,
         "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
     }
+    return {**step, **compiled_memory(build, tokens)} if compiled else step
+
+
+def compiled_memory(build: Callable[[int], tuple], tokens: int) -> dict:
+    """The activations and gradients at the peak of a training step of ``build(tokens)`` compiled on fake tensors
+    (`ringpass.compiled_memory`), without and with every block checkpointed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringpass.compiled_memory import compiled_step_memory
+
+    found = {}
+    for checkpointing, suffix in ((False, ""), (True, "_checkpointed")):
+        with FakeTensorMode(allow_non_fake_inputs=True):  # a checkpoint's saved RNG state is a real tensor
+            model, inputs = build(tokens)
+            model.train()
+            memory = compiled_step_memory(model, inputs, checkpointing)
+        found[f"activations{suffix}"], found[f"gradients{suffix}"] = memory.activations, memory.gradients
+    return found
 
 
 def _train_step(model, inputs, step_optimizer) -> None:

@@ -121,7 +121,8 @@ def _param(where: str, line: str):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A folder with the files the documented lines name: a small attention model and a tiny Llama config."""
+    """A folder with the files the documented lines name: a small attention model, a tiny Llama config and a
+    calibration file."""
     folder = tmp_path_factory.mktemp("documented")
     (folder / "my_model.py").write_text("""
 import torch
@@ -159,6 +160,16 @@ def build(seq_len=64, batch=1):
     (folder / "path" / "to").mkdir(parents=True)
     for path in ("config.json", "path/to/config.json"):
         (folder / path).write_text(json.dumps(config))
+    calibration = {  # what `ringpass bench --calibrate --json hw.json` writes, at this machine's rates
+        "link_bytes_per_s": 1e9,
+        "link_latency_s": 1e-3,
+        "flops_per_s": 4.7e10,
+        "head_dim_rates": [{"head_dim": 64, "flops_per_s": 4.7e10, "sdpa_flops_per_s": 5.3e10}],
+        "gemm_flops_per_s": 8e10,
+        "memory_bytes_per_s": 3e10,
+        "op_overhead_s": 2e-6,
+    }
+    (folder / "hw.json").write_text(json.dumps(calibration))
     return folder
 
 
