@@ -6,10 +6,10 @@
 For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a warm-up
 step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted: `ringpass.model_plan`
 as `ringpass plan` computes it (the fake step at the rank's share of the sequence, compiled as the backend
-compiles it when P > 1: activations and temporaries + the gradients live at the step's peak + the ring's buffers; time from the step's ops and the cost model, one rank's
-attention at the calibrated rate of the model's own SDPA, no optimizer), on the `cpu` and `loopback` presets or a
-``ringpass bench --calibrate --json FILE`` file; with more ranks than cores each rank's rates are its share of a
-core's (the ranks take turns). Measured:
+compiles it when P > 1: activations and temporaries + the gradients live at the step's peak + the ring's
+buffers; time from the step's ops and the cost model, one rank's attention at the calibrated rate of the model's
+own SDPA, no optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE``
+file; with more ranks than cores each rank's rates are its share of a core's (the ranks take turns). Measured:
 `ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
 tensors leave it) and, in other processes without that setting (it makes every allocation fault its pages in), the
 step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2

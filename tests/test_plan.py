@@ -217,9 +217,9 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     assert by[1, True]["activations"] < by[1, False]["activations"] and by[1, True]["gradients"] == params, by
     # with the ring the step is compiled: its activations and gradients at the peak are the compiled step's
     # (`ringpass.compiled_memory`, checked against a measured step in tests/test_compiled_memory.py)
+    import inspect_targets
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import inspect_targets
     from ringpass.compiled_memory import compiled_step_memory
 
     for checkpointing in (False, True):
