@@ -254,12 +254,12 @@ def candidate(
 
 
 def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, compiled: bool = False) -> dict:
-    """One training step of ``build(tokens)`` on fake tensors: bytes live at the peak by kind (weights,
-    gradients, optimizer, activations + temporaries), the FLOPs outside attention, the parameters' bytes and
-    the largest block's (an FSDP unit); and the same step with every block checkpointed. ``compiled``: the
-    activations and gradients those of the step compiled as the ring backend compiles it (module docstring)."""
+    """One training step of ``build(tokens)`` on fake tensors, after a first one so the optimizer's states exist:
+    the bytes of the weights (parameters and buffers) and of the optimizer's states, the ops outside attention
+    (`OpCosts`), the parameters' bytes and the largest block's (an FSDP unit); and the activations and gradients
+    live at the step's peak, without and with every block checkpointed: the eager step's (``MemTracker``), or
+    with ``compiled`` those of the step compiled as the ring backend compiles it (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     with FakeTensorMode(allow_non_fake_inputs=False):
         model, inputs = build(tokens)
@@ -273,36 +273,52 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, com
             else None
         )
         _train_step(model, inputs, step_optimizer)  # the optimizer's states exist from the first step on
-        tracker = MemTracker()
-        tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
         blocks = _blocks(model)
-        with tracker, OpCosts(_module_names(model, blocks)) as ops:
-            _train_step(model, inputs, step_optimizer)
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-
-        def activations(state, block) -> int:
-            return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))[_MemRefType.ACT]
-
-        kept = [activations(_ModState.POST_FW, b) - activations(_ModState.PRE_FW, b) for b in blocks]
-        block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
-    whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        ops = OpCosts(_module_names(model, blocks))
+        if compiled:
+            with ops:
+                _train_step(model, inputs, step_optimizer)
+        else:
+            live = _eager_memory(model, inputs, step_optimizer, blocks, ops)
+        held = (step_optimizer.state if step_optimizer else {}).values()
+        optimizer_states = [t for state in held for t in state.values() if isinstance(t, torch.Tensor)]
     step = {
-        "weights": peak[_MemRefType.PARAM] + peak[_MemRefType.BUFFER],
-        "gradients": peak[_MemRefType.GRAD],
-        "optimizer": peak[_MemRefType.OPT],
-        "activations": whole,
+        "weights": sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())),
+        "optimizer": sum(_tensor_bytes(t) for t in optimizer_states),
         "ops": ops,
+        "parameter_bytes": _bytes(model),
+        "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
+    }
+    return {**step, **(compiled_memory(build, tokens) if compiled else live)}
+
+
+def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
+    """The activations (and temporaries) and gradients live at the peak of an eager step under ``MemTracker``;
+    with every block checkpointed, derived from its per-block numbers (module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    tracker = MemTracker()
+    tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
+    with tracker, ops:
+        _train_step(model, inputs, step_optimizer)
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+
+    def activations(state, block) -> int:
+        return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))[_MemRefType.ACT]
+
+    kept = [activations(_ModState.POST_FW, b) - activations(_ModState.PRE_FW, b) for b in blocks]
+    block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
+    whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
+    return {
+        "activations": whole,
+        "gradients": peak[_MemRefType.GRAD],
         # checkpointed: the forward's end keeps each block's input instead of what it saved; the backward's
         # peak recomputes one block, with the blocks' inputs and every gradient live; a block's forward again
         "activations_checkpointed": max(whole - sum(kept) + block_inputs, block_inputs + max(kept, default=0))
         if blocks
         else whole,
-        "gradients_checkpointed": parameter_bytes if blocks else peak[_MemRefType.GRAD],
-        "parameter_bytes": parameter_bytes,
-        "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
+        "gradients_checkpointed": _bytes(model) if blocks else peak[_MemRefType.GRAD],
     }
-    return {**step, **compiled_memory(build, tokens)} if compiled else step
 
 
 def compiled_memory(build: Callable[[int], tuple], tokens: int) -> dict:
@@ -387,8 +403,13 @@ class OpCosts(TorchDispatchMode):
         return total
 
 
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """The bytes of ``module``'s parameters."""
+    return sum(_tensor_bytes(p) for p in module.parameters())
 
 
 def _layout(attentions) -> str:
