@@ -289,7 +289,7 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, com
         "parameter_bytes": _bytes(model),
         "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
     }
-    return {**step, **(compiled_memory(build, tokens) if compiled else live)}
+    return {**step, **(_compiled_peak(build, tokens) if compiled else live)}
 
 
 def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
@@ -321,7 +321,7 @@ def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
     }
 
 
-def compiled_memory(build: Callable[[int], tuple], tokens: int) -> dict:
+def _compiled_peak(build: Callable[[int], tuple], tokens: int) -> dict:
     """The activations and gradients at the peak of a training step of ``build(tokens)`` compiled on fake tensors
     (`ringpass.compiled_memory`), without and with every block checkpointed."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -319,18 +319,19 @@ def _tiny_model_numbers() -> tuple:
     return model, params, block, 2 * params + 4 * len(list(model.parameters()))
 
 
-@pytest.mark.heavy  # a real training step measured (~20 s)
+@pytest.mark.heavy  # real training steps measured, one process and a 2-rank ring (~90 s)
 def test_the_plans_memory_against_a_measured_step():
-    """`examples/plan_check.py` at a tiny size, one process: the plan's prediction of what a training step adds
-    within a loose bound of the measured peak (the documented table, with the 25% target, is run by hand)."""
+    """`examples/plan_check.py` at a tiny size: the plan's prediction of what a training step adds within a loose
+    bound of the measured peak, for the model alone (eager) and for a 2-rank ring (compiled), checkpointing off and
+    on (the documented table, with the 25% target, is run by hand)."""
     run = subprocess.run(
-        [sys.executable, "examples/plan_check.py", "--model", "llama", "--seq-len", "1024", "--world-sizes", "1"],
+        [sys.executable, "examples/plan_check.py", "--model", "llama", "--seq-len", "1024", "--world-sizes", "1,2"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=Path(__file__).parents[1],
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| llama |")]
-    ratios = [float(row[6]) for row in rows]  # predicted / measured memory (time is not checked yet)
-    assert len(ratios) == 2 and all(0.6 <= r <= 1.6 for r in ratios), run.stdout
+    ratios = [float(row[6]) for row in rows]  # predicted / measured memory (time: too noisy here to assert)
+    assert len(ratios) == 4 and all(0.7 <= r <= 1.4 for r in ratios), run.stdout
