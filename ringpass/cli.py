@@ -327,6 +327,12 @@ def _model_plan(args, hw):
             return hf_config_model(args.hf_config, tokens, args.batch, True, device, attention, dtype)
 
         model, inputs = build(args.seq_len, "meta", "sdpa")
+        if not getattr(model, "_supports_attention_backend", False):
+            raise NotSupportedError(
+                f"plan: {type(model).__name__} runs its own attention code, not through transformers' attention "
+                "interface, so the plan cannot run its step as the ring does (without the S x S scores). "
+                "`ringpass inspect --hf-config` shows what the ring does with it."
+            )
     else:
         factory = load_factory(args.target)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -60,7 +61,7 @@ from lowering.costmodel import (
     strategy_memory,
     strategy_seconds,
 )
-from lowering.errors import InvalidInputError
+from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from lowering.layout import Layout
 from ringpass.report import attention_lines
 
@@ -261,7 +262,7 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, com
     with ``compiled`` those of the step compiled as the ring backend compiles it (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=False), _step_failures(tokens):
         model, inputs = build(tokens)
         model.train()
         states = OPTIMIZERS[optimizer]
@@ -336,6 +337,22 @@ def _compiled_peak(build: Callable[[int], tuple], tokens: int) -> dict:
             memory = compiled_step_memory(model, inputs, checkpointing)
         found[f"activations{suffix}"], found[f"gradients{suffix}"] = memory.activations, memory.gradients
     return found
+
+
+@contextmanager
+def _step_failures(tokens: int):
+    """A training step on fake tensors that fails says so, and why it may (a `RingpassError` passes as it is)."""
+    try:
+        yield
+    except RingpassError:
+        raise
+    except Exception as error:
+        raise NotSupportedError(
+            f"plan: one training step of the model at {tokens} tokens per rank on fake tensors failed "
+            f"({type(error).__name__}: {error}). Its code needs real values somewhere (.item(), a data-dependent "
+            "branch) or runs an op that fake tensors do not support for these inputs (a dtype it refuses: try "
+            "another --dtype); the traceback shows where."
+        ) from error
 
 
 def _train_step(model, inputs, step_optimizer) -> None:

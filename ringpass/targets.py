@@ -79,7 +79,7 @@ def hf_config_model(
     """(model on ``device``, keyword inputs) for a local Hugging Face config: on the meta device no weight is
     allocated; elsewhere the weights are randomly initialised (in ``dtype``, default the config's). The model
     trains when ``labels`` (loss included), else runs in eval; ``use_cache=False`` either way (the ring's
-    regime). ``attention``: the attention implementation."""
+    regime). ``attention``: the attention implementation (``sdpa`` for a class without it: ``eager``)."""
     try:
         import transformers
     except ImportError:
@@ -91,24 +91,15 @@ def hf_config_model(
     if "model_type" not in config_dict:
         raise InvalidInputError(f"--hf-config {path!r} has no `model_type`; it is not a Hugging Face model config.")
     config = transformers.AutoConfig.for_model(**config_dict)
-    config._attn_implementation = attention
     seq_len = seq_len or getattr(config, "max_position_embeddings", None)
     if not seq_len:
         raise InvalidInputError("--hf-config: the config names no max_position_embeddings; give --seq-len.")
-    architecture = getattr(transformers, (config.architectures or [""])[0], None)  # the class the config names
-    chosen = {"dtype": dtype} if dtype is not None else {}
+    model_class = getattr(transformers, (config.architectures or [""])[0], None) or _auto_class(config, labels)
+    if attention == "sdpa" and not model_class._supports_sdpa:
+        attention = "eager"  # the class's own attention code, which the ring rewrites too (docs/models.md)
+    config._attn_implementation = attention
     with torch.device(device):
-        if architecture is not None:
-            model = architecture._from_config(config, **chosen)
-        else:
-            try:
-                model = transformers.AutoModelForCausalLM.from_config(config, **chosen)
-            except ValueError:  # not a causal LM (an encoder): the base model
-                if labels:
-                    raise InvalidInputError(
-                        f"--labels: {config.model_type} has no causal-LM head to take labels."
-                    ) from None
-                model = transformers.AutoModel.from_config(config, **chosen)
+        model = model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     model.train(labels)
     if labels and hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph
@@ -119,3 +110,16 @@ def hf_config_model(
     if labels:
         inputs["labels"] = torch.zeros_like(ids)  # a tensor of its own, as a user's batch has
     return model, inputs
+
+
+def _auto_class(config, labels: bool) -> type:
+    """The class ``AutoModelForCausalLM`` builds for ``config``; an encoder (without ``labels``): ``AutoModel``'s."""
+    import transformers
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+    except KeyError:  # not a causal LM (an encoder): the base model
+        if labels:
+            raise InvalidInputError(f"--labels: {config.model_type} has no causal-LM head to take labels.") from None
+        return _get_model_class(config, transformers.AutoModel._model_mapping)

@@ -51,7 +51,7 @@ HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "python examples/boundary_memory.py": "six spawns of fresh processes, each compiling: about a minute made small",
     "python examples/mask_crossing_memory.py": "three spawns of fresh processes compiling a Hugging Face model: 30 s",
     "python examples/plan_check.py": "four spawns of fresh processes training a Hugging Face model: a minute",
-    "ringpass plan --hf-config": "fake training steps at four ring sizes, three compiled (~20 s): test_plan checks by hand",
+    "ringpass plan --hf-config": "fake steps at four ring sizes, three compiled (~20 s): test_plan checks by hand",
 }
 SKIP = {
     "./dev test": "the test suite itself, this file included",

@@ -296,6 +296,22 @@ def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
     assert "2 x model.layers.{0-1}.self_attn: sdpa (causal" in result.stdout  # identical attentions: one line
 
 
+def test_a_hugging_face_config_whose_class_has_no_sdpa_runs_its_own_attention(tmp_path, capsys):
+    """GPT-J has no SDPA path: `--hf-config` builds it with its eager attention (raised "does not support an
+    attention implementation through SDPA" before), which the ring rewrites; `ringpass plan` refuses it, saying
+    why (it cannot run that attention without its S x S scores)."""
+    transformers.GPTJConfig(
+        n_embd=32, n_layer=1, n_head=4, rotary_dim=8, vocab_size=64, n_positions=256, architectures=["GPTJForCausalLM"]
+    ).save_pretrained(tmp_path)
+    config = str(tmp_path / "config.json")
+    assert main(["inspect", "--hf-config", config, "--world-size", "2", "--seq-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 attention(s) rewritten to ring attention" in printed and "transformer.h.0.attn: hand-written" in printed
+    plan = ["plan", "--world-size", "2", "--seq-len", "64", "--device", "cpu", "--link", "loopback", "--hf-config"]
+    assert main([*plan, config]) == 1
+    assert "GPTJForCausalLM runs its own attention code" in capsys.readouterr().err
+
+
 def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(

@@ -292,6 +292,26 @@ def test_the_step_time_prices_each_op_by_hand():
     assert costs.seconds(launches, checkpointing=True) == pytest.approx(len(costs.ops) + len(forward))
 
 
+def test_a_step_that_cannot_run_on_fake_tensors_is_refused_saying_why():
+    """A model whose code needs a real value (here ``int()`` of a tensor): the plan's fake step fails with an
+    error naming the cause and what to do, not torch's traceback alone."""
+    import torch
+
+    from lowering.errors import NotSupportedError
+    from ringpass.model_plan import measure_step
+
+    class ReadsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x)[: int(x.sum()) + 1].sum()
+
+    with pytest.raises(NotSupportedError, match="one training step of the model at 16 tokens per rank on fake"):
+        measure_step(lambda tokens: (ReadsValues(), (torch.ones(1, tokens, 8),)), 16, "adamw")
+
+
 @pytest.mark.heavy  # five plans (~50 s)
 def test_whole_model_plans_for_other_optimizers_and_wrappers(tmp_path):
     """SGD keeps one state per parameter, none none; FSDP2 divides weights, gradients and states by the ranks and
