@@ -10,7 +10,8 @@ prints the fastest fixed method's forward+backward time, auto's pick, the pick's
 (the strategy auto picks, measured among the others), and auto's row (the same strategy measured again: the
 machine's run-to-run spread shows there). N = 32768 runs one warm-up and ``--long-repeats`` measured calls. Each
 cell's process first runs ``ring-zigzag`` once more, unrecorded: the first method a fresh process measures ran up
-to 25 % slow here (``--no-throwaway`` to see it).
+to 25 % slow here (``--no-throwaway`` to see it). ``--rounds K`` runs each cell K times in fresh processes and
+keeps each method's least median: other work on the machine only slows a run down.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def fixed_method(picked: str, world_size: int) -> str | None:
     return None
 
 
-def cell(seq_len: int, world_size: int, causal: bool, repeats: int, hardware, throwaway: bool = True) -> dict:
+def cell(
+    seq_len: int, world_size: int, causal: bool, repeats: int, hardware, throwaway: bool = True, rounds: int = 1
+) -> dict:
     config = BenchConfig(
         world_sizes=(world_size,),
         seq_lens=(seq_len,),
@@ -45,10 +48,15 @@ def cell(seq_len: int, world_size: int, causal: bool, repeats: int, hardware, th
         repeats=repeats,
         progress=False,
     )
-    rows = {r["method"]: r for r in run_bench(config, hardware)["rows"] if "total_s" in r}
-    fixed = {m: rows[m]["total_s"]["median"] for m in FIXED if m in rows}
+    runs = [{r["method"]: r for r in run_bench(config, hardware)["rows"] if "total_s" in r} for _ in range(rounds)]
+
+    def least(method: str) -> float:  # interference only slows a run: the least of the rounds' medians
+        return min(run[method]["total_s"]["median"] for run in runs)
+
+    measured = [m for m in (*FIXED, "auto") if m in runs[0]]
+    fixed = {m: least(m) for m in FIXED if m in runs[0]}
     fastest = min(fixed, key=fixed.get)
-    picked = rows["auto"]["chosen"]
+    picked = runs[0]["auto"]["chosen"]
     as_fixed = fixed_method(picked, world_size)
     return {
         "seq_len": seq_len,
@@ -58,8 +66,9 @@ def cell(seq_len: int, world_size: int, causal: bool, repeats: int, hardware, th
         "fastest": fastest,
         "picked": picked,
         "picked_ratio": fixed[as_fixed] / fixed[fastest] if as_fixed in fixed else None,
-        "auto_s": rows["auto"]["total_s"]["median"],
-        "auto_ratio": rows["auto"]["total_s"]["median"] / fixed[fastest],
+        "rounds_s": {m: [run[m]["total_s"]["median"] for run in runs] for m in measured},
+        "auto_s": least("auto"),
+        "auto_ratio": least("auto") / fixed[fastest],
     }
 
 
@@ -72,6 +81,9 @@ def main() -> None:
     parser.add_argument("--hardware", metavar="FILE", help="a `ringpass bench --calibrate --json` file")
     parser.add_argument("--masks", nargs="+", choices=["causal", "none"], default=["causal", "none"])
     parser.add_argument("--no-throwaway", action="store_true", help="no unrecorded first method")
+    parser.add_argument(
+        "--rounds", metavar="K", type=int, default=1, help="each cell K times (fresh processes); each method's least"
+    )
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     hardware = load_hardware(args.hardware) if args.hardware else None
@@ -84,7 +96,7 @@ def main() -> None:
         for world_size in args.world_sizes:
             for causal in [mask == "causal" for mask in args.masks]:
                 repeats = args.long_repeats if seq_len >= 32768 else args.repeats
-                c = cell(seq_len, world_size, causal, repeats, hardware, not args.no_throwaway)
+                c = cell(seq_len, world_size, causal, repeats, hardware, not args.no_throwaway, args.rounds)
                 cells.append(c)
                 ratio = "-" if c["picked_ratio"] is None else f"{c['picked_ratio']:.3f}"
                 print(

@@ -1,12 +1,13 @@
 """What a compiled training step holds at its peak: AOTAutograd's own graphs, captured on fake tensors, run in
 order with every value freed after its last use.
 
-`ringpass plan` measures eager autograd with torch's ``MemTracker`` (`ringpass.model_plan.measure_step`). A model
-compiled by the ring backend keeps less: AOTAutograd splits each graph into a forward that returns the values the
-backward needs (its min-cut partitioner chooses them, recomputing cheap ones, and with activation checkpointing
-recomputes each checkpointed block in the backward) and a backward that takes them. `compiled_step_memory`
-compiles the model with the partitioner the backend's compilers use (``min_cut_rematerialization_partition``)
-inside ``FakeTensorMode``, keeps the forward and backward graphs, and walks each as its interpreter runs it:
+`ringpass plan` measures the model alone (P = 1) as eager autograd runs it, under torch's ``MemTracker``
+(`ringpass.model_plan.measure_step`). A model compiled by the ring backend keeps less: AOTAutograd splits each
+graph into a forward that returns the values the backward needs (its min-cut partitioner chooses them,
+recomputing cheap ones, and with activation checkpointing recomputes each checkpointed block in the backward) and
+a backward that takes them. `compiled_step_memory` compiles the model with the partitioner the backend's
+compilers use (``min_cut_rematerialization_partition``) inside ``FakeTensorMode``, keeps the forward and
+backward graphs, and walks each as its interpreter runs it:
 
 - a node that makes a tensor allocates its storage's bytes (a view, or an item of a multi-output op, shares its
   base's storage); a storage is freed when the last node reading any of its aliases has run, unless the graph
@@ -35,8 +36,8 @@ from lowering.errors import NotSupportedError
 
 @dataclass
 class GraphMemory:
-    """One AOTAutograd graph walked in order: its peak and end in bytes (what it allocates, plus ``held`` inputs),
-    and which of its nodes' storages it returns."""
+    """One AOTAutograd graph walked in order: its peak and end in bytes (what it allocates, plus the inputs it
+    counts), and which of its nodes' storages it returns."""
 
     peak: int
     end: int  # what stays: the returned storages

@@ -276,19 +276,22 @@ def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
     assert ("sdpa", 1) in rows
 
 
-@pytest.mark.heavy  # one spawn of six methods (~20 s)
+@pytest.mark.heavy  # two spawns of six methods (~40 s)
 def test_the_strategy_grid_script_at_a_tiny_size(tmp_path):
-    """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell: every fixed method
-    measured, auto's pick named, and the ratios taken against the fastest fixed method."""
+    """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell, two rounds: every
+    fixed method measured, each the least of its rounds, auto's pick named, and the ratios taken against the
+    fastest fixed method."""
     import subprocess
     import sys
     from pathlib import Path
 
     out = tmp_path / "grid.json"
-    argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--json"]
+    argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--rounds", "2", "--json"]
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "examples/strategy_grid.py", *argv, str(out)], cwd=root, check=True, timeout=600)
     (cell,) = json.loads(out.read_text())
     assert set(cell["fixed_s"]) == {"ring-zigzag", "ring-contiguous", "all-gather", "ulysses"}
     assert cell["fastest"] == min(cell["fixed_s"], key=cell["fixed_s"].get)
+    for method, seconds in cell["fixed_s"].items():
+        assert len(cell["rounds_s"][method]) == 2 and seconds == min(cell["rounds_s"][method])
     assert cell["picked"] and cell["auto_ratio"] == cell["auto_s"] / cell["fixed_s"][cell["fastest"]]
