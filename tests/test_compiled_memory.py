@@ -77,6 +77,7 @@ def test_a_graph_walked_by_hand():
     assert (counted.peak, counted.end) == (12000, 4000)
 
 
+@pytest.mark.heavy  # a process compiling and measuring two steps (~12 s)
 def test_a_compiled_step_against_its_measured_peak():
     """What a compiled step (AOTAutograd's partition, ``aot_eager``) adds at its peak, measured (peak RSS above
     the start, ``MALLOC_MMAP_THRESHOLD_`` set), against `compiled_step_memory` on fake tensors: within 5 %,
