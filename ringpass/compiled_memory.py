@@ -18,7 +18,8 @@ backward graphs, and walks each as its interpreter runs it:
   its output gradient, and its results are the parameters' gradients, live to the step's end.
 
 Several graphs (graph breaks) run forward in order, each holding the saved values of those before it, and
-backward in reverse, each holding the gradients of those after it; eager code between graphs is not counted.
+backward in reverse, each holding the gradients of those after it; eager code between graphs, and graphs that
+compute no gradient, are not counted.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def _walk_step(pairs: list[dict]) -> StepMemory:
     for i in reversed(range(len(pairs))):
         counted = {name for name, size in forwards[i].returned.items() if size}  # the saved values; not the weights
         backward = walk(pairs[i]["backward"], counted_inputs=counted, tangents=True)
-        user_outputs = sum(forwards[i].returned.values()) - sum(  # what the caller holds that the backward doesn't
-            size for name, size in forwards[i].returned.items() if name in _placeholder_names(pairs[i]["backward"])
+        taken = _placeholder_names(pairs[i]["backward"])
+        user_outputs = sum(  # what the caller holds that the backward does not take
+            size for name, size in forwards[i].returned.items() if name not in taken
         )
         total = sum(saved[:i]) + user_outputs + later_gradients + backward.peak
         if total > peak:
