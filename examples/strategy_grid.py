@@ -11,7 +11,11 @@ prints the fastest fixed method's forward+backward time, auto's pick, the pick's
 machine's run-to-run spread shows there). N = 32768 runs one warm-up and ``--long-repeats`` measured calls. Each
 cell's process first runs ``ring-zigzag`` once more, unrecorded: the first method a fresh process measures ran up
 to 25 % slow here (``--no-throwaway`` to see it). ``--rounds K`` runs each cell K times in fresh processes and
-keeps each method's least median: other work on the machine only slows a run down.
+keeps each method's least median: other work on the machine only slows a run down. ``--interleave`` warms every
+method first and then measures them in turns, each turn starting one method later (``ringpass bench
+--interleave``): a drift during the cell's run (a process that ran later methods up to 7 % slower was seen at 32768
+tokens) then weighs on every method alike, so neither the unrecorded first method nor running ``ulysses`` last is
+needed.
 """
 
 from __future__ import annotations
@@ -38,15 +42,24 @@ def fixed_method(picked: str, world_size: int) -> str | None:
 
 
 def cell(
-    seq_len: int, world_size: int, causal: bool, repeats: int, hardware, throwaway: bool = True, rounds: int = 1
+    seq_len: int,
+    world_size: int,
+    causal: bool,
+    repeats: int,
+    hardware,
+    throwaway: bool = True,
+    rounds: int = 1,
+    interleave: bool = False,
 ) -> dict:
     config = BenchConfig(
         world_sizes=(world_size,),
         seq_lens=(seq_len,),
         causal=causal,
-        methods=(*FIXED[:throwaway], *FIXED[:3], "auto", "ulysses"),  # rows of a repeated method: the last is kept
+        # one after another: rows of a repeated method, the last is kept
+        methods=(*FIXED, "auto") if interleave else (*FIXED[:throwaway], *FIXED[:3], "auto", "ulysses"),
         repeats=repeats,
         progress=False,
+        interleave=interleave,
     )
     runs = [{r["method"]: r for r in run_bench(config, hardware)["rows"] if "total_s" in r} for _ in range(rounds)]
 
@@ -67,6 +80,7 @@ def cell(
         "picked": picked,
         "picked_ratio": fixed[as_fixed] / fixed[fastest] if as_fixed in fixed else None,
         "rounds_s": {m: [run[m]["total_s"]["median"] for run in runs] for m in measured},
+        "spread_s": {m: [run[m]["total_s"] for run in runs] for m in measured},  # each round's median, min, max
         "auto_s": least("auto"),
         "auto_ratio": least("auto") / fixed[fastest],
     }
@@ -84,6 +98,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds", metavar="K", type=int, default=1, help="each cell K times (fresh processes); each method's least"
     )
+    parser.add_argument("--interleave", action="store_true", help="measure the methods in turns (see above)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     hardware = load_hardware(args.hardware) if args.hardware else None
@@ -96,7 +111,9 @@ def main() -> None:
         for world_size in args.world_sizes:
             for causal in [mask == "causal" for mask in args.masks]:
                 repeats = args.long_repeats if seq_len >= 32768 else args.repeats
-                c = cell(seq_len, world_size, causal, repeats, hardware, not args.no_throwaway, args.rounds)
+                c = cell(
+                    seq_len, world_size, causal, repeats, hardware, not args.no_throwaway, args.rounds, args.interleave
+                )
                 cells.append(c)
                 ratio = "-" if c["picked_ratio"] is None else f"{c['picked_ratio']:.3f}"
                 print(
@@ -104,9 +121,9 @@ def main() -> None:
                     f"{c['fixed_s'][c['fastest']]:>8.3f}  {c['picked']:<18} {ratio:>12} {c['auto_ratio']:>12.3f}",
                     flush=True,
                 )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(cells, f, indent=1)
+                if args.json:  # after every cell: a run stopped early keeps the cells it finished
+                    with open(args.json, "w") as f:
+                        json.dump(cells, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -402,6 +402,11 @@ def _bench_arguments(b) -> None:
     )
     b.add_argument("--repeats", type=int, default=5, help="measured calls per case")
     b.add_argument("--warmup", type=int, default=1, help="unmeasured calls first")
+    b.add_argument(
+        "--interleave",
+        action="store_true",
+        help="attention: warm every method first, then measure in turns over the methods (drift hits all alike)",
+    )
     b.add_argument("--threads-per-rank", type=int, default=0, help="default: cores // world size")
     b.add_argument("--hardware", metavar="FILE", help="predict with this calibration (default: loopback + cpu presets)")
     b.add_argument("--calibrate", action="store_true", help="measure this machine's link and kernel rate instead")
@@ -452,6 +457,7 @@ def _bench(args) -> int:
         hf_config=args.hf_config,
         compiler=args.compiler,
         new_tokens=args.new_tokens,
+        interleave=args.interleave,
     )
     summary = bench.run_bench(config, load_hardware(args.hardware) if args.hardware else None)
     if summary:  # not a torchrun rank other than 0

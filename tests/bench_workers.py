@@ -53,3 +53,26 @@ def peak_of_a_freed_allocation(rank: int, world_size: int) -> dict:
         "kept": small.numel(),
         "threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
     }
+
+
+def methods_in_turns_or_one_after_another(rank: int, world_size: int) -> dict:
+    """`measure_methods` on three methods, three measured calls each, without and with ``interleave``: per
+    setting, the methods in the order their measured calls started, and the largest error against fp32 SDPA."""
+    import dataclasses
+
+    from ringpass.bench import BenchConfig
+    from ringpass.bench.attention import make_inputs, measure_methods
+    from ringpass.bench.measure import Progress
+    from ringpass.hardware import default_hardware
+
+    device, methods = torch.device("cpu"), ("ring-zigzag", "all-gather", "ulysses")
+    result = {}
+    for interleave in (False, True):
+        config = BenchConfig(seq_lens=(64,), methods=methods, repeats=3, interleave=interleave, progress=False)
+        config = dataclasses.replace(config, hardware=default_hardware())
+        inputs = make_inputs(config, 64, device)
+        measured = measure_methods(methods, inputs, config, rank, world_size, device, Progress(0))
+        calls = sorted((s["started_s"], m) for m, r in measured.items() for s in r["samples"])
+        errors = [s["error"] for r in measured.values() for s in r["samples"]]
+        result[interleave] = {"order": [m for _, m in calls], "error": max(errors)}
+    return result

@@ -9,9 +9,10 @@ import bench_workers
 import pytest
 
 from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, ring_cost
+from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass import cli
-from ringpass.bench import calibrate
+from ringpass.bench import BenchConfig, calibrate
 from ringpass.bench.measure import MMAP_THRESHOLD
 from ringpass.hardware import load_hardware
 from ringpass.launch import spawn_ranks
@@ -32,6 +33,22 @@ def test_peak_memory_counts_what_the_call_held_not_what_was_freed_before(monkeyp
     mib = 2**20  # the kernel's resident-set counters lag by up to 64 pages per thread: 1 MiB of slack
     assert 63 * mib <= result["peak"] < 72 * mib  # the freed 128 MiB before it is not counted
     assert 0.5 * mib <= result["small"] < 4 * mib  # nor the 64 MiB freed inside the previous call
+
+
+def test_interleave_measures_the_methods_in_turns_each_turn_starting_one_later():
+    """``ringpass bench --interleave`` (docs/performance.md, "Choosing a strategy"): after every method's warm-up
+    call, measured calls go round the methods, turn t starting with method t; without it each method's calls run
+    together. Every call exact against fp32 SDPA either way."""
+    z, g, u = "ring-zigzag", "all-gather", "ulysses"
+    for result in spawn_ranks(bench_workers.methods_in_turns_or_one_after_another, 2, timeout=120):
+        assert result[False]["order"] == [z, z, z, g, g, g, u, u, u]
+        assert result[True]["order"] == [z, g, u, g, u, z, u, z, g]
+        assert result[False]["error"] < 1e-5 and result[True]["error"] < 1e-5
+
+
+def test_interleave_is_refused_outside_the_attention_bench():
+    with pytest.raises(InvalidInputError, match="--interleave is for --what attention"):
+        BenchConfig(what="decode", methods=("sdpa",), interleave=True)
 
 
 def test_working_memory_and_all_gather_time_by_hand():
@@ -194,6 +211,7 @@ def test_bench_model_takes_a_hugging_face_config(tmp_path):
     assert ring["exchanges"] > 0 and "cfg" in json.loads(out.read_text())["config"]["hf_config"]
 
 
+@pytest.mark.heavy  # the calibration measures every rate on two ranks (~45 s); its fit is checked above
 def test_calibrate_then_plan_with_it(tmp_path, capsys):
     hardware = tmp_path / "hardware.json"
     assert cli.main(["bench", "--calibrate", "--json", str(hardware)]) == 0
@@ -277,16 +295,18 @@ def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
 
 
 @pytest.mark.heavy  # two spawns of six methods (~40 s)
-def test_the_strategy_grid_script_at_a_tiny_size(tmp_path):
-    """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell, two rounds: every
-    fixed method measured, each the least of its rounds, auto's pick named, and the ratios taken against the
-    fastest fixed method."""
+@pytest.mark.parametrize("order", [[], ["--interleave"]])
+def test_the_strategy_grid_script_at_a_tiny_size(tmp_path, order):
+    """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell, two rounds, the
+    methods one after another or in turns: every fixed method measured, each the least of its rounds, auto's pick
+    named, and the ratios taken against the fastest fixed method."""
     import subprocess
     import sys
     from pathlib import Path
 
     out = tmp_path / "grid.json"
-    argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--rounds", "2", "--json"]
+    argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--rounds", "2", *order]
+    argv += ["--json"]
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "examples/strategy_grid.py", *argv, str(out)], cwd=root, check=True, timeout=600)
     (cell,) = json.loads(out.read_text())

@@ -70,6 +70,7 @@ class BenchConfig:
     hf_config: str | None = None
     compiler: str = "aot_eager"
     new_tokens: int = 1  # decode: queries per step
+    interleave: bool = False  # attention: measured calls in turns over the methods (`attention.measure_methods`)
     hardware: Hardware | None = None  # what predictions and the ``auto`` method use (`run_bench` sets it)
 
     def __post_init__(self):
@@ -89,6 +90,8 @@ class BenchConfig:
             )
         if self.what == "decode" and not 1 <= self.new_tokens <= min(self.seq_lens):
             raise InvalidInputError(f"bench: --new-tokens {self.new_tokens} must be between 1 and the cache length.")
+        if self.interleave and self.what != "attention":
+            raise InvalidInputError(f"bench: --interleave is for --what attention, not --what {self.what}.")
         if self.what in ("attention", "decode") and self.dtype not in attention.DTYPES:
             raise InvalidInputError(f"bench: --dtype {self.dtype!r} is not one of {', '.join(attention.DTYPES)}.")
 

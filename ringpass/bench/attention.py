@@ -9,7 +9,8 @@ Ulysses x ring with smaller groups, and running the attention whole on every ran
 ``context-parallel`` (PyTorch's ``context_parallel``, which shards the buffers itself; where it cannot run the
 row says why). Every process builds the same full q, k, v and
 output gradient from one seed and takes its shard; each method's output is checked against fp32 SDPA on
-the whole sequence (the ``error`` column), so a wrong method shows as wrong, not as fast.
+the whole sequence (the ``error`` column), so a wrong method shows as wrong, not as fast. Methods run one
+after another, or with ``--interleave`` in turns (`measure_methods`).
 
 Each rank returns, per method, sequence length and repeat: forward and forward+backward seconds, peak
 memory of the forward and of the whole call (`measure.PeakMemory`), its seconds computing blocks, and,
@@ -195,6 +196,7 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
     spans = [e.fields for e in events if e.kind == "span"]
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
     return {
+        "started_s": start,  # perf_counter: the order of calls within this process
         "forward_s": forward_s,
         "total_s": total_s,
         "forward_bytes": forward_bytes,
@@ -206,17 +208,52 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
     }
 
 
-def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: int, device) -> dict:
-    """This rank's measurements of ``method`` (``{"unavailable": reason}`` where it cannot run)."""
-    memory = PeakMemory(device)
+class _Prepared:
+    """One method set up on this rank, its warm-up calls made; ``call()`` measures one more call."""
+
+    def __init__(self, method: str, step, memory: PeakMemory, device, warmup: int):
+        self.method, self.step, self.memory, self.device = method, step, memory, device
+        self.chosen = str(step.strategy) if method == "auto" else None
+        first = self.call_once()  # a warm-up call, or the first measured one with --warmup 0
+        warmups, self.samples = ([first], []) if warmup else ([], [first])
+        warmups += [self.call_once() for _ in range(warmup - 1)]
+        self.first_call_bytes = warmups[0]["total_bytes"] if warmups else None
+
+    def call_once(self) -> dict:
+        return _run_once(self.step, self.memory, self.device)
+
+    def call(self, world_size: int) -> None:
+        if world_size > 1:
+            dist.barrier()
+        self.samples.append(self.call_once())
+
+    def result(self, config, rank: int, world_size: int, seq_len: int) -> dict:
+        if config.trace:
+            write_trace(
+                self.call_once,
+                self.device,
+                os.path.join(
+                    config.trace,
+                    f"{self.method}-P{world_size}-N{seq_len}-T{torch.get_num_threads()}-rank{rank}.json",
+                ),
+            )
+        return {
+            "samples": self.samples,
+            "memory_note": self.memory.unavailable,
+            "first_call_bytes": self.first_call_bytes,
+            "chosen": self.chosen,
+        }
+
+
+def prepare_method(method: str, inputs: Inputs, config, rank: int, world_size: int, device) -> _Prepared | dict:
+    """``method`` ready to measure on this rank (``{"unavailable": reason}`` where it cannot run)."""
     try:
         step = (
             _ContextParallelStep(inputs, config, world_size)
             if method == "context-parallel"
             else _Step(method, inputs, config, rank, world_size)
         )
-        chosen = str(step.strategy) if method == "auto" else None
-        first = _run_once(step, memory, device)  # a warm-up call, or the first measured one with --warmup 0
+        return _Prepared(method, step, PeakMemory(device), device, config.warmup)
     except _Unavailable as error:
         return {"unavailable": str(error)}
     except (NotImplementedError, RuntimeError) as error:
@@ -224,26 +261,38 @@ def measure_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         return {"unavailable": f"{type(error).__name__}: {first_line}"}
-    warmups, samples = ([first], []) if config.warmup else ([], [first])
-    warmups += [_run_once(step, memory, device) for _ in range(config.warmup - 1)]
-    while len(samples) < config.repeats:
-        if world_size > 1:
-            dist.barrier()
-        samples.append(_run_once(step, memory, device))
-    if config.trace:
-        write_trace(
-            lambda: _run_once(step, memory, device),
-            device,
-            os.path.join(
-                config.trace, f"{method}-P{world_size}-N{inputs.q.size(2)}-T{torch.get_num_threads()}-rank{rank}.json"
-            ),
-        )
-    return {
-        "samples": samples,
-        "memory_note": memory.unavailable,
-        "first_call_bytes": warmups[0]["total_bytes"] if warmups else None,
-        "chosen": chosen,
-    }
+
+
+def measure_methods(methods, inputs: Inputs, config, rank: int, world_size: int, device, progress) -> dict:
+    """This rank's measurements of each method, by name. One after another, each method's calls together;
+    with ``config.interleave`` every method is set up and warmed first, then the measured calls go round the
+    methods, each round starting one method later, so that a machine slowing down or speeding up during the
+    run (or a process that grows slower as it ages) weighs on every method alike."""
+    seq_len = inputs.q.size(2)
+
+    def prepare(method):
+        threads = torch.get_num_threads()
+        progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
+        return prepare_method(method, inputs, config, rank, world_size, device)
+
+    def result(prepared):  # a method's step is dropped with its _Prepared once this is taken
+        return prepared.result(config, rank, world_size, seq_len) if isinstance(prepared, _Prepared) else prepared
+
+    if not config.interleave:
+        measured = {}
+        for method in methods:
+            prepared = prepare(method)
+            while isinstance(prepared, _Prepared) and len(prepared.samples) < config.repeats:
+                prepared.call(world_size)
+            measured[method] = result(prepared)
+        return measured
+    prepared = {method: prepare(method) for method in methods}
+    runnable = [p for p in prepared.values() if isinstance(p, _Prepared)]
+    for turn in range(config.repeats if runnable else 0):
+        for ready in runnable[turn % len(runnable) :] + runnable[: turn % len(runnable)]:
+            if len(ready.samples) < config.repeats:
+                ready.call(world_size)
+    return {method: result(p) for method, p in prepared.items()}
 
 
 def message_seconds(config, seq_len: int, world_size: int, device, repeats: int = 3) -> dict:
@@ -276,10 +325,7 @@ def attention_rank(rank: int, world_size: int, config, methods, progress_done: i
     for seq_len in config.seq_lens:
         inputs = make_inputs(config, seq_len, device)
         messages = message_seconds(config, seq_len, world_size, device) if world_size > 1 else None
-        for method in methods:
-            threads = torch.get_num_threads()
-            progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
-            mine = measure_method(method, inputs, config, rank, world_size, device)
+        for method, mine in measure_methods(methods, inputs, config, rank, world_size, device, progress).items():
             records.append(
                 gather_record(
                     mine, method=method, world_size=world_size, seq_len=seq_len, device=device, messages=messages
