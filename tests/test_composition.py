@@ -1,8 +1,9 @@
 """The ring composed with the rest of the parallelism stack on a DeviceMesh (gloo, CPU): FSDP2 and DDP
 (gradients exact with the wrapper's reduction as the only one), tensor parallel and Ulysses x ring. Each
 case: loss and every parameter gradient of one step against the unsharded model on the global batch, proof
-that the ring ran, and the gradient collectives counted. The 2-rank cases run in the default suite; the 2 x 2
-meshes (one 4-rank spawn) with ``-m heavy``."""
+that the ring ran, and the gradient collectives counted. FSDP2 (a hand-written model and a Hugging Face Llama), DDP
+with per-rank inputs and the refusals run in the default suite; an explicit grads="reduced", per-rank lengths,
+tails and per-block graphs (a second 2-rank spawn) and the 2 x 2 meshes (one 4-rank spawn) with ``-m heavy``."""
 
 from functools import cache
 
@@ -16,9 +17,11 @@ from ringpass.launch import spawn_ranks
 TWO_RANKS = [
     ("wrapped_step", ("fsdp2", 1)),
     ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
-    ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("refused", ("fsdp2", "local")),
     ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
+]
+TWO_RANKS_HEAVY = [  # suite time: a second 2-rank spawn, -m heavy
+    ("wrapped_step", ("fsdp2", 1, "reduced")),
     ("per_rank_lengths", ()),
     ("per_rank_tail", ("none",)),
     ("per_rank_tail", ("ddp",)),
@@ -56,8 +59,8 @@ FOUR_RANKS = [
 
 
 @cache
-def results(world_size: int) -> list:
-    calls = TWO_RANKS if world_size == 2 else FOUR_RANKS
+def results(world_size: int, heavy: bool = False) -> list:
+    calls = FOUR_RANKS if world_size == 4 else TWO_RANKS_HEAVY if heavy else TWO_RANKS
     return spawn_ranks(composition_workers.runs, world_size, (calls,), timeout=600)
 
 
@@ -83,23 +86,24 @@ def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
             assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
 
 
+@pytest.mark.heavy  # in the second 2-rank spawn
 def test_an_explicit_grads_reduced_under_fsdp2_is_exact_and_says_what_it_costs():
-    for rank in results(2):
-        result = rank[2]
+    for rank in results(2, heavy=True):
+        result = rank[0]
         check_exact(result)
         assert result["ringpass_all_reduces"] > 0 and "reduces it again" in result["why"][0], result
 
 
 def test_combinations_that_would_be_wrong_are_refused():
     for rank in results(2):
-        assert "grads='local'" in rank[3] and "1/2 of the truth" in rank[3], rank[3]
+        assert "grads='local'" in rank[2] and "1/2 of the truth" in rank[2], rank[2]
 
 
 def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
     """DDP with buckets small enough that Dynamo's DDPOptimizer would cut the graph into pieces (the per_rank case
     below): the ring's graph arrives whole (one graph, its attentions rewritten), the summary says so."""
     for rank in results(2):
-        summary = rank[4]["summaries"][0]  # the first call's graph (a second length compiles a second)
+        summary = rank[3]["summaries"][0]  # the first call's graph (a second length compiles a second)
         assert "2 attention(s) rewritten" in summary and "DDP: kept whole (Dynamo's optimize_ddp" in summary, summary
 
 
@@ -108,21 +112,22 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
     are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch.
     (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
-        result = rank[4]
+        result = rank[3]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
         assert set(result["gradients"]) == {"mean"}, result
 
 
+@pytest.mark.heavy  # in the second 2-rank spawn
 def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph():
     """inputs='per_rank' compiled with dynamic=True under DDP, the ranks' batches of different lengths and row
     counts (padded rows masked): each rank's loss and logits its own batch's, DDP's gradient, the ring ran on both
     batches. A graph compiled for one length, and one whose shape guards break on the other rank's length: the
     same error on every rank, saying what to do."""
     errors = []
-    for rank in results(2):
-        result = rank[5]
+    for rank in results(2, heavy=True):
+        result = rank[1]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
         assert result["kv_exchanges"] == 2 * 2, result
         fixed, branch = result["fixed_length"], result["branch_on_length"]
@@ -133,14 +138,15 @@ def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph()
     assert errors[0] == errors[1]
 
 
+@pytest.mark.heavy  # in the second 2-rank spawn
 def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_batch():
     """inputs='per_rank', a loss that shifts the hidden states by one after the last attention and scores them with
     the embedding's weight (TRL's fused LM head, spelled out): the tail runs once on each rank's own batch (said in
     the summary), the loss is each rank's own, every rank's gradient the data-parallel mean, without a wrapper and
     under DDP (the tied weight trains through both the ring graph and the tail); the ring ran on both batches. A
     token shift between two attentions is still refused on every rank."""
-    for rank in results(2):
-        for result in rank[6:8]:
+    for rank in results(2, heavy=True):
+        for result in rank[2:4]:
             assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
             assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions, each rank's batch
             assert "the tail from `getitem`" in result["summary"], result["summary"]
@@ -148,6 +154,7 @@ def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_ba
             assert "cannot run on a sequence-sharded activation" in result["refused"], result["refused"]
 
 
+@pytest.mark.heavy  # in the second 2-rank spawn
 def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
     """inputs='per_rank' with the model cut into graphs: blocks compiled one by one under DDP, FSDP2 on every block
     and the root with the blocks compiled one by one (torchtitan's way), and a Hugging Face Llama under FSDP2 per
@@ -155,14 +162,14 @@ def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
     Each rank's loss is its own batch's and the gradients the data-parallel mean; the ring ran on both batches in
     each block; the summary says the hidden states were sent by tokens (not gathered). An eager activation attended
     without a wrapper: its output and the gradient of this rank's own objective as unsharded."""
-    for rank in results(2):
-        for result in rank[8:11]:
+    for rank in results(2, heavy=True):
+        for result in rank[4:7]:
             assert result["loss"] <= 1e-12 and result["grads"] <= 1e-10, result
             assert result["kv_exchanges"] == 2 * 2 * 2, result  # 2 blocks, each rank's batch, forward and backward
             ring_graphs = [s for s in result["summaries"] if "rewritten to ring attention" in s]
             assert ring_graphs and all("(activations) sent by tokens" in s for s in ring_graphs), result["summaries"]
-        assert max(rank[8]["activation"]) <= 1e-12, rank[8]["activation"]
-        assert all("mask(s) crossing" in s for s in rank[10]["summaries"] if "ring attention" in s), rank[10]
+        assert max(rank[4]["activation"]) <= 1e-12, rank[4]["activation"]
+        assert all("mask(s) crossing" in s for s in rank[6]["summaries"] if "ring attention" in s), rank[6]
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy

@@ -215,7 +215,7 @@ SCORE_MODELS = {  # name: {case: what the report says of its attention}
 @pytest.mark.parametrize(
     "name,world_size",
     [
-        ("bloom", 2),
+        pytest.param("bloom", 2, marks=pytest.mark.heavy),  # suite time: ALiBi through the ring runs in test_flex
         pytest.param("mpt", 2, marks=pytest.mark.heavy),
         pytest.param("gemma2", 2, marks=pytest.mark.heavy),  # suite time
         pytest.param("bloom", 4, marks=pytest.mark.heavy),

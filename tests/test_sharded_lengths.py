@@ -4,8 +4,8 @@ Each rank passes its shard, so Dynamo traces the model at N/P tokens. Under stat
 ``x.shape[1]`` into that number; the backend has Dynamo trace again with the sequence dims dynamic
 (`ringpass.retrace`), and `globalize_sharded_lengths` gives every read of the length as a value N. ESM's
 token dropout (issue 27: logits 11% off before) and a hand-written model, static and ``dynamic=True``, on 2
-ranks (one spawn; ESM with ``dynamic=True`` and ``dynamic=False`` with -m heavy): logits equal the unsharded
-model's, the ring ran, one compile serves a second length.
+ranks (one spawn: ESM static and the hand-written model dynamic; the others with -m heavy): logits equal the
+unsharded model's, the ring ran, one compile serves a second length.
 A length fixed while tracing, and a read that is neither a size nor a number, are refused with the op, the
 line and what to do.
 """
@@ -36,7 +36,8 @@ CASES = [
 ]
 
 
-HEAVY = ("esm-dynamic", "scaled-static-false")  # suite time: ESM and dynamic=False on a family the default runs
+# suite time: each mode runs by default on one family (static: ESM; dynamic: scaled), the rest with -m heavy
+HEAVY = ("esm-dynamic", "scaled-static", "scaled-static-false")
 
 
 @cache
