@@ -15,7 +15,9 @@ tensors leave it) and, in other processes without that setting (it makes every a
 step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
 cores share them) with the model compiled by the ring backend (``compiler="aot_eager"``; P = 1: the model alone,
 eager), the rank with the higher peak and time. Models: Hugging Face Llama and Qwen2 (hidden 256, 4 layers, 8 query
-/ 2 KV heads, vocabulary 1000, fp32) and the tests' hand-written Llama (it has no checkpointing method: off only).
+/ 2 KV heads, vocabulary 1000, fp32), checkpointed by their own ``activation_checkpointing_enable()``, and the
+tests' hand-written Llama of the same sizes, checkpointed as a user of a plain module does: every block wrapped by
+torch's ``apply_activation_checkpointing`` (non-reentrant ``checkpoint_wrapper``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ def build(model: str, tokens: int, checkpointing: bool = False):
     """(model, keyword inputs) of ``tokens`` tokens; random weights, on the current device (fake or real)."""
     if model == "hand":
         sys.path.insert(0, str(ROOT / "tests"))
-        from models import Llama, WithLoss
+        from models import Llama, LlamaBlock, WithLoss
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
         net = WithLoss(Llama(vocab=1000, dim=256, heads=8, kv_heads=2, layers=4))
+        if checkpointing:
+            apply_activation_checkpointing(net, check_fn=lambda module: isinstance(module, LlamaBlock))
         ids = torch.zeros(1, tokens, dtype=torch.long)
         return net, (ids, ids)
     import transformers
@@ -156,7 +161,7 @@ def main() -> None:
     )
     for model in args.model.split(","):
         for world_size in map(int, args.world_sizes.split(",")):
-            for checkpointing in (False, True) if model != "hand" else (False,):
+            for checkpointing in (False, True):
                 hw = sharing_cores(calibrated, world_size)
                 guess, guess_s = predicted(model, args.seq_len, world_size, checkpointing, hw)
                 case = (model, args.seq_len, checkpointing)

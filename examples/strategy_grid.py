@@ -15,13 +15,15 @@ keeps each method's least median: other work on the machine only slows a run dow
 method first and then measures them in turns, each turn starting one method later (``ringpass bench
 --interleave``): a drift during the cell's run (a process that ran later methods up to 7 % slower was seen at 32768
 tokens) then weighs on every method alike, so neither the unrecorded first method nor running ``ulysses`` last is
-needed.
+needed, and each ratio is also taken turn by turn (``paired``: the median over turns of a method's seconds over the
+fastest fixed method's in the same turn), which cancels what the machine drifted between turns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from ringpass.bench import BenchConfig, run_bench
 from ringpass.hardware import load_hardware
@@ -66,6 +68,12 @@ def cell(
     def least(method: str) -> float:  # interference only slows a run: the least of the rounds' medians
         return min(run[method]["total_s"]["median"] for run in runs)
 
+    def paired(method: str | None) -> float | None:  # turn by turn, over every round's turns (in turns only)
+        if not interleave or method is None:
+            return None
+        each = [(run[method]["total_s"]["each"], run[fastest]["total_s"]["each"]) for run in runs]
+        return statistics.median(mine / best for turns in each for mine, best in zip(*turns))
+
     measured = [m for m in (*FIXED, "auto") if m in runs[0]]
     fixed = {m: least(m) for m in FIXED if m in runs[0]}
     fastest = min(fixed, key=fixed.get)
@@ -83,6 +91,8 @@ def cell(
         "spread_s": {m: [run[m]["total_s"] for run in runs] for m in measured},  # each round's median, min, max
         "auto_s": least("auto"),
         "auto_ratio": least("auto") / fixed[fastest],
+        "picked_paired": paired(as_fixed if as_fixed in fixed else None),
+        "auto_paired": paired("auto"),
     }
 
 
@@ -105,7 +115,7 @@ def main() -> None:
     cells = []
     print(
         f"{'N':>6} {'P':>2} {'mask':<7} {'fastest fixed':<16} {'s':>8}  {'auto picks':<18} "
-        f"{'pick/fastest':>12} {'auto/fastest':>12}"
+        f"{'pick/fastest':>12} {'auto/fastest':>12}" + (f" {'paired pick':>11} {'paired auto':>11}" * args.interleave)
     )
     for seq_len in args.seq_lens:
         for world_size in args.world_sizes:
@@ -116,9 +126,13 @@ def main() -> None:
                 )
                 cells.append(c)
                 ratio = "-" if c["picked_ratio"] is None else f"{c['picked_ratio']:.3f}"
+                paired = "".join(
+                    f" {'-' if c[k] is None else format(c[k], '.3f'):>11}" for k in ("picked_paired", "auto_paired")
+                )
                 print(
                     f"{seq_len:>6} {world_size:>2} {'causal' if causal else 'none':<7} {c['fastest']:<16} "
-                    f"{c['fixed_s'][c['fastest']]:>8.3f}  {c['picked']:<18} {ratio:>12} {c['auto_ratio']:>12.3f}",
+                    f"{c['fixed_s'][c['fastest']]:>8.3f}  {c['picked']:<18} {ratio:>12} {c['auto_ratio']:>12.3f}"
+                    + (paired if args.interleave else ""),
                     flush=True,
                 )
                 if args.json:  # after every cell: a run stopped early keeps the cells it finished

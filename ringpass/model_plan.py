@@ -23,9 +23,11 @@ the activations and the gradients live at the peak are then those of the same st
 the backend compiles it (`ringpass.compiled_memory`: the captured forward and backward graphs walked with every
 value freed after its last use), each block of the model's block lists checkpointed for the checkpointed
 candidates. At P = 1 (the model alone, eager) they are the eager step's; checkpointing every block is derived from
-its per-block numbers (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): the forward's
-end keeps each block's input instead of what the block saved; the backward's peak recomputes one block with every
-block input and every gradient live. Checkpointing runs the blocks' forward FLOPs again, but not a ring
+its per-block numbers (``MemTracker`` under fake tensors over-counts non-reentrant checkpointing): a checkpointed
+block keeps its input instead of what its forward saved, so the step's peak is the largest of the eager peak's
+moment less what every block no longer keeps, each block's backward (its ``MemTracker`` peak there, recomputing
+what it saved, less what the blocks before it no longer keep) and the backward's end (every gradient).
+Checkpointing runs the blocks' forward FLOPs again, but not a ring
 attention's (the backend saves its output, `MUST_SAVE`: no communication is repeated).
 
 Time: every op of the same fake step outside attention (`OpCosts`), each the longer of its FLOPs (torch's
@@ -302,23 +304,32 @@ def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
     tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
     with tracker, ops:
         _train_step(model, inputs, step_optimizer)
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
 
-    def activations(state, block) -> int:
-        return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))[_MemRefType.ACT]
+    def live(snapshot: dict) -> tuple[int, int]:  # (activations and temporaries, gradients)
+        kinds = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
+        return sum(snapshot[k] for k in kinds), snapshot[_MemRefType.GRAD]
 
-    kept = [activations(_ModState.POST_FW, b) - activations(_ModState.PRE_FW, b) for b in blocks]
-    block_inputs = sum(tracker.memory_tracking[b].input_mem for b in blocks)
-    whole = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]
+    def at(block, state) -> dict:
+        return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))
+
+    whole, gradients = live(next(iter(tracker.get_tracker_snapshot("peak").values())))
+    checkpointed = (whole, gradients)  # without blocks there is nothing to checkpoint
+    if blocks:  # checkpointed, a block keeps its input instead of what its forward saved: ``dropped`` is the rest
+        saved = [at(b, _ModState.POST_FW)[_MemRefType.ACT] - at(b, _ModState.PRE_FW)[_MemRefType.ACT] for b in blocks]
+        dropped = [k - tracker.memory_tracking[b].input_mem for k, b in zip(saved, blocks)]
+        moments = [  # (activations, gradients) live at each moment that can be the step's peak:
+            (whole - sum(dropped), gradients),  # the eager peak's
+            # each block's backward, recomputing what it saved while the blocks before it (in their list's order,
+            # the forward's) hold their inputs only
+            *((a - sum(dropped[:i]), g) for i, (a, g) in enumerate(live(at(b, _ModState.PEAK_BW)) for b in blocks)),
+            (0, _bytes(model)),  # the backward's end: every gradient
+        ]
+        checkpointed = max(moments, key=sum)
     return {
         "activations": whole,
-        "gradients": peak[_MemRefType.GRAD],
-        # checkpointed: the forward's end keeps each block's input instead of what it saved; the backward's
-        # peak recomputes one block, with the blocks' inputs and every gradient live; a block's forward again
-        "activations_checkpointed": max(whole - sum(kept) + block_inputs, block_inputs + max(kept, default=0))
-        if blocks
-        else whole,
-        "gradients_checkpointed": _bytes(model) if blocks else peak[_MemRefType.GRAD],
+        "gradients": gradients,
+        "activations_checkpointed": checkpointed[0],
+        "gradients_checkpointed": checkpointed[1],
     }
 
 

@@ -4,6 +4,7 @@ the calibration fit and the cost model's additions, against hand-computed cases.
 
 import json
 import shlex
+import statistics
 
 import bench_workers
 import pytest
@@ -92,6 +93,8 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
         row = rows[(method, 2, 1)]
         assert row["error"] < 1e-5  # checked against SDPA on the whole sequence
         assert row["total_s"]["min"] <= row["total_s"]["median"] <= row["total_s"]["max"]
+        each = row["total_s"]["each"]  # every repeat's time, in the order measured
+        assert len(each) == 2 and row["total_s"]["median"] == statistics.median(each)
         assert row["forward_s"]["median"] < row["total_s"]["median"]
         assert 0.0 <= row["hidden"] <= 1.0 and row["balance"] >= 1.0
         assert row["predicted"]["total_s"] > 0 and row["efficiency"] > 0 and row["vs_same_cores"] > 0
@@ -299,7 +302,7 @@ def test_bench_under_torchrun_measures_the_launched_ranks(tmp_path):
 def test_the_strategy_grid_script_at_a_tiny_size(tmp_path, order):
     """`examples/strategy_grid.py` (docs/performance.md, "Choosing a strategy") on one tiny cell, two rounds, the
     methods one after another or in turns: every fixed method measured, each the least of its rounds, auto's pick
-    named, and the ratios taken against the fastest fixed method."""
+    named, and the ratios taken against the fastest fixed method (in turns also turn by turn, over both rounds)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -315,3 +318,12 @@ def test_the_strategy_grid_script_at_a_tiny_size(tmp_path, order):
     for method, seconds in cell["fixed_s"].items():
         assert len(cell["rounds_s"][method]) == 2 and seconds == min(cell["rounds_s"][method])
     assert cell["picked"] and cell["auto_ratio"] == cell["auto_s"] / cell["fixed_s"][cell["fastest"]]
+    if not order:  # one method after another: no turns to pair
+        assert cell["auto_paired"] is None and cell["picked_paired"] is None
+        return
+    turns = [
+        mine / best
+        for auto, fastest in zip(cell["spread_s"]["auto"], cell["spread_s"][cell["fastest"]])
+        for mine, best in zip(auto["each"], fastest["each"], strict=True)
+    ]
+    assert len(turns) == 2 and cell["auto_paired"] == statistics.median(turns)

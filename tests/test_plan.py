@@ -192,8 +192,8 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     """Each memory part of the plan against the model's own numbers computed here: weights = parameters x 4
     bytes (+ buffers); AdamW two states each and a step count; the ring's buffers = the cost model's backward
     working memory at P=2 less what local attention holds; the activations at 64 tokens per rank less than half
-    those at 128 (P=1), less with checkpointing, which holds every gradient at its peak; with the ring, the
-    compiled step's. (Other optimizers and wrappers: -m heavy.)"""
+    those at 128 (P=1), less with checkpointing; with the ring, the compiled step's. (Other optimizers and
+    wrappers: -m heavy.)"""
     model, params, block, adamw = _tiny_model_numbers()
     plain = _whole_model_plan(tmp_path)
     printed = capsys.readouterr().out
@@ -214,7 +214,8 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     assert set(by) == {(1, False), (1, True), (2, False), (2, True)}
     # half the tokens per rank, compiled (its partition saves less than eager autograd keeps)
     assert 0.25 <= by[2, False]["activations"] / by[1, False]["activations"] <= 0.55, by
-    assert by[1, True]["activations"] < by[1, False]["activations"] and by[1, True]["gradients"] == params, by
+    # checkpointed, its peak is a block's recompute in the backward, with the gradients made by then (fewer than all)
+    assert by[1, True]["activations"] < by[1, False]["activations"] and 0 < by[1, True]["gradients"] < params, by
     # with the ring the step is compiled: its activations and gradients at the peak are the compiled step's
     # (`ringpass.compiled_memory`, checked against a measured step in tests/test_compiled_memory.py)
     import inspect_targets
@@ -339,19 +340,21 @@ def _tiny_model_numbers() -> tuple:
     return model, params, block, 2 * params + 4 * len(list(model.parameters()))
 
 
-@pytest.mark.heavy  # real training steps measured, one process and a 2-rank ring (~90 s)
+@pytest.mark.heavy  # real training steps measured, one process and a 2-rank ring, two models (~3 min)
 def test_the_plans_memory_against_a_measured_step():
     """`examples/plan_check.py` at a tiny size: the plan's prediction of what a training step adds within a loose
     bound of the measured peak, for the model alone (eager) and for a 2-rank ring (compiled), checkpointing off and
-    on (the documented table, with the 25% target, is run by hand)."""
+    on, for a Hugging Face Llama and the hand-written one (the documented table, with the 25% target, is run by
+    hand)."""
+    argv = ["--model", "llama,hand", "--seq-len", "1024", "--world-sizes", "1,2"]
     run = subprocess.run(
-        [sys.executable, "examples/plan_check.py", "--model", "llama", "--seq-len", "1024", "--world-sizes", "1,2"],
+        [sys.executable, "examples/plan_check.py", *argv],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=Path(__file__).parents[1],
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| llama |")]
+    rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith(("| llama |", "| hand |"))]
     ratios = [float(row[6]) for row in rows]  # predicted / measured memory (time: too noisy here to assert)
-    assert len(ratios) == 4 and all(0.7 <= r <= 1.4 for r in ratios), run.stdout
+    assert len(ratios) == 8 and all(0.7 <= r <= 1.4 for r in ratios), run.stdout

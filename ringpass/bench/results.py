@@ -3,7 +3,9 @@
 A row (`summarise`) is one (method, world size P, sequence length N):
 
 - ``forward_s`` / ``total_s``: median, min and max over the repeats of the slowest rank's seconds
-  (forward; forward+backward, or the whole training step for a model).
+  (forward; forward+backward, or the whole training step for a model); ``total_s["each"]``: every repeat's, in
+  the order measured (with ``--interleave`` repeat i of every method ran in turn i: ratios turn by turn cancel
+  what the machine drifted between turns).
 - ``forward_mib`` / ``total_mib``: per-rank peak memory above what the rank held before the call
   (the largest rank, median over repeats; `measure.PeakMemory`). ``need_mib``: what the ring algorithm
   itself must hold (`lowering.costmodel.RingCost.working_memory`). ``first_call_mib``: the first
@@ -162,7 +164,8 @@ def summarise(records: list[dict], config, hardware: Hardware) -> dict:
         if unavailable:
             rows.append({**row, "unavailable": unavailable[0]})
             continue
-        row["forward_s"], row["total_s"] = _spread(_slowest(record, "forward_s")), _spread(_slowest(record, "total_s"))
+        totals = _slowest(record, "total_s")
+        row["forward_s"], row["total_s"] = _spread(_slowest(record, "forward_s")), {**_spread(totals), "each": totals}
         row["forward_mib"], row["total_mib"] = _peak_mib(record, "forward_bytes"), _peak_mib(record, "total_bytes")
         row["memory_note"] = record["ranks"][0].get("memory_note")
         first = [r.get("first_call_bytes") for r in record["ranks"]]
@@ -308,7 +311,7 @@ def _decode_table(summary: dict) -> str:
     ]
     for r in summary["rows"]:
         start = f"{r['method']:<10}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>9}"
-        t = {k: v * 1e3 for k, v in r["total_s"].items()}
+        t = {k: r["total_s"][k] * 1e3 for k in ("median", "min", "max")}
         step = f"{t['median']:.3f} ({t['min']:.3f}..{t['max']:.3f})"
         predicted = r.get("predicted", {}).get("total_s")
         line = (
