@@ -316,7 +316,7 @@ def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
     checkpointed = (whole, gradients)  # without blocks there is nothing to checkpoint
     if blocks:  # checkpointed, a block keeps its input instead of what its forward saved: ``dropped`` is the rest
         saved = [at(b, _ModState.POST_FW)[_MemRefType.ACT] - at(b, _ModState.PRE_FW)[_MemRefType.ACT] for b in blocks]
-        dropped = [k - tracker.memory_tracking[b].input_mem for k, b in zip(saved, blocks)]
+        dropped = [kept - tracker.memory_tracking[b].input_mem for kept, b in zip(saved, blocks)]
         moments = [  # (activations, gradients) live at each moment that can be the step's peak:
             (whole - sum(dropped), gradients),  # the eager peak's
             # each block's backward, recomputing what it saved while the blocks before it (in their list's order,

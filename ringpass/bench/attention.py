@@ -211,8 +211,9 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
 class _Prepared:
     """One method set up on this rank, its warm-up calls made; ``call()`` measures one more call."""
 
-    def __init__(self, method: str, step, memory: PeakMemory, device, warmup: int):
+    def __init__(self, method: str, step, memory: PeakMemory, device, warmup: int, world_size: int):
         self.method, self.step, self.memory, self.device = method, step, memory, device
+        self.world_size = world_size
         self.chosen = str(step.strategy) if method == "auto" else None
         first = self.call_once()  # a warm-up call, or the first measured one with --warmup 0
         warmups, self.samples = ([first], []) if warmup else ([], [first])
@@ -222,19 +223,19 @@ class _Prepared:
     def call_once(self) -> dict:
         return _run_once(self.step, self.memory, self.device)
 
-    def call(self, world_size: int) -> None:
-        if world_size > 1:
+    def call(self) -> None:
+        if self.world_size > 1:
             dist.barrier()
         self.samples.append(self.call_once())
 
-    def result(self, config, rank: int, world_size: int, seq_len: int) -> dict:
+    def result(self, config, rank: int, seq_len: int) -> dict:
         if config.trace:
             write_trace(
                 self.call_once,
                 self.device,
                 os.path.join(
                     config.trace,
-                    f"{self.method}-P{world_size}-N{seq_len}-T{torch.get_num_threads()}-rank{rank}.json",
+                    f"{self.method}-P{self.world_size}-N{seq_len}-T{torch.get_num_threads()}-rank{rank}.json",
                 ),
             )
         return {
@@ -253,7 +254,7 @@ def prepare_method(method: str, inputs: Inputs, config, rank: int, world_size: i
             if method == "context-parallel"
             else _Step(method, inputs, config, rank, world_size)
         )
-        return _Prepared(method, step, PeakMemory(device), device, config.warmup)
+        return _Prepared(method, step, PeakMemory(device), device, config.warmup, world_size)
     except _Unavailable as error:
         return {"unavailable": str(error)}
     except (NotImplementedError, RuntimeError) as error:
@@ -276,14 +277,14 @@ def measure_methods(methods, inputs: Inputs, config, rank: int, world_size: int,
         return prepare_method(method, inputs, config, rank, world_size, device)
 
     def result(prepared):  # a method's step is dropped with its _Prepared once this is taken
-        return prepared.result(config, rank, world_size, seq_len) if isinstance(prepared, _Prepared) else prepared
+        return prepared.result(config, rank, seq_len) if isinstance(prepared, _Prepared) else prepared
 
     if not config.interleave:
         measured = {}
         for method in methods:
             prepared = prepare(method)
             while isinstance(prepared, _Prepared) and len(prepared.samples) < config.repeats:
-                prepared.call(world_size)
+                prepared.call()
             measured[method] = result(prepared)
         return measured
     prepared = {method: prepare(method) for method in methods}
@@ -291,7 +292,7 @@ def measure_methods(methods, inputs: Inputs, config, rank: int, world_size: int,
     for turn in range(config.repeats if runnable else 0):
         for ready in runnable[turn % len(runnable) :] + runnable[: turn % len(runnable)]:
             if len(ready.samples) < config.repeats:
-                ready.call(world_size)
+                ready.call()
     return {method: result(p) for method, p in prepared.items()}
 
 
