@@ -26,6 +26,7 @@ def load(path, *, group=None, device=None, checks: str | None = None, timeout: f
     if not os.path.isfile(path):
         raise InvalidInputError(f"load: no file {path!r}.")
     exported, masks, conversion = archive.read(path)
+    tied = _tied_names(exported)
     if device is not None:
         exported = _moved(exported, torch.device(device))
     for mask_id, program in masks.items():
@@ -33,6 +34,7 @@ def load(path, *, group=None, device=None, checks: str | None = None, timeout: f
             (_moved(program, torch.device(device)) if device is not None else program).module(), mask_id=mask_id
         )
     module = exported.module()
+    _tie(module, tied)
     given = {k: v for k, v in (("checks", checks), ("timeout", timeout)) if v is not None}
     options = RingOptions.from_dict({**{k: conversion.options[k] for k in ("checks", "timeout")}, **given})
     return ConvertedModel(
@@ -62,6 +64,26 @@ class SavedReport:
     @property
     def status(self) -> str:
         return self.data.get("status", "")
+
+
+def _tied_names(exported) -> list[list[str]]:
+    """Names of the saved parameters and buffers that are one tensor (tied weights: an LM head that is the
+    embedding, T5's ``shared`` and ``encoder.embed_tokens``); the file keeps them one storage."""
+    groups: dict[tuple, list[str]] = {}
+    for name, value in exported.state_dict.items():
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
+        groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _tie(module: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Each group of ``tied`` one parameter (or buffer) again: ``ExportedProgram.module()`` gives every name its
+    own copy, which would train tied weights apart (each copy getting only its own uses' gradient)."""
+    for first, *others in tied:
+        value = module.get_parameter(first) if first in dict(module.named_parameters()) else module.get_buffer(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, value)
 
 
 def _moved(exported, device: torch.device):

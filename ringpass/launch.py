@@ -7,8 +7,16 @@ return value comes back in ``results[rank]``. Nothing hangs: a rank that raises,
 ``timeout`` seconds stops every rank, and `spawn_ranks` raises `RankFailure` with what went wrong
 (the rank's traceback, its exit code, or the timeout). The ranks in ``may_die`` may die without a result
 (failure-injection tests kill them); theirs is None. Used by ``ringpass demo``, ``ringpass bench`` and the
-test-suite. The ranks are forked from a server that has imported torch (`_context`): starting them costs a
-fraction of a second instead of an import of torch per rank.
+test-suite.
+
+    with RankPool(world_size=2) as pool:              # the ranks stay up between calls
+        results = pool.run(fn, args, timeout=120)      # as spawn_ranks, without starting processes
+
+`RankPool` serves many short calls (a fuzzer's examples) from one set of ranks; a call that raises, dies or
+times out on any rank closes the pool (a rank may be stuck in a collective) and raises `RankFailure`.
+
+The ranks are forked from a server that has imported torch (`_context`): starting them costs a fraction of a
+second instead of an import of torch per rank.
 """
 
 from __future__ import annotations
@@ -49,6 +57,73 @@ def spawn_ranks(
     may_die: Sequence[int] = (),
 ) -> list[Any]:
     ctx = _context()
+    procs, results, all_reported = _start_ranks(ctx, fn, world_size, args, timeout)
+    try:
+        outputs = _collect(procs, results, world_size, timeout, set(may_die))
+        _leave(procs, all_reported)
+        return outputs
+    finally:
+        _stop(procs, results)
+
+
+class RankPool:
+    """``world_size`` ranks in one gloo group that run one call after another (`RankPool.run`) until
+    `close` (or the end of a ``with`` block); ``lifetime``: seconds the ranks may live in all."""
+
+    def __init__(self, world_size: int, lifetime: float = 7200.0):
+        ctx = _context()
+        self.world_size = world_size
+        self.inboxes = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.outbox = ctx.SimpleQueue()
+        self.procs, self.results, self.all_reported = _start_ranks(
+            ctx, _serve, world_size, (self.inboxes, self.outbox), lifetime
+        )
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), *, timeout: float = 120.0) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every rank; their return values by rank."""
+        if self.procs is None:
+            raise RankFailure("this RankPool is closed (a call failed, or close() was called).")
+        for inbox in self.inboxes:
+            inbox.put((fn, tuple(args)))
+        try:
+            return _collect(self.procs, self.outbox, self.world_size, timeout, set())
+        except BaseException:
+            self.close(wait=False)  # a rank may be stuck in a collective of the failed call
+            raise
+
+    def close(self, wait: bool = True) -> None:
+        """Ends the ranks: ``wait``, they leave as `spawn_ranks`'s do (a few seconds at most), else they are
+        killed."""
+        if self.procs is None:
+            return
+        try:
+            if wait:
+                for inbox in self.inboxes:
+                    inbox.put(None)
+                _collect(self.procs, self.results, self.world_size, 30.0, set())
+                _leave(self.procs, self.all_reported)
+        finally:
+            _stop(self.procs, self.results)
+            self.procs = None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve(rank: int, world_size: int, inboxes, outbox) -> None:
+    """A pool rank: each call's result (as `_rank_main` reports one) until the pool sends None."""
+    while (call := inboxes[rank].get()) is not None:
+        fn, args = call
+        try:
+            outbox.put((rank, True, _saved(fn(rank, world_size, *args))))
+        except BaseException:
+            outbox.put((rank, False, traceback.format_exc()))
+
+
+def _start_ranks(ctx, fn, world_size: int, args, timeout: float):
     results = ctx.SimpleQueue()
     all_reported = ctx.Event()
     port = free_port()
@@ -62,18 +137,27 @@ def spawn_ranks(
     ]
     for proc in procs:
         proc.start()
-    try:
-        outputs = _collect(procs, results, world_size, timeout, set(may_die))
-        all_reported.set()  # the ranks leave together: none takes the store down while another still works
-        for proc in procs:
-            proc.join(5)
-        return outputs
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-        results.close()
+    return procs, results, all_reported
+
+
+def _leave(procs, all_reported) -> None:
+    all_reported.set()  # the ranks leave together: none takes the store down while another still works
+    for proc in procs:
+        proc.join(5)
+
+
+def _stop(procs, results) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    results.close()
+
+
+def _saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _context():
@@ -139,10 +223,7 @@ def _rank_main(fn, rank, world_size, port, args, timeout, results, all_reported,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
-        value = fn(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        results.put((rank, True, buffer.getvalue()))
+        results.put((rank, True, _saved(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         os._exit(1)

@@ -127,8 +127,13 @@ def is_pointwise(node: fx.Node) -> bool:
     return is_pointwise_name(op_name(node))
 
 
+UNTAGGED_POINTWISE = frozenset({"floor_divide"})  # elementwise, but without the tag in torch (2.13 to 2.15)
+
+
 @cache
 def is_pointwise_name(name: str) -> bool:
+    if name in UNTAGGED_POINTWISE:
+        return True
     packet = getattr(torch.ops.aten, name, None)
     if packet is None or not hasattr(packet, "overloads"):
         return False

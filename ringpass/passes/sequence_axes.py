@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal
+from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.findings import SeqDim
 from ringpass.graph_utils.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
@@ -156,6 +156,14 @@ class _Probe:
         dims = [d for d, s in enumerate(original.shape) if same(s, self.n)]
         if not dims:
             return original
+        if isinstance(self.n, torch.SymInt) and 0 in dims and len(dims) > 1:
+            raise refusal(
+                f"Input `{user_name(node)}` has shape {tuple(original.shape)}: its batch size and its sequence length "
+                "are one symbol. With dynamic shapes Dynamo gives sizes that are equal in the first call one symbol "
+                "(duck sizing), and ringpass then cannot tell the batch from the sequence. Make the first call with "
+                "a batch size other than the sequence length, or compile with static shapes.",
+                node,
+            )
         self.ctx.sequence.sources[node] = "input"
         if 1 not in dims and original.dim() == 4 and {2, 3} <= set(dims):
             return self._resized(original, [2, 3])  # a [B, 1 or H, S, S] mask
