@@ -39,7 +39,7 @@ def load(path, *, group=None, device=None, checks: str | None = None, timeout: f
     options = RingOptions.from_dict({**{k: conversion.options[k] for k in ("checks", "timeout")}, **given})
     return ConvertedModel(
         module.model,
-        module,
+        _GuardsSaid(module, [spec.name for spec in conversion.tensor_inputs]),
         GroupSlots(module),
         conversion,
         group=group,
@@ -64,6 +64,31 @@ class SavedReport:
     @property
     def status(self) -> str:
         return self.data.get("status", "")
+
+
+class _GuardsSaid:
+    """The loaded program, whose shape guards (what `torch.export` traced it under at save, which can be narrower
+    than Dynamo's conditions at conversion: a rank's share of 1 token is specialised) are checked first thing
+    in each call: a call they refuse raises `InvalidInputError` naming the arguments, not an `AssertionError`."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]):
+        self.module, self.names = module, names
+
+    def __call__(self, *tensors):
+        try:
+            return self.module(*tensors)
+        except AssertionError as error:
+            if not str(error).startswith("Guard failed:"):
+                raise
+            condition = str(error).removeprefix("Guard failed:").strip()
+            for i, name in sorted(enumerate(self.names), reverse=True):  # tensors_12 before tensors_1
+                condition = condition.replace(f"tensors_{i}", name)
+            shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in zip(self.names, tensors))
+            raise InvalidInputError(
+                f"The saved program does not run on these inputs ({shapes}): it needs {condition} (a shape "
+                "condition torch.export traced it under when it was saved). Call it within its conditions, or "
+                "convert and save again with an example of these sizes."
+            ) from None
 
 
 def _tied_names(exported) -> list[list[str]]:

@@ -397,7 +397,17 @@ def refusal_expected(case: dict) -> str | None:
 
 
 def check(case: dict, result: dict) -> list[str]:
-    """What is wrong with one rank's result of a case (empty: nothing)."""
+    """What is wrong with one rank's result of a case (empty: nothing). A loaded dynamic conversion may refuse a
+    second length shorter than the one it was converted at (a rank's share or chunk of 1 token is specialised
+    when torch.export traces it at save: docs/convert.md), with an error saying so; never a longer one."""
+    if (
+        result["raised"] == "InvalidInputError"
+        and case["front_end"] == "convert"
+        and case["dynamic"]
+        and case["second_len"] < case["seq_len"]
+        and "shape condition torch.export traced it under" in result["message"]
+    ):
+        return []
     expected = refusal_expected(case)
     if expected is not None:
         if result["raised"] is None:

@@ -120,6 +120,25 @@ def test_converted_in_memory_shares_the_models_parameters():
         check_training(result, 1e-12, [16, 19])
 
 
+def test_load_keeps_tied_weights_one_parameter(tmp_path):
+    """A model whose output head is its embedding (tied weights) loads with one parameter for both, named as the
+    model names it: ``ExportedProgram.module()`` gives each name its own copy, and two copies would train apart
+    (each getting only its own uses' gradient). Trained through the ring: `test_score_program_fuzz` (``tied``)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 61, (2, 12))
+    ringpass.convert(model, {"input_ids": ids, "use_cache": False}, world_size=2).save(str(tmp_path / "tied.pt2"))
+    loaded = ringpass.load(str(tmp_path / "tied.pt2")).model
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert [name for name, _ in loaded.named_parameters()] == [name for name, _ in model.named_parameters()]
+
+
 def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts):
     program = torch.export.load(artifacts["hf"])  # plain torch.export reads it
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
@@ -190,6 +209,27 @@ def test_a_loaded_dynamic_model_checks_the_shape_conditions_it_was_traced_under(
     assert loaded.conversion.shape_conditions is not None
     with pytest.raises(ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[1, 1\]\)"):
         loaded(convert_workers.call("hand-batch1", 1)[0][0])
+
+
+def test_a_loaded_program_refuses_lengths_outside_what_it_was_saved_for(tmp_path):
+    """A T5 encoder converted dynamic at length 3 on 2 ranks (contiguous): Dynamo's conditions allow length 2,
+    but torch.export, tracing it at save, specialised a rank's share of 2 tokens against a share of 1, so the
+    saved program needs 3 or more. Its first step refuses length 2, naming the argument and the condition."""
+    import score_program_fuzz
+
+    case = {"family": "t5", "heads": 1, "head_dim": 4, "buckets": 8, "max_distance": 3, "implementation": "sdpa"}
+    case.update(seed=0, dtype="float64", padding="none", loss="projection")
+    model = score_program_fuzz.build(case)
+    converted = ringpass.convert(
+        model, score_program_fuzz.inputs(case, 3), world_size=2, dynamic=True, layout="contiguous"
+    )
+    converted.save(str(tmp_path / "t5.pt2"))
+    loaded = ringpass.load(str(tmp_path / "t5.pt2"))
+    ids = score_program_fuzz.inputs(case, 2)["input_ids"]
+    with pytest.raises(
+        ringpass.InvalidInputError, match=r"\(input_ids \[2, 2\]\): it needs input_ids.size\(\)\[1\] >= 3"
+    ):
+        loaded._program(ids)  # (the program's first step, before any ring op: no process group needed)
 
 
 @pytest.mark.heavy  # suite time (README, "Heavier cases")

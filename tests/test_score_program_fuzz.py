@@ -21,6 +21,7 @@ import score_program_fuzz as fuzz
 import torch
 from hypothesis import HealthCheck, given, settings
 
+import ringpass
 from ringpass.launch import RankPool
 
 
@@ -123,3 +124,13 @@ def test_a_loss_along_the_output_has_almost_no_gradient_through_an_rms_norm():
     along = torch.autograd.grad(out.pow(2).mean(), table, retain_graph=True)[0]
     projected = torch.autograd.grad((out * torch.randn_like(out)).mean(), table)[0]
     assert along.norm() < 1e-4 * projected.norm()
+
+
+def test_a_bucket_index_computed_by_floor_division_is_lifted_and_trains():
+    """``(distance.clamp(-d, d) + d) * (buckets - 1) // (2 * d)``: floor division is elementwise (torch does not
+    tag it pointwise), so the bias stays a program evaluated per tile and its table trains (offline, 2 ranks)."""
+    case = {"family": "hand", "heads": 2, "causal": True, "buckets": 9, "max_distance": 5, "table": True}
+    model = fuzz.ScoreProgramNet({**case, "slopes": False, "spelling": "sdpa"}, dim_per_head=4).double()
+    inspection = ringpass.inspect(model, (torch.randint(2, fuzz.VOCAB, (2, 24)),), world_size=2)
+    assert inspection.status == "rewritten", inspection
+    assert "table.weight (trained" in str(inspection)
