@@ -139,6 +139,19 @@ def test_load_keeps_tied_weights_one_parameter(tmp_path):
     assert [name for name, _ in loaded.named_parameters()] == [name for name, _ in model.named_parameters()]
 
 
+def test_values_nothing_reads_do_not_decide_a_conversion():
+    """A model that computes ``q @ kᵀ`` and then calls SDPA with a float mask instead: Dynamo keeps the unread score
+    matrices when `convert` captures it (and drops them when `inspect` does); the first pass removes them, so the
+    second layer's, after the first attention, is not refused as mixing sharded tokens."""
+    import score_program_fuzz
+
+    case = {"family": "hand", "heads": 1, "causal": False, "buckets": 8, "max_distance": 1, "table": True}
+    case.update(slopes=False, spelling="sdpa", seed=0, dtype="float64", padding="none", loss="projection")
+    model = score_program_fuzz.ScoreProgramNet(case, dim_per_head=4).double()
+    converted = ringpass.convert(model, score_program_fuzz.inputs(case, 8), world_size=2)
+    assert "matmul" not in converted._program.gm.code and converted.report.status == "rewritten"
+
+
 def test_a_saved_artifact_is_an_exported_program_calling_the_ring_ops(artifacts):
     program = torch.export.load(artifacts["hf"])  # plain torch.export reads it
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}

@@ -31,6 +31,7 @@ from ringpass.options import RingOptions
 from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.record_gradient_paths import record_gradient_paths
+from ringpass.passes.remove_unread_values import remove_unread_values
 from ringpass.report import Report
 
 HERE = Path(__file__).name
@@ -246,7 +247,8 @@ class RelativeBias(nn.Module):
 
 def _with_pass(monkeypatch, cut) -> None:
     """``cut`` runs after every rewrite, just before the check."""
-    assert passes.PIPELINE[0] is record_gradient_paths and passes.PIPELINE[-1] is check_gradient_paths
+    assert passes.PIPELINE[:2] == (remove_unread_values, record_gradient_paths)  # before any rewrite
+    assert passes.PIPELINE[-1] is check_gradient_paths
     monkeypatch.setattr(passes, "CHECK", passes.Stage("check", (cut, *passes.CHECK.passes)))
 
 

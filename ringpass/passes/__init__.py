@@ -2,8 +2,9 @@
 ``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs them
 for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
 
-- ``prepare`` (`PREPARE`): record the gradient paths, write out what Dynamo wraps (subgraphs, model
-  numbers, ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was found:
+- ``prepare`` (`PREPARE`): remove the values nothing reads, record the gradient paths, write out what Dynamo wraps
+  (subgraphs, model numbers, ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was
+  found:
 - a graph without attention: nothing more; it runs unchanged (replicated) on every rank, unless an input arrives
   sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
 - decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
@@ -41,6 +42,7 @@ from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads
+from ringpass.passes.remove_unread_values import remove_unread_values
 from ringpass.passes.rewrite_attention import rewrite_attention
 from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
@@ -52,6 +54,7 @@ from ringpass.report import Refusal
 PREPARE = Stage(
     "prepare",
     (
+        remove_unread_values,
         record_gradient_paths,
         inline_subgraphs,
         pin_model_numbers,
