@@ -332,12 +332,15 @@ def _grads(module: nn.Module) -> dict:
 
 @torch.no_grad()
 def _sgd_step(module: nn.Module) -> None:
-    """Each parameter moved 1% of its norm against its gradient (a fixed learning rate would throw some drawn
-    models far enough that fp32's second step compares rounding amplified by saturated softmaxes)."""
-    for p in module.parameters():
-        if p.grad is not None:
-            p.sub_(p.grad * (0.01 * max(p.norm().item(), 1e-2) / max(p.grad.norm().item(), 1e-30)))
-            p.grad = None
+    """An SGD step whose one learning rate moves the weights by 1% of their norm (a fixed rate would throw some
+    drawn models far enough that fp32 compares rounding amplified by saturated softmaxes; a rate per parameter
+    would blow a gradient that is zero in exact arithmetic, its rounding, up to 1% of that parameter)."""
+    trained = [p for p in module.parameters() if p.grad is not None]
+    weights = math.sqrt(sum(p.norm().item() ** 2 for p in trained))
+    grads = math.sqrt(sum(p.grad.norm().item() ** 2 for p in trained))
+    for p in trained:
+        p.sub_(p.grad * (0.01 * weights / max(grads, 1e-30)))
+        p.grad = None
 
 
 def _merge(worst: dict, errors: dict) -> None:

@@ -259,16 +259,50 @@ def test_no_process_group_is_a_clear_error(artifacts):
         loaded(convert_workers.call("hand", 16)[0][0])
 
 
-def _rewritten(path: str, tmp_path: Path, change) -> str:
-    """A copy of the artifact whose ringpass.json was changed by ``change(meta)``."""
+def _rewritten(path: str, tmp_path: Path, change, digest: bool = False) -> str:
+    """A copy of the artifact whose ringpass.json was changed by ``change(meta)``; ``digest``: with the digest made
+    to match the change, as anyone crafting a file can (it is stored in the same file)."""
     out = str(tmp_path / "changed.pt2")
     with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
         for item in source.infolist():
             data = source.read(item.filename)
             if item.filename.endswith("extra/ringpass.json"):
                 data = json.dumps(change(json.loads(data))).encode()
-            target.writestr(item, data)
+            if not (digest and item.filename.endswith("extra/ringpass.sha256")):
+                target.writestr(item, data)
+    if digest:
+        from ringpass.conversion import archive
+
+        with zipfile.ZipFile(out, "a") as target:
+            root = archive._root(target)
+            target.writestr(f"{root}extra/{archive.DIGEST}", archive._digest(target, root))
     return out
+
+
+def test_loading_runs_no_code_from_the_file(artifacts, tmp_path):
+    """Artifacts crafted to run code when a loaded model is called, their digests made to match: a shape condition
+    that imports a module, paths that reach ``__globals__`` or call a method. Each is refused with what it holds, and
+    nothing ran: a loaded model evaluates the file's expressions in a closed grammar, never with ``eval``."""
+    marker = tmp_path / "ran"
+    ids = convert_workers.call("hand-batch1", 16)[0][0]
+    attacks = {
+        "expression": (f"__import__('pathlib').Path({str(marker)!r}).touch() or 2 <= L['t0']", None),
+        "reaching __globals__": (None, "L['ids'].__class__.__init__.__globals__"),
+        "calling a method": (None, f"L['self'].register_buffer({str(marker)!r}, None)"),
+    }
+    for attack, (expression, path) in attacks.items():
+
+        def change(meta, expression=expression, path=path):
+            conditions = dict(meta["conversion"]["shape_conditions"])
+            conditions["expression"] = expression or conditions["expression"]
+            conditions["read"] = [[i, path or p, t] for i, p, t in conditions["read"]]
+            return {**meta, "conversion": {**meta["conversion"], "shape_conditions": conditions}}
+
+        loaded = ringpass.load(_rewritten(artifacts["dynamic"], tmp_path, change, digest=True))
+        with pytest.raises(ringpass.InvalidInputError, match="Loading evaluates no code from a file") as refused:
+            loaded(ids)
+        assert ("__import__" if expression else path.split("(")[0].split(".")[-1]) in str(refused.value), attack
+        assert not marker.exists() and str(marker) not in dict(loaded.model.named_buffers()), attack
 
 
 def test_a_changed_or_foreign_artifact_is_refused(artifacts, tmp_path):

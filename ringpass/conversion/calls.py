@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from lowering.errors import InvalidInputError
+from ringpass.conversion.expressions import evaluate
 from ringpass.conversion.saved import Argument, Conversion, TensorSpec
 
 
@@ -169,15 +170,13 @@ def _check_tensor(value: torch.Tensor, spec: TensorSpec) -> None:
 def check_shapes(conditions: dict, tensors: tuple, conversion: Conversion, model, global_scope: dict) -> None:
     """Refuse ``tensors`` when they break the conditions Dynamo traced a dynamic conversion under
     (`ringpass.conversion.capture.shape_conditions`); static shapes are checked by `flat_tensors`."""
-    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
     # contiguous: Dynamo also guards on strides, which eager ops do not need (they work or raise on their own)
     tensors = tuple(t.contiguous() for t in tensors)
     scope = {"self": model, **{a.name: rebuild_argument(a, tensors) for a in conversion.arguments}}
     values: list = [None] * conditions["inputs"]
     for i, path, as_tensor in conditions["read"]:
         values[i] = read_source(path, scope, as_tensor, global_scope)
-    if not eval(conditions["expression"], SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(values)}}):
+    if not evaluate(conditions["expression"], {"L": {f"t{i}": v for i, v in enumerate(values)}}):
         shapes = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(conversion.tensor_inputs, tensors))
         raise InvalidInputError(
             f"The converted graph does not fit these inputs ({shapes}): Dynamo traced it with symbolic shapes under "
@@ -196,13 +195,17 @@ def rebuild_argument(argument: Argument, tensors: tuple):
 
 def read_source(path: str, scope: dict, as_tensor: bool, global_scope: dict):
     """The value at a Dynamo source path (``L['input_ids'].size()[1]``, ``G['scale']``) in ``scope`` (the call's
-    frame) and ``global_scope`` (its globals, where Dynamo puts the modules and globals the model reads)."""
-    from torch._dynamo.guards import _get_closure_vars  # the helpers Dynamo's paths name; torch has no public one
-
-    value = eval(_compiled_path(path), {**_get_closure_vars(), "L": scope, "G": global_scope})  # Dynamo's own paths
+    frame) and ``global_scope`` (its globals, where Dynamo puts the modules and globals the model reads), read in
+    the closed grammar of `ringpass.conversion.expressions` (a loaded path is the file's data, never run)."""
+    value = evaluate(path, {"L": scope, "G": global_scope}, _dynamo_getters())
     return torch.as_tensor(value) if as_tensor else value
 
 
-@functools.lru_cache(maxsize=4096)
-def _compiled_path(path: str):
-    return compile(path, "<dynamo source>", "eval")
+@functools.cache
+def _dynamo_getters() -> dict:
+    """The getters Dynamo's paths may call (``___tuple_iterator_getitem(L['it'], 0)``); torch has no public name
+    for them."""
+    from torch._dynamo.guards import _get_closure_vars
+
+    helpers = _get_closure_vars()
+    return {name: helpers[name] for name in ("___tuple_iterator_getitem", "___odict_getitem") if name in helpers}
