@@ -279,6 +279,35 @@ def _rewritten(path: str, tmp_path: Path, change, digest: bool = False) -> str:
     return out
 
 
+def test_the_expressions_a_loaded_model_evaluates_are_a_closed_grammar():
+    """What Dynamo writes evaluates as `eval` would; every way from a value to code is refused, naming it."""
+    from ringpass.conversion.expressions import evaluate
+
+    x = torch.zeros(2, 7)
+    scope = {"L": {"t0": 7, "t1": x, "self": torch.nn.Linear(2, 3)}, "G": {"scale": 0.5}}
+    allowed = {
+        "L['t1'].size()[1] == L['t0'] and L['t1'].stride()[0] == L['t0'] and 2 <= L['t0']": True,
+        "(L['t0'] // 2) % 3 + max(L['t0'], 9) - -1": 10,
+        "L['self']._parameters['weight'].size()[0]": 3,
+        "math.floor(G['scale'] * L['t0']) == 4 or not True": False,
+    }
+    for text, value in allowed.items():
+        assert evaluate(text, scope) == value == eval(text, {"math": __import__("math")}, scope), text
+    refused = {
+        "__import__('os')": "the name '__import__'",
+        "L['t1'].__class__": "the attribute '__class__'",
+        "L['self'].register_buffer('b', None)": "a call of \"L['self'].register_buffer\"",
+        "getattr(L['t1'], 'size')": "the name 'getattr'",
+        "[t for t in L]": "a ListComp",
+        "(lambda: 1)()": "a Lambda",
+        "L[G['scale']]": "a subscript that is not a constant",
+        "torch.load('x')": "a call of 'torch.load'",
+    }
+    for text, what in refused.items():
+        with pytest.raises(ringpass.InvalidInputError, match="with " + re.escape(what)):
+            evaluate(text, scope)
+
+
 def test_loading_runs_no_code_from_the_file(artifacts, tmp_path):
     """Artifacts crafted to run code when a loaded model is called, their digests made to match: a shape condition
     that imports a module, paths that reach ``__globals__`` or call a method. Each is refused with what it holds, and
