@@ -339,11 +339,13 @@ def _sgd_step(module: nn.Module) -> None:
     """An SGD step whose one learning rate moves the weights by 1% of their norm (a fixed rate would throw some
     drawn models far enough that fp32 compares rounding amplified by saturated softmaxes; a rate per parameter
     would blow a gradient that is zero in exact arithmetic, its rounding, up to 1% of that parameter)."""
-    trained = [p for p in module.parameters() if p.grad is not None]
+    # (a parameter only an unused output reads has a zero gradient under torch.compile, None in eager: left out)
+    trained = [p for p in module.parameters() if p.grad is not None and p.grad.count_nonzero()]
     weights = math.sqrt(sum(p.norm().item() ** 2 for p in trained))
     grads = math.sqrt(sum(p.grad.norm().item() ** 2 for p in trained))
     for p in trained:
         p.sub_(p.grad * (0.01 * weights / max(grads, 1e-30)))
+    for p in module.parameters():
         p.grad = None
 
 
