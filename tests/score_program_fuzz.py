@@ -164,7 +164,7 @@ class ScoreProgramNet(nn.Module):
             bucket = (distance.clamp(-reach, reach) + reach) * (buckets - 1) // (2 * reach)
             bias = bias + self.table(bucket).permute(2, 0, 1).unsqueeze(0)
         if self.slopes is not None:
-            bias = bias + self.slopes[:, None, None] * distance.abs().to(dtype)
+            bias = bias + (self.slopes[:, None, None] * distance.abs().to(dtype)).unsqueeze(0)
         hidden = (distance > 0) if self.case["causal"] else torch.zeros_like(distance, dtype=torch.bool)
         if keep is not None:
             hidden = hidden | ~keep[:, None, None, :]
