@@ -174,7 +174,7 @@ def test_load_moves_parameters_and_the_devices_the_graph_names(artifacts):
     assert {p.device.type for p in moved.parameters()} == {"meta"}
     devices = [
         a
-        for n in moved._program.graph.nodes
+        for n in moved._program.module.graph.nodes
         for a in pytree.tree_leaves((n.args, n.kwargs))
         if isinstance(a, torch.device)
     ]
