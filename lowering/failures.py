@@ -16,8 +16,12 @@ The rendezvous store every rank of a process group already shares (the TCPStore 
 - `agree`: every rank posts a fingerprint of its next call and reads every peer's; a difference raises
   the same `InvalidInputError` on every rank, naming the field and the ranks. `agree_once` agrees on a
   fingerprint the first time a rank posts it, and remembers it (calls by hand, `lowering.ring_attention`).
+- `meet`: the ranks meet at one line of the user's code before a collective that user code runs (the implicit
+  gather of a `SequenceSharded` value): a rank that runs the line alone (logging on rank 0) learns so within
+  seconds and withdraws, and the peers never notice.
 - A daemon thread per process beats ``ringpass/alive/<r>`` every ``BEAT`` seconds with what the rank is
-  doing (`set_state`), so a waiting rank can tell a dead peer from a busy one.
+  doing (`set_state`) and how many ring calls it has begun, so a waiting rank can tell a dead peer from a
+  busy one, and a peer that went on from one that is still to come.
 
 A failure is tagged with the call it happened in (`begin_call` numbers the compiled graphs' calls on
 each rank); a rank ignores peers' failures from earlier calls and from a call it failed in itself, so
@@ -69,6 +73,7 @@ class _Process:
     stop_beating: threading.Event = field(default_factory=threading.Event)
     waiter: ThreadPoolExecutor | None = None
     agreed: set = field(default_factory=set)  # what `agree_once` agreed on: (store, group name, topic, fingerprint)
+    meetings: dict = field(default_factory=dict)  # (store, group name, topic) -> meetings held
     settings: dict = field(default_factory=dict)  # group name -> (timeout, dead_after)
 
 
@@ -195,6 +200,11 @@ class _Channel:
     def _state(self, peer: int) -> str:
         key = f"{PREFIX}state/{peer}"
         return self.store.get(key).decode() if self.store.check([key]) else "unknown"
+
+    def calls_begun(self, peer: int) -> int:
+        """How many ring calls ``peer`` has begun, as its last heartbeat said (never more than it has)."""
+        key = f"{PREFIX}call/{peer}"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def relayed(self, record: dict, what: str) -> PeerFailure:
         """The `PeerFailure` that passes on a peer's posted failure."""
@@ -376,6 +386,73 @@ def agree_once(group_name: str, topic: str, mine: dict, describe) -> None:
     _process.agreed.add(key)
 
 
+class Unmet(InvalidInputError):
+    """`meet` found that not every rank runs this line: ``where`` (global rank -> what it does instead)."""
+
+    def __init__(self, message: str, where: dict[int, str]):
+        super().__init__(message)
+        self.where = where
+
+
+def meet(group_name: str, topic: str, site: str) -> None:
+    """Return once every member of ``group_name`` has come to ``site`` (the user's line) for its next meeting
+    under ``topic``; raise `Unmet` when not every rank will:
+
+    - a peer came to this meeting at another site: the ranks are out of step, each one that sees it raises (this
+      rank's post stays, so every rank at the meeting sees it, and each counts the meeting as held);
+    - a peer went on to a later ring call than this rank's, or none came within the group's ``timeout`` (a peer
+      busy elsewhere, or at a collective of its own): this rank came alone; it withdraws, as if it never came, and
+      the peers never notice.
+
+    A peer that failed or died raises `PeerFailure`, as in `wait_works`. Meetings are numbered per (group, topic);
+    each rank posts in one of four slots, reused (no rank can be four meetings ahead of another)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    ch = channel(group_name)
+    counter = (id(_get_default_store()), group_name, topic)
+    number = _process.meetings.get(counter, 0) + 1
+    slot = f"{PREFIX}meet/{topic}/{group_name}/{{}}/{number % 4}"
+    ch.store.set(slot.format(ch.rank), json.dumps({"number": number, "site": site}))
+    state, started = _process.state, time.monotonic()
+    set_state(f"{INSIDE}: meeting the peers at {site} ({topic} {number})")
+
+    def elsewhere() -> dict[int, str]:
+        """Peers at this meeting at another site; raises `Unmet` when one is; returns those still to come."""
+        coming = {}
+        for peer in ch.peers:
+            key = slot.format(peer)
+            post = json.loads(ch.store.get(key)) if ch.store.check([key]) else None
+            if post is None or post["number"] != number:
+                coming[peer] = ""
+            elif post["site"] != site:
+                _process.meetings[counter] = number  # every rank at the meeting sees the difference
+                raise Unmet(f"rank {peer} is at {post['site']}", {peer: f"at {post['site']}"})
+        return coming
+
+    try:
+        while coming := elsewhere():
+            went = {p: ch.calls_begun(p) for p in coming if ch.calls_begun(p) > _process.call}
+            if not went and time.monotonic() - started > ch.timeout:
+                went = dict.fromkeys(coming, 0)
+            if went:
+                coming = elsewhere()  # a last look before leaving: a peer that came meanwhile is met
+                if coming:
+                    ch.store.delete_key(slot.format(ch.rank))
+                    where = {
+                        p: f"went on to ring call {went[p]} (this rank has begun {_process.call})"
+                        if went.get(p)
+                        else f"has not come (in {time.monotonic() - started:.0f} s; it is {ch._state(p)!r})"
+                        for p in coming
+                    }
+                    raise Unmet("; ".join(f"rank {p} {w}" for p, w in where.items()), where)
+                break
+            ch.look(f"meeting the peers at {site}", time.monotonic())  # failures and dead peers only
+            time.sleep(0.0005 if time.monotonic() - started < POLL else POLL)
+    finally:
+        set_state(state)
+    _process.meetings[counter] = number
+
+
 def ranks_by_value(values: Sequence) -> dict[str, str]:
     """Each distinct value -> the group ranks that hold it, for people ("rank 1", "ranks 0, 2, 3")."""
     groups: dict[str, list[int]] = {}
@@ -413,7 +490,7 @@ def _stop_heartbeat() -> None:
 
 
 def _beat(store, rank: int) -> None:
-    told = None
+    told, told_call = None, None
     try:
         if isinstance(store, dist.TCPStore):  # its own connection: the main thread's calls never wait behind it
             store = dist.TCPStore(
@@ -424,6 +501,9 @@ def _beat(store, rank: int) -> None:
             if _process.state != told:
                 told = _process.state
                 store.set(f"{PREFIX}state/{rank}", told)
+            if _process.call != told_call:
+                told_call = _process.call
+                store.set(f"{PREFIX}call/{rank}", str(told_call))
             _process.stop_beating.wait(BEAT)
     except Exception:  # the store went away: the job is over
         return

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from lowering.errors import InvalidInputError
-from lowering.sequence_tensor import NeedsWholeSequence
+from lowering.implicit_gather import NeedsWholeSequence
 
 aten = torch.ops.aten
 

@@ -19,16 +19,24 @@ Eager ops act on it by the placement rules of DESIGN.md (the result is sharded t
 - pointwise ops of sharded values of one layout, scalars, and plain tensors that broadcast against the sequence
   dimension (size 1 there, or the whole sequence: then each rank indexes its own tokens of it, for free);
 - views that keep the sequence a dimension of its own or merge it with the dimensions before it
-  (``x.view(B * N, H)``), transposes, permutes, slices and selects of other dimensions, `cat` along another;
+  (``x.view(B * N, H)``), transposes, permutes, slices and selects of other dimensions, `cat` / `stack` along
+  another, ``unbind`` of another (iterating over the batch);
 - matrix products (`mm`, `addmm`, `bmm`: `linear`, `matmul`): sharded along a kept dimension, the product is
   sharded; contracted over the sequence (a weight's gradient), each rank's product is all-reduced;
-- reductions, softmax and argmax over other dimensions; a sum, mean, max or min over the sequence is each rank's
-  part all-reduced (padding slots left out), every rank gets the whole result;
-- `nll_loss` (`cross_entropy`) over per-token rows: the loss sum and the count of counted tokens all-reduced;
+- any op along other dimensions than the sequence (`_along_dims`): reductions (sum, mean, max, var, std, norm,
+  logsumexp, any, all, ...), softmax, sort, topk, argmax, cumsum, flip, roll, gather, median, mode;
+- a reduction whose dimensions take the sequence in (every dimension: ``logits.norm()``, ``torch.allclose``,
+  ``.isnan().any()``, ``F.mse_loss``): each rank's part combined across the ring (`lowering.sequence_reductions`),
+  every rank gets the whole result;
+- `nll_loss` (`cross_entropy`) over per-token rows, and `nll_loss2d` over ``[B, classes, N]`` (``cross_entropy(
+  logits.transpose(1, 2), labels)``): the loss sum and the count of counted tokens all-reduced;
 - `embedding` of sharded token ids: this rank's rows (the table's gradient: each rank's rows all-reduced);
 - a select or slice of sequence positions (``logits[:, -1]``): the rows of the ranks that hold them, all-reduced.
-Any other op raises `NeedsWholeSequence`, which names the op and says what to call: never a silent gather.
-The ops that communicate are collectives: every rank of the ring must run them, as it runs the model.
+Any other op, and ``numpy()``, ``tolist()`` and pickling (``torch.save``), needs the whole sequence: it is
+all-gathered first, a collective checked by `lowering.implicit_gather` (every rank runs the line: it works and
+warns once; one rank alone: that rank raises `NeedsWholeSequence` within seconds, the others go on), and the op
+runs on the whole values, its results plain tensors. The ops that communicate are collectives: every rank of the
+ring must run them, as it runs the model. docs/backend.md has the table.
 """
 
 from __future__ import annotations
@@ -42,23 +50,13 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.failures import wait_collective
-from lowering.groups import group_by_name, resolve_group
+from lowering.groups import resolve_group
+from lowering.implicit_gather import NeedsWholeSequence, gather_whole, whole_of
 from lowering.layout import local_length
-from lowering.sequence_ops import (
-    all_reduce_sum,
-    gather_sequence,
-    local_positions,
-    local_token_mask,
-    position_slots,
-    shard_sequence,
-)
+from lowering.sequence_ops import local_positions, local_token_mask, position_slots, shard_sequence
+from lowering.sequence_reductions import ACROSS, all_reduce
 
 aten = torch.ops.aten
-
-
-class NeedsWholeSequence(NotSupportedError):
-    """An eager op on a `SequenceSharded` value that its rules cannot run on each rank's tokens."""
 
 
 @dataclass(frozen=True)
@@ -142,13 +140,16 @@ class SequenceSharded(torch.Tensor):
         if any(_is_fake(c._local) for c in carriers):  # traced (Dynamo): a plain tensor of the global shape
             args, kwargs = pytree.tree_map_only(SequenceSharded, _stand_in, (args, kwargs))
             return func(*args, **kwargs)
-        rule = _RULES.get(func.overloadpacket)
-        if rule is None and torch.Tag.pointwise in func.tags:
-            rule = _pointwise
-        if rule is None:
-            raise _needs_whole(func, "it is not one of the ops that act on each rank's tokens")
+        rule = _RULES.get(func) or (_pointwise if torch.Tag.pointwise in func.tags else _RULES.get(func.overloadpacket))
         with torch.no_grad():  # autograd recorded the op on the carriers; their tokens need no graph of their own
-            out = rule(func, args, kwargs, carriers)
+            try:
+                if rule is None:
+                    raise _needs_whole(func, "it is not one of the ops that act on each rank's tokens")
+                if any(not isinstance(w, SequenceSharded) for w in _written(func, args, kwargs)):
+                    raise _needs_whole(func, "it writes into a plain tensor")
+                out = rule(func, args, kwargs, carriers)
+            except NeedsWholeSequence:
+                out = _on_whole_values(func, args, kwargs, carriers)
         if any(_marked_dynamic(c) for c in carriers):  # a length compiled as any length stays so downstream
             for result in pytree.tree_leaves(out):
                 if isinstance(result, SequenceSharded):
@@ -164,12 +165,24 @@ class SequenceSharded(torch.Tensor):
     @torch._disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole value in the original token order: an all-gather (differentiable); every rank must call it."""
-        s = self.spec
-        local = self.to_local()
-        if s.rows > 1:
-            local = local.unflatten(s.dim, (s.rows, -1))
-        whole = gather_sequence(local, s.dim + (s.rows > 1), *s.layout_args())
-        return whole.flatten(s.dim, s.dim + 1) if s.rows > 1 else whole
+        return whole_of(self.to_local(), self.spec)
+
+    # what needs the whole value outside torch's ops: the implicit gather, checked (`lowering.implicit_gather`)
+    def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:  # as torch says it, before any rank gathers
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self._whole("numpy()").numpy(force=force)
+
+    def tolist(self):
+        return self._whole("tolist()").tolist()
+
+    def __reduce_ex__(self, protocol):
+        """Pickling (``torch.save``, ``pickle``) writes the whole tensor; loading it gives a plain tensor."""
+        return self._whole("pickling (torch.save)").requires_grad_(self.requires_grad).__reduce_ex__(protocol)
+
+    def _whole(self, what: str) -> torch.Tensor:
+        with torch.no_grad():
+            return gather_whole([self], what)[0]
 
     @staticmethod
     def from_local(local: torch.Tensor, dim: int, *, seq_len: int, layout: str = "zigzag", group=None):
@@ -272,23 +285,46 @@ def _stand_in(carried: SequenceSharded) -> torch.Tensor:
 
 
 def _needs_whole(func, why: str) -> NeedsWholeSequence:
-    return NeedsWholeSequence(
-        f"{func} on a SequenceSharded value (a sequence-sharded output of a ring graph): {why}. Call "
-        ".full_tensor() first for the whole value (an all-gather that every rank must call), or .to_local() for "
-        "this rank's tokens; or compile the code that does this with the ring backend."
-    )
+    """What a rule raises for an op it cannot run on each rank's tokens: the op then runs on the whole values."""
+    return NeedsWholeSequence(f"{func} on a SequenceSharded value: {why}.")
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors an op writes into (in place, ``out=``)."""
+    if not func._schema.is_mutable:
+        return []
+    given = _bound(func, args, kwargs)
+    return [
+        given[a.name]
+        for a in func._schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(given.get(a.name), torch.Tensor)
+    ]
+
+
+def _on_whole_values(func, args, kwargs, carriers):
+    """The op on the whole values (each carrier gathered, checked: `gather_whole`); plain results. A carrier the op
+    writes into gets its own tokens of what was written, and is what the op returns in its place."""
+    unique = list({id(c): c for c in carriers}.values())
+    wholes = dict(zip(map(id, unique), gather_whole(unique, str(func))))
+    whole_args, whole_kwargs = pytree.tree_map_only(SequenceSharded, lambda c: wholes[id(c)], (args, kwargs))
+    out = func(*whole_args, **whole_kwargs)
+    written = {id(wholes[id(w)]): w for w in _written(func, args, kwargs) if isinstance(w, SequenceSharded)}
+    for carrier in written.values():
+        carrier._local.copy_(_local_of(wholes[id(carrier)], carrier.spec, carrier.spec.dim))
+    return pytree.tree_map(lambda r: written.get(id(r), r), out)
 
 
 def _local_of(value, spec: SequenceSpec, dim: int):
     """This rank's tokens of ``value`` along ``dim``: a carrier's own, or (a plain tensor, whole along ``dim``) its
-    rows at this rank's positions (zero at padding slots); a plain tensor of size 1 there broadcasts as it is."""
+    rows at this rank's positions (zero at padding slots); a plain tensor of size 1 there broadcasts as it is
+    (unless the whole sequence is one token: then it is that token's, taken to this rank's slots)."""
     if isinstance(value, SequenceSharded):
         if _key(value.spec) != _key(spec) or value.spec.dim != dim:
             raise InvalidInputError(
                 f"Two sequence-sharded values of different layouts or sequence dims meet: {value.spec} and {spec}."
             )
         return value._local
-    if not isinstance(value, torch.Tensor) or dim < 0 or value.size(dim) == 1:
+    if not isinstance(value, torch.Tensor) or dim < 0 or (value.size(dim) == 1 and spec.rows * spec.seq_len > 1):
         return value
     if value.size(dim) != spec.rows * spec.seq_len:
         raise InvalidInputError(
@@ -307,15 +343,6 @@ def _carry(local, spec: SequenceSpec):
     if isinstance(local, torch.Tensor):
         return SequenceSharded(local, spec)
     return type(local)(_carry(x, spec) for x in local)
-
-
-def _all_reduce(total: torch.Tensor, spec: SequenceSpec, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if op == dist.ReduceOp.SUM:
-        return all_reduce_sum(total, spec.group_name)
-    total = total.clone()
-    work = dist.all_reduce(total, op=op, group=group_by_name(spec.group_name), async_op=True)
-    wait_collective(work, total, spec.group_name, f"all-reducing a {tuple(total.shape)} max/min over the sequence")
-    return total
 
 
 # the rules: (func, args, kwargs, carriers) -> result
@@ -442,7 +469,7 @@ def _pick(func, args, kwargs, carried: SequenceSharded) -> torch.Tensor:
     slots, held = position_slots(picked.reshape(-1), *spec.layout_args())
     rows = carried._local.index_select(spec.dim, slots)
     held = held.view([-1 if d == spec.dim else 1 for d in range(rows.dim())])
-    total = _all_reduce(torch.where(held, rows, torch.zeros((), dtype=rows.dtype)), spec)
+    total = all_reduce(torch.where(held, rows, torch.zeros((), dtype=rows.dtype)), spec)
     return total.squeeze(spec.dim) if picked.dim() == 0 else total
 
 
@@ -479,7 +506,7 @@ def _product(func, args, kwargs, carriers):
     out = func(*operands)
     if label in labels_out:
         return SequenceSharded(out, replace(spec, dim=labels_out.index(label)))
-    return _all_reduce(out, spec)
+    return all_reduce(out, spec)
 
 
 def _addmm(func, args, kwargs, carriers):
@@ -489,81 +516,113 @@ def _addmm(func, args, kwargs, carriers):
     return (bias if beta == 1 else bias * beta) + (product if alpha == 1 else product * alpha)
 
 
-_REDUCTIONS = {
-    aten.sum: dist.ReduceOp.SUM,
-    aten.mean: dist.ReduceOp.SUM,
-    aten.amax: dist.ReduceOp.MAX,
-    aten.amin: dist.ReduceOp.MIN,
-    aten.max: dist.ReduceOp.MAX,  # of everything; along a dimension (with indices) only another one than the sequence
-    aten.min: dist.ReduceOp.MIN,
-}
-_LOCAL_REDUCE = {aten.sum: torch.sum, aten.mean: torch.sum, aten.amax: torch.amax, aten.amin: torch.amin}
+def _along_dims(func, args, kwargs, carriers):
+    """An op along some dimensions (its ``dim`` / ``dims``; every one when it names none): when they leave the
+    sequence out it runs on each rank's tokens and its results are sharded as the operand was; when they take the
+    sequence in, a reduction that `ACROSS` combines over the ranks gives every rank the whole result, any other op
+    needs the whole sequence."""
+    spec, ndim = carriers[0].spec, carriers[0].dim()
+    bound = _bound(func, args, kwargs)
+    dims = bound["dim"] if "dim" in bound else bound.get("dims")
+    dims = [dims] if isinstance(dims, int) else dims
+    dims = set(range(ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims}
+    if bound.get("reduction") == 0:  # a loss per element: nothing is reduced
+        dims = set()
+
+    def local(value):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        return _local_of(value, spec, spec.dim - (ndim - value.dim()))
+
+    if spec.dim in dims:
+        combine = ACROSS.get(func, ACROSS.get(func.overloadpacket))
+        if combine is None:
+            raise _needs_whole(func, "it runs along the sequence")
+        locals_ = {name: pytree.tree_map(local, value) for name, value in bound.items()}
+        return combine(func, locals_, spec, dims, bool(bound.get("keepdim", False)))
+    out = func(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
+    if func._schema.is_mutable:  # in place: the carrier's own tokens changed
+        return args[0]
+
+    def carried(result):
+        if not isinstance(result, torch.Tensor):
+            return result
+        dropped = result.dim() < ndim  # a reduction without keepdim, or unbind: the dims it ran along are gone
+        return SequenceSharded(result, replace(spec, dim=spec.dim - dropped * sum(d < spec.dim for d in dims)))
+
+    return pytree.tree_map(carried, out)
 
 
-def _reduce(func, args, kwargs, carriers):
-    """A reduction over some dimensions: carried when the sequence is not one of them, else all-reduced."""
-    carried, spec, ndim = args[0], args[0].spec, args[0].dim()
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    dims = range(ndim) if dims is None or (not isinstance(dims, int) and len(dims) == 0) else dims
-    dims = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    packet = func.overloadpacket
-    if spec.dim not in dims:
-        out = func(carried._local, *args[1:], **kwargs)
-        return _carry(out, replace(spec, dim=spec.dim - (0 if keepdim else sum(d < spec.dim for d in dims))))
-    whole = len(dims) == ndim and packet in (aten.max, aten.min)
-    if packet not in _LOCAL_REDUCE and not whole:
-        raise _needs_whole(func, "it runs along the sequence (only sum, mean, max and min are all-reduced)")
-    op = _REDUCTIONS[packet]
-    fill = {dist.ReduceOp.SUM: 0.0, dist.ReduceOp.MAX: float("-inf"), dist.ReduceOp.MIN: float("inf")}[op]
-    local = torch.where(spec.valid(carried._local), carried._local, torch.tensor(fill, dtype=carried.dtype))
-    if whole:
-        return _all_reduce(func(local), spec, op)
-    extra = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
-    total = _all_reduce(_LOCAL_REDUCE[packet](local, dim=tuple(sorted(dims)), keepdim=keepdim, **extra), spec, op)
-    if packet is aten.mean:
-        total = total / math.prod(carried.size(d) for d in dims)
-    return total
+def _bound(func, args, kwargs) -> dict:
+    """The op's arguments by name, defaults filled in."""
+    schema = func._schema.arguments
+    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    return {**defaults, **dict(zip((a.name for a in schema), args)), **kwargs}
 
 
-def _along_other_dim(func, args, kwargs, carriers):
-    """softmax, log-softmax, argmax and their backward: along a dimension other than the sequence."""
-    carried = next(a for a in args if isinstance(a, SequenceSharded))
-    spec = carried.spec
-    dim = next((a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)), kwargs.get("dim"))
-    if dim is None or dim % carried.dim() == spec.dim:
-        raise _needs_whole(func, "it runs along the sequence")
-    picks = func.overloadpacket in (aten.argmax, aten.argmin)  # they drop the dimension unless keepdim
-    dropped = (
-        picks and not (args[2] if len(args) > 2 else kwargs.get("keepdim", False)) and dim % carried.dim() < spec.dim
-    )
-    out = func(*[_local_of(a, spec, spec.dim) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
-    return SequenceSharded(out, replace(spec, dim=spec.dim - dropped))
+def _loss_backward(func, args, kwargs, carriers):
+    """The gradient of a pointwise loss (`POINTWISE_LOSSES`): each rank's tokens; a mean's gradient is the sum's
+    over the whole value's count of elements (the kernel would divide by this rank's count)."""
+    spec, ndim = carriers[0].spec, carriers[0].dim()
+    bound = _bound(func, args, kwargs)
+    locals_ = {k: _local_of(v, spec, spec.dim - (ndim - v.dim())) if _is_tensor(v) else v for k, v in bound.items()}
+    if bound["reduction"] == 1:
+        locals_["grad_output"] = locals_["grad_output"] / math.prod(carriers[0].shape)
+        locals_["reduction"] = 2
+    return SequenceSharded(func(**locals_), spec)
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _stack(func, args, kwargs, carriers):
+    tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    spec = carriers[0].spec
+    dim = dim % (carriers[0].dim() + 1)
+    stacked = func([_local_of(t, spec, spec.dim) for t in tensors], dim)
+    return SequenceSharded(stacked, replace(spec, dim=spec.dim + (dim <= spec.dim)))
+
+
+def _new_plain(func, args, kwargs, carriers):
+    """``new_zeros`` / ``new_ones`` / ``new_empty`` / ``new_full``: a plain tensor of the size asked for."""
+    return func(args[0]._local, *args[1:], **kwargs)
 
 
 def _nll_loss(func, args, kwargs, carriers):
-    """nll_loss over per-token rows (``[tokens, classes]`` / ``[tokens]``): per-token or summed over the ranks."""
+    """nll_loss over per-token rows (``[tokens, classes]``: the sequence is the rows) or nll_loss2d over
+    ``[B, classes, ...]`` (the sequence one of the trailing dims, the layout ``cross_entropy(logits.transpose(1, 2),
+    labels)`` makes): per token, or the sum and the count of counted tokens summed over the ranks."""
     scores, target, weight, reduction, ignore_index = args[:5]
-    spec = scores.spec
-    if spec.dim != 0:
-        raise _needs_whole(func, "its sequence is not the rows of the scores")
-    target = _local_of(target, spec, 0)
-    target = torch.where(spec.valid(target, 0), target, ignore_index)  # padding slots are not counted
+    spec, target = scores.spec, _counted_target(func, scores, target, ignore_index)
     if reduction == 0:
         losses, total_weight = func(scores._local, target, weight, 0, ignore_index)
-        return SequenceSharded(losses, spec), total_weight
+        return SequenceSharded(losses, replace(spec, dim=_target_dim(func, spec))), total_weight
     loss, total_weight = func(scores._local, target, weight, 2, ignore_index)  # sums, all-reduced
-    loss, total_weight = _all_reduce(loss, spec), _all_reduce(total_weight, spec)
+    loss, total_weight = all_reduce(loss, spec), all_reduce(total_weight, spec)
     return (loss / total_weight if reduction == 1 else loss), total_weight
 
 
 def _nll_loss_backward(func, args, kwargs, carriers):
     grad, scores, target, weight, reduction, ignore_index, total_weight = args[:7]
-    spec = scores.spec
-    target = _local_of(target, spec, 0)
-    target = torch.where(spec.valid(target, 0), target, ignore_index)
-    grad = _local_of(grad, spec, 0) if reduction == 0 else grad
+    spec, target = scores.spec, _counted_target(func, scores, target, ignore_index)
+    grad = _local_of(grad, spec, _target_dim(func, spec)) if reduction == 0 else grad
     return SequenceSharded(func(grad, scores._local, target, weight, reduction, ignore_index, total_weight), spec)
+
+
+def _target_dim(func, spec: SequenceSpec) -> int:
+    """The sequence dimension of an nll loss's target (the scores' without the classes)."""
+    two_d = func.overloadpacket in (aten.nll_loss2d_forward, aten.nll_loss2d_backward)
+    if spec.dim != 0 and not (two_d and spec.dim >= 2):
+        raise _needs_whole(func, "its sequence is not a dimension of the target")
+    return spec.dim - two_d
+
+
+def _counted_target(func, scores: SequenceSharded, target, ignore_index: int) -> torch.Tensor:
+    """This rank's targets, its padding slots ``ignore_index`` (not counted)."""
+    spec, dim = scores.spec, _target_dim(func, scores.spec)
+    target = _local_of(target, spec, dim)
+    return torch.where(spec.valid(target, dim), target, ignore_index)
 
 
 def _embedding(func, args, kwargs, carriers):
@@ -580,7 +639,7 @@ def _embedding_backward(func, args, kwargs, carriers):
     spec = ids.spec
     local = _local_of(grad, spec, spec.dim)
     local = torch.where(spec.valid(local), local, torch.zeros((), dtype=local.dtype))
-    return _all_reduce(func(local, ids._local, *args[2:], **kwargs), spec)
+    return all_reduce(func(local, ids._local, *args[2:], **kwargs), spec)
 
 
 def _same_size(func, args, kwargs, carriers):
@@ -611,7 +670,9 @@ _RULES: dict[object, Callable] = {
     aten.cat: _cat,
     **dict.fromkeys(_PRODUCTS, _product),
     aten.addmm: _addmm,
-    **dict.fromkeys(_REDUCTIONS, _reduce),
+    aten.stack: _stack,
+    **dict.fromkeys((aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full), _new_plain),
+    **dict.fromkeys(ACROSS, _along_dims),
     **dict.fromkeys(
         (
             aten._softmax,
@@ -620,11 +681,38 @@ _RULES: dict[object, Callable] = {
             aten._log_softmax_backward_data,
             aten.argmax,
             aten.argmin,
+            aten.max,
+            aten.min,
+            aten.sort,
+            aten.topk,
+            aten.kthvalue,
+            aten.median,
+            aten.nanmedian,
+            aten.mode,
+            aten.cumsum,
+            aten.cumprod,
+            aten.cummax,
+            aten.cummin,
+            aten.logcumsumexp,
+            aten.flip,
+            aten.roll,
+            aten.gather,
+            aten.unbind,
         ),
-        _along_other_dim,
+        _along_dims,
     ),
-    aten.nll_loss_forward: _nll_loss,
-    aten.nll_loss_backward: _nll_loss_backward,
+    **dict.fromkeys(
+        (
+            aten.mse_loss_backward,
+            aten.smooth_l1_loss_backward,
+            aten.huber_loss_backward,
+            aten.soft_margin_loss_backward,
+            aten.binary_cross_entropy_backward,
+        ),
+        _loss_backward,
+    ),
+    **dict.fromkeys((aten.nll_loss_forward, aten.nll_loss2d_forward), _nll_loss),
+    **dict.fromkeys((aten.nll_loss_backward, aten.nll_loss2d_backward), _nll_loss_backward),
     aten.embedding: _embedding,
     aten.embedding_dense_backward: _embedding_backward,
     aten.is_same_size: _same_size,

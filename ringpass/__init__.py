@@ -15,8 +15,9 @@ passes its own batch instead (docs/training.md). The runtime (`lowering`: `ring_
 
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError, RingpassWarning
 from lowering.failures import PeerFailure
+from lowering.implicit_gather import ImplicitGatherWarning, NeedsWholeSequence
 from lowering.sequence_mask import SequenceMask
-from lowering.sequence_tensor import NeedsWholeSequence, SequenceSharded
+from lowering.sequence_tensor import SequenceSharded
 from ringpass.artifact import load
 from ringpass.backend import RingBackend, backend, last_report
 from ringpass.convert import ConvertedModel, convert
@@ -27,6 +28,7 @@ from ringpass.version import __version__
 
 __all__ = [
     "ConvertedModel",
+    "ImplicitGatherWarning",
     "Inspection",
     "InvalidInputError",
     "NeedsWholeSequence",

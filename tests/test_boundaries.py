@@ -73,16 +73,14 @@ def test_the_audit_and_the_gather_count_see_a_whole_activation():
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-def test_eager_code_on_a_sharded_value_follows_its_rules_or_says_what_to_call():
+def test_eager_code_on_a_sharded_value_follows_its_rules_or_gathers_with_a_warning():
     for rank, results in enumerate(_results(2)):
         result = results["eager"]
         assert result["type"] == "SequenceSharded" and result["shape"] == [2, SEQ_LEN, 5], result
         assert result["local"] == [2, 8, 5], result  # zigzag over 2 ranks: 4 chunks of 4 slots, 3 of them padding
-        for key in ("loss", "logits", "grads", "picked", "dtensor"):
+        for key in ("loss", "logits", "grads", "picked", "dtensor", "cumsum"):
             assert result[key] <= 1e-12, (rank, key, result[key])
         assert result["argmax"], rank
-        assert "aten.cumsum.default on a SequenceSharded value" in result["refusal"]
-        assert "Call .full_tensor() first" in result["refusal"] and ".to_local()" in result["refusal"]
         assert ("this rank's 8 of 13 tokens" in result["repr"]) == (rank == 0)  # printed on rank 0 alone: no hang
 
 

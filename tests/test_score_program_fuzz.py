@@ -20,30 +20,23 @@ import pytest
 import score_program_fuzz as fuzz
 import torch
 from hypothesis import HealthCheck, given, settings
+from rank_pools import RankPools
 
 import ringpass
-from ringpass.launch import RankPool
 
 
-class Pools:
-    """One `RankPool` at a time (the ranks of one ring size), started when a case needs it."""
+class Pools(RankPools):
+    """The ranks of one ring size, each case checked on them."""
 
     def __init__(self, folder: str):
-        self.folder, self.pool = folder, None
+        super().__init__()
+        self.folder = folder
 
     def check(self, case: dict) -> None:
-        if self.pool is None or self.pool.world_size != case["world_size"]:
-            self.close()
-            self.pool = RankPool(case["world_size"])
-        results = self.pool.run(fuzz.run_case, (case, self.folder), timeout=600)
+        results = self.run(case["world_size"], fuzz.run_case, (case, self.folder), timeout=600)
         for rank, result in enumerate(results):
             problems = fuzz.check(case, result)
             assert not problems, f"rank {rank} of case {json.dumps(case)}:\n  " + "\n  ".join(problems)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
 
 
 @pytest.fixture(scope="module")
