@@ -8,6 +8,7 @@ model computes. Tested elsewhere: `record_gradient_paths`, `inline_subgraphs` an
 import dataclasses
 import math
 import operator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ringpass.graph import example_value
 from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.graph_utils.findings import MaskFindings, SeqDim, SequenceFindings
 from ringpass.options import RingOptions
+from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
 from ringpass.report import Report
 
 SEQ = 11  # zigzag on 2 ranks pads it to 12: 6 slots per rank
@@ -440,3 +442,21 @@ def test_reduce_grads_reduces_shares_of_a_gradient_or_scales_whole_ones():
             )
         else:
             assert (reduced, scaled, backward) == (set(), [(offset, 0.5)], [])
+
+
+def test_spell_properties_as_attributes_writes_torch_2_15s_aten_calls_as_attribute_reads():
+    """Dynamo on torch 2.15 writes ``k.mT`` as ``torch.ops.aten.mT(k)``: the pass writes ``getattr(k, "mT")``, as
+    torch 2.13 captured it, and the graph computes the same (a graph written the 2.15 way by hand, on any torch)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    flipped = graph.call_function(torch.ops.aten.mT, (x,))
+    conjugated = graph.call_function(torch.ops.aten.mH.default, (x,))
+    both = graph.call_function(torch.ops.aten.add.Tensor, (flipped, conjugated))
+    graph.output(graph.call_function(torch.ops.aten.numpy_T, (both,)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    value = torch.randn(3, 4, 5)
+    expected = gm(value)
+    spell_properties_as_attributes(SimpleNamespace(gm=gm))
+    reads = [(n.target, n.args[1]) for n in gm.graph.nodes if n.op == "call_function" and n.target is getattr]
+    assert reads == [(getattr, "mT"), (getattr, "mH"), (getattr, "T")]
+    assert torch.equal(gm(value), expected)

@@ -32,6 +32,7 @@ from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.remove_unread_values import remove_unread_values
+from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
 from ringpass.report import Report
 
 HERE = Path(__file__).name
@@ -247,7 +248,8 @@ class RelativeBias(nn.Module):
 
 def _with_pass(monkeypatch, cut) -> None:
     """``cut`` runs after every rewrite, just before the check."""
-    assert passes.PIPELINE[:2] == (remove_unread_values, record_gradient_paths)  # before any rewrite
+    first = (remove_unread_values, spell_properties_as_attributes, record_gradient_paths)  # before any cut
+    assert passes.PIPELINE[:3] == first
     assert passes.PIPELINE[-1] is check_gradient_paths
     monkeypatch.setattr(passes, "CHECK", passes.Stage("check", (cut, *passes.CHECK.passes)))
 

@@ -2,9 +2,9 @@
 ``(PassContext) -> None`` whose docstring says what it matches and what it writes. `run_pipeline` runs them
 for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
 
-- ``prepare`` (`PREPARE`): remove the values nothing reads, record the gradient paths, write out what Dynamo wraps
-  (subgraphs, model numbers, ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was
-  found:
+- ``prepare`` (`PREPARE`): remove the values nothing reads, spell tensor properties one way (torch 2.13's and
+  2.15's captures differ), record the gradient paths, write out what Dynamo wraps (subgraphs, model numbers,
+  ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was found:
 - a graph without attention: nothing more; it runs unchanged (replicated) on every rank, unless an input arrives
   sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
 - decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
@@ -48,6 +48,7 @@ from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_dec
 from ringpass.passes.rewrite_positions import rewrite_positions
 from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
+from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
 from ringpass.passes.split_tail import split_tail
 from ringpass.report import Refusal
 
@@ -55,6 +56,7 @@ PREPARE = Stage(
     "prepare",
     (
         remove_unread_values,
+        spell_properties_as_attributes,
         record_gradient_paths,
         inline_subgraphs,
         pin_model_numbers,
