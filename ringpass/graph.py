@@ -163,7 +163,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['\w+'\]\.?", "", path)  # the forward's first argument (self)
+    path = re.sub(r"^L\['\w+'\](\[\d+\])?\.?", "", path)  # the root module: L['self'] (torch 2.15: L['args'][0])
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 

@@ -460,3 +460,12 @@ def test_spell_properties_as_attributes_writes_torch_2_15s_aten_calls_as_attribu
     reads = [(n.target, n.args[1]) for n in gm.graph.nodes if n.op == "call_function" and n.target is getattr]
     assert reads == [(getattr, "mT"), (getattr, "mH"), (getattr, "T")]
     assert torch.equal(gm(value), expected)
+
+
+@pytest.mark.parametrize("root", ["L['self']", "L['args'][0]"])  # torch 2.13's capture; torch 2.15's
+def test_module_path_names_the_users_module_whichever_way_dynamo_names_the_root(root):
+    from ringpass.graph import module_path
+
+    node = fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"a": (f"{root}.model.layers[1]._modules['self_attn']", object)}
+    assert module_path(node) == "model.layers.1.self_attn"
