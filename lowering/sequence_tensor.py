@@ -41,6 +41,7 @@ ring must run them, as it runs the model. docs/backend.md has the table.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -354,10 +355,7 @@ def _pointwise(func, args, kwargs, carriers):
     if any(c.dim() != ndim for c in carriers):
         raise _needs_whole(func, "its sequence-sharded operands have different ranks, so their sequence dims differ")
 
-    def local(value):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        return _local_of(value, spec, spec.dim - (ndim - value.dim()))
+    local = functools.partial(_aligned_local, spec=spec, ndim=ndim)
 
     out = func(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
     if func._schema.is_mutable:  # in place: the carrier's own tokens changed
@@ -529,10 +527,7 @@ def _along_dims(func, args, kwargs, carriers):
     if bound.get("reduction") == 0:  # a loss per element: nothing is reduced
         dims = set()
 
-    def local(value):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        return _local_of(value, spec, spec.dim - (ndim - value.dim()))
+    local = functools.partial(_aligned_local, spec=spec, ndim=ndim)
 
     if spec.dim in dims:
         combine = ACROSS.get(func, ACROSS.get(func.overloadpacket))
@@ -565,15 +560,19 @@ def _loss_backward(func, args, kwargs, carriers):
     over the whole value's count of elements (the kernel would divide by this rank's count)."""
     spec, ndim = carriers[0].spec, carriers[0].dim()
     bound = _bound(func, args, kwargs)
-    locals_ = {k: _local_of(v, spec, spec.dim - (ndim - v.dim())) if _is_tensor(v) else v for k, v in bound.items()}
+    locals_ = {k: _aligned_local(v, spec, ndim) for k, v in bound.items()}
     if bound["reduction"] == 1:
         locals_["grad_output"] = locals_["grad_output"] / math.prod(carriers[0].shape)
         locals_["reduction"] = 2
     return SequenceSharded(func(**locals_), spec)
 
 
-def _is_tensor(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0
+def _aligned_local(value, spec: SequenceSpec, ndim: int):
+    """This rank's tokens of an operand of an op on ``ndim``-dim sharded values, its dims aligned from the right as
+    broadcasting aligns them; numbers and 0-dim tensors as they are."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    return _local_of(value, spec, spec.dim - (ndim - value.dim()))
 
 
 def _stack(func, args, kwargs, carriers):
