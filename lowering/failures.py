@@ -404,7 +404,9 @@ def meet(group_name: str, topic: str, site: str) -> None:
       busy elsewhere, or at a collective of its own): this rank came alone; it withdraws, as if it never came, and
       the peers never notice.
 
-    A peer that failed or died raises `PeerFailure`, as in `wait_works`. Meetings are numbered per (group, topic);
+    A peer that failed or died raises `PeerFailure`, as in `wait_works`. Left open: a rank that gives up on the
+    timeout at the instant a peer reaches the same site may leave that peer in the collective (the prompt cases,
+    a peer at a later call or at another site, have no such window). Meetings are numbered per (group, topic);
     each rank posts in one of four slots, reused (no rank can be four meetings ahead of another)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
