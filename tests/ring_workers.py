@@ -174,7 +174,9 @@ def wrong_world_size(rank: int, world_size: int) -> str:
 
 
 def one_rank_dies(rank: int, world_size: int) -> None:
-    """Rank 1 dies before the ring starts; the others wait in the ring for blocks that never come."""
+    """Rank 1 dies before the ring starts; the others wait in the ring for blocks that never come. (After a barrier:
+    gloo may still be connecting rank 0's mesh when rank 1's init returns, and would fail there instead.)"""
+    dist.barrier()
     if rank == 1:
         os._exit(3)
     layout = Layout("zigzag", world_size, 64)
