@@ -15,7 +15,14 @@ backward graphs, and walks each as its interpreter runs it:
 - the forward's inputs (weights, buffers, the user's tensors) are not activations; its outputs beyond the user's
   are the values saved for the backward (those that are inputs, the weights, cost nothing);
 - the backward starts holding every forward's saved values and the outputs the caller keeps (the logits), takes
-  its output gradient, and its results are the parameters' gradients, live to the step's end.
+  its output gradient, and its results are the parameters' gradients, live to the step's end;
+- the ring backend's graph differs from the model's in one place that holds memory: each parameter's gradient is
+  made whole over the ring (``reduce_grads``: ``all_reduce_sum`` on a clone of it, or with an outer FSDP2 / DDP
+  its share times P), a new tensor of the gradient's size made as soon as the gradient is, the share freed after
+  it. The walk adds that copy beside what is live when each parameter's gradient is made (``copies_gradients``),
+  one at a time. For a large vocabulary at a short slice of the sequence the embedding's and the head's
+  gradients (vocabulary x hidden each) are the largest tensors of the step, and the copy of one of them sets the
+  backward's peak.
 
 Several graphs (graph breaks) run forward in order, each holding the saved values of those before it, and
 backward in reverse, each holding the gradients of those after it; eager code between graphs, and graphs that
@@ -28,10 +35,10 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import NotSupportedError
 
 
@@ -55,20 +62,23 @@ class StepMemory:
     gradients: int
 
 
-def compiled_step_memory(model: torch.nn.Module, inputs, checkpointing: bool) -> StepMemory:
+def compiled_step_memory(
+    model: torch.nn.Module, inputs, checkpointing: bool, gradient_copies: bool = True
+) -> StepMemory:
     """Compile ``model`` (fake tensors, inside ``FakeTensorMode``) with the backend's partitioner, run one
     training step of ``inputs`` (each block of its block lists checkpointed with ``checkpointing``) and walk the
-    captured graphs (module docstring)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    captured graphs (module docstring); ``gradient_copies``: each parameter's gradient copied once as the ring
+    makes it whole (False: a plain ``torch.compile``'s step, which makes no such copy)."""
+    aot_autograd, make_boxed_func = compat.aot_autograd, compat.make_boxed_func
+    min_cut_rematerialization_partition = compat.min_cut_rematerialization_partition
 
     if checkpointing:
         _checkpoint_blocks(model)
-    pairs: list[dict] = []  # per Dynamo graph, in the forward's order: {"forward": gm, "backward": gm}
+    pairs: list[dict] = []  # per Dynamo graph, in the forward's order: {"forward": gm, "backward": gm, ...}
 
     def capture(gm: fx.GraphModule, example_inputs: list):
-        pair: dict = {}
+        # the backward's results are the gradients of these inputs, in this order: which are parameters'
+        pair: dict = {"parameters": [isinstance(x, torch.nn.Parameter) for x in example_inputs]}
         pairs.append(pair)
 
         def keep(kind):
@@ -85,7 +95,7 @@ def compiled_step_memory(model: torch.nn.Module, inputs, checkpointing: bool) ->
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
-    torch._dynamo.reset()
+    compat.dynamo_reset()
     try:
         compiled = torch.compile(model, backend=capture)
         out = compiled(**inputs) if isinstance(inputs, dict) else compiled(*inputs)
@@ -99,14 +109,14 @@ def compiled_step_memory(model: torch.nn.Module, inputs, checkpointing: bool) ->
             "The ring backend compiles the model too: make it compile with torch.compile first."
         ) from error
     finally:
-        torch._dynamo.reset()
+        compat.dynamo_reset()
     trained = [p for p in pairs if "backward" in p]
     if not trained:
         raise NotSupportedError("plan: the compiled model has no graph that trains; there is no step to price.")
-    return _walk_step(trained)
+    return _walk_step(trained, gradient_copies)
 
 
-def _walk_step(pairs: list[dict]) -> StepMemory:
+def _walk_step(pairs: list[dict], gradient_copies: bool = True) -> StepMemory:
     """The step's peak over its forward graphs in order and its backward graphs in reverse."""
     forwards = [walk(p["forward"], counted_inputs=set()) for p in pairs]
     saved = [sum(f.returned.values()) for f in forwards]
@@ -115,7 +125,12 @@ def _walk_step(pairs: list[dict]) -> StepMemory:
     later_gradients = 0
     for i in reversed(range(len(pairs))):
         counted = {name for name, size in forwards[i].returned.items() if size}  # the saved values; not the weights
-        backward = walk(pairs[i]["backward"], counted_inputs=counted, tangents=True)
+        backward = walk(
+            pairs[i]["backward"],
+            counted_inputs=counted,
+            tangents=True,
+            copies_gradients=pairs[i]["parameters"] if gradient_copies else None,
+        )
         taken = _placeholder_names(pairs[i]["backward"])
         user_outputs = sum(  # what the caller holds that the backward does not take
             size for name, size in forwards[i].returned.items() if name not in taken
@@ -127,16 +142,21 @@ def _walk_step(pairs: list[dict]) -> StepMemory:
     return StepMemory(peak - gradients_at_peak, gradients_at_peak)
 
 
-def walk(gm: fx.GraphModule, counted_inputs: set, tangents: bool = False) -> GraphMemory:
+def walk(
+    gm: fx.GraphModule, counted_inputs: set, tangents: bool = False, copies_gradients: list | None = None
+) -> GraphMemory:
     """Run ``gm`` in order on paper: each storage allocated by the node that makes it, freed after the last
     reader of any alias unless returned. Inputs count only when named in ``counted_inputs`` (a backward's saved
-    values) or, with ``tangents``, when they are output gradients."""
+    values) or, with ``tangents``, when they are output gradients. ``copies_gradients`` (a backward's, per result:
+    whether it is a parameter's gradient): each such result is copied once when made, the ring's reduction of
+    the gradient (module docstring): the copy is live beside what is live then."""
     nodes = list(gm.graph.nodes)
     returned_nodes = set(gm.graph.output_node().all_input_nodes)
     last_read = {}
     for index, node in enumerate(nodes):
         for read in node.all_input_nodes:
             last_read[read] = index
+    copied = _copied_gradients(gm, copies_gradients) if copies_gradients is not None else {}
     root: dict[fx.Node, fx.Node] = {}
     aliases: dict[fx.Node, list[fx.Node]] = {}
     size: dict[fx.Node, int] = {}
@@ -160,12 +180,34 @@ def walk(gm: fx.GraphModule, counted_inputs: set, tangents: bool = False) -> Gra
             dead = all(last_read.get(a, -1) <= index and a not in returned_nodes for a in aliases[base])
             if dead and size[base]:
                 live, size[base] = live - size[base], 0
+        if root[node] is node and node in copied and live + copied[node] > peak:  # the gradient's copy, made now
+            kept = {root[n] for n in returned_nodes if n in root}
+            peak, returned_at_peak = live + copied[node], sum(size[base] for base in kept)
     returned = {}
     for node in returned_nodes:
         base = root[node]
         returned[node.name] = size[base] if base.op != "placeholder" else 0
         size[base] = 0  # an alias returned twice counts once
     return GraphMemory(peak, live, returned_at_peak, returned)
+
+
+def _copied_gradients(gm: fx.GraphModule, parameters: list) -> dict[fx.Node, int]:
+    """The storages a backward's parameter gradients are made in (the node that allocates each: a view's or an
+    item's base) -> the bytes of the largest gradient in it, the copy the ring's reduction makes of it. Results
+    are matched to the forward's inputs in order; where their counts differ, every result is taken."""
+    results = gm.graph.output_node().args[0]
+    results = list(results) if isinstance(results, (tuple, list)) else [results]
+    if len(parameters) != len(results):
+        parameters = [True] * len(results)
+    copied: dict[fx.Node, int] = {}
+    for result, is_parameter in zip(results, parameters):
+        if not (is_parameter and isinstance(result, fx.Node)):
+            continue
+        base = result
+        while _aliases_input(base) and base.op != "placeholder":
+            base = base.args[0]
+        copied[base] = max(copied.get(base, 0), _bytes(result))
+    return copied
 
 
 def _aliases_input(node: fx.Node) -> bool:
@@ -193,9 +235,7 @@ def _placeholder_names(gm: fx.GraphModule) -> set[str]:
 def _checkpoint_blocks(model: torch.nn.Module) -> None:
     """Every entry of the model's block lists checkpointed (non-reentrant), as Hugging Face's and torchtitan's
     activation checkpointing wrap them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for i, block in enumerate(module):
-                module[i] = checkpoint_wrapper(block)
+                module[i] = compat.checkpoint_wrapper(block)

@@ -18,6 +18,17 @@ Two things differ from the model run alone, and are accounted for:
 - a wrapper shards what the step holds: FSDP2 divides weights, gradients and optimizer states by the ranks and
   adds two units' weights gathered (the one running and the one prefetched); DDP adds its gradient buckets.
 
+A step has two moments that can be its peak: the forward and backward's (activations, the gradients made by then,
+the ring's buffers), and the optimizer's step, which holds every gradient, the model's outputs (the caller holds
+them to the step's end, as it does through the backward: ``out = model(batch)``) and its own temporaries (AdamW: the
+square root of the second moment and its quotient by the bias correction, one parameter at a time as torch runs it
+on the CPU, or one temporary as large as all the parameters at once with ``foreach``, torch's default on a GPU:
+the plan's optimizer is torch's default for the device it plans for, ``--device cpu`` or a calibration file the
+CPU's, any other a GPU's). The plan reports the larger (`Candidate.peak`). With the ring the backward also copies
+each parameter's gradient once as it makes it whole over the ring (`ringpass.compiled_memory`). Both weigh with
+the parameters, not the tokens: a large vocabulary's embedding and head (vocabulary x hidden each, untied) at a
+short slice of the sequence per rank.
+
 With the ring (P > 1) the model is compiled, and AOTAutograd's partitioner saves less than eager autograd keeps:
 the activations and the gradients live at the peak are then those of the same step compiled on fake tensors as
 the backend compiles it (`ringpass.compiled_memory`: the captured forward and backward graphs walked with every
@@ -37,24 +48,28 @@ cost per op (`Hardware.gemm_flops_per_s`, ``memory_bytes_per_s``, ``op_overhead_
 against transfer per step), or with ``strategy="auto"`` the fastest of the ring, Ulysses x ring and the all-gather
 (`choose_strategies`, its memory by `strategy_memory`); one rank runs the model's own attention whole (at the
 SDPA rate where calibrated); every attention at its head dim's rate (`Hardware.attention_flops_per_s`); plus the
-wrapper's gradient traffic over the link. Checkpointing runs the blocks' forward ops again. The candidates: ring
+gradients' traffic over the link (the wrapper's reduction, or without one the ring's all-reduce of every gradient
+over its P ranks, one call per parameter). Checkpointing runs the blocks' forward ops again. The candidates: ring
 sizes P dividing the world size (the others data-parallel), checkpointing on or off; the recommendation is the
 fastest per batch that fits ``gpu_mem``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.costmodel import (
     Hardware,
     Strategy,
@@ -83,6 +98,7 @@ class Candidate:
     batch_s: float  # seconds per batch: the step's, over the W / P batches the data-parallel replicas take at once
     time_parts: dict  # seconds: compute (outside attention), attention (the ring), wrapper (gradient traffic)
     fits: bool | None  # None: no --gpu-mem given
+    peak: str = "backward"  # the moment memory_per_rank is taken at: "backward" (forward and backward) or "optimizer"
 
     def line(self) -> str:
         m = self.memory_per_rank
@@ -91,7 +107,9 @@ class Candidate:
             f"P={self.ring_size}{' checkpointed' if self.checkpointing else ''} ({self.strategies}): "
             f"{_gib(m['total'])} per rank "
             f"(weights {_gib(m['weights'])}, gradients {_gib(m['gradients'])}, optimizer {_gib(m['optimizer'])}, "
-            f"activations {_gib(m['activations'])}, ring {_gib(m['ring'])}){fit}; step {self.step_s:.3g} s, "
+            f"{'activations' if self.peak == 'backward' else 'outputs held and optimizer temporaries'} "
+            f"{_gib(m['activations'])}, ring {_gib(m['ring'])}{', at the optimizer step' * (self.peak != 'backward')})"
+            f"{fit}; step {self.step_s:.3g} s, "
             f"{self.batch_s:.3g} s per batch (compute {self.time_parts['compute']:.3g}, "
             f"attention {self.time_parts['attention']:.3g}, "
             f"wrapper {self.time_parts['wrapper']:.3g})"
@@ -166,7 +184,7 @@ def plan_model(
     candidates = []
     for p in sizes:
         layout = Layout(_layout(attentions), p, seq_len)
-        step = measure_step(build, layout.local_len, optimizer, compiled=p > 1)
+        step = measure_step(build, layout.local_len, optimizer, compiled=p > 1, foreach=not on_cpu(hw))
         for ckpt in (False, True):
             candidates.append(candidate(step, layout, world_size, hw, attentions, wrapper, ckpt, gpu_mem, strategy))
     asked = next(c for c in candidates if c.ring_size == world_size and c.checkpointing == checkpointing)
@@ -215,20 +233,25 @@ def candidate(
         if ring_size > 1
         else 0
     )
-    weights, gradients, optimizer_bytes = step["weights"], step["gradients"], step["optimizer"]
+    weights, optimizer_bytes = step["weights"], step["optimizer"]
     parameter_bytes = step["parameter_bytes"]
+    # (activations and temporaries, gradients, ring buffers) at the two moments that can be the peak: the
+    # forward and backward's, and the optimizer step's (every gradient and the step's temporaries)
+    moments = {
+        "backward": [step["activations"], step["gradients"], ring_buffers],
+        "optimizer": [step["optimizer_step"], step["all_gradients"], 0],
+    }
     if wrapper == "fsdp":  # sharded over every rank, two units gathered (running + prefetched)
         weights = weights // world_size + 2 * step["largest_unit_bytes"]
-        gradients, optimizer_bytes = gradients // world_size, optimizer_bytes // world_size
+        optimizer_bytes = optimizer_bytes // world_size
+        moments["backward"][1] //= world_size
+        moments["optimizer"][:2] = [b // world_size for b in moments["optimizer"][:2]]  # the step runs on shards
     elif wrapper == "ddp":
-        gradients += parameter_bytes  # the buckets: a second copy of every gradient
-    memory = {
-        "weights": weights,
-        "gradients": gradients,
-        "optimizer": optimizer_bytes,
-        "activations": step["activations"],
-        "ring": ring_buffers,
-    }
+        for moment in moments.values():
+            moment[1] += parameter_bytes  # the buckets: a second copy of every gradient
+    peak = max(moments, key=lambda k: sum(moments[k]))
+    memory = {"weights": weights, "gradients": moments[peak][1], "optimizer": optimizer_bytes}
+    memory["activations"], memory["ring"] = moments[peak][0], moments[peak][2]
     memory["total"] = sum(memory.values())
     compute = step["ops"].seconds(hw, checkpointing)
     attention = sum(  # checkpointing runs the model's own attention again, never a ring (its output is saved)
@@ -236,7 +259,11 @@ def candidate(
         + (checkpointing and s.kind == "none") * strategy_seconds(s, a, n, p, hw, backward=False)
         for s, a in zip(chosen, shapes)
     )
-    if wrapper == "none" or world_size == 1:
+    if wrapper == "none":  # without a wrapper the ring makes every gradient whole: an all-reduce over its ranks
+        messages = step["parameter_count"] * 2 * (ring_size - 1)  # one call per parameter, a ring's 2 (P-1) hops
+        traffic = 2 * (ring_size - 1) / ring_size * parameter_bytes / hw.link_bytes_per_s
+        traffic += messages * hw.link_latency_s
+    elif world_size == 1:
         traffic = 0.0
     else:  # an all-reduce (DDP) or all-gather + reduce-scatter (FSDP2): 2 (W-1)/W of the gradients each way
         rounds = 2 if wrapper == "ddp" else 3  # FSDP2: forward and backward all-gathers, one reduce-scatter
@@ -253,36 +280,42 @@ def candidate(
         step_s * ring_size / world_size,
         {"compute": compute, "attention": attention, "wrapper": traffic},
         fits,
+        peak,
     )
 
 
-def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, compiled: bool = False) -> dict:
+def measure_step(
+    build: Callable[[int], tuple], tokens: int, optimizer: str, compiled: bool = False, foreach: bool | None = None
+) -> dict:
     """One training step of ``build(tokens)`` on fake tensors, after a first one so the optimizer's states exist:
     the bytes of the weights (parameters and buffers) and of the optimizer's states, the ops outside attention
-    (`OpCosts`), the parameters' bytes and the largest block's (an FSDP unit); and the activations and gradients
-    live at the step's peak, without and with every block checkpointed: the eager step's (``MemTracker``), or
-    with ``compiled`` those of the step compiled as the ring backend compiles it (module docstring)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=False), _step_failures(tokens):
+    (`OpCosts`), the parameters' bytes and count and the largest block's bytes (an FSDP unit); the activations and
+    gradients live at the peak of the forward and backward, without and with every block checkpointed: the eager
+    step's (``MemTracker``), or with ``compiled`` those of the step compiled as the ring backend compiles it (module
+    docstring); and the optimizer step's moment: every gradient (``all_gradients``) and beside it
+    (``optimizer_step``) the model's outputs, which the caller holds to the step's end as ``out = model(batch)``
+    does, and the most bytes the step's temporaries hold at once, with ``foreach`` as given (None: torch's choice
+    for the fake tensors' device, the CPU's)."""
+    with compat.FakeTensorMode(allow_non_fake_inputs=False), _step_failures(tokens):
         model, inputs = build(tokens)
         model.train()
         states = OPTIMIZERS[optimizer]
         step_optimizer = (
-            torch.optim.AdamW(model.parameters())
+            torch.optim.AdamW(model.parameters(), foreach=foreach)
             if states == 2
-            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
             if states == 1
             else None
         )
         _train_step(model, inputs, step_optimizer)  # the optimizer's states exist from the first step on
         blocks = _blocks(model)
         ops = OpCosts(_module_names(model, blocks))
+        optimizer_step = OptimizerStep()
         if compiled:
             with ops:
-                _train_step(model, inputs, step_optimizer)
+                _train_step(model, inputs, step_optimizer, optimizer_step)
         else:
-            live = _eager_memory(model, inputs, step_optimizer, blocks, ops)
+            live = _eager_memory(model, inputs, step_optimizer, blocks, ops, optimizer_step)
         held = (step_optimizer.state if step_optimizer else {}).values()
         optimizer_states = [t for state in held for t in state.values() if isinstance(t, torch.Tensor)]
     step = {
@@ -290,24 +323,26 @@ def measure_step(build: Callable[[int], tuple], tokens: int, optimizer: str, com
         "optimizer": sum(_tensor_bytes(t) for t in optimizer_states),
         "ops": ops,
         "parameter_bytes": _bytes(model),
+        "parameter_count": len(list(model.parameters())),
         "largest_unit_bytes": max((_bytes(b) for b in blocks), default=0),
+        "all_gradients": optimizer_step.gradients,
+        "optimizer_step": optimizer_step.outputs + optimizer_step.peak,
     }
     return {**step, **(_compiled_peak(build, tokens) if compiled else live)}
 
 
-def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
+def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts, optimizer_step: OptimizerStep) -> dict:
     """The activations (and temporaries) and gradients live at the peak of an eager step under ``MemTracker``;
     with every block checkpointed, derived from its per-block numbers (module docstring)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-
-    tracker = MemTracker()
+    MemRefType, ModState = compat.MemRefType, compat.ModState
+    tracker = compat.MemTracker()
     tracker.track_external(model, *([step_optimizer] if step_optimizer else []))
     with tracker, ops:
-        _train_step(model, inputs, step_optimizer)
+        _train_step(model, inputs, step_optimizer, optimizer_step)
 
     def live(snapshot: dict) -> tuple[int, int]:  # (activations and temporaries, gradients)
-        kinds = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
-        return sum(snapshot[k] for k in kinds), snapshot[_MemRefType.GRAD]
+        kinds = (MemRefType.ACT, MemRefType.TEMP, MemRefType.OTH)
+        return sum(snapshot[k] for k in kinds), snapshot[MemRefType.GRAD]
 
     def at(block, state) -> dict:
         return next(iter(tracker.memory_tracking[block].snapshots[state][0].values()))
@@ -315,13 +350,13 @@ def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
     whole, gradients = live(next(iter(tracker.get_tracker_snapshot("peak").values())))
     checkpointed = (whole, gradients)  # without blocks there is nothing to checkpoint
     if blocks:  # checkpointed, a block keeps its input instead of what its forward saved: ``dropped`` is the rest
-        saved = [at(b, _ModState.POST_FW)[_MemRefType.ACT] - at(b, _ModState.PRE_FW)[_MemRefType.ACT] for b in blocks]
+        saved = [at(b, ModState.POST_FW)[MemRefType.ACT] - at(b, ModState.PRE_FW)[MemRefType.ACT] for b in blocks]
         dropped = [kept - tracker.memory_tracking[b].input_mem for kept, b in zip(saved, blocks)]
         moments = [  # (activations, gradients) live at each moment that can be the step's peak:
             (whole - sum(dropped), gradients),  # the eager peak's
             # each block's backward, recomputing what it saved while the blocks before it (in their list's order,
             # the forward's) hold their inputs only
-            *((a - sum(dropped[:i]), g) for i, (a, g) in enumerate(live(at(b, _ModState.PEAK_BW)) for b in blocks)),
+            *((a - sum(dropped[:i]), g) for i, (a, g) in enumerate(live(at(b, ModState.PEAK_BW)) for b in blocks)),
             (0, _bytes(model)),  # the backward's end: every gradient
         ]
         checkpointed = max(moments, key=sum)
@@ -336,13 +371,11 @@ def _eager_memory(model, inputs, step_optimizer, blocks, ops: OpCosts) -> dict:
 def _compiled_peak(build: Callable[[int], tuple], tokens: int) -> dict:
     """The activations and gradients at the peak of a training step of ``build(tokens)`` compiled on fake tensors
     (`ringpass.compiled_memory`), without and with every block checkpointed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from ringpass.compiled_memory import compiled_step_memory
 
     found = {}
     for checkpointing, suffix in ((False, ""), (True, "_checkpointed")):
-        with FakeTensorMode(allow_non_fake_inputs=True):  # a checkpoint's saved RNG state is a real tensor
+        with compat.FakeTensorMode(allow_non_fake_inputs=True):  # a checkpoint's saved RNG state is a real tensor
             model, inputs = build(tokens)
             model.train()
             memory = compiled_step_memory(model, inputs, checkpointing)
@@ -366,15 +399,67 @@ def _step_failures(tokens: int):
         ) from error
 
 
-def _train_step(model, inputs, step_optimizer) -> None:
+def _train_step(model, inputs, step_optimizer, optimizer_step: OptimizerStep | None = None) -> None:
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     loss = getattr(out, "loss", None)
     if loss is None:
         loss = out[0] if isinstance(out, (tuple, list)) else out
     loss.float().sum().backward()
+    if optimizer_step is not None:  # what the optimizer steps beside: the gradients, the outputs the caller holds
+        optimizer_step.gradients = sum(_tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        optimizer_step.outputs = _storages_bytes(list(out.values()) if isinstance(out, Mapping) else out)
     if step_optimizer is not None:
-        step_optimizer.step()
+        with optimizer_step or contextlib.nullcontext():
+            step_optimizer.step()
     model.zero_grad(set_to_none=True)
+
+
+class OptimizerStep(compat.TorchDispatchMode):
+    """The most bytes that the tensors made under it hold at once (an optimizer step's temporaries: its in-place
+    updates of parameters and states make none); ``gradients`` and ``outputs``, the bytes of the gradients it
+    steps with and of the model's outputs held beside them. A tensor's storage is counted from the op that makes it
+    until it is freed (a weak reference, as torch's ``MemTracker`` tracks storages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gradients = self.outputs = self.peak = self.live = 0
+        self._made: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not func.is_view:
+            read = {compat.storage_id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if _is_tensor(t)}
+            for tensor in pytree.tree_leaves(out):
+                if not _is_tensor(tensor):
+                    continue
+                storage = tensor.untyped_storage()
+                key = compat.storage_id(storage)
+                if key in read or key in self._made:
+                    continue
+                size = int(storage.nbytes())
+                self._made[key] = weakref.ref(storage, functools.partial(self._freed, key, size))
+                self.live += size
+            self.peak = max(self.peak, self.live)
+        return out
+
+    def _freed(self, key: int, size: int, _ref) -> None:
+        self._made.pop(key, None)
+        self.live -= size
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _storages_bytes(values) -> int:
+    """The bytes of the distinct storages of the tensors in ``values`` (a pytree)."""
+    storages = {
+        compat.storage_id(t.untyped_storage()): t.untyped_storage().nbytes()
+        for t in pytree.tree_leaves(values)
+        if _is_tensor(t)
+    }
+    return int(sum(storages.values()))
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -388,7 +473,7 @@ def _module_names(model: torch.nn.Module, blocks: list) -> set[str]:
     return {f"{type(model).__name__}.{paths[id(b)]}" for b in blocks}
 
 
-class OpCosts(TorchDispatchMode):
+class OpCosts(compat.TorchDispatchMode):
     """Every op a step runs outside attention that makes a tensor (the ring's cost model prices attention): its
     FLOPs (torch's formulas: matrix products), the bytes of the tensors it reads and writes (none for a view) and
     whether it runs in a block's forward (what checkpointing runs again)."""
@@ -409,7 +494,7 @@ class OpCosts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
+        packet = compat.overload_packet(func)
         computes = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))  # not a query (`x.device`)
         if computes and "attention" not in packet.__name__:
             flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
@@ -438,6 +523,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 def _bytes(module: torch.nn.Module) -> int:
     """The bytes of ``module``'s parameters."""
     return sum(_tensor_bytes(p) for p in module.parameters())
+
+
+def on_cpu(hw: Hardware) -> bool:
+    """Whether ``hw`` is a CPU: the ``cpu`` preset, or a ``ringpass bench --calibrate`` file (it measures the
+    CPU's ranks)."""
+    return hw.device in ("cpu", "calibrated")
 
 
 def _layout(attentions) -> str:

@@ -293,6 +293,50 @@ def test_the_step_time_prices_each_op_by_hand():
     assert costs.seconds(launches, checkpointing=True) == pytest.approx(len(costs.ops) + len(forward))
 
 
+def test_a_large_vocabulary_step_peaks_with_its_parameters_gradients():
+    """Issue 4: a large vocabulary x hidden at a short slice of the sequence, where the embedding's and the head's
+    gradients (vocabulary x hidden each) outweigh the activations. Counted here from the shapes: the optimizer step
+    holds every gradient and AdamW's temporaries (torch on the CPU: the square root of one parameter's second moment
+    and its quotient by the bias correction, two of the largest parameter at once, the head's, beside the quotient
+    of the parameter before it, which its variable keeps until the next is made; ``foreach``, a GPU's default: one
+    temporary per parameter, all at once), and that moment is the step's peak; with the ring, the backward copies
+    each parameter's gradient once as it sums it over the ring, beside every gradient made by then. The plan before
+    counted neither (the backward's peak alone: about the gradients, not the copy or the temporaries)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ringpass.model_plan import candidate, measure_step
+
+    vocab, hidden, tokens = 8192, 32, 2
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, hidden)
+            self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+        def forward(self, ids, labels):
+            return F.cross_entropy(self.head(self.proj(self.embed(ids))).flatten(0, 1), labels.flatten())
+
+    def build(n):
+        ids = torch.zeros(1, n, dtype=torch.long)
+        return Net(), (ids, ids)
+
+    parameters = 4 * (vocab * hidden + hidden * hidden + hidden + hidden * vocab)
+    largest, logits = 4 * vocab * hidden, 4 * tokens * vocab  # an fp32 embedding or head; the logits
+    step = measure_step(build, tokens, "adamw", foreach=False)
+    beside = 2 * largest + 4 * hidden + 4  # the quotient of proj.bias, and the loss the caller holds
+    assert step["all_gradients"] == parameters and step["optimizer_step"] == beside
+    assert measure_step(build, tokens, "adamw", foreach=True)["optimizer_step"] == parameters + 4
+    plan = candidate(step, Layout("zigzag", 1, tokens), 1, hardware("loopback", "cpu"), [], "none", False, None)
+    memory = plan.memory_per_rank
+    assert plan.peak == "optimizer" and memory["ring"] == 0
+    assert memory["activations"] + memory["gradients"] == parameters + beside
+    # with the ring (compiled): every gradient and the largest one's copy, beside at most a few logits-sized tensors
+    ring = measure_step(build, tokens, "adamw", compiled=True, foreach=False)
+    assert parameters + largest <= ring["activations"] + ring["gradients"] <= parameters + largest + 6 * logits
+
+
 def test_a_step_that_cannot_run_on_fake_tensors_is_refused_saying_why():
     """A model whose code needs a real value (here ``int()`` of a tensor): the plan's fake step fails with an
     error naming the cause and what to do, not torch's traceback alone."""
