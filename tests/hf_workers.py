@@ -344,6 +344,18 @@ def training_step(
     return results
 
 
+def checkpointed_training_steps(rank: int, world_size: int, name: str, kinds: list, seq_len: int) -> dict:
+    """`training_step` without ``fullgraph`` with Hugging Face's gradient checkpointing of each kind in ``kinds``
+    ("reentrant" / "non-reentrant"), set as `docs/training.md` says: Dynamo may skip replaying the forward's
+    Python side effects in the recompute. Transformers >= 5.25 installs `kernels`, whose attention wrapper sets a
+    context variable inside each checkpointed layer; without this, Dynamo leaves those layers to eager code."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    return {
+        kind: training_step(rank, world_size, name, ["labels"], seq_len, None, kind, fullgraph=False)["labels"]
+        for kind in kinds
+    }
+
+
 def _saved_for_backward(compiled, kwargs) -> int:
     """Bytes of the tensors one (already compiled) forward saves for the backward."""
     saved = []

@@ -310,6 +310,21 @@ def test_gradient_checkpointing_trains_through_the_ring(checkpointed):
         assert results["labels"]["saved_bytes"] < 0.8 * plain["labels"]["saved_bytes"], (results, plain)
 
 
+@pytest.mark.parametrize("checkpointed", ["non-reentrant", pytest.param("reentrant", marks=pytest.mark.heavy)])
+def test_gradient_checkpointing_without_fullgraph_keeps_the_layers_in_the_ring_graph(checkpointed):
+    """Qwen2 with HF gradient checkpointing compiled without ``fullgraph``, as `docs/training.md` says to set it
+    up (``skip_fwd_side_effects_in_bwd_under_checkpoint``: with transformers >= 5.25 the `kernels` package's
+    attention wrapper sets a context variable in every checkpointed layer, and without the flag Dynamo leaves
+    the layers to eager code, outside any ring graph). One graph holds both layers' attention, rewritten; the
+    ring ran (2 layers x (P-1) KV hops, forward and backward); loss, logits and every gradient are the
+    unsharded model's."""
+    for results in spawn_ranks(hf_workers.checkpointed_training_steps, 2, ("qwen2", [checkpointed], SEQ), timeout=600):
+        _check(results, {checkpointed: {"spelling": "sdpa", **CAUSAL}}, 2)
+        reports = results[checkpointed]["reports"]
+        assert len(reports) == 1, reports  # no graph break: the checkpointed layers are in the graph
+        assert any("activation-checkpoint region(s) opened" in warning for warning in reports[0]["warnings"]), reports
+
+
 @pytest.mark.heavy  # ~25 s; test_sharded_lengths keeps one compile serving two lengths in the default suite
 def test_one_dynamic_compile_serves_two_lengths():
     cases = ["labels", "packed"]
