@@ -46,6 +46,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lowering import compat
 from lowering.errors import InvalidInputError, RingpassError
 from lowering.groups import resolve_group
 
@@ -112,11 +113,9 @@ class _Channel:
     """The store, this rank and its peers (global ranks) in one process group."""
 
     def __init__(self, group_name: str):
-        from torch.distributed.distributed_c10d import _get_default_store
-
         group = resolve_group(group_name or None)  # "": the default group
         self.group_name = group_name
-        self.store = _tcp_store(_get_default_store())
+        self.store = _tcp_store(compat.get_default_store())
         self.rank = dist.get_rank()
         self.members = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
         self.peers = [r for r in self.members if r != self.rank]
@@ -229,9 +228,7 @@ _channels: dict[tuple, _Channel] = {}
 
 
 def channel(group_name: str) -> _Channel:
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    key = (group_name, id(_get_default_store()), _process.settings.get(group_name), _process.settings.get(""))
+    key = (group_name, id(compat.get_default_store()), _process.settings.get(group_name), _process.settings.get(""))
     if key not in _channels:
         _channels[key] = _Channel(group_name)
     return _channels[key]
@@ -372,9 +369,7 @@ def agree(group_name: str, topic: str, mine: dict, describe) -> None:
 def agree_once(group_name: str, topic: str, mine: dict, describe) -> None:
     """`agree` on ``mine`` the first time this rank posts it under ``topic`` in ``group_name``; later calls with
     the same ``mine`` cost a set lookup. The agreement is a call of its own (`begin_call`), made inside ringpass."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    key = (id(_get_default_store()), group_name, topic, json.dumps(mine, sort_keys=True))
+    key = (id(compat.get_default_store()), group_name, topic, json.dumps(mine, sort_keys=True))
     if key in _process.agreed:
         return
     state, call = _process.state, begin_call()
@@ -408,10 +403,8 @@ def meet(group_name: str, topic: str, site: str) -> None:
     timeout at the instant a peer reaches the same site may leave that peer in the collective (the prompt cases,
     a peer at a later call or at another site, have no such window). Meetings are numbered per (group, topic);
     each rank posts in one of four slots, reused (no rank can be four meetings ahead of another)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
     ch = channel(group_name)
-    counter = (id(_get_default_store()), group_name, topic)
+    counter = (id(compat.get_default_store()), group_name, topic)
     number = _process.meetings.get(counter, 0) + 1
     slot = f"{PREFIX}meet/{topic}/{group_name}/{{}}/{number % 4}"
     ch.store.set(slot.format(ch.rank), json.dumps({"number": number, "site": site}))
@@ -512,7 +505,7 @@ def _beat(store, rank: int) -> None:
 
 
 def _waiter() -> ThreadPoolExecutor:
-    if _process.waiter is None or os.getpid() != getattr(_process.waiter, "_pid", None):
+    if _process.waiter is None or os.getpid() != getattr(_process.waiter, "_ringpass_pid", None):
         _process.waiter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ringpass-wait")
-        _process.waiter._pid = os.getpid()
+        _process.waiter._ringpass_pid = os.getpid()
     return _process.waiter

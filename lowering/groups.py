@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from lowering import compat
 from lowering.errors import InvalidInputError
 
 
@@ -22,7 +23,7 @@ def resolve_group(group):
         return group_by_name(group)
     if hasattr(group, "get_group"):  # a DeviceMesh
         if group.ndim == 2:
-            return group._flatten().get_group()
+            return compat.flattened_mesh(group).get_group()
         if group.ndim != 1:
             raise InvalidInputError(
                 f"group: pass one dimension of the DeviceMesh (mesh['cp']), or two (mesh['cp', 'sp']: "
@@ -36,9 +37,7 @@ def group_by_name(group_name: str):
     """The process group a compiled graph names; None for "" (one process, no process group)."""
     if not group_name:
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
+    return compat.resolve_process_group(group_name)
 
 
 def world_of(group_name: str) -> tuple[int, int, dist.ProcessGroup | None]:

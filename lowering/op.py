@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lowering import compat
 from lowering.all_gather import gathered_backward, gathered_forward
 from lowering.comm import RingExchange
 from lowering.errors import InvalidInputError, NotSupportedError
@@ -390,9 +391,7 @@ def _autocast_kernel(device_type: str):
     """Under ``torch.autocast``, the ring op casts q, k, v as autocast casts SDPA's (to the autocast
     dtype; float64 stays), then runs with autocast off: a model whose rotary embedding left q in float32
     and v in bfloat16 runs as it does unsharded."""
-    key = torch._C.DispatchKeySet(
-        getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
-    )
+    key = compat.DispatchKeySet(getattr(compat.DispatchKey, "Autocast" + compat.dispatch_key_for_device(device_type)))
 
     def kernel(_, q, k, v, *rest):
         dtype = torch.get_autocast_dtype(device_type)
@@ -400,7 +399,7 @@ def _autocast_kernel(device_type: str):
             t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device_type else t
             for t in (q, k, v)
         ]
-        with torch._C._ExcludeDispatchKeyGuard(key):
+        with compat.ExcludeDispatchKeyGuard(key):
             return torch.ops.ringpass.ring_attention.default(*cast, *rest)
 
     return kernel
@@ -411,7 +410,7 @@ for _device_type in ("cpu", "cuda"):
     _autocast_library.impl(
         "ring_attention",
         _autocast_kernel(_device_type),
-        "Autocast" + torch._C._dispatch_key_for_device(_device_type),
+        "Autocast" + compat.dispatch_key_for_device(_device_type),
         with_keyset=True,
     )
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

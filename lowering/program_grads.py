@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx as fx
 
+from lowering import compat
 from lowering.kernels import accumulation_dtype
 
 
@@ -117,8 +118,8 @@ def _positions_of(chain: tuple, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _autograd_on():
     """Autograd inside a custom op's kernel (the ring's backward), which the dispatcher runs below autograd:
     its keys are taken out of the thread's excluded set for the duration, and grad mode is on."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = compat.dispatch_tls_local_exclude_set()
     for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"):
-        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        exclude = exclude.remove(getattr(compat.DispatchKey, key))
+    with compat.ForceDispatchKeyGuard(compat.dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         yield

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import is_fake
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError
 from lowering.implicit_gather import NeedsWholeSequence
 
@@ -79,14 +79,14 @@ class SequenceMask(torch.Tensor):
     def __new__(cls, inputs: list, key: str, shape=None):
         entry = recipe(key)
         shape = entry.shape_for(inputs) if shape is None else shape
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=entry.dtype, device=inputs[0].device)
+        return compat.make_wrapper_subclass(cls, shape, dtype=entry.dtype, device=inputs[0].device)
 
     def __init__(self, inputs: list, key: str, shape=None):
         self.recipe, self.count = key, len(inputs)
         for i, tensor in enumerate(inputs):
             setattr(self, f"input_{i}", tensor)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.disabled_torch_function_impl
 
     @property
     def inputs(self) -> list[torch.Tensor]:
@@ -109,11 +109,13 @@ class SequenceMask(torch.Tensor):
         return SequenceMask([inner[f"input_{i}"] for i in range(count)], key, outer_size)
 
     @classmethod
-    @torch._disable_dynamo
+    @compat.disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         masks = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, SequenceMask)]
-        if any(is_fake(t) for m in masks for t in m.inputs):  # traced: the mask its recipe builds from the tracer's
+        if any(
+            compat.is_fake(t) for m in masks for t in m.inputs
+        ):  # traced: the mask its recipe builds from the tracer's
             args, kwargs = pytree.tree_map_only(SequenceMask, _built, (args, kwargs))  # tensors (AOT traces it)
             return func(*args, **kwargs)
         if func in (aten.detach.default, aten.alias.default):
@@ -125,7 +127,7 @@ class SequenceMask(torch.Tensor):
             "the whole mask (built on this rank from its description)."
         )
 
-    @torch._disable_dynamo
+    @compat.disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole mask, built on this rank by its recipe (no communication)."""
         return _built(self)

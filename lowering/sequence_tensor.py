@@ -48,8 +48,9 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from lowering.implicit_gather import NeedsWholeSequence, gather_whole, whole_of
@@ -108,12 +109,12 @@ class SequenceSharded(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: SequenceSpec):
         shape = spec.global_shape(local.shape)
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        return compat.make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
 
     def __init__(self, local: torch.Tensor, spec: SequenceSpec):
         self._local, self.spec = local, spec
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.disabled_torch_function_impl
 
     def __repr__(self, *, tensor_contents=None) -> str:  # no collective: printing on one rank must not hang
         s = self.spec
@@ -134,11 +135,11 @@ class SequenceSharded(torch.Tensor):
         return SequenceSharded(inner["_local"], spec)
 
     @classmethod
-    @torch._disable_dynamo  # eager code inside a compiled region runs these rules as they are, never traced
+    @compat.disable_dynamo  # eager code inside a compiled region runs these rules as they are, never traced
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         carriers = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, SequenceSharded)]
-        if any(_is_fake(c._local) for c in carriers):  # traced (Dynamo): a plain tensor of the global shape
+        if any(compat.is_fake(c._local) for c in carriers):  # traced (Dynamo): a plain tensor of the global shape
             args, kwargs = pytree.tree_map_only(SequenceSharded, _stand_in, (args, kwargs))
             return func(*args, **kwargs)
         rule = _RULES.get(func) or (_pointwise if torch.Tag.pointwise in func.tags else _RULES.get(func.overloadpacket))
@@ -154,16 +155,16 @@ class SequenceSharded(torch.Tensor):
         if any(_marked_dynamic(c) for c in carriers):  # a length compiled as any length stays so downstream
             for result in pytree.tree_leaves(out):
                 if isinstance(result, SequenceSharded):
-                    torch._dynamo.maybe_mark_dynamic(result, result.spec.dim)
+                    compat.maybe_mark_dynamic(result, result.spec.dim)
         return out
 
     # what users call
-    @torch._disable_dynamo
+    @compat.disable_dynamo
     def to_local(self) -> torch.Tensor:
         """This rank's tokens along ``spec.dim``, in the layout's order (differentiable)."""
         return _ToLocal.apply(self)
 
-    @torch._disable_dynamo
+    @compat.disable_dynamo
     def full_tensor(self) -> torch.Tensor:
         """The whole value in the original token order: an all-gather (differentiable); every rank must call it."""
         return whole_of(self.to_local(), self.spec)
@@ -270,15 +271,8 @@ class _FromLocal(torch.autograd.Function):
         return torch.where(ctx.spec.valid(local), local, torch.zeros((), dtype=local.dtype)), None
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor)
-
-
 def _marked_dynamic(carried: SequenceSharded) -> bool:
-    marks = getattr(carried, "_dynamo_dynamic_indices", set()) | getattr(carried, "_dynamo_weak_dynamic_indices", set())
-    return carried.spec.dim in marks
+    return carried.spec.dim in compat.dynamic_dims(carried)
 
 
 def _stand_in(carried: SequenceSharded) -> torch.Tensor:
@@ -292,12 +286,12 @@ def _needs_whole(func, why: str) -> NeedsWholeSequence:
 
 def _written(func, args, kwargs) -> list:
     """The tensors an op writes into (in place, ``out=``)."""
-    if not func._schema.is_mutable:
+    if not compat.schema_of(func).is_mutable:
         return []
     given = _bound(func, args, kwargs)
     return [
         given[a.name]
-        for a in func._schema.arguments
+        for a in compat.schema_of(func).arguments
         if a.alias_info is not None and a.alias_info.is_write and isinstance(given.get(a.name), torch.Tensor)
     ]
 
@@ -358,7 +352,7 @@ def _pointwise(func, args, kwargs, carriers):
     local = functools.partial(_aligned_local, spec=spec, ndim=ndim)
 
     out = func(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
-    if func._schema.is_mutable:  # in place: the carrier's own tokens changed
+    if compat.schema_of(func).is_mutable:  # in place: the carrier's own tokens changed
         return args[0]
     if not isinstance(out, (torch.Tensor, tuple, list)):  # a number about this rank's tokens alone
         raise _needs_whole(func, f"it answers {type(out).__name__} about the whole value")
@@ -536,7 +530,7 @@ def _along_dims(func, args, kwargs, carriers):
         locals_ = {name: pytree.tree_map(local, value) for name, value in bound.items()}
         return combine(func, locals_, spec, dims, bool(bound.get("keepdim", False)))
     out = func(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
-    if func._schema.is_mutable:  # in place: the carrier's own tokens changed
+    if compat.schema_of(func).is_mutable:  # in place: the carrier's own tokens changed
         return args[0]
 
     def carried(result):
@@ -550,7 +544,7 @@ def _along_dims(func, args, kwargs, carriers):
 
 def _bound(func, args, kwargs) -> dict:
     """The op's arguments by name, defaults filled in."""
-    schema = func._schema.arguments
+    schema = compat.schema_of(func).arguments
     defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
     return {**defaults, **dict(zip((a.name for a in schema), args)), **kwargs}
 

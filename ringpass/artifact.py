@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.utils._pytree as pytree
 
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError
 from lowering.masks import register_mask
 from ringpass.conversion import archive

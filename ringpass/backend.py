@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx as fx
 
-from lowering import failures
+from lowering import compat, failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
 from lowering.ulysses import ulysses_mesh
@@ -62,6 +62,7 @@ class RingBackend:
     def __init__(self, **options: Any):
         self.options = RingOptions.from_dict(options)
         self.reports: list[Report] = []
+        keep_ring_graphs_whole(_is_ring_backend)  # the backend's first use: DDP's graph splitter leaves it whole
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         options = self.options
@@ -168,7 +169,7 @@ def _past_dynamo(error: RingpassError) -> RingpassError:
     a subclass of its type and of Dynamo's ``ShortenTraceback``, with its name, message and attributes, so
     ``except ringpass.NotSupportedError`` catches it and the message reads as ringpass wrote it."""
     try:
-        from torch._dynamo.exc import ShortenTraceback
+        ShortenTraceback = compat.ShortenTraceback
     except ImportError:  # another torch: the error arrives wrapped
         return error
     kind = type(error)
@@ -190,17 +191,27 @@ def backend(**options: Any) -> RingBackend:
     return RingBackend(**options)
 
 
-def ring(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+def _ring(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """The backend registered as ``"ring"``; ``options=`` from torch.compile configure it."""
     return RingBackend(**(kwargs.get("options") or {}))(gm, example_inputs)
 
 
+_ring.__name__ = _ring.__qualname__ = "ring"
+
+
+def __getattr__(name: str) -> object:
+    """``ring``, the backend ``torch.compile(backend="ring")`` looks up (the entry point ``ringpass.backend:ring``):
+    looking it up, like making a `RingBackend`, is the backend's first use, when it starts keeping ring graphs whole
+    under DDP (`keep_ring_graphs_whole`); ``import ringpass`` changes nothing in torch."""
+    if name == "ring":
+        keep_ring_graphs_whole(_is_ring_backend)
+        return _ring
+    raise AttributeError(f"module 'ringpass.backend' has no attribute {name!r}")
+
+
 def _is_ring_backend(fn: object) -> bool:
     inner = unwrap_backend(fn)
-    return inner is ring or isinstance(inner, RingBackend)
-
-
-keep_ring_graphs_whole(_is_ring_backend)
+    return inner is _ring or isinstance(inner, RingBackend)
 
 
 def last_report() -> Report | None:
@@ -263,9 +274,5 @@ def _inner_compile(compiler: str, gm: fx.GraphModule, example_inputs: list) -> C
     if compiler == "eager":
         return gm.forward
     if compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs)
+        return compat.aot_eager(gm, example_inputs)
+    return compat.compile_fx(gm, example_inputs)

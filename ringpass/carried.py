@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.layout import local_length
 from lowering.sequence_tensor import SequenceSharded, SequenceSpec, carry
@@ -152,7 +153,7 @@ class CarriedGraph:
         for index, dim in self.outputs.items():
             outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, seq_len, dim, group_name))
             if self.length_output:  # a graph compiled for any length hands on values of any length
-                torch._dynamo.maybe_mark_dynamic(outputs[index], dim)
+                compat.maybe_mark_dynamic(outputs[index], dim)
         return wrap_mask_outputs(outputs, self.mask_outputs)
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 
+from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from ringpass import demo
 from ringpass.options import CHOICES
@@ -327,7 +328,7 @@ def _model_plan(args, hw):
             return hf_config_model(args.hf_config, tokens, args.batch, True, device, attention, dtype)
 
         model, inputs = build(args.seq_len, "meta", "sdpa")
-        if not getattr(model, "_supports_attention_backend", False):
+        if not compat.supports_attention_backend(model):
             raise NotSupportedError(
                 f"plan: {type(model).__name__} runs its own attention code, not through transformers' attention "
                 "interface, so the plan cannot run its step as the ring does (without the S x S scores). "

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from lowering.sequence_ops import EXPORTABLE
@@ -82,7 +83,7 @@ def convert(
             "convert: Ulysses x ring is not built for converted models yet; compile with "
             "backend='ring' for it, or convert a plain ring (ulysses=1, a 1-D group)."
         )
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
+    model = compat.compiled_module_inner(model)  # a torch.compile'd module: the module it wraps
     signature = pyinspect.signature(model.forward)
     defaults = {p.name: p.default for p in signature.parameters.values() if is_plain_value(p.default)}
     call = distinct(canonical_call(signature, *as_call(example_inputs), where="convert", defaults=defaults))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from lowering import compat
 from lowering.errors import InvalidInputError
 from lowering.sequence_mask import SequenceMask, recipe, register_recipe
 from ringpass.graph import (
@@ -101,9 +102,9 @@ def wrap_mask_outputs(outputs: list, mask_outputs: dict) -> list:
         entry = recipe(described.key)
         for dim, size in enumerate(entry.shape):
             if not isinstance(size, int):
-                torch._dynamo.maybe_mark_dynamic(mask, dim)
+                compat.maybe_mark_dynamic(mask, dim)
         for i, dim in (*entry.sizes, *(s for s in entry.shape if not isinstance(s, int))):
-            torch._dynamo.maybe_mark_dynamic(tensors[i], dim)
+            compat.maybe_mark_dynamic(tensors[i], dim)
     return outputs[: len(outputs) - sum(len(m.crossings) - 1 for m in mask_outputs.values())]
 
 
@@ -248,7 +249,7 @@ def rebuild_mask_inputs(ctx: PassContext) -> None:
             crossings = [graph.placeholder(f"{node.name}_input_{i}") for i in range(value.count)]
         for i, (crossing, fake) in enumerate(zip(crossings, traced.inputs)):
             crossing.meta["example_value"] = fake
-            crossing._dynamo_source = _inner_source(node, i)  # AOTAutograd maps Dynamo's inputs by their source
+            compat.set_dynamo_source(crossing, _inner_source(node, i))  # AOTAutograd maps inputs by their source
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         steps = [n for n in entry.program.graph.nodes if n.op == "placeholder"]
         env = dict(zip(steps, crossings))
@@ -281,10 +282,8 @@ def _length(graph: fx.Graph, crossing: fx.Node, size, dim: int) -> fx.Node:
 
 def _inner_source(placeholder: fx.Node, i: int):
     """Where Dynamo would say the mask's ``i``-th describing tensor comes from: the mask argument's attribute."""
-    from torch._dynamo.source import AttrSource
-
-    source = getattr(placeholder, "_dynamo_source", None)
-    return AttrSource(source, f"input_{i}") if source is not None else None
+    source = compat.dynamo_source(placeholder)
+    return compat.dynamo_sources.AttrSource(source, f"input_{i}") if source is not None else None
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -293,10 +292,9 @@ def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph, copies = fx.Graph(), {}
     graph.output(graph.graph_copy(gm.graph, copies))
     for node, copy in copies.items():
-        if hasattr(node, "_dynamo_source"):
-            copy._dynamo_source = node._dynamo_source
+        if compat.dynamo_source(node) is not None:
+            compat.set_dynamo_source(copy, compat.dynamo_source(node))
     copied = fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
-    if hasattr(gm, "_param_name_to_source"):
-        copied._param_name_to_source = gm._param_name_to_source
+    compat.copy_parameter_sources(copied, gm)
     return copied

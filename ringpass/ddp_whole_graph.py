@@ -6,8 +6,9 @@ that each bucket's all-reduce can start while the backward of the earlier pieces
 whole graph: its activations stay sequence-sharded from input to output, and a piece without an attention
 would run replicated on every rank.
 
-`keep_ring_graphs_whole` wraps ``DDPOptimizer.compile_fn`` once, before any compile: at the backend's import if
-Dynamo's module for it is loaded, else as soon as it is (an import hook: ``import ringpass`` does not load Dynamo):
+`keep_ring_graphs_whole` wraps ``DDPOptimizer.compile_fn`` once, before any compile: when a ring backend is first
+made or looked up (``torch.compile(model, backend="ring")``; ``import ringpass`` changes nothing in torch), then if
+Dynamo's module for it is loaded, else as soon as it is (an import hook: making a backend does not load Dynamo):
 when the backend it would hand the pieces to is a ring backend, the whole graph goes to that backend instead,
 as Dynamo itself does when a graph fills one bucket. DDP then all-reduces the gradients after the backward
 (its own hooks, as with ``optimize_ddp = False``): no bucket overlaps the backward. The graph's report says so
@@ -23,7 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-DDP_MODULE = "torch._dynamo.backends.distributed"
+from lowering import compat
 
 _state = threading.local()  # .active: a ring backend is being called with a graph DDPOptimizer did not split
 
@@ -36,7 +37,7 @@ NOTE = (
 def keep_ring_graphs_whole(is_ring_backend: Callable[[object], bool]) -> None:
     """Wraps ``DDPOptimizer.compile_fn`` so that graphs for a backend ``is_ring_backend`` accepts are not split:
     now if Dynamo's module is loaded, else when it is."""
-    module = sys.modules.get(DDP_MODULE)
+    module = sys.modules.get(compat.DDP_OPTIMIZER_MODULE)
     if module is not None:
         _wrap(module, is_ring_backend)
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
@@ -50,7 +51,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.then = then
 
     def find_spec(self, name, path, target=None):
-        if name != DDP_MODULE:
+        if name != compat.DDP_OPTIMIZER_MODULE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -94,7 +95,7 @@ def kept_whole_under_ddp() -> bool:
 def unwrap_backend(fn: object) -> object:
     """The backend under Dynamo's wrappers (``WrapBackendDebug``) and torch.compile's (``_TorchCompileWrapper``)."""
     for _ in range(8):
-        inner = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+        inner = compat.backend_inner(fn)
         if inner is None:
             return fn
         fn = inner

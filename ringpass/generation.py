@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from lowering.sharded_cache import slot_count
@@ -140,7 +141,7 @@ def generate(
     """``model.generate(input_ids, max_new_tokens=..., **generate_kwargs)`` with ``model.forward`` compiled with
     ``backend`` (and ``torch.compile``'s ``dynamic``; once: later calls reuse it) and a fresh `ShardedCache`;
     returns what ``generate`` returns. ``model`` may be the module or what ``torch.compile(module)`` returned."""
-    model = getattr(model, "_orig_mod", model)
+    model = compat.compiled_module_inner(model)
     if "past_key_values" in generate_kwargs:
         raise InvalidInputError(
             "ringpass.generate makes its own ShardedCache; call model.generate to pass your own cache."

@@ -10,6 +10,7 @@ import re
 import torch
 import torch.fx as fx
 
+from lowering import compat
 from lowering.errors import NotSupportedError
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -71,7 +72,7 @@ def op_label(node: fx.Node) -> str:
         return node.op
     if node.op == "get_attr":
         return str(node.target)
-    if isinstance(node.target, torch._ops.OpOverload):  # torch.ops.ringpass.ring_attention.default
+    if isinstance(node.target, compat.OpOverload):  # torch.ops.ringpass.ring_attention.default
         return node.target.__name__.split(".")[0]
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return target.split(".")[-1]
@@ -119,7 +120,7 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
 
 def is_vmap_bookkeeping(node: fx.Node) -> bool:
     """A call Dynamo records for ``vmap`` (``torch._functorch.predispatch``: nesting levels, batch dims)."""
-    return node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == compat.VMAP_BOOKKEEPING_MODULE
 
 
 def remove_dead_code(graph: fx.Graph) -> None:

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import as_call
 from ringpass.crossing_masks import describe_mask_outputs, rebuild_mask_inputs, wrap_mask_outputs
@@ -155,7 +156,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     """What ``torch.compile(model, backend="ring", options=options)`` does on ``world_size`` ranks, found
     offline. ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments
     (tensors of the full sequence, as every rank would pass them). Nothing of the model is computed at full
-    size and no process group is needed. Like ``torch._dynamo.reset()``, it clears Dynamo's caches (models
+    size and no process group is needed. Like ``compat.dynamo_reset()``, it clears Dynamo's caches (models
     compiled before recompile on their next call)."""
     if not isinstance(world_size, int) or world_size < 2:
         raise InvalidInputError(f"inspect: world_size must be an int >= 2 (the ranks in the ring), got {world_size!r}.")
@@ -172,7 +173,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
     def _named_groups(size: int) -> UlyssesGroups:  # strategy="auto" may choose Ulysses: the groups by role
         return UlyssesGroups(size, f"<ulysses group of {size}>", f"<ring over {world_size // size} groups>")
 
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module it wraps
+    model = compat.compiled_module_inner(model)  # a torch.compile'd module: the module it wraps
     twin, host_values = meta_twin(model)
     args, kwargs = _to_meta((args, kwargs))
     graphs: list[CapturedGraph] = []
@@ -199,7 +200,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
         graphs.append(CapturedGraph(ctx.gm, report, ctx.placement, ctx.sequence.axes, blocking))
         return lambda *_: wrap_mask_outputs(outputs(), ctx.mask_outputs)
 
-    torch._dynamo.reset()  # a fresh capture: cached graphs of this code (other backends) would hide it
+    compat.dynamo_reset()  # a fresh capture: cached graphs of this code (other backends) would hide it
     try:
         torch.compile(twin, backend=capture, dynamic=False)(*args, **kwargs)
     except Exception as error:  # the model's own Python on meta tensors: data-dependent code, wrong inputs
@@ -210,7 +211,7 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
             "the example inputs do not fit it. The cause's traceback shows where."
         ) from error
     finally:
-        torch._dynamo.reset()
+        compat.dynamo_reset()
     shown = {k: v for k, v in ring_options.__dict__.items() if k not in ("group", "report")}
     if dataclasses.is_dataclass(shown["hardware"]):
         shown["hardware"] = dataclasses.asdict(shown["hardware"])
@@ -276,7 +277,7 @@ def _to_meta(inputs):
             twins[id(x)] = x.detach().to("meta").requires_grad_(x.requires_grad)
         return twins[id(x)]
 
-    return tree_map(twin, inputs)
+    return pytree.tree_map(twin, inputs)
 
 
 def _meta_outputs(gm: fx.GraphModule):
@@ -285,7 +286,7 @@ def _meta_outputs(gm: fx.GraphModule):
     like = fx.node.map_arg(output.args[0], example_value)
 
     def make():
-        return tree_map(
+        return pytree.tree_map(
             lambda v: (
                 torch.empty(tuple(map(plain, v.shape)), dtype=v.dtype, device="meta").requires_grad_(
                     v.requires_grad and v.is_floating_point()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lowering import compat
 from lowering.errors import RingpassError
 
 
@@ -181,7 +182,7 @@ def _context():
     return mp.get_context("spawn" if read_early else "forkserver")
 
 
-PRELOAD = ("ringpass", "torch._dynamo", "transformers")
+PRELOAD = ("ringpass", compat.DYNAMO_MODULE, "transformers")
 # set while the caller runs (pytest, Inductor, torchrun) and read only when used
 READ_AT_RUN_TIME = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
 _server_environment: dict | None = None  # os.environ when the forkserver was started

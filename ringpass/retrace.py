@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lowering import compat
 from ringpass.graph import user_name
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 
-_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_propagated_dynamic_indices")
 _added = WeakIdKeyDictionary()  # tensor -> (the dims marked here, whether it had a marking of its own)
 
 
@@ -29,10 +29,6 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
     """The exception to raise so that Dynamo traces the frame again with ``error.inputs``' sequence dims
     dynamic, or None where that cannot help (an input that is not a tensor Dynamo holds, or one whose dims are
     marked dynamic already: its length came back a number all the same); ``error`` then says what to do."""
-    try:
-        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-    except ImportError:  # another torch
-        return None
     found = []
     for node, dims in error.inputs:
         try:
@@ -41,7 +37,7 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
             return None
         if not isinstance(tensor, torch.Tensor):
             return None
-        if any(d in getattr(tensor, mark, ()) for mark in _MARKS for d in dims):
+        if compat.dynamic_dims(tensor) & set(dims):
             error.args = (
                 f"With inputs='sharded' the sequence dims of `{user_name(node)}` are marked dynamic, "
                 f"yet Dynamo traced its length as the number {tuple(tensor.shape)[dims[0]]} "
@@ -52,11 +48,11 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
             return None
         found.append((tensor, dims))
     for tensor, dims in found:
-        added, had_marking = _added.get(tensor, (set(), hasattr(tensor, "_has_dynamo_dim_marking")))
-        fresh = set(dims) - set(getattr(tensor, "_dynamo_weak_dynamic_indices", ()))
-        torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
+        added, had_marking = _added.get(tensor, (set(), compat.has_dim_marking(tensor)))
+        fresh = set(dims) - compat.weakly_dynamic_dims(tensor)
+        compat.maybe_mark_dynamic(tensor, list(dims))
         _added[tensor] = (added | fresh, had_marking)
-    return TensorifyScalarRestartAnalysis(
+    return compat.TensorifyScalarRestartAnalysis(
         restart_reason="ringpass: inputs='sharded' traced again with the sequence dims dynamic"
     )
 
@@ -64,17 +60,5 @@ def request_retrace(error: StaticShardedLengths) -> BaseException | None:
 def release_marks() -> None:
     """Removes the marks `request_retrace` added (the user's own stay)."""
     for tensor, (added, had_marking) in list(_added.items()):
-        indices = getattr(tensor, "_dynamo_weak_dynamic_indices", None)
-        if indices is not None:
-            indices -= added
-            if not indices:
-                del tensor._dynamo_weak_dynamic_indices
-        if (
-            not had_marking
-            and not any(
-                hasattr(tensor, mark) for mark in _MARKS + ("_dynamo_static_indices", "_dynamo_unbacked_indices")
-            )
-            and hasattr(tensor, "_has_dynamo_dim_marking")
-        ):
-            del tensor._has_dynamo_dim_marking
+        compat.unmark_weakly_dynamic(tensor, added, had_marking)
     _added.clear()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from lowering import compat
 from lowering.errors import InvalidInputError
 
 
@@ -95,11 +96,11 @@ def hf_config_model(
     if not seq_len:
         raise InvalidInputError("--hf-config: the config names no max_position_embeddings; give --seq-len.")
     model_class = getattr(transformers, (config.architectures or [""])[0], None) or _auto_class(config, labels)
-    if attention == "sdpa" and not model_class._supports_sdpa:
+    if attention == "sdpa" and not compat.supports_sdpa(model_class):
         attention = "eager"  # the class's own attention code, which the ring rewrites too (docs/models.md)
-    config._attn_implementation = attention
+    compat.set_attention_implementation(config, attention)
     with torch.device(device):
-        model = model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        model = compat.model_from_config(model_class, config, **({"dtype": dtype} if dtype is not None else {}))
     model.train(labels)
     if labels and hasattr(model, "loss_type"):
         model.loss_type = "ForCausalLM"  # GPT-2's default loss property logs, which breaks the graph
@@ -115,11 +116,10 @@ def hf_config_model(
 def _auto_class(config, labels: bool) -> type:
     """The class ``AutoModelForCausalLM`` builds for ``config``; an encoder (without ``labels``): ``AutoModel``'s."""
     import transformers
-    from transformers.models.auto.auto_factory import _get_model_class
 
     try:
-        return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+        return compat.auto_model_class(config, transformers.AutoModelForCausalLM)
     except KeyError:  # not a causal LM (an encoder): the base model
         if labels:
             raise InvalidInputError(f"--labels: {config.model_type} has no causal-LM head to take labels.") from None
-        return _get_model_class(config, transformers.AutoModel._model_mapping)
+        return compat.auto_model_class(config, transformers.AutoModel)

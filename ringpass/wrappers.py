@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.ddp_whole_graph import kept_whole_under_ddp
 
@@ -54,11 +55,7 @@ class GradientMode:
 
 def find_wrapper(gm: fx.GraphModule) -> Wrapper | None:
     """The DDP module being compiled, or the FSDP2 state that owns this graph's parameters; None if neither."""
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:
-        return None
-    ddp = DistributedDataParallel._get_active_ddp_module()
+    ddp = compat.active_ddp_module()
     if ddp is not None:
         _refuse_graph_splitting()
         group = ddp.process_group
@@ -131,8 +128,7 @@ def _fsdp_wrapper(gm: fx.GraphModule) -> Wrapper | None:
     """FSDP2's mesh for the graph's parameters: the unsharded parameters its pre-forward hook registered are
     the tensors the graph's parameter inputs were traced from."""
     try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        states, FSDPState = compat.module_state_mapping, compat.FSDPState
     except ImportError:  # another torch: no detection, the gradients stay exact through grads="reduced"
         return None
     traced = {
@@ -142,12 +138,12 @@ def _fsdp_wrapper(gm: fx.GraphModule) -> Wrapper | None:
         for example in [getattr(node.meta.get("grapharg"), "example", None)]
         if isinstance(example, torch.nn.Parameter)
     }
-    for state_ref in list(_module_state_mapping.values()):
+    for state_ref in list(states.values()):
         state = state_ref()
-        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+        group = compat.fsdp_param_group(state) if isinstance(state, FSDPState) else None
         if group is None:
             continue
-        if any(id(getattr(param, "_unsharded_param", None)) in traced for param in group.fsdp_params):
+        if any(id(compat.fsdp_unsharded_param(param)) in traced for param in group.fsdp_params):
             mesh = group.mesh_info.mesh
             ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
             factor = group.gradient_divide_factor
@@ -156,9 +152,7 @@ def _fsdp_wrapper(gm: fx.GraphModule) -> Wrapper | None:
 
 
 def _refuse_graph_splitting() -> None:
-    from torch._dynamo.utils import get_optimize_ddp_mode
-
-    if get_optimize_ddp_mode() == "ddp_optimizer" and not kept_whole_under_ddp():
+    if compat.get_optimize_ddp_mode() == "ddp_optimizer" and not kept_whole_under_ddp():
         raise NotSupportedError(
             "The model is compiled under DistributedDataParallel with torch._dynamo.config.optimize_ddp on: Dynamo "
             "cuts the graph at DDP's bucket boundaries and compiles each piece alone, and the ring needs the whole "

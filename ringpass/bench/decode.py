@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lowering
+from lowering import compat
 from lowering.decode import decode_attention
 from ringpass.bench.attention import DTYPES
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank
@@ -127,7 +128,7 @@ def _generator(method: str, model, compiler: str, steps: int):
 
     import ringpass
 
-    torch._dynamo.reset()  # each method compiles from scratch
+    compat.dynamo_reset()  # each method compiles from scratch
     if method == "unsharded":
         forward = model if compiler == "eager" else torch.compile(model, backend=compiler)
         return forward, DynamicCache(config=model.config)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import lowering
+from lowering import compat
 from ringpass.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, write_trace
 
 METHODS = ("ring", "unsharded")
@@ -64,7 +65,7 @@ def build_model(config, seq_len: int, device):
 
 
 def _compiled(model, method: str, compiler: str):
-    torch._dynamo.reset()  # each method compiles from scratch, with nothing cached from the other
+    compat.dynamo_reset()  # each method compiles from scratch, with nothing cached from the other
     if method == "ring":
         return torch.compile(
             model, backend="ring", options={"compiler": compiler, "report": "off", "outputs": "sharded"}

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.masks import mask_program
 from lowering.ring_args import RingArgs
@@ -50,7 +51,9 @@ def write(path, program: torch.nn.Module, conversion: Conversion, example: tuple
     )  # one entry: forward(*tensors)
     try:
         # a view example (ids[:, :8]) would have export guard its base's size too (`_base.size()[1] != ...`)
-        example = tuple(t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t for t in example)
+        example = tuple(
+            t.clone() if isinstance(t, torch.Tensor) and compat.view_base(t) is not None else t for t in example
+        )
         exported = torch.export.export(program, example, dynamic_shapes=dynamic_shapes, strict=False)
         masks = {mask_id: _export_mask(program.gm, mask_id, c.dynamic) for mask_id in c.masks}
     except Exception as error:

@@ -9,8 +9,9 @@ import inspect as pyinspect
 import keyword
 
 import torch
-import torch.utils._pytree as pytree
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError
 from ringpass.conversion.expressions import evaluate
 from ringpass.conversion.saved import Argument, Conversion, TensorSpec
@@ -205,7 +206,5 @@ def read_source(path: str, scope: dict, as_tensor: bool, global_scope: dict):
 def _dynamo_getters() -> dict:
     """The getters Dynamo's paths may call (``___tuple_iterator_getitem(L['it'], 0)``); torch has no public name
     for them."""
-    from torch._dynamo.guards import _get_closure_vars
-
-    helpers = _get_closure_vars()
+    helpers = compat.dynamo_closure_vars()
     return {name: helpers[name] for name in ("___tuple_iterator_getitem", "___odict_getitem") if name in helpers}

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from lowering import compat
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import read_source
 from ringpass.conversion.saved import GROUP, Argument, Outputs, TensorSpec
@@ -86,14 +87,14 @@ def capture(model, call: list, options: RingOptions, world_size: int, dynamic: b
 
     run_call = _call_function(call)
     try:
-        with torch._dynamo.config.patch(specialize_float=True):  # Python floats are baked in (a dropout p, an eps)
+        with compat.dynamo_config.patch(specialize_float=True):  # Python floats are baked in (a dropout p, an eps)
             compiled = torch.compile(run_call, backend=backend, fullgraph=True, dynamic=dynamic)
             result = compiled(model, *[v for _, _, v in call])
     except Exception as error:
         if "error" in found:
             raise found["error"] from None
         first_line = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        if isinstance(error, torch._dynamo.exc.Unsupported):
+        if isinstance(error, compat.DynamoUnsupported):
             raise NotSupportedError(
                 f"convert: Dynamo could not capture the model's forward as one graph ({first_line}). A converted model "
                 "is one graph: remove the graph break (the cause's traceback shows where), or use "

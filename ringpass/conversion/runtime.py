@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from lowering import failures
+from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from ringpass.conversion import archive

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
+
+from lowering.compat import pytree
 
 GROUP = "ringpass:converted-group"  # stands for the run-time process group's name in a converted graph
 NO_DEFAULT = "<no default>"  # a forward parameter without a default, in `Conversion.parameters`

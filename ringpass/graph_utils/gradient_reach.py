@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from lowering import compat
 from lowering import op as ring_op
 from ringpass.graph import example_value, op_label
 from ringpass.graph_utils.spellings import BODY_CALLS, FLEX, INTEGER_CASTS, LIKE
@@ -191,12 +192,13 @@ def ringpass_op(node: fx.Node) -> tuple[str, list[str]] | None:
     target = node.target
     if node.op != "call_function":
         return None
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, compat.OpOverloadPacket):
         target = getattr(target, "default", None)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         if target.namespace != "ringpass":
             return None
-        return target._schema.name.split("::")[1], [a.name for a in target._schema.arguments]
+        schema = compat.schema_of(target)
+        return schema.name.split("::")[1], [a.name for a in schema.arguments]
     name = getattr(target, "__name__", "")
     if callable(target) and getattr(target, "__module__", "").startswith("lowering.") and name in GRADIENT_ARGUMENTS:
         return name, list(inspect.signature(target).parameters)
@@ -206,10 +208,10 @@ def ringpass_op(node: fx.Node) -> tuple[str, list[str]] | None:
 def has_autograd_formula(name: str) -> bool:
     """A ringpass op with an autograd formula registered (`torch.library.custom_op`'s ``register_autograd``, or an
     Autograd kernel of a `torch.library.Library` op)."""
-    opdef = torch._library.custom_ops.OPDEFS.get(f"ringpass::{name}")
+    opdef = compat.custom_op_defs.get(f"ringpass::{name}")
     if opdef is not None:
-        return getattr(opdef, "_backward_fn", None) is not None
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"ringpass::{name}", "Autograd")
+        return compat.custom_op_backward(opdef) is not None
+    return compat.dispatch_has_kernel_for_dispatch_key(f"ringpass::{name}", "Autograd")
 
 
 def gradient_reach(
@@ -289,7 +291,7 @@ def _written(node: fx.Node) -> list[fx.Node]:
         found.append(current)
         value = example_value(current)
         if (
-            not (isinstance(value, torch.Tensor) and value._is_view())
+            not (isinstance(value, torch.Tensor) and compat.is_view(value))
             or not current.args
             or not isinstance(current.args[0], fx.Node)
         ):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from lowering import compat
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_vmap_bookkeeping
 from ringpass.graph_utils.context import PassContext
@@ -203,7 +204,7 @@ def run_on_fake_values(gm: fx.GraphModule) -> tuple[fx.Node | None, Exception | 
             return node, error
         finally:
             for _ in range(vmap_levels):  # a failure inside a vmap nest: close its levels
-                torch._C._functorch._vmap_decrement_nesting()
+                compat.vmap_decrement_nesting()
     return None, None
 
 

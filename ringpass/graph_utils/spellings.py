@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from lowering import compat
+
 # ---- values kept entry by entry ------------------------------------------------------------------------
 CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "bool"})
 INTEGER_CASTS = frozenset({"long", "int", "bool"})  # a floating value becomes another number
@@ -85,7 +87,7 @@ ADD = frozenset({operator.add, operator.iadd, torch.add, "add"})
 TANH = frozenset({torch.tanh, "tanh"})
 
 # ---- attention and the graph's own structure -------------------------------------------------------------
-SDPA = frozenset({torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention})
+SDPA = frozenset({compat.sdpa_binding, F.scaled_dot_product_attention})
 FLEX = torch.ops.higher_order.flex_attention
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 BODY_CALLS = {CHECKPOINT: 1, torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.wrap: 1}

@@ -18,6 +18,7 @@ when asked (``RINGPASS_CHECK_PASSES=1``, ``RINGPASS_DEBUG_DIR=dir``)."""
 
 import torch
 
+from lowering import compat
 from lowering.errors import NotSupportedError
 from lowering.layout import Layout
 from ringpass.graph import example_value, nbytes, op_label, plain, short_source
@@ -154,7 +155,7 @@ def _activation_bytes(ctx: PassContext) -> dict:
     per_rank = unsharded = whole = 0
     for node, placement in ctx.placement.items():
         value = example_value(node)
-        if node.op == "placeholder" or not isinstance(value, torch.Tensor) or value._is_view():
+        if node.op == "placeholder" or not isinstance(value, torch.Tensor) or compat.is_view(value):
             continue
         if placement == LOCAL:
             per_rank += nbytes(value) * local_length // traced_length

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from lowering import compat
 from ringpass.graph import op_label, refusal, user_name
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.gradient_reach import (
@@ -129,4 +130,4 @@ def _why_not(op: fx.Node) -> str:
 
 
 def _in_graph(node: fx.Node, graph: fx.Graph) -> bool:
-    return node.graph is graph and not getattr(node, "_erased", False)
+    return node.graph is graph and not compat.erased(node)

@@ -41,6 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from lowering import compat
 from lowering.masks import MASKED_AT_OR_BELOW
 from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in, refusal
 from ringpass.graph_utils.context import PassContext
@@ -53,7 +54,7 @@ SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, "softmax"})
 MATMUL = frozenset({operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__"})
 TRANSPOSE = frozenset({torch.transpose, "transpose", "mT", "permute"})
 DROPOUTS = frozenset({"dropout", F.dropout})
-FUSED_LAYERS = frozenset({torch._transformer_encoder_layer_fwd, torch._native_multi_head_attention})
+FUSED_LAYERS = frozenset({compat.transformer_encoder_layer_fwd, compat.native_multi_head_attention})
 BADDBMM = frozenset({torch.baddbmm, "baddbmm"})
 NAN_TO_NUM = frozenset({torch.nan_to_num, "nan_to_num"})
 AROUND_PROBABILITIES = KEEP_FLOATS | DROPOUTS  # softmax(scores.float()).to(q.dtype), dropout(p=0)

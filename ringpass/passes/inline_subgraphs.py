@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lowering import compat
 from ringpass.graph import describe, example_value, refusal
 from ringpass.graph_utils.context import PassContext
 from ringpass.graph_utils.spellings import BODY_CALLS, CHECKPOINT, FLEX, SDPA
@@ -117,7 +118,7 @@ def _free_name(gm: fx.GraphModule, name: str) -> str:
 
 def _refuse_attention_in_other_bodies(gm: fx.GraphModule) -> None:
     for call in gm.graph.nodes:
-        if call.op != "call_function" or not isinstance(call.target, torch._ops.HigherOrderOperator):
+        if call.op != "call_function" or not isinstance(call.target, compat.HigherOrderOperator):
             continue
         for arg in call.args:
             body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None

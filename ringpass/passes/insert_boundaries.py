@@ -31,8 +31,8 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
+from lowering.compat import pytree
 from lowering.layout import Layout
 from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext

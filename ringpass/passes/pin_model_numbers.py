@@ -26,9 +26,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import Source
 from torch.fx.experimental.symbolic_shapes import guard_int
 
+from lowering import compat
 from ringpass.graph_utils.context import PassContext
 
 
@@ -51,7 +51,7 @@ def _model_float(node: fx.Node) -> float | None:
     """The value of an input Dynamo made from a float attribute or global of the model, else None."""
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
-    if not isinstance(source, Source) or not _from_model(source):
+    if not isinstance(source, compat.Source) or not _from_model(source):
         return None
     example = getattr(grapharg, "example", None)
     if (
@@ -64,12 +64,11 @@ def _model_float(node: fx.Node) -> float | None:
     return example.item()
 
 
-def _from_model(source: Source) -> bool:
+def _from_model(source: compat.Source) -> bool:
     """An attribute of something (``L['self'].scaling``) or a global, not a ``forward`` argument itself; Dynamo
     wraps an attribute of a module in a source that says how it treats the module (FSDP2's, an unspecialised
     module's), which reads the same value."""
-    from torch._dynamo import source as sources
-
+    sources = compat.dynamo_sources
     module_wrappers = tuple(
         getattr(sources, name)
         for name in ("NNModuleSource", "FSDPNNModuleSource", "UnspecializedNNModuleSource")
@@ -82,13 +81,11 @@ def _from_model(source: Source) -> bool:
 
 def _int_argument(node: fx.Node) -> bool:
     """A SymInt input that is a Python int of the call (or of the model), not a size of an input tensor."""
-    from torch._dynamo.source import TensorPropertySource
-
     source = getattr(node.meta.get("grapharg"), "source", None)
     return (
         isinstance(node.meta.get("example_value"), torch.SymInt)
-        and isinstance(source, Source)
-        and not isinstance(source, TensorPropertySource)
+        and isinstance(source, compat.Source)
+        and not isinstance(source, compat.dynamo_sources.TensorPropertySource)
     )
 
 

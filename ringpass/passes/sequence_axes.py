@@ -26,11 +26,11 @@ import logging
 import operator
 
 import torch
-import torch._refs
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
+from lowering import compat
 from lowering.errors import NotSupportedError
 from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
 from ringpass.graph_utils.context import PassContext
@@ -45,10 +45,10 @@ def _pad(x, pad, mode="constant", value=None):
     tensors makes them concrete)."""
     if mode != "constant":
         return F.pad(x, pad, mode, value)
-    return torch._refs.constant_pad_nd(x, pad, 0 if value is None else value)
+    return compat.constant_pad_nd_ref(x, pad, 0 if value is None else value)
 
 
-PROBE_EQUIVALENTS = {torch._C._nn.pad: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
+PROBE_EQUIVALENTS = {compat.pad_binding: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
 
 
 def find_sequence_axes(ctx: PassContext) -> None:
@@ -86,7 +86,7 @@ class _Probe:
         shape_env = self.fake_mode.shape_env
         # The probe's sizes are hypothetical: what it learns must not become guards of the real graph, and
         # an op that fails at them is an answer, not an error (fake tensors log each failure at ERROR).
-        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        fake_log = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)
         try:
@@ -100,7 +100,7 @@ class _Probe:
         finally:
             fake_log.setLevel(level)
             for _ in range(self.open_vmap_levels):  # a refusal inside a vmap nest: close its levels
-                torch._C._functorch._vmap_decrement_nesting()
+                compat.vmap_decrement_nesting()
 
     # ---- one node -------------------------------------------------------------------------------
     def _probe(self, node: fx.Node):

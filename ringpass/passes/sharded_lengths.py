@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from lowering import compat
 from lowering.errors import NotSupportedError
 from ringpass.graph import copy_origin, describe, example_value, op_label, plain, refusal, source_line, user_name
 from ringpass.graph_utils.context import PassContext
@@ -173,7 +174,7 @@ def _specialized(ctx: PassContext, inputs: list) -> NotSupportedError | None:
             continue
         shape_env, traced = (
             length.node.shape_env,
-            getattr(length.node, "_expr", length.node.expr),
+            compat.unreplaced_expr(length.node),
         )  # before replacements
         expr = shape_env.replace(traced) if shape_env is not None else length.node.expr
         if not expr.is_number:

@@ -9,8 +9,7 @@ spelling whichever torch captured the graph.
 
 from __future__ import annotations
 
-import torch
-
+from lowering import compat
 from ringpass.graph_utils.context import PassContext
 
 ATTRIBUTES = {"mT": "mT", "mH": "mH", "numpy_T": "T", "matrix_H": "H"}  # aten op -> the tensor attribute
@@ -25,8 +24,8 @@ def spell_properties_as_attributes(ctx: PassContext) -> None:
 
 
 def _aten_name(target) -> str | None:
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         target = target.overloadpacket
-    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("aten::"):
+    if isinstance(target, compat.OpOverloadPacket) and compat.qualified_op_name(target).startswith("aten::"):
         return target.__name__
     return None
