@@ -124,7 +124,11 @@ class SequenceMask(torch.Tensor):
         raise NeedsWholeSequence(
             f"{func} on a SequenceMask (an attention mask a ring graph returned as its per-token description, so "
             "that no rank holds it S x S). Pass it to the next compiled graph as it is, or call .full_tensor() for "
-            "the whole mask (built on this rank from its description)."
+            "the whole mask (built on this rank from its description). If your code does not touch the mask, an "
+            "attention ran outside any compiled graph: Dynamo broke the graph before it (TORCH_LOGS=graph_breaks "
+            "says where). With Hugging Face gradient checkpointing and transformers >= 5.25 that is the `kernels` "
+            "package's context variable: set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = "
+            "True before the first call (docs/training.md)."
         )
 
     @compat.disable_dynamo

@@ -79,8 +79,10 @@ def compare(
     group=None,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    specialize_float: bool = False,
 ) -> dict:
-    """Relative errors of outputs and parameter gradients on this rank, and the graph's op counts."""
+    """Relative errors of outputs and parameter gradients on this rank, and the graph's op counts; with
+    ``specialize_float`` Dynamo reads the model's Python floats as constants."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = MODELS[name]().to(dtype)
@@ -112,7 +114,8 @@ def compare(
         compiled_inputs = tuple(
             ringpass.shard(t, 1, layout=options.get("layout", "zigzag"), group=group) for t in inputs
         )
-    outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
+    with torch._dynamo.config.patch(specialize_float=specialize_float):
+        outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
     outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
     if options.get("outputs") == "sharded":
         weights_used = [

@@ -191,7 +191,7 @@ def hf_recipe(rank: int, world_size: int, family: str, how: str, variant: str, s
     model = hf_workers.build(family)
     variants = set(variant.split("+"))
     if "checkpointed" in variants:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_workers.enable_checkpointing(model, "non-reentrant")
     (case,) = (variants & {"left-padded", "packed"}) or {"labels"}
     batches = [hf_workers.batch(case, n) for n in ((seq_len, seq_len + 4) if "dynamic" in variants else (seq_len,))]
     expected = [_hf_step(model, kwargs) for kwargs in batches]  # before FSDP2 wraps the model

@@ -310,9 +310,7 @@ def training_step(
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
         model = build(name)
         if checkpointed:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": checkpointed == "reentrant"}
-            )
+            enable_checkpointing(model, checkpointed)
         kwargs = batch(case, seq_len)
         unsharded = build(reference) if reference else model
         expected = unsharded(**kwargs)
@@ -344,12 +342,19 @@ def training_step(
     return results
 
 
+def enable_checkpointing(model, kind: str) -> None:
+    """Hugging Face's gradient checkpointing of ``kind`` ("reentrant" / "non-reentrant"), set up as
+    `docs/training.md` says: Dynamo may skip replaying the forward's Python side effects in the recompute.
+    Transformers >= 5.25 installs `kernels`, whose attention wrapper sets a context variable inside each
+    checkpointed layer; without the flag Dynamo refuses it under ``fullgraph`` and otherwise leaves those layers
+    to eager code."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
+
+
 def checkpointed_training_steps(rank: int, world_size: int, name: str, kinds: list, seq_len: int) -> dict:
     """`training_step` without ``fullgraph`` with Hugging Face's gradient checkpointing of each kind in ``kinds``
-    ("reentrant" / "non-reentrant"), set as `docs/training.md` says: Dynamo may skip replaying the forward's
-    Python side effects in the recompute. Transformers >= 5.25 installs `kernels`, whose attention wrapper sets a
-    context variable inside each checkpointed layer; without this, Dynamo leaves those layers to eager code."""
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    (`enable_checkpointing`)."""
     return {
         kind: training_step(rank, world_size, name, ["labels"], seq_len, None, kind, fullgraph=False)["labels"]
         for kind in kinds

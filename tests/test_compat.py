@@ -195,3 +195,27 @@ def test_importing_ringpass_patches_nothing_in_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "False", "True"], done.stdout
+
+
+def _tested(versions: str) -> list[tuple[int, ...]]:
+    """``"2.13.0, 2.14.1 and 2.15.0"`` as version tuples."""
+    return [tuple(int(n) for n in v.split(".")) for v in re.split(r",\s*|\s+and\s+", versions)]
+
+
+def test_the_declared_ranges_and_the_readme_say_what_was_tested():
+    """pyproject's torch range and its ``hf`` extra's transformers range run from the oldest tested release's
+    minor version to below the minor after the newest's, and README's 'Tested versions' table names each."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme = (ROOT / "README.md").read_text().split("## Tested versions", 1)[1].split("\n## ", 1)[0]
+    declared = {
+        "torch": next(d for d in project["dependencies"] if d.startswith("torch")),
+        "transformers": next(d for d in project["optional-dependencies"]["hf"] if d.startswith("transformers")),
+    }
+    for library, tested in (("torch", compat.TESTED_TORCH), ("transformers", compat.TESTED_TRANSFORMERS)):
+        versions = sorted(_tested(tested))
+        (oldest_major, oldest_minor, _), (newest_major, newest_minor, _) = versions[0], versions[-1]
+        expected = f"{library}>={oldest_major}.{oldest_minor},<{newest_major}.{newest_minor + 1}"
+        assert declared[library] == expected, (declared[library], tested)
+        for version in versions:
+            assert ".".join(map(str, version)) in readme, (library, version)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import transformers
 
 import ringpass
-from lowering import Layout
+from lowering import Layout, compat
 from lowering.costmodel import AttentionShape, ring_cost
 from lowering.schedule import schedule_table
 from ringpass.cli import main
@@ -297,20 +297,22 @@ def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
 
 
 def test_a_hugging_face_config_whose_class_has_no_sdpa_runs_its_own_attention(tmp_path, capsys):
-    """GPT-J has no SDPA path: `--hf-config` builds it with its eager attention (raised "does not support an
-    attention implementation through SDPA" before), which the ring rewrites; `ringpass plan` refuses it, saying
-    why (it cannot run that attention without its S x S scores)."""
+    """GPT-J has no SDPA path before transformers 5.25: `--hf-config` builds it with its eager attention (raised
+    "does not support an attention implementation through SDPA" before), which the ring rewrites; `ringpass plan`
+    refuses it, saying why (it cannot run that attention without its S x S scores). From 5.25 on it is an SDPA
+    model like the others, which the plan plans."""
     transformers.GPTJConfig(
         n_embd=32, n_layer=1, n_head=4, rotary_dim=8, vocab_size=64, n_positions=256, architectures=["GPTJForCausalLM"]
     ).save_pretrained(tmp_path)
     config = str(tmp_path / "config.json")
     assert main(["inspect", "--hf-config", config, "--world-size", "2", "--seq-len", "64"]) == 0
     printed = capsys.readouterr().out
-    how = "sdpa" if transformers.GPTJForCausalLM._supports_sdpa else "hand-written"  # SDPA since transformers 5.25
+    sdpa = compat.supports_sdpa(transformers.GPTJForCausalLM)
+    how = "sdpa" if sdpa else "hand-written"
     assert "1 attention(s) rewritten to ring attention" in printed and f"transformer.h.0.attn: {how}" in printed
     plan = ["plan", "--world-size", "2", "--seq-len", "64", "--device", "cpu", "--link", "loopback", "--hf-config"]
-    assert main([*plan, config]) == 1
-    assert "GPTJForCausalLM runs its own attention code" in capsys.readouterr().err
+    assert main([*plan, config]) == (0 if sdpa else 1)
+    assert sdpa or "GPTJForCausalLM runs its own attention code" in capsys.readouterr().err
 
 
 def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):

@@ -67,6 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     transformers.set_seed(0)
     model = build_model()
+    if args.checkpointing:  # docs/training.md: transformers >= 5.25's attention wrapper under checkpointing
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     summaries = []
     if args.ring:
         model.compile(backend="ring", options={"inputs": "per_rank", "compiler": "eager"})
