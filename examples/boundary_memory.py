@@ -7,7 +7,7 @@ of this machine in each recipe, each in fresh processes, after one warm-up step:
 ring; each block compiled on its own (`SequenceSharded` between the blocks: ``outputs="auto"``), the same with every
 block's output gathered (``outputs="gathered"``: what every boundary cost before), per-block with
 ``torch.utils.checkpoint`` around each block, and FSDP2 ``fully_shard`` on every block and the root with the model
-compiled; and the model unsharded on one process. Peak: `ringpass.bench.measure.PeakMemory` (VmHWM above the
+compiled; and the model unsharded on one process. Peak: `ringpass.cli.bench.measure.PeakMemory` (VmHWM above the
 resident set before the step; freed tensors leave it: MALLOC_MMAP_THRESHOLD_). Gathered: bytes the step's
 all-gathers of sequence values moved into each rank (`lowering.record_ring_events`).
 """
@@ -87,7 +87,7 @@ def _step(run, ids, labels, sharded_ids: bool) -> torch.Tensor:
 
 def measure(rank: int, world_size: int, recipe: str, seq_len: int, hidden: int, layers: int) -> dict:
     from lowering import record_ring_events
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     torch.set_num_threads(1)
     model = _model(hidden, layers)
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, from: " + ", ".join(RECIPES))
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
-    from ringpass.launch import spawn_ranks
+    from ringpass.cli.launch import spawn_ranks
 
     shape = (args.seq_len, args.hidden, args.layers)
     rows = [("unsharded (one process)", spawn_ranks(measure, 1, ("unsharded", *shape), timeout=1800)[0])]

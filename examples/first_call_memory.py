@@ -2,7 +2,7 @@
 
     python examples/first_call_memory.py [--seq-len 8192]
 
-Two gloo ranks on this machine. Each measures the peak memory (`ringpass.bench.measure.PeakMemory`: VmHWM
+Two gloo ranks on this machine. Each measures the peak memory (`ringpass.cli.bench.measure.PeakMemory`: VmHWM
 after a reset, freed memory not counted) of one ring attention forward+backward, and how much resident
 memory stays after it, in two orders: the long call first and again (the bench's case), then a process
 whose first call is 64 tokens long, then the long one. A one-time cost that the 64-token call pays
@@ -21,7 +21,7 @@ MIB = 2**20
 
 
 def _resident() -> int:
-    from ringpass.bench.measure import _status_kib
+    from ringpass.cli.bench.measure import _status_kib
 
     return _status_kib("VmRSS") * 1024
 
@@ -46,7 +46,7 @@ def _call(seq_len: int, rank: int, world_size: int, memory) -> tuple[float, floa
 
 
 def measure(rank: int, world_size: int, seq_len: int) -> dict:
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     torch.set_num_threads(1)
     memory = PeakMemory(torch.device("cpu"))
@@ -57,7 +57,7 @@ def measure(rank: int, world_size: int, seq_len: int) -> dict:
 
 
 def measure_tiny_first(rank: int, world_size: int, seq_len: int) -> dict:
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     torch.set_num_threads(1)
     memory = PeakMemory(torch.device("cpu"))
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
-    from ringpass.launch import spawn_ranks
+    from ringpass.cli.launch import spawn_ranks
 
     rows = {}
     for fn in (measure, measure_tiny_first):

@@ -7,7 +7,7 @@ machine, in fresh processes, after one warm-up step: under FSDP2 per layer and r
 ring (a graph per layer; HF builds the [B, 1, S, S] mask in the first graph, and it crosses to each layer's graph as
 its per-token description, `ringpass.SequenceMask`); with each layer compiled on its own (HF builds the mask
 eagerly, whole, before the layers: allowed with ``masks="materialize"``); and unsharded on one process. Peak:
-`ringpass.bench.measure.PeakMemory`, as in `examples/boundary_memory.py`. Crossing: the bytes the mask's boundary
+`ringpass.cli.bench.measure.PeakMemory`, as in `examples/boundary_memory.py`. Crossing: the bytes the mask's boundary
 carries (the backend's report).
 """
 
@@ -42,7 +42,7 @@ def _model(hidden: int, layers: int):
 
 def measure(rank: int, world_size: int, recipe: str, seq_len: int, hidden: int, layers: int) -> dict:
     from lowering import record_ring_events
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     torch.set_num_threads(1)
     model = _model(hidden, layers)
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
-    from ringpass.launch import spawn_ranks
+    from ringpass.cli.launch import spawn_ranks
 
     shape = (args.seq_len, args.hidden, args.layers)
     rows = [("unsharded (one process)", spawn_ranks(measure, 1, ("unsharded", *shape), timeout=1800)[0])]

@@ -30,7 +30,7 @@ import transformers
 
 import ringpass
 from lowering import record_ring_events
-from ringpass.launch import RankFailure, spawn_ranks
+from ringpass.cli.launch import RankFailure, spawn_ranks
 
 VOCAB, SEQ = 61, 13
 SMALL = dict(

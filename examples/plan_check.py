@@ -6,13 +6,13 @@
         [--seq-len N] [--world-sizes 1,2]
 
 For each model, ring size P and checkpointing off / on: what one training step (forward + backward, after a warm-up
-step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted: `ringpass.model_plan`
-as `ringpass plan` computes it (the fake step at the rank's share of the sequence, compiled as the backend
-compiles it when P > 1: activations and temporaries + the gradients live at the step's peak + the ring's
-buffers; time from the step's ops and the cost model, one rank's attention at the calibrated rate of the model's
-own SDPA, no optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE``
+step) adds to a rank's memory, and how long it takes (the median of three steps). Predicted:
+`ringpass.planning.model_plan` as `ringpass plan` computes it (the fake step at the rank's share of the sequence,
+compiled as the backend compiles it when P > 1: activations and temporaries + the gradients live at the step's peak +
+the ring's buffers; time from the step's ops and the cost model, one rank's attention at the calibrated rate of the
+model's own SDPA, no optimizer), on the `cpu` and `loopback` presets or a ``ringpass bench --calibrate --json FILE``
 file; with more ranks than cores each rank's rates are its share of a core's (the ranks take turns). Measured:
-`ringpass.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
+`ringpass.cli.bench.measure.PeakMemory` (VmHWM above the resident set before the step; MALLOC_MMAP_THRESHOLD_ so freed
 tensors leave it) and, in other processes without that setting (it makes every allocation fault its pages in), the
 step's wall time, on P gloo ranks of this machine (one thread each; more ranks than the 2
 cores share them) with the model compiled by the ring backend (``compiler="aot_eager"``; P = 1: the model alone,
@@ -87,8 +87,8 @@ def build(model: str, tokens: int, checkpointing: bool = False):
 def predicted(model: str, seq_len: int, world_size: int, checkpointing: bool, hw) -> tuple[int, float]:
     """(bytes the step adds, seconds it takes) as `ringpass plan` predicts them for this configuration."""
     from lowering.layout import Layout
-    from ringpass.model_plan import PLAN_ATTENTION, candidate, hf_plan_attention, measure_step
-    from ringpass.report import AttentionRecord
+    from ringpass.fx.report import AttentionRecord
+    from ringpass.planning.model_plan import PLAN_ATTENTION, candidate, hf_plan_attention, measure_step
 
     layout = Layout("zigzag", world_size, seq_len)
 
@@ -112,7 +112,7 @@ def measure(
     """(MiB the first step adds to this rank (None in a process without ``MALLOC_MMAP_THRESHOLD_``), the median
     seconds of ``steps`` steps)."""
     import ringpass
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -213,8 +213,8 @@ def measure_row(rank: int, world_size: int, config: str, seq_len: int, dtype: st
     """MiB one AdamW training step (forward, backward, ``optimizer.step()``) adds to this rank, after a warm-up step;
     compiled by the ring backend (``aot_eager``) when P > 1, the model alone (eager) at P = 1."""
     import ringpass
-    from ringpass.bench.measure import PeakMemory
-    from ringpass.targets import hf_config_model
+    from ringpass.cli.bench.measure import PeakMemory
+    from ringpass.inspection.targets import hf_config_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -237,7 +237,7 @@ def measure_row(rank: int, world_size: int, config: str, seq_len: int, dtype: st
 
 def spread(rows: list[Row]) -> None:
     """The plan's memory against the measured step for each row (module docstring), as a table."""
-    from ringpass.launch import spawn_ranks
+    from ringpass.cli.launch import spawn_ranks
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (PeakMemory)
     print("One AdamW training step after a warm-up: MiB it adds per rank (the rank with the higher peak)")
@@ -308,8 +308,8 @@ def main() -> None:
         spread(rows)
         return
     args.seq_len, args.world_sizes = args.seq_len or 4096, args.world_sizes or "1,2,4"
+    from ringpass.cli.launch import spawn_ranks
     from ringpass.hardware import default_hardware, load_hardware
-    from ringpass.launch import spawn_ranks
 
     calibrated = load_hardware(args.hardware) if args.hardware else default_hardware()
     print(f"N={args.seq_len}, one training step (forward + backward) after a warm-up; MiB and seconds per rank")

@@ -25,7 +25,7 @@ import argparse
 import json
 import statistics
 
-from ringpass.bench import BenchConfig, run_bench
+from ringpass.cli.bench import BenchConfig, run_bench
 from ringpass.hardware import load_hardware
 
 FIXED = ("ring-zigzag", "ring-contiguous", "all-gather", "ulysses")

@@ -25,7 +25,9 @@ TESTED_TRANSFORMERS = "5.23.0 and 5.25.0"
 
 # Private module paths ringpass names as strings (a logger, an import hook, a module to preload)
 DYNAMO_MODULE = "torch._dynamo"
-DDP_OPTIMIZER_MODULE = "torch._dynamo.backends.distributed"  # where DDPOptimizer lives: ringpass.ddp_whole_graph
+DDP_OPTIMIZER_MODULE = (
+    "torch._dynamo.backends.distributed"  # where DDPOptimizer lives: ringpass.frontend.ddp_whole_graph
+)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"  # logs each failed fake op at ERROR: quiet while probing
 VMAP_BOOKKEEPING_MODULE = "torch._functorch.predispatch"  # the module of vmap's level functions in a graph
 

@@ -197,8 +197,8 @@ class Hardware:
     link: str = "custom"
     device: str = "custom"
     memory_bytes_per_s: float | None = None  # how fast one rank reads its memory (a decode step's bound)
-    # the rest of a training step (`ringpass.model_plan`): matrix products outside attention (None: flops_per_s)
-    # and the fixed cost of launching one op
+    # the rest of a training step (`ringpass.planning.model_plan`): matrix products outside attention (None:
+    # flops_per_s) and the fixed cost of launching one op
     gemm_flops_per_s: float | None = None
     op_overhead_s: float = 0.0
     # the model's own attention kernel on a whole sequence (strategy "none"; None: flops_per_s, as on a GPU, where
@@ -493,7 +493,7 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
 
 def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
     """What local attention (SDPA on a rank's own ``tokens``) holds at its backward that a ring holds too: the saved
-    out and LSE (in the accumulation dtype) and the returned dq, dk, dv. `ringpass.model_plan` adds only a
+    out and LSE (in the accumulation dtype) and the returned dq, dk, dv. `ringpass.planning.model_plan` adds only a
     strategy's memory beyond it to a step that ran local attention."""
     q, kv, rows = shape.elements(tokens)
     return (2 * q + 2 * kv) * shape.itemsize + rows * shape.accumulation_itemsize

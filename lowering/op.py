@@ -10,7 +10,7 @@ graphs as one call too. Both take their arguments after the tensors as `lowering
 A call by hand agrees with its peers first: the first time a rank makes a call of a given layout, options and
 shapes, every rank of the group compares them (`lowering.failures.agree_once`), so ranks that disagree all raise
 an `InvalidInputError` naming the difference instead of crashing in the ring's traffic. Later calls of the same
-kind cost a set lookup. (Compiled graphs agree on each call, `ringpass.guard`.)
+kind cost a set lookup. (Compiled graphs agree on each call, `ringpass.frontend.guard`.)
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def agree_on_call(function: str, group_name: str, layout: Layout, qkv, args: Rin
     """Before a by-hand call of ``function`` (``ring_attention``, ``ulysses_attention``, ``gathered_attention``),
     the ranks of ``group_name`` agree on its layout, shapes and options, once per distinct call: ranks that
     disagree all raise the same `InvalidInputError` instead of deadlocking (or aborting) in a collective. A
-    compiled caller's graph agrees on its own calls (`ringpass.guard`); one process ("" group) has no peers."""
+    compiled caller's graph agrees on its own calls (`ringpass.frontend.guard`); one process ("" group) has no peers."""
     if group_name and not torch.compiler.is_compiling():
         fingerprint = _fingerprint(layout, qkv, args, mask, bias)
         agree_once(group_name, function, fingerprint, functools.partial(_difference, function))

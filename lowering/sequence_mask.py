@@ -5,8 +5,8 @@ A graph the ring backend compiles that returns a mask built from per-token value
 the per-token tensors the mask is built from (each at most ``[B, S]``) and the recipe that builds it from them
 (the graph's own ops, kept as an `fx.GraphModule` registered under a key). It reports the mask's shape and dtype,
 so model code between graphs hands it on as the mask it stands for; a ring graph that receives one writes the
-recipe into its own graph (`ringpass.crossing_masks`), where `lift_masks` evaluates it per tile as it does a mask
-the graph built itself: no rank ever holds the S x S values.
+recipe into its own graph (`ringpass.frontend.crossing_masks`), where `lift_masks` evaluates it per tile as it does
+a mask the graph built itself: no rank ever holds the S x S values.
 
     mask.shape            # the whole [B, 1, S, S]
     mask.full_tensor()    # the S x S mask itself, built on this rank (no communication)

@@ -18,12 +18,12 @@ from lowering.failures import PeerFailure
 from lowering.implicit_gather import ImplicitGatherWarning, NeedsWholeSequence
 from lowering.sequence_mask import SequenceMask
 from lowering.sequence_tensor import SequenceSharded
-from ringpass.artifact import load
-from ringpass.backend import RingBackend, backend, last_report
-from ringpass.convert import ConvertedModel, convert
-from ringpass.data import RingSampler, ring_dataloader, shard_collator
-from ringpass.inspection import Inspection, inspect
-from ringpass.sharding import shard, unshard
+from ringpass.conversion.artifact import load
+from ringpass.conversion.converter import ConvertedModel, convert
+from ringpass.frontend.ring_backend import RingBackend, backend, last_report
+from ringpass.inspection.inspector import Inspection, inspect
+from ringpass.integrations.data import RingSampler, ring_dataloader, shard_collator
+from ringpass.integrations.sharding import shard, unshard
 from ringpass.version import __version__
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("ShardedCache", "generate"):  # they need transformers: imported when first asked for
-        from ringpass import generation
+        from ringpass.integrations import generation
 
         return getattr(generation, name)
     raise AttributeError(f"module 'ringpass' has no attribute {name!r}")

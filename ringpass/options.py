@@ -31,11 +31,11 @@ class RingOptions:
     contiguous (the report's summary line names the layout).
     ``inputs``: ``full`` (every rank passes the whole batch), ``per_rank`` (each rank passes its own batch, as a
     data-parallel loader gives it: the ranks' batches are all-gathered, each rank computes its share of every
-    sequence and gets its own batch's outputs and a data-parallel job's gradients: `ringpass.per_rank`)
+    sequence and gets its own batch's outputs and a data-parallel job's gradients: `ringpass.frontend.per_rank`)
     or ``sharded`` (each passes its layout shard,
     made with ``ringpass.shard(x, dim)``; ``ringpass.unshard`` reassembles sharded outputs). With ``sharded``
     the inputs' sequence dims are traced symbolically whatever ``dynamic=`` says (Dynamo traces a static graph
-    again with them dynamic: `ringpass.retrace`), so a read of the length as a number (``x.shape[1]``) is the
+    again with them dynamic: `ringpass.frontend.retrace`), so a read of the length as a number (``x.shape[1]``) is the
     whole sequence's; a length the model fixes while traced (``if n == 64``) is refused.
     ``outputs``: ``auto`` (sequence-sharded outputs leave as `ringpass.SequenceSharded`: the global shape, this
     rank's tokens inside, nothing gathered until ``.full_tensor()``; a graph that receives one takes it as sharded;
@@ -43,7 +43,7 @@ class RingOptions:
     ``gathered`` (full outputs on every rank: an all-gather per call) or ``sharded`` (plain local shards, for
     ``ringpass.unshard``).
     ``compiler``: what compiles the rewritten graph. ``grads``: ``auto`` (``mean`` under an FSDP2 / DDP whose
-    ranks include the ring's, else ``reduced``; `ringpass.wrappers`), ``reduced`` (every rank ends with the
+    ranks include the ring's, else ``reduced``; `ringpass.frontend.wrappers`), ``reduced`` (every rank ends with the
     unsharded model's gradient: the ring all-reduces), ``mean`` (each rank's share times P, for an outer mean
     over the ring's ranks) or ``local`` (each rank's share, for an outer sum).
     ``masks``: ``lift`` (masks are evaluated per tile from per-token vectors; a mask that needs a

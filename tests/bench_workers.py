@@ -35,7 +35,7 @@ def gathered_matches_fp64_sdpa(rank: int, world_size: int, kind: str, causal: bo
 
 def peak_of_a_freed_allocation(rank: int, world_size: int) -> dict:
     """`PeakMemory` around a call that allocates and frees 64 MiB, after a call that freed 128 MiB."""
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
 
     memory = PeakMemory(torch.device("cpu"))
     big = torch.ones(32 * 2**20)  # 128 MiB, freed before the measured call
@@ -60,9 +60,9 @@ def methods_in_turns_or_one_after_another(rank: int, world_size: int) -> dict:
     setting, the methods in the order their measured calls started, and the largest error against fp32 SDPA."""
     import dataclasses
 
-    from ringpass.bench import BenchConfig
-    from ringpass.bench.attention import make_inputs, measure_methods
-    from ringpass.bench.measure import Progress
+    from ringpass.cli.bench import BenchConfig
+    from ringpass.cli.bench.attention import make_inputs, measure_methods
+    from ringpass.cli.bench.measure import Progress
     from ringpass.hardware import default_hardware
 
     device, methods = torch.device("cpu"), ("ring-zigzag", "all-gather", "ulysses")

@@ -1,5 +1,5 @@
 """Every test runs the pass pipeline with its checks on: after each pass the graph is linted and, where it
-computes its values, run on fake tensors (`ringpass.graph_utils.runner`). Ranks spawned by a test inherit it."""
+computes its values, run on fake tensors (`ringpass.fx.runner`). Ranks spawned by a test inherit it."""
 
 import os
 

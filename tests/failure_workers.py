@@ -188,7 +188,7 @@ def edges(rank: int, world_size: int) -> dict:
     from reference import rel_err
 
     from lowering import masks
-    from ringpass.backend import _reports as every_report
+    from ringpass.frontend.ring_backend import _reports as every_report
 
     results = {}
     torch.manual_seed(0)

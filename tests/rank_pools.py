@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringpass.launch import RankPool
+from ringpass.cli.launch import RankPool
 
 
 class RankPools:

@@ -17,7 +17,7 @@ import models
 import pytest
 import torch
 
-from ringpass.launch import RankFailure, spawn_ranks
+from ringpass.cli.launch import RankFailure, spawn_ranks
 
 TIMEOUT = 400
 MODELS = ("gpt", "llama", "hand_written", "encoder", "gpt_with_loss")

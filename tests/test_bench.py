@@ -13,10 +13,10 @@ from lowering.costmodel import AttentionShape, Hardware, all_gather_seconds, rin
 from lowering.errors import InvalidInputError
 from lowering.layout import Layout
 from ringpass import cli
-from ringpass.bench import BenchConfig, calibrate
-from ringpass.bench.measure import MMAP_THRESHOLD
+from ringpass.cli.bench import BenchConfig, calibrate
+from ringpass.cli.bench.measure import MMAP_THRESHOLD
+from ringpass.cli.launch import spawn_ranks
 from ringpass.hardware import load_hardware
-from ringpass.launch import spawn_ranks
 
 
 @pytest.mark.parametrize("kind,causal", [("zigzag", True), ("contiguous", False)])

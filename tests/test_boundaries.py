@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from lowering.sequence_mask import register_recipe
 from ringpass import NeedsWholeSequence, SequenceMask
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 SEQ_LEN = 13
 RECIPES = ("per_block", "checkpoint", "checkpoint_reentrant", "graph_break", "fsdp2", "dynamic")

@@ -1,4 +1,4 @@
-"""`ringpass.compiled_memory`: a graph walked by hand, and a compiled step's predicted peak against the peak
+"""`ringpass.planning.compiled_memory`: a graph walked by hand, and a compiled step's predicted peak against the peak
 measured in a process that runs it."""
 
 import json
@@ -14,7 +14,7 @@ MEASURE = textwrap.dedent(
     """
     import json, sys, torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from ringpass.bench.measure import PeakMemory
+    from ringpass.cli.bench.measure import PeakMemory
     sys.path.insert(0, {tests!r})
     from test_compiled_memory import Blocks
 
@@ -59,7 +59,7 @@ def test_a_graph_walked_by_hand():
     end is what the graph returns (4004); an input counts only when named, until its last reader."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ringpass.compiled_memory import walk
+    from ringpass.planning.compiled_memory import walk
 
     def f(x):
         c = (x * 2).view(10, 100) + 1
@@ -84,7 +84,7 @@ def test_a_compiled_step_against_its_measured_peak():
     with checkpointing and without; checkpointing holds less."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ringpass.compiled_memory import compiled_step_memory
+    from ringpass.planning.compiled_memory import compiled_step_memory
 
     tests = os.path.dirname(__file__)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}

@@ -12,7 +12,7 @@ import pytest
 
 from lowering.errors import NotSupportedError
 from lowering.ulysses import check_heads
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 TWO_RANKS = [
     ("wrapped_step", ("fsdp2", 1)),

@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 
 import ringpass
 from lowering.masks import mask_program
-from ringpass.graph import example_value
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
+from ringpass.fx.nodes import example_value
 
 TIMEOUT = 300
 TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
@@ -349,7 +349,7 @@ def test_a_changed_or_foreign_artifact_is_refused(artifacts, tmp_path):
 
 
 def test_an_artifact_from_another_version_is_refused(artifacts, tmp_path, monkeypatch):
-    import ringpass.artifact as artifact
+    import ringpass.conversion.artifact as artifact
 
     written = re.escape(".".join(torch.__version__.split(".")[:2]))
     monkeypatch.setattr(torch, "__version__", "2.99.0")  # as if this process had another torch

@@ -1,4 +1,4 @@
-"""`ringpass.data`: the ranks of one ring read the same batches, data-parallel groups disjoint ones.
+"""`ringpass.integrations.data`: the ranks of one ring read the same batches, data-parallel groups disjoint ones.
 
 `RingSampler`'s indices are `DistributedSampler`'s over the data-parallel groups (the reference), on plain
 dp_rank / dp_size and on real DeviceMeshes; `shard_collator`'s batch is `ringpass.shard` of the collated batch.
@@ -20,7 +20,7 @@ from torch.utils.data import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 import ringpass
-from ringpass.data import RingSampler, ring_dataloader, shard_collator
+from ringpass.integrations.data import RingSampler, ring_dataloader, shard_collator
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import torch
 
 from lowering import InvalidInputError
 from lowering.decode import decode_attention, new_position_owner
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 # (prompt length, generated tokens, new queries this step, window)
 CASES = [(11, 0, 1, None), (11, 5, 1, None), (13, 6, 3, None), (11, 5, 1, 4), (9, 2, 2, 2)]

@@ -1,7 +1,7 @@
 """`ringpass demo` end to end on 2 CPU processes, small enough for the suite."""
 
 from ringpass import cli
-from ringpass.demo import DemoConfig, run_demo
+from ringpass.cli.demo import DemoConfig, run_demo
 
 
 def test_demo_ring_matches_fp64_reference_and_reports_memory():

@@ -18,12 +18,12 @@ from torch import fx
 
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
-from ringpass.graph import example_value
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.graph_utils.findings import MaskFindings, SeqDim, SequenceFindings
+from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.fx.findings import MaskFindings, SeqDim, SequenceFindings
+from ringpass.fx.nodes import example_value
+from ringpass.fx.report import Report
 from ringpass.options import RingOptions
 from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
-from ringpass.report import Report
 
 SEQ = 11  # zigzag on 2 ranks pads it to 12: 6 slots per rank
 RING = torch.ops.ringpass
@@ -464,7 +464,7 @@ def test_spell_properties_as_attributes_writes_torch_2_15s_aten_calls_as_attribu
 
 @pytest.mark.parametrize("root", ["L['self']", "L['args'][0]"])  # torch 2.13's capture; torch 2.15's
 def test_module_path_names_the_users_module_whichever_way_dynamo_names_the_root(root):
-    from ringpass.graph import module_path
+    from ringpass.fx.nodes import module_path
 
     node = fx.Graph().placeholder("x")
     node.meta["nn_module_stack"] = {"a": (f"{root}.model.layers[1]._modules['self_attn']", object)}

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rank_pools import RankPools
 
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 TIMEOUT = 300
 

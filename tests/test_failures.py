@@ -6,7 +6,7 @@ within seconds, and a group whose ranks all agree again must work after the disa
 import failure_workers
 import pytest
 
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 TIMEOUT = 240
 VICTIM = 1

@@ -5,7 +5,7 @@ run whole."""
 import backend_workers
 import pytest
 
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 SEQ = 22  # not a multiple of 2P: the layout's padding is exercised
 

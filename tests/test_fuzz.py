@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from reference import masked_attention_fp64, masked_lse_fp64, rel_err
 
 from lowering import Layout, simulate_ring
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 

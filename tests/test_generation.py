@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import ringpass
 from lowering import whole_cache
 from lowering.sharded_cache import slot_count
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 # (family, prompt length, left padded, new tokens): prompts 2P does not divide; Mistral's window is 5 keys
 CASES = [("llama", 11, False, 5), ("llama", 13, True, 6), ("mistral", 13, True, 7)]

@@ -19,21 +19,21 @@ import ringpass
 import ringpass.passes as passes
 from lowering.masks import register_mask
 from lowering.ring_args import RingArgs
-from ringpass.graph import copy_origin, user_name
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.gradient_reach import (
+from ringpass.fx.context import PassContext
+from ringpass.fx.gradient_reach import (
     GRADIENT_ARGUMENTS,
     differentiable_arguments,
     gradient_reach,
     has_autograd_formula,
 )
+from ringpass.fx.nodes import copy_origin, user_name
+from ringpass.fx.report import Report
 from ringpass.options import RingOptions
 from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.remove_unread_values import remove_unread_values
 from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
-from ringpass.report import Report
 
 HERE = Path(__file__).name
 RING = torch.ops.ringpass.ring_attention.default

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringpass.graph_utils.head_groups import repeated_groups
-from ringpass.graph_utils.spellings import SDPA
+from ringpass.fx.head_groups import repeated_groups
+from ringpass.fx.spellings import SDPA
 
 B, HKV, G, S, D = 2, 2, 3, 5, 4  # 2 distinct heads, 3 query heads each
 

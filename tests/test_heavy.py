@@ -7,7 +7,7 @@ import sys
 import pytest
 import ring_workers
 
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 
 @pytest.mark.heavy

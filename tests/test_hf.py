@@ -12,7 +12,7 @@ parameter gradient.
 import hf_workers
 import pytest
 
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 SEQ = 13  # not a multiple of 2P: zigzag padding is exercised at every world size
 

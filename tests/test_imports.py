@@ -116,10 +116,50 @@ def test_the_graph_sees_lazy_relative_and_package_imports(tmp_path):
 def test_importing_ringpass_loads_neither_dynamo_nor_triton():
     """`import ringpass` stays light: Dynamo imports Triton, and Triton reads ``TRITON_INTERPRET`` when it is first
     imported, so a Dynamo import here would fix that setting before the user (or tests/test_triton_kernels.py) sets
-    it. The backend wraps Dynamo's DDP graph splitter when Dynamo loads it (`ringpass.ddp_whole_graph`)."""
+    it. The backend wraps Dynamo's DDP graph splitter when Dynamo loads it (`ringpass.frontend.ddp_whole_graph`)."""
     import subprocess
     import sys
 
     code = "import sys, ringpass; print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+FRONT_ENDS = ("frontend", "inspection", "conversion", "planning", "integrations", "cli")  # README, "Where the code is"
+
+
+def room(module: str, path: Path) -> str:
+    """The folder of ``ringpass`` a module lives in (``fx``, ``passes``, ``frontend`` ...); ``ringpass`` for the
+    package's own ``__init__`` (the public names, re-exported from every room) and ``root`` for the modules beside
+    it (``options``, ``hardware``, ``version``); ``lowering`` for the runtime."""
+    parts = module.split(".")
+    if parts[0] == "lowering" or module == "ringpass":
+        return parts[0]
+    return parts[1] if path.parent != ROOT / "ringpass" else "root"
+
+
+def test_passes_and_fx_import_no_front_end():
+    """The passes and the FX helpers they share never know which front end called them (DESIGN.md, "One pipeline,
+    three front ends"): nothing in ``ringpass/passes/`` or ``ringpass/fx/`` imports a front end's room."""
+    modules = module_files(ROOT)
+    graph = import_graph(modules)
+    found = sorted(
+        f"{a} imports {b}"
+        for a, b in graph.edges
+        if room(a, modules[a]) in ("passes", "fx") and room(b, modules[b]) in FRONT_ENDS
+    )
+    assert not found, "move what both need into ringpass/fx/:\n  " + "\n  ".join(found)
+
+
+def test_the_rooms_import_each_other_one_way():
+    """Between folders the imports form no cycle: each room can be read knowing only the rooms below it
+    (lowering, root, fx, passes, frontend, inspection, conversion; planning, integrations, cli beside them)."""
+    modules = module_files(ROOT)
+    rooms = nx.DiGraph()
+    for a, b in import_graph(modules).edges:
+        if room(a, modules[a]) != room(b, modules[b]):
+            rooms.add_edge(room(a, modules[a]), room(b, modules[b]), example=f"{a} -> {b}")
+    shown = "\n".join(
+        "  " + ", ".join(rooms.edges[a, b]["example"] for a, b in rooms.subgraph(c).edges) for c in cycles(rooms)
+    )
+    assert not shown, f"rooms importing each other back:\n{shown}"

@@ -25,7 +25,7 @@ from lowering import Layout, compat
 from lowering.costmodel import AttentionShape, ring_cost
 from lowering.schedule import schedule_table
 from ringpass.cli import main
-from ringpass.report import size_text
+from ringpass.fx.report import size_text
 
 TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "inspect.md"
@@ -657,10 +657,10 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
         refused = ringpass.inspect(Weights(**options), (ids,), world_size=2)
         assert refused.status == "refused" and words in refused.reports[0].refusal.message
 
-    from ringpass.graph_utils.context import PassContext
+    from ringpass.fx.context import PassContext
+    from ringpass.fx.report import Report
     from ringpass.options import RingOptions
     from ringpass.passes import run_pipeline
-    from ringpass.report import Report
 
     messages = []
 
@@ -680,7 +680,7 @@ def test_torch_attention_modules_are_written_out_and_their_limits_refused():
 def test_attentions_alike_but_for_their_layer_numbers_share_a_line():
     """32 layers alternating two kinds (a sliding window on the even ones) and one cross-attention: three lines,
     each with its count and its layers; the JSON keeps every attention."""
-    from ringpass.report import AttentionRecord, Report
+    from ringpass.fx.report import AttentionRecord, Report
 
     def record(module: str, window: int | None) -> AttentionRecord:
         mask = f"causal, window {window}" if window else "causal"

@@ -1,4 +1,4 @@
-"""`ringpass.launch.spawn_ranks` starts its ranks forked from a server that imported torch (fast), in the caller's
+"""`ringpass.cli.launch.spawn_ranks` starts its ranks forked from a server that imported torch (fast), in the caller's
 environment, and as fresh interpreters where a variable read at process start differs from the server's;
 `RankPool` keeps its ranks up between calls and closes at the first failure, never hanging."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringpass.launch import RankFailure, RankPool, spawn_ranks
+from ringpass.cli.launch import RankFailure, RankPool, spawn_ranks
 
 
 def _started(rank: int, world_size: int) -> tuple:

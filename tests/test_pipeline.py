@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import ringpass
 import ringpass.passes as passes
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.runner import PassCheckError
+from ringpass.fx.context import PassContext
+from ringpass.fx.report import Report
+from ringpass.fx.runner import PassCheckError
 from ringpass.options import RingOptions
-from ringpass.report import Report
 
 RING, SDPA = "torch.ops.ringpass.ring_attention.default(", "torch._C._nn.scaled_dot_product_attention("
 

@@ -26,7 +26,7 @@ from lowering.costmodel import (
 from lowering.layout import Layout
 from ringpass import cli
 from ringpass.hardware import hardware
-from ringpass.plan import make_plan
+from ringpass.planning.plan import make_plan
 
 ONE = AttentionShape(batch=1, query_heads=1, kv_heads=1, head_dim=1, itemsize=4)  # 4 FLOPs per pair, 8 bytes per token
 
@@ -217,11 +217,11 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     # checkpointed, its peak is a block's recompute in the backward, with the gradients made by then (fewer than all)
     assert by[1, True]["activations"] < by[1, False]["activations"] and 0 < by[1, True]["gradients"] < params, by
     # with the ring the step is compiled: its activations and gradients at the peak are the compiled step's
-    # (`ringpass.compiled_memory`, checked against a measured step in tests/test_compiled_memory.py)
+    # (`ringpass.planning.compiled_memory`, checked against a measured step in tests/test_compiled_memory.py)
     import inspect_targets
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ringpass.compiled_memory import compiled_step_memory
+    from ringpass.planning.compiled_memory import compiled_step_memory
 
     for checkpointing in (False, True):
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -261,7 +261,7 @@ def test_the_step_time_prices_each_op_by_hand():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ringpass.model_plan import OpCosts
+    from ringpass.planning.model_plan import OpCosts
 
     with FakeTensorMode():
         a, b, c = torch.empty(64, 32), torch.empty(32, 16), torch.empty(64, 16)
@@ -305,7 +305,7 @@ def test_a_large_vocabulary_step_peaks_with_its_parameters_gradients():
     import torch
     import torch.nn.functional as F
 
-    from ringpass.model_plan import candidate, measure_step
+    from ringpass.planning.model_plan import candidate, measure_step
 
     vocab, hidden, tokens = 8192, 32, 2
 
@@ -343,7 +343,7 @@ def test_a_step_that_cannot_run_on_fake_tensors_is_refused_saying_why():
     import torch
 
     from lowering.errors import NotSupportedError
-    from ringpass.model_plan import measure_step
+    from ringpass.planning.model_plan import measure_step
 
     class ReadsValues(torch.nn.Module):
         def __init__(self):

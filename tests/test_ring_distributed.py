@@ -12,7 +12,7 @@ import ring_workers
 
 from lowering import Layout
 from lowering.schedule import kv_source, plan_block
-from ringpass.launch import RankFailure, spawn_ranks
+from ringpass.cli.launch import RankFailure, spawn_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}

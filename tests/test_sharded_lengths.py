@@ -2,7 +2,7 @@
 
 Each rank passes its shard, so Dynamo traces the model at N/P tokens. Under static shapes it folds every
 ``x.shape[1]`` into that number; the backend has Dynamo trace again with the sequence dims dynamic
-(`ringpass.retrace`), and `globalize_sharded_lengths` gives every read of the length as a value N. ESM's
+(`ringpass.frontend.retrace`), and `globalize_sharded_lengths` gives every read of the length as a value N. ESM's
 token dropout (issue 27: logits 11% off before) and a hand-written model, static and ``dynamic=True``, on 2
 ranks (one spawn: ESM static and the hand-written model dynamic; the others with -m heavy): logits equal the
 unsharded model's, the ring ran, one compile serves a second length.
@@ -17,7 +17,7 @@ import sharded_length_workers as workers
 import torch
 
 import ringpass
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 TIMEOUT = 240
 CASES = [

@@ -19,7 +19,7 @@ from lowering.costmodel import (
     strategy_seconds,
 )
 from lowering.layout import Layout
-from ringpass.launch import spawn_ranks
+from ringpass.cli.launch import spawn_ranks
 
 MHA = AttentionShape(2, 4, 4, 8, 8, is_causal=True)  # tests/models.py GPT in fp64, batch 2
 GQA = AttentionShape(2, 4, 2, 8, 8, is_causal=True)  # tests/models.py Llama

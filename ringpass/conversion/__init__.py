@@ -5,5 +5,5 @@
   read from it;
 - `capture`: Dynamo's one graph of the model, rewritten by the pass pipeline, and the call and outputs as it sees them;
 - `runtime`: the `ConvertedModel` that runs the rewritten graph eagerly;
-- `archive`: the ``torch.export`` archive a converted model is saved as (`ringpass.artifact` loads it).
+- `archive`: the ``torch.export`` archive a converted model is saved as (`ringpass.conversion.artifact` loads it).
 """

@@ -1,5 +1,5 @@
-"""The file a converted model is saved as: `write` writes it, `read` reads and checks it (`ringpass.artifact.load`
-makes a `ConvertedModel` of what it reads).
+"""The file a converted model is saved as: `write` writes it, `read` reads and checks it
+(`ringpass.conversion.artifact.load` makes a `ConvertedModel` of what it reads).
 
 The file is a ``torch.export`` archive (``torch.export.load`` reads it as it is): the
 `ringpass.conversion.runtime.Program` exported with ``torch.export`` (its graph calls the ``ringpass`` custom ops;
@@ -32,7 +32,7 @@ from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.masks import mask_program
 from lowering.ring_args import RingArgs
 from ringpass.conversion.saved import Argument, Conversion, Outputs, TensorSpec
-from ringpass.graph import example_value, plain
+from ringpass.fx.nodes import example_value, plain
 from ringpass.version import __version__
 
 FORMAT = "ringpass.converted-model"

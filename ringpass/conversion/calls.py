@@ -17,16 +17,6 @@ from ringpass.conversion.expressions import evaluate
 from ringpass.conversion.saved import Argument, Conversion, TensorSpec
 
 
-def as_call(example_inputs) -> tuple[tuple, dict]:
-    """Example inputs as ``(args, kwargs)``: a dict is keyword arguments, a tuple or list positional ones, anything
-    else the one positional argument."""
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
 def canonical_call(
     signature: pyinspect.Signature, args: tuple, kwargs: dict, *, where: str, defaults: dict, shown: str | None = None
 ) -> list:

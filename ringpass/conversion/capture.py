@@ -18,13 +18,13 @@ from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import read_source
 from ringpass.conversion.saved import GROUP, Argument, Outputs, TensorSpec
-from ringpass.graph import example_value, plain
-from ringpass.graph_utils.context import LOCAL, PassContext
+from ringpass.frontend.retrace import release_marks, request_retrace
+from ringpass.fx.context import LOCAL, PassContext
+from ringpass.fx.nodes import example_value, plain
+from ringpass.fx.report import Report
 from ringpass.options import RingOptions
 from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
-from ringpass.report import Report
-from ringpass.retrace import release_marks, request_retrace
 
 
 @dataclass

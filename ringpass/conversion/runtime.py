@@ -1,6 +1,6 @@
 """The converted model at run time: `Program` (the rewritten graph behind a flat signature, what is exported),
-`ConvertedModel` (binds each call, runs the program through `ringpass.guard` on the run's process group, rebuilds
-the model's output structure, saves itself) and `GroupSlots` (where the graph names its process group)."""
+`ConvertedModel` (binds each call, runs the program through `ringpass.frontend.guard` on the run's process group,
+rebuilds the model's output structure, saves itself) and `GroupSlots` (where the graph names its process group)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ringpass.conversion.calls import (
     signature_of,
 )
 from ringpass.conversion.saved import GROUP, NO_DEFAULT, Argument, Conversion
-from ringpass.guard import GraphInput, GuardedGraph
+from ringpass.frontend.guard import GraphInput, GuardedGraph
 
 
 class Program(torch.nn.Module):
@@ -139,7 +139,7 @@ class ConvertedModel(torch.nn.Module):
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _guarded_program(self) -> Callable:
-        """The program bound to this run's process group and called through `ringpass.guard`."""
+        """The program bound to this run's process group and called through `ringpass.frontend.guard`."""
         group = resolve_group(self._group)
         if group is None:
             raise InvalidInputError(

@@ -13,7 +13,7 @@ for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
   sizes, attention and boundaries rewritten for this rank's tokens) and ``gradients``.
 - ``check`` (`CHECK`), always last: no rewrite may cut a gradient path.
 
-`ringpass.graph_utils.runner` numbers and logs the passes, and checks and writes the graph after each one
+`ringpass.fx.runner` numbers and logs the passes, and checks and writes the graph after each one
 when asked (``RINGPASS_CHECK_PASSES=1``, ``RINGPASS_DEBUG_DIR=dir``)."""
 
 import torch
@@ -21,10 +21,11 @@ import torch
 from lowering import compat
 from lowering.errors import NotSupportedError
 from lowering.layout import Layout
-from ringpass.graph import example_value, nbytes, op_label, plain, short_source
-from ringpass.graph_utils.context import FULL, LOCAL, PassContext
-from ringpass.graph_utils.runner import PassRunner, Stage
-from ringpass.graph_view import op_chain
+from ringpass.fx.chains import op_chain
+from ringpass.fx.context import FULL, LOCAL, PassContext
+from ringpass.fx.nodes import example_value, nbytes, op_label, plain, short_source
+from ringpass.fx.report import Refusal
+from ringpass.fx.runner import PassRunner, Stage
 from ringpass.passes.check_gradient_paths import check_gradient_paths
 from ringpass.passes.choose_layout import choose_layout
 from ringpass.passes.choose_strategy import RunsWhole, choose_strategy
@@ -51,7 +52,6 @@ from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
 from ringpass.passes.split_tail import split_tail
-from ringpass.report import Refusal
 
 PREPARE = Stage(
     "prepare",

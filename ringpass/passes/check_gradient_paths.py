@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lowering import compat
-from ringpass.graph import op_label, refusal, user_name
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.gradient_reach import (
+from ringpass.fx.context import PassContext
+from ringpass.fx.gradient_reach import (
     GRADIENT_ARGUMENTS,
     NO_GRADIENT,
     CapturedGradients,
@@ -27,6 +26,7 @@ from ringpass.graph_utils.gradient_reach import (
     gradient_reach,
     ringpass_op,
 )
+from ringpass.fx.nodes import op_label, refusal, user_name
 
 SHOWN = 3  # other values named after the first
 

@@ -11,7 +11,7 @@ Writes ``ctx.layout_kind``.
 
 from __future__ import annotations
 
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
 
 
 def choose_layout(ctx: PassContext) -> None:

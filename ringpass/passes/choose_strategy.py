@@ -22,8 +22,8 @@ Writes ``ctx.strategy`` (a `StrategyChoice`, its layout for `choose_layout`; Non
 from __future__ import annotations
 
 from lowering.costmodel import AttentionShape, Strategy, StrategyChoice, choose_strategies
-from ringpass.graph import example_value, plain
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import example_value, plain
 from ringpass.passes.choose_layout import default_layout
 
 LAYOUTS = ("zigzag", "contiguous")

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ringpass.graph import example_value, is_vmap_bookkeeping, refresh_example_values
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.spellings import CASTS, is_pointwise, op_name
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import example_value, is_vmap_bookkeeping, refresh_example_values
+from ringpass.fx.spellings import CASTS, is_pointwise, op_name
 
 ELEMENTWISE = CASTS | {"new_ones", "new_zeros", "tensor", "index", "getitem"}
 

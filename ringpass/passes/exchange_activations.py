@@ -4,8 +4,8 @@ Matches (only with ``inputs="per_rank"``, in a graph with attention) the inputs 
 before the graph on this rank's own batch (the hidden states between blocks compiled one by one, between graphs
 of a model that FSDP2's per-block hooks or a graph break cut, or an eager embedding's output). Gathering one would
 put every rank's whole sequences on every rank. Each has a dimension of the attentions' length (batch-first: dim 1
-when it fits): `ringpass.per_rank.PerRankGraph` sends each rank its tokens of it (one all-to-all: every rank ends
-with its share of every rank's batch, as much memory as its own batch), and the graph takes it as it takes a
+when it fits): `ringpass.frontend.per_rank.PerRankGraph` sends each rank its tokens of it (one all-to-all: every rank
+ends with its share of every rank's batch, as much memory as its own batch), and the graph takes it as it takes a
 value carried in sequence-sharded from another graph.
 
 Writes ``ctx.carried_inputs`` (placeholder -> sequence dim) and ``ctx.exchanged_inputs``; refuses an input that
@@ -15,9 +15,9 @@ trains and has no dimension of the sequence's length (a pooled vector, a value o
 from __future__ import annotations
 
 from lowering.errors import NotSupportedError
-from ringpass.graph import example_value, is_module_state, user_name
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.sizes import same
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import example_value, is_module_state, user_name
+from ringpass.fx.sizes import same
 
 
 def exchange_activations(ctx: PassContext) -> None:

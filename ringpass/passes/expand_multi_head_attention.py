@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ringpass.graph import copy_origin, describe, example_value, refresh_example_values, refusal
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import copy_origin, describe, example_value, refresh_example_values, refusal
 
 MHA = F.multi_head_attention_forward
 SIGNATURE = inspect.signature(MHA)

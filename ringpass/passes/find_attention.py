@@ -43,12 +43,20 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lowering import compat
 from lowering.masks import MASKED_AT_OR_BELOW
-from ringpass.graph import ancestors, describe, example_value, is_module_state, is_vmap_bookkeeping, numbers_in, refusal
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.findings import AttentionMatch, FlexMods
-from ringpass.graph_utils.head_groups import repeated_groups
-from ringpass.graph_utils.score_terms import peel_scale, peel_softcap, split_sum
-from ringpass.graph_utils.spellings import ADD, DIV, FLEX, KEEP_FLOATS, MUL, SDPA, TANH, VIEWS, calls, is_pointwise
+from ringpass.fx.context import PassContext
+from ringpass.fx.findings import AttentionMatch, FlexMods
+from ringpass.fx.head_groups import repeated_groups
+from ringpass.fx.nodes import (
+    ancestors,
+    describe,
+    example_value,
+    is_module_state,
+    is_vmap_bookkeeping,
+    numbers_in,
+    refusal,
+)
+from ringpass.fx.score_terms import peel_scale, peel_softcap, split_sum
+from ringpass.fx.spellings import ADD, DIV, FLEX, KEEP_FLOATS, MUL, SDPA, TANH, VIEWS, calls, is_pointwise
 
 SOFTMAX = frozenset({torch.softmax, F.softmax, torch.Tensor.softmax, "softmax"})
 MATMUL = frozenset({operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__"})

@@ -32,9 +32,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering import compat
-from ringpass.graph import describe, example_value, refusal
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.spellings import BODY_CALLS, CHECKPOINT, FLEX, SDPA
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import describe, example_value, refusal
+from ringpass.fx.spellings import BODY_CALLS, CHECKPOINT, FLEX, SDPA
 
 ATTENTION_OPS = SDPA | {FLEX}
 REGION_IDS = 1 << 20  # ac_graph_id of the opened regions, apart from Dynamo's own

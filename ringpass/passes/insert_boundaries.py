@@ -34,12 +34,12 @@ import torch.nn.functional as F
 
 from lowering.compat import pytree
 from lowering.layout import Layout
-from ringpass.graph import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.graph_utils.findings import SeqDim
-from ringpass.graph_utils.sizes import same
-from ringpass.graph_utils.token_ops import pick_index, positions_index
-from ringpass.report import CollectiveRecord, ValueRecord
+from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.fx.findings import SeqDim
+from ringpass.fx.nodes import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
+from ringpass.fx.report import CollectiveRecord, ValueRecord
+from ringpass.fx.sizes import same
+from ringpass.fx.token_ops import pick_index, positions_index
 
 
 def insert_boundaries(ctx: PassContext) -> None:

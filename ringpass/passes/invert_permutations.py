@@ -13,9 +13,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ringpass.graph import example_value
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.sizes import same
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import example_value
+from ringpass.fx.sizes import same
 
 
 def invert_permutations(ctx: PassContext) -> None:

@@ -10,9 +10,9 @@ kept whole on every rank stay as they are (the call takes this rank's shard of t
 
 from __future__ import annotations
 
-from ringpass.graph import describe, example_value, nbytes, plain, refusal
-from ringpass.graph_utils.context import LOCAL, PassContext
-from ringpass.graph_utils.spellings import PROMPT_SLOTS
+from ringpass.fx.context import LOCAL, PassContext
+from ringpass.fx.nodes import describe, example_value, nbytes, plain, refusal
+from ringpass.fx.spellings import PROMPT_SLOTS
 
 
 def keep_cache_sharded(ctx: PassContext) -> None:

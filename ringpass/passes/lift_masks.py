@@ -46,7 +46,10 @@ import torch.fx as fx
 
 from lowering.errors import NotSupportedError
 from lowering.masks import MASKED_AT_OR_BELOW, register_mask, split_additive
-from ringpass.graph import (
+from ringpass.fx.context import PassContext
+from ringpass.fx.findings import MaskPlan
+from ringpass.fx.flex_mods import FlexProgram, read_score_mod
+from ringpass.fx.nodes import (
     ancestors,
     describe,
     example_value,
@@ -56,11 +59,8 @@ from ringpass.graph import (
     refusal,
     user_name,
 )
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.findings import MaskPlan
-from ringpass.graph_utils.flex_mods import FlexProgram, read_score_mod
-from ringpass.graph_utils.sizes import same
-from ringpass.graph_utils.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
+from ringpass.fx.sizes import same
+from ringpass.fx.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
 
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
 # A finite hiding value at or below this makes every score it is added to the same number in float32 (its
@@ -784,7 +784,7 @@ def _prefix_of_state(op: fx.Node) -> list[int] | None:
 
 def _mask_given_whole(ctx: PassContext, big: fx.Node) -> str:
     """A note for an S x S mask that arrives as a graph input: one built in another compiled graph crosses as its
-    per-token description (`ringpass.crossing_masks`), so this one was built outside the compiled graphs, or in
+    per-token description (`ringpass.frontend.crossing_masks`), so this one was built outside the compiled graphs, or in
     one whose mask could not be described."""
     if big.op != "placeholder" or is_module_state(big):
         return ""

@@ -21,9 +21,9 @@ import operator
 
 import torch.fx as fx
 
-from ringpass.graph import example_value
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.spellings import CASTS, op_name
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import example_value
+from ringpass.fx.spellings import CASTS, op_name
 
 SORTS = ("sort", "argsort")
 COUNTS = ("histc", "bincount")

@@ -20,9 +20,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ringpass.graph import example_value
-from ringpass.graph_utils.context import FULL, LOCAL, PassContext
-from ringpass.graph_utils.sizes import is_size_op, resize_size_args
+from ringpass.fx.context import FULL, LOCAL, PassContext
+from ringpass.fx.nodes import example_value
+from ringpass.fx.sizes import is_size_op, resize_size_args
 
 ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod)
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from lowering import compat
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
 
 
 def pin_model_numbers(ctx: PassContext) -> None:

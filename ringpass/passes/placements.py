@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ringpass.graph import describe, example_value, is_module_state, nbytes, plain, refusal, user_name
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.report import ValueRecord
+from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.fx.nodes import describe, example_value, is_module_state, nbytes, plain, refusal, user_name
+from ringpass.fx.report import ValueRecord
 
 
 def decide_placements(ctx: PassContext) -> None:

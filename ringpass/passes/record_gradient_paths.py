@@ -3,7 +3,7 @@
 Matches every graph input whose value can carry a gradient (parameters, trainable buffers, user inputs
 with ``requires_grad``). Walks the graph Dynamo captured, before any pass changes it, once backwards from
 the outputs: an input *reaches* when a chain of edges that carry a gradient (the rules of
-`ringpass.graph_utils.gradient_reach`) leads from it to an output. Writes ``ctx.gradient_paths``
+`ringpass.fx.gradient_reach`) leads from it to an output. Writes ``ctx.gradient_paths``
 (`CapturedGradients`): those inputs, one such chain for each (a pointer to the next node), and the example
 values Dynamo gave the captured nodes (what the check may trust). `check_gradient_paths`, the pipeline's last
 pass, requires the same of the rewritten graph.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ringpass.graph import example_value
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.gradient_reach import CapturedGradients, GradientRules, gradient_reach, requires_grad
+from ringpass.fx.context import PassContext
+from ringpass.fx.gradient_reach import CapturedGradients, GradientRules, gradient_reach, requires_grad
+from ringpass.fx.nodes import example_value
 
 
 def record_gradient_paths(ctx: PassContext) -> None:

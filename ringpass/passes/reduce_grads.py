@@ -8,7 +8,7 @@ value that needs a gradient and classifies it from its users (in reverse order):
 - ``reduced`` (every rank ends with the unsharded model's gradient): a partial leaf (parameter, input) is
   wrapped once in `reduce_grad` (the backward all-reduces it); a value whose gradient is partial along some
   uses and whole along others has each partial use wrapped;
-- ``mean`` (an outer FSDP2 / DDP averages over the ring's ranks, `ringpass.wrappers`): the same places are
+- ``mean`` (an outer FSDP2 / DDP averages over the ring's ranks, `ringpass.frontend.wrappers`): the same places are
   wrapped in `scale_grad(P)` instead when every input their gradient reaches is a parameter, so that the
   wrapper's mean is the full gradient and the wrapper's reduction is the only one; other inputs' gradients
   (bound for the graph that computed them) are still reduced;
@@ -32,10 +32,9 @@ import torch
 import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
-from ringpass.graph import copy_origin, example_value, is_module_state, nbytes, user_name
-from ringpass.graph_utils.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.report import CollectiveRecord
-from ringpass.wrappers import GradientMode
+from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, GradientMode, PassContext
+from ringpass.fx.nodes import copy_origin, example_value, is_module_state, nbytes, user_name
+from ringpass.fx.report import CollectiveRecord
 
 PART, WHOLE = "partial", "whole"
 REDUCE = "all-reduce"

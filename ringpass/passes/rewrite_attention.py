@@ -29,7 +29,8 @@ from lowering.costmodel import strategy_memory
 from lowering.errors import NotSupportedError
 from lowering.ring_args import RingArgs
 from lowering.ulysses import check_heads
-from ringpass.graph import (
+from ringpass.fx.context import LOCAL, PassContext, UlyssesGroups
+from ringpass.fx.nodes import (
     copy_origin,
     describe,
     example_value,
@@ -42,9 +43,8 @@ from ringpass.graph import (
     source_line,
     user_name,
 )
-from ringpass.graph_utils.context import LOCAL, PassContext, UlyssesGroups
+from ringpass.fx.report import AttentionRecord
 from ringpass.passes.choose_strategy import strategy_of, strategy_text
-from ringpass.report import AttentionRecord
 
 
 def rewrite_attention(ctx: PassContext) -> None:

@@ -23,10 +23,10 @@ import torch.fx as fx
 
 from lowering.kernels import accumulation_dtype
 from lowering.sharded_cache import decode_over_slots
-from ringpass.graph import copy_origin, describe, example_value, plain, refusal, remove_dead_code, short_source
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.spellings import KEEP_FLOATS
-from ringpass.report import CollectiveRecord
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import copy_origin, describe, example_value, plain, refusal, remove_dead_code, short_source
+from ringpass.fx.report import CollectiveRecord
+from ringpass.fx.spellings import KEEP_FLOATS
 
 WHOLE_CACHE = (torch.ops.ringpass.whole_cache, torch.ops.ringpass.whole_cache.default)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ringpass.graph import copy_origin, example_value, source_line, user_name
-from ringpass.graph_utils.context import LOCAL, PassContext
-from ringpass.graph_utils.sizes import same, value_of
+from ringpass.fx.context import LOCAL, PassContext
+from ringpass.fx.nodes import copy_origin, example_value, source_line, user_name
+from ringpass.fx.sizes import same, value_of
 
 
 def rewrite_positions(ctx: PassContext) -> None:

@@ -32,12 +32,12 @@ from torch.fx.node import map_aggregate
 
 from lowering import compat
 from lowering.errors import NotSupportedError
-from ringpass.graph import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.findings import SeqDim
-from ringpass.graph_utils.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
-from ringpass.graph_utils.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
-from ringpass.graph_utils.token_ops import classify, custom_forward
+from ringpass.fx.context import PassContext
+from ringpass.fx.findings import SeqDim
+from ringpass.fx.nodes import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
+from ringpass.fx.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
+from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
+from ringpass.fx.token_ops import classify, custom_forward
 
 
 def _pad(x, pad, mode="constant", value=None):

@@ -8,7 +8,7 @@ Matches, with ``inputs="sharded"``:
 
 - static shapes (the sequence length is a number): raises `StaticShardedLengths`, naming the inputs each
   rank passes its shard of and their sequence dims. The front ends answer it by having Dynamo trace the
-  frame again with those dims dynamic (`ringpass.retrace`), which brings the graph back here symbolic.
+  frame again with those dims dynamic (`ringpass.frontend.retrace`), which brings the graph back here symbolic.
 - a length Dynamo specialised while tracing (``if x.shape[1] == 64``, ``int(n)``, a loop over it): from
   there on Dynamo folds its reads into numbers of this rank's length: refused, naming where.
 - symbolic shapes: every SymInt / SymFloat computed from the length (``n / 10``, ``n - 1``, ``x.size(1)``),
@@ -33,10 +33,10 @@ import torch.fx as fx
 
 from lowering import compat
 from lowering.errors import NotSupportedError
-from ringpass.graph import copy_origin, describe, example_value, op_label, plain, refusal, source_line, user_name
-from ringpass.graph_utils.context import PassContext
-from ringpass.graph_utils.sizes import is_size_op, same
-from ringpass.graph_utils.spellings import CREATORS, op_name
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import copy_origin, describe, example_value, op_label, plain, refusal, source_line, user_name
+from ringpass.fx.sizes import is_size_op, same
+from ringpass.fx.spellings import CREATORS, op_name
 
 SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # the number becomes (part of) a tensor's values

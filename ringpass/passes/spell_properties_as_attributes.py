@@ -10,7 +10,7 @@ spelling whichever torch captured the graph.
 from __future__ import annotations
 
 from lowering import compat
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
 
 ATTRIBUTES = {"mT": "mT", "mH": "mH", "numpy_T": "T", "matrix_H": "H"}  # aten op -> the tensor attribute
 

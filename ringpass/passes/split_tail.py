@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ringpass.graph import describe, example_value
-from ringpass.graph_utils.context import PassContext
+from ringpass.fx.context import PassContext
+from ringpass.fx.nodes import describe, example_value
 from ringpass.passes.placements import downstream_of, replaced_by_ring
 
 
