@@ -223,3 +223,14 @@ def test_the_extraction_finds_commands_and_leaves_output_alone():
     assert any(line.startswith("./dev demo") for line in lines)
     assert any(line.startswith("ringpass plan ") and "--ulysses" in line for line in lines)
     assert not [line for line in lines if re.match(r"ringpass( [a-z]+)?:", line)]
+
+
+def test_no_page_names_an_issue_number():
+    """The pages describe the product as it is; where a feature came from is the history's business (git log)."""
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if re.search(r"\bissues? \d+|\(#\d+\)", line, re.I)
+    ]
+    assert not found, "\n".join(found)

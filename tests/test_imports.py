@@ -163,3 +163,29 @@ def test_the_rooms_import_each_other_one_way():
         "  " + ", ".join(rooms.edges[a, b]["example"] for a, b in rooms.subgraph(c).edges) for c in cycles(rooms)
     )
     assert not shown, f"rooms importing each other back:\n{shown}"
+
+
+def test_every_public_name_imports_from_its_documented_path():
+    """What README and docs tell users to import: every name of ``ringpass.__all__`` from ``ringpass`` (the lazy
+    ones too), the runtime's own names from ``lowering``, the ``ring`` backend through its entry point and the
+    ``ringpass`` command through its own; no public function of ``ringpass`` shares its name with a module."""
+    import importlib
+    import importlib.metadata
+    import pkgutil
+    import types
+
+    import ringpass
+
+    for name in ringpass.__all__:
+        assert getattr(importlib.import_module("ringpass"), name) is not None, name
+    import lowering
+
+    for name in ("ring_attention", "Layout", "simulate_ring"):
+        assert getattr(lowering, name), name
+    (ring,) = [e for e in importlib.metadata.entry_points(group="torch_dynamo_backends") if e.name == "ring"]
+    assert callable(ring.load()) and ring.load().__name__ == "ring"
+    (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "ringpass"]
+    assert script.load() is importlib.import_module("ringpass.cli").main
+    modules = {m.name for m in pkgutil.walk_packages(ringpass.__path__, "ringpass.")}
+    functions = {f"ringpass.{n}" for n in ringpass.__all__ if isinstance(getattr(ringpass, n), types.FunctionType)}
+    assert not functions & modules, f"a function hides the module of its name: {sorted(functions & modules)}"

@@ -18,13 +18,11 @@ from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
 from ringpass.conversion.calls import read_source
 from ringpass.conversion.saved import GROUP, Argument, Outputs, TensorSpec
-from ringpass.frontend.retrace import release_marks, request_retrace
+from ringpass.frontend.rewrite import Retrace, rewrite_graph
 from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.nodes import example_value, plain
 from ringpass.fx.report import Report
 from ringpass.options import RingOptions
-from ringpass.passes import run_pipeline
-from ringpass.passes.sharded_lengths import StaticShardedLengths
 
 
 @dataclass
@@ -61,22 +59,15 @@ def capture(model, call: list, options: RingOptions, world_size: int, dynamic: b
             if node.op == "placeholder":
                 node.meta["ringpass_source"] = graph_arg.source.name
                 node.meta["ringpass_as_tensor"] = bool(graph_arg.pass_arg_as_tensor)
-        try:
-            run_pipeline(ctx)
+        try:  # the backend's protocol (no boundaries: a converted model is one graph called with whole tensors)
+            rewrite_graph(ctx, boundaries=False)
             gm.graph.lint()
             gm.recompile()
-        except StaticShardedLengths as error:  # as the backend: traced again with the sequence dims dynamic
-            retrace = request_retrace(error)
-            if retrace is not None:
-                raise retrace from None
-            found["error"] = error
-            release_marks()
-            raise
+        except Retrace as retrace:
+            raise retrace.restart from None
         except Exception as error:
             found["error"] = error
-            release_marks()
             raise
-        release_marks()
         found["captured"] = captured = Captured(gm, ctx)
 
         def run(*_):

@@ -1,13 +1,12 @@
 """Have Dynamo trace a frame again with the sharded inputs' sequence dims symbolic.
 
-A front end's Dynamo backend that meets `StaticShardedLengths` (``inputs="sharded"`` under static shapes:
-every read of the length was folded into this rank's number) calls `request_retrace`: it marks each sharded
-input's sequence dims dynamic (``torch._dynamo.maybe_mark_dynamic`` on the tensor Dynamo traced) and returns
-the exception that makes Dynamo trace the frame again from its start (``TensorifyScalarRestartAnalysis``,
-the restart Dynamo lets a backend ask for). The new trace sees the length as a symbol and every read of it
-as graph arithmetic, which `globalize_sharded_lengths` maps to the whole sequence's length. Only those dims
-become dynamic (batch, hidden sizes stay static), whatever ``dynamic=`` says, and one compile then serves
-every length, as with ``mark_dynamic``.
+The compile protocol (`ringpass.frontend.rewrite`) that meets `StaticShardedLengths` (``inputs="sharded"`` under static
+shapes: every read of the length was folded into this rank's number) calls `request_retrace`: it marks each sharded
+input's sequence dims dynamic (``torch._dynamo.maybe_mark_dynamic`` on the tensor Dynamo traced) and returns the
+exception that makes Dynamo trace the frame again from its start (``TensorifyScalarRestartAnalysis``, the restart Dynamo
+lets a backend ask for). The new trace sees the length as a symbol and every read of it as graph arithmetic, which
+`globalize_sharded_lengths` maps to the whole sequence's length. Only those dims become dynamic (batch, hidden sizes
+stay static), whatever ``dynamic=`` says, and one compile then serves every length, as with ``mark_dynamic``.
 
 The marks are the front end's, not the user's: `release_marks` removes them once the next graph arrives
 (Dynamo has read them by then, and the compiled code's guards do not ask for them).

@@ -33,25 +33,16 @@ from lowering import compat, failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
 from lowering.ulysses import ulysses_mesh
-from ringpass.frontend.carried import (
-    CarriedGraph,
-    carry_length_output,
-    crosses_boundaries,
-    local_examples,
-    take_carried_inputs,
-)
-from ringpass.frontend.crossing_masks import describe_mask_outputs, rebuild_mask_inputs
+from ringpass.frontend.carried import CarriedGraph, carry_length_output, crosses_boundaries, local_examples
 from ringpass.frontend.ddp_whole_graph import NOTE as KEPT_WHOLE_NOTE
 from ringpass.frontend.ddp_whole_graph import keep_ring_graphs_whole, kept_whole_under_ddp, unwrap_backend
 from ringpass.frontend.guard import guard_graph
 from ringpass.frontend.per_rank import PerRankGraph, describe_per_rank, refuse_crossings
-from ringpass.frontend.retrace import release_marks, request_retrace
+from ringpass.frontend.rewrite import Retrace, rewrite_graph
 from ringpass.frontend.wrappers import find_wrapper, gradient_mode
 from ringpass.fx.context import PassContext, UlyssesGroups
 from ringpass.fx.report import Report
 from ringpass.options import RingOptions
-from ringpass.passes import run_pipeline
-from ringpass.passes.sharded_lengths import StaticShardedLengths
 
 _reports: deque[Report] = deque(maxlen=100)  # the latest graphs of every backend (bounded: recompiles add more)
 
@@ -65,34 +56,69 @@ class RingBackend:
         keep_ring_graphs_whole(_is_ring_backend)  # the backend's first use: DDP's graph splitter leaves it whole
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        options = self.options
-        if kwargs.get("options"):  # torch.compile(..., options={...}) on top of this backend's own
-            options = RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
+        """Dynamo's call for each captured graph: the graph rewritten (`ringpass.frontend.rewrite`), compiled by
+        the inner compiler, and wrapped for the run (guard, carried values, per-rank batches)."""
+        options = self._options(kwargs)
         group = resolve_group(options.group)
         world_size = dist.get_world_size(group) if group is not None else 1
-        index = len(self.reports)
-        report = Report(world_size=world_size, graph_index=index)
+        report = self._new_report(world_size, options)
+        if world_size == 1:
+            return self._unchanged_on_one_rank(gm, example_inputs, options, group, report)
+        ctx = self._context(gm, example_inputs, options, world_size, group, report)
+        captured = _copy(gm) if options.strategy == "auto" else None  # what runs if auto chooses no parallelism
+        failures.configure(group.group_name, timeout=options.timeout)
+        failures.set_state(f"compiling graph {report.graph_index}")
+        try:
+            self._rewrite(ctx, options, group)
+            return self._compile(ctx, captured, options)
+        except Retrace as retrace:  # Dynamo traces the frame again: this graph never existed
+            self.reports.remove(report)
+            _reports.remove(report)
+            raise retrace.restart from None
+        except Exception as error:  # the peers stop with this rank's error instead of waiting for it
+            # the call this compile was for counts, as it does on the peers that compiled and called it
+            failures.post_failure(group.group_name, error, call=failures.begin_call())
+            if isinstance(error, RingpassError):
+                raise _past_dynamo(error) from None
+            raise
+
+    def _options(self, kwargs: dict) -> RingOptions:
+        """This backend's options, with ``torch.compile(..., options={...})`` on top."""
+        if kwargs.get("options"):
+            return RingOptions.from_dict({**_as_dict(self.options), **kwargs["options"]})
+        return self.options
+
+    def _new_report(self, world_size: int, options: RingOptions) -> Report:
+        """The graph's report, kept by this backend and in `last_report`'s list."""
+        report = Report(world_size=world_size, graph_index=len(self.reports))
         if options.inputs == "per_rank":
             report.unchanged_runs = "on each rank's own batch (inputs='per_rank', as under DDP)"
         if kept_whole_under_ddp():
             report.notes.append(KEPT_WHOLE_NOTE)
         self.reports.append(report)
         _reports.append(report)
-        if world_size == 1:
-            report.unchanged = "one rank (or no process group)"
-            report.warnings.append("one rank (or no process group): the graph runs unchanged")
-            report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
-            launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-            if group is None and launched > 1:
-                _unsharded(
-                    options,
-                    f"graph {index}: WORLD_SIZE={launched} but no process group is initialised, so "
-                    "the ring has one rank and the graph runs unsharded on every process. Call "
-                    "torch.distributed.init_process_group() before the first forward.",
-                )
-            return _inner_compile(options.compiler, gm, example_inputs)
-        per_rank = options.inputs == "per_rank"  # the passes see one rank's batch, passed whole
-        ctx = PassContext(
+        return report
+
+    def _unchanged_on_one_rank(self, gm, example_inputs, options: RingOptions, group, report: Report) -> Callable:
+        """One rank, or no process group: the graph compiled as it is (a warning where the job has more ranks)."""
+        report.unchanged = "one rank (or no process group)"
+        report.warnings.append("one rank (or no process group): the graph runs unchanged")
+        report.log(rank=dist.get_rank() if group is not None else 0, print_summary=options.report == "summary")
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if group is None and launched > 1:
+            _unsharded(
+                options,
+                f"graph {report.graph_index}: WORLD_SIZE={launched} but no process group is initialised, so "
+                "the ring has one rank and the graph runs unsharded on every process. Call "
+                "torch.distributed.init_process_group() before the first forward.",
+            )
+        return _inner_compile(options.compiler, gm, example_inputs)
+
+    @staticmethod
+    def _context(gm, example_inputs, options: RingOptions, world_size: int, group, report: Report) -> PassContext:
+        """What the passes share; with ``inputs="per_rank"`` they see one rank's batch, passed whole."""
+        per_rank = options.inputs == "per_rank"
+        return PassContext(
             gm,
             example_inputs,
             replace(options, inputs="full") if per_rank else options,
@@ -103,64 +129,53 @@ class RingBackend:
             ulysses_for=_ulysses_maker(options.group),
             per_rank=per_rank,
         )
-        captured = _copy(gm) if options.strategy == "auto" else None  # what runs if auto chooses no parallelism
-        failures.configure(group.group_name, timeout=options.timeout)
-        failures.set_state(f"compiling graph {index}")
-        retrace = None
+
+    @staticmethod
+    def _rewrite(ctx: PassContext, options: RingOptions, group) -> None:
+        """The compile protocol, then what only the backend adds: the gradients' reduction under the job's
+        wrapper, a sequence length handed to the next graph, and the per-rank batches' crossings. The report is
+        logged whether the graph was rewritten or refused (not when Dynamo traces it again)."""
+        ctx.gradients = gradient_mode(options.grads, find_wrapper(ctx.gm), group)
+        retraced = False
         try:
-            try:
-                rebuild_mask_inputs(ctx)
-                take_carried_inputs(ctx)
-                describe_mask_outputs(ctx)
-                ctx.gradients = gradient_mode(options.grads, find_wrapper(gm), group)
-                try:
-                    run_pipeline(ctx)
-                except StaticShardedLengths as error:  # every rank traces again, with the sequence dims dynamic
-                    retrace = request_retrace(error)
-                    if retrace is None:
-                        report.refusal.message = str(error)
-                        raise
-                    self.reports.remove(report)
-                    _reports.remove(report)
-                    raise retrace from None
-                carry_length_output(ctx)
-                if per_rank and not report.unchanged:  # a graph without attention runs on this rank's batch
-                    refuse_crossings(ctx)
-                    describe_per_rank(ctx)
-                gm = ctx.gm  # a copy when mask inputs were rebuilt (`ringpass.frontend.crossing_masks`)
-                gm.graph.lint()
-                gm.recompile()
-            finally:
-                if retrace is None:
-                    release_marks()
-                    report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
-            if report.unchanged and ctx.strategy is not None:  # auto chose to run it whole: the report says why
-                compiled = _inner_compile(options.compiler, captured, example_inputs)
-            elif report.unchanged:
-                _unsharded(
-                    options,
-                    f"graph {index}: no attention found, so it runs unchanged {report.unchanged_runs}, not "
-                    f"sharded ({report.unchanged}). If the model has attention, "
-                    "ringpass.inspect(model, inputs) shows why it was not found.",
-                )
-                compiled = _inner_compile(options.compiler, gm, ctx.example_inputs)
-            else:
-                compiled = _inner_compile(options.compiler, gm, local_examples(ctx.example_inputs, ctx))
-                compiled = guard_graph(compiled, ctx, index)
-            runs_per_rank = per_rank and not report.unchanged  # `PerRankGraph` splices and wraps the masks
-            compiled = CarriedGraph(compiled, ctx, masks=not runs_per_rank) if crosses_boundaries(ctx) else compiled
-            if not runs_per_rank:
-                return compiled
-            tail = _inner_compile(options.compiler, ctx.tail.gm, ctx.tail.examples()) if ctx.tail else None
-            return PerRankGraph(compiled, ctx, tail)
-        except Exception as error:  # the peers stop with this rank's error instead of waiting for it
-            if error is retrace:
-                raise
-            # the call this compile was for counts, as it does on the peers that compiled and called it
-            failures.post_failure(group.group_name, error, call=failures.begin_call())
-            if isinstance(error, RingpassError):
-                raise _past_dynamo(error) from None
+            rewrite_graph(ctx)
+            carry_length_output(ctx)
+            if ctx.per_rank and not ctx.report.unchanged:  # a graph without attention runs on this rank's batch
+                refuse_crossings(ctx)
+                describe_per_rank(ctx)
+            ctx.gm.graph.lint()
+            ctx.gm.recompile()
+        except Retrace:
+            retraced = True
             raise
+        finally:
+            if not retraced:
+                ctx.report.log(rank=dist.get_rank(group), print_summary=options.report == "summary")
+
+    @staticmethod
+    def _compile(ctx: PassContext, captured: fx.GraphModule | None, options: RingOptions) -> Callable:
+        """The rewritten graph through the inner compiler, called through the guard, its carried values and
+        per-rank batches wrapped; a graph left unchanged compiled as captured."""
+        report = ctx.report
+        if report.unchanged and ctx.strategy is not None:  # auto chose to run it whole: the report says why
+            return _inner_compile(options.compiler, captured, ctx.example_inputs)
+        if report.unchanged:
+            _unsharded(
+                options,
+                f"graph {report.graph_index}: no attention found, so it runs unchanged {report.unchanged_runs}, "
+                f"not sharded ({report.unchanged}). If the model has attention, "
+                "ringpass.inspect(model, inputs) shows why it was not found.",
+            )
+            compiled = _inner_compile(options.compiler, ctx.gm, ctx.example_inputs)
+        else:
+            compiled = _inner_compile(options.compiler, ctx.gm, local_examples(ctx.example_inputs, ctx))
+            compiled = guard_graph(compiled, ctx, report.graph_index)
+        runs_per_rank = ctx.per_rank and not report.unchanged  # `PerRankGraph` splices and wraps the masks
+        compiled = CarriedGraph(compiled, ctx, masks=not runs_per_rank) if crosses_boundaries(ctx) else compiled
+        if not runs_per_rank:
+            return compiled
+        tail = _inner_compile(options.compiler, ctx.tail.gm, ctx.tail.examples()) if ctx.tail else None
+        return PerRankGraph(compiled, ctx, tail)
 
 
 def _past_dynamo(error: RingpassError) -> RingpassError:

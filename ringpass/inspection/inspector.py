@@ -26,13 +26,12 @@ import torch.fx as fx
 from lowering import compat
 from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
-from ringpass.frontend.crossing_masks import describe_mask_outputs, rebuild_mask_inputs, wrap_mask_outputs
-from ringpass.frontend.retrace import release_marks, request_retrace
+from ringpass.frontend.crossing_masks import wrap_mask_outputs
+from ringpass.frontend.rewrite import Retrace, rewrite_graph
 from ringpass.fx.context import PassContext, UlyssesGroups
 from ringpass.fx.nodes import example_value, plain
 from ringpass.fx.report import Report, size_text
 from ringpass.options import RingOptions
-from ringpass.passes import run_pipeline
 from ringpass.passes.sharded_lengths import StaticShardedLengths
 
 SCHEMA_VERSION = 1
@@ -182,20 +181,19 @@ def inspect(model: torch.nn.Module, example_inputs: Any = (), *, world_size: int
         ctx = PassContext(
             gm, graph_inputs, ring_options, world_size, "", report, host_values=host_values, ulysses_for=_named_groups
         )
-        rebuild_mask_inputs(ctx)  # as the backend: masks cross graphs as their per-token descriptions
-        describe_mask_outputs(ctx)
-        outputs = _meta_outputs(ctx.gm)
+        found = {}
         blocking = None
-        try:
-            run_pipeline(ctx)
-        except StaticShardedLengths as error:  # as the backend: traced again with the sequence dims dynamic
-            retrace = request_retrace(error)
-            if retrace is not None:
-                raise retrace from None
-            report.refusal.message = str(error)
-        except NotSupportedError as error:  # recorded in the report with its chain of ops
+        try:  # the backend's protocol: boundaries, pipeline, retrace; the outputs' sizes read before the passes
+            rewrite_graph(ctx, before_passes=lambda c: found.setdefault("outputs", _meta_outputs(c.gm)))
+        except Retrace as retrace:
+            raise retrace.restart from None
+        except StaticShardedLengths:  # refused, in the report
+            pass
+        except NotSupportedError as error:  # a pass's refusal: recorded in the report with its chain of ops
+            if "outputs" not in found:  # refused at the boundaries, before any pass: inspect raises it
+                raise
             blocking = getattr(error, "node", None)
-        release_marks()
+        outputs = found["outputs"]
         graphs.append(CapturedGraph(ctx.gm, report, ctx.placement, ctx.sequence.axes, blocking))
         return lambda *_: wrap_mask_outputs(outputs(), ctx.mask_outputs)
 
