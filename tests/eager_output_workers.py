@@ -338,7 +338,7 @@ def drawn(rank: int, world_size: int, case: dict) -> dict:
         value = _drawn_op(case, SequenceSharded.distribute(leaf, case["seq_dim"], layout=case["layout"]), whole)
     expected = _drawn_op(case, expected_leaf, whole)
     got, want = _as_tensor(value), _as_tensor(expected)
-    result = {"shapes": [list(got.shape), list(want.shape)], "value": _difference(got, want, case["dtype"])}
+    result = {"shapes": [list(got.shape), list(want.shape)], "value": _difference(got, want, case["dtype"], whole)}
     flat = _flat(expected) if torch.is_tensor(expected) or isinstance(expected, (tuple, list)) else None
     if flat is not None and flat.requires_grad:
         probe = torch.randn(flat.shape, generator=generator, dtype=torch.float64).to(dtype)
@@ -347,16 +347,18 @@ def drawn(rank: int, world_size: int, case: dict) -> dict:
             (_flat(value) * probe).sum().backward()
         (flat * probe).sum().backward()
         grads = [torch.zeros_like(whole) if x.grad is None else x.grad for x in (leaf, expected_leaf)]
-        result["grad"] = _difference(*grads, case["dtype"])
+        result["grad"] = _difference(*grads, case["dtype"], probe)
     return result
 
 
-def _difference(got, want, dtype: str) -> str:
-    """'' when ``got`` equals ``want`` within the dtype's tolerance (nan and inf where ``want`` has them), else why."""
+def _difference(got, want, dtype: str, operand: torch.Tensor) -> str:
+    """'' when ``got`` equals ``want`` within the dtype's tolerance (nan and inf where ``want`` has them), else why.
+    The absolute tolerance scales with the larger of ``want`` and the ``operand`` it was computed from: a sum that
+    cancels to near zero carries the rounding of its terms, not of its result."""
     tolerance = 1e-12 if dtype == "float64" else 1e-5
     if got.shape != want.shape:
         return f"shape {list(got.shape)} != {list(want.shape)}"
-    scale = want[want.isfinite()].abs().max().item() if want.isfinite().any() else 1.0
+    scale = max((t[t.isfinite()].abs().max().item() for t in (want, operand) if t.isfinite().any()), default=1.0)
     try:
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * max(scale, 1e-30), equal_nan=True)
     except AssertionError as error:
