@@ -32,7 +32,7 @@ RECIPES = (
 
 
 def _model(hidden: int, layers: int):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
     from models import Llama
 
     torch.manual_seed(0)

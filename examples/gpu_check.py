@@ -3,7 +3,7 @@
     python examples/gpu_check.py                     # on a CUDA machine, under 8 minutes on one GPU
     TRITON_INTERPRET=1 python examples/gpu_check.py  # a tiny CPU smoke run of the same script
 
-1. The kernel cases of the test suite (tests/kernel_cases.py), compiled on CUDA, fp32/fp16/bf16,
+1. The kernel cases of the test suite (tests/workers/kernel_cases.py), compiled on CUDA, fp32/fp16/bf16,
    against fp64 math attention; plus one long causal bf16 case against fp32 SDPA.
 2. bf16 forward and forward+backward for N in {4k, 16k, 32k}, D in {64, 128}, causal and not (B=1,
    H=16): milliseconds, TFLOP/s (forward 4·N²·D·H, halved when causal; backward 2.5x forward) and the
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "workers"))
 
 from lowering import Layout, simulate_ring
 from lowering.kernels import block_attention, block_attention_backward

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def build(model: str, tokens: int, checkpointing: bool = False):
     """(model, keyword inputs) of ``tokens`` tokens; random weights, on the current device (fake or real)."""
     if model == "hand":
-        sys.path.insert(0, str(ROOT / "tests"))
+        sys.path.insert(0, str(ROOT / "tests" / "workers"))
         from models import Llama, LlamaBlock, WithLoss
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 

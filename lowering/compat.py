@@ -1,11 +1,11 @@
 """Every private torch and transformers name ringpass uses, each with the reason, in one place.
 
-Nothing else in `ringpass` or `lowering` reaches a private name (tests/test_compat.py walks the source): a module
+Nothing else in `ringpass` or `lowering` reaches a private name (tests/unit/test_compat.py walks the source): a module
 reads ``compat.NAME`` for a name below (`SYMBOLS`), resolved on first use and then kept, or calls one of the small
 functions at the end for a private attribute of an object. A torch or transformers release that moves a name
 raises `TorchInternalMoved` where ringpass needs it, naming it, why ringpass needs it and which releases are
-tested; tests/test_compat.py resolves every name, so a new release shows all of them at once
-(``./dev test --torch VERSION tests/test_compat.py``). Resolving imports only what the name lives in: reading
+tested; tests/unit/test_compat.py resolves every name, so a new release shows all of them at once
+(``./dev test --torch VERSION tests/unit/test_compat.py``). Resolving imports only what the name lives in: reading
 ``compat.maybe_mark_dynamic`` imports Dynamo, ``import lowering.compat`` imports nothing.
 
 The ATen operators (``aten._softmax``, ``aten._scaled_dot_product_flash_attention_for_cpu``) are not here: they

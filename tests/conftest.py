@@ -1,14 +1,24 @@
 """Every test runs the pass pipeline with its checks on: after each pass the graph is linted and, where it
-computes its values, run on fake tensors (`ringpass.fx.runner`). Ranks spawned by a test inherit it."""
+computes its values, run on fake tensors (`ringpass.fx.runner`). Ranks spawned by a test inherit it.
+
+The tests by kind: tests/unit (one file per pass or module, no processes), tests/distributed (spawned ranks),
+tests/models (Hugging Face families), tests/kernels (Triton kernels, interpreted). What they and their ranks import by
+name (`models`, `reference`, `hf_workers`, ...) is in tests/workers, put on sys.path here, before pytest imports any
+test module: the server the ranks are forked from (`ringpass/cli/launch.py`) copies sys.path when it starts."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("RINGPASS_CHECK_PASSES", "1")
+WORKERS = str(Path(__file__).resolve().parent / "workers")
+if WORKERS not in sys.path:
+    sys.path.insert(0, WORKERS)
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "backend_cases(world_size, *case_ids): the cases of tests/test_backend.py's "
+        "backend_cases(world_size, *case_ids): the cases of tests/distributed/test_backend.py's "
         "matrix a test reads, spawned with the selected ones",
     )

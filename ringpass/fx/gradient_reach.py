@@ -38,7 +38,7 @@ EVERY = "*"  # every tensor argument
 # whose argument is a list of tensors covers each of them). Its formula returns None for every other tensor
 # argument: a value whose only way to the outputs goes through one of those would silently stop training.
 # A ringpass op with no autograd formula raises in the backward (loud): it passes every argument here. A new
-# op with a formula must say here what it differentiates (tests/test_gradient_paths.py checks both).
+# op with a formula must say here what it differentiates (tests/unit/test_gradient_paths.py checks both).
 GRADIENT_ARGUMENTS: dict[str, tuple] = {
     "ring_attention": ("q", "k", "v", *ring_op.PROGRAM_INPUTS),  # and the lists its mask and bias programs read
     "ring_attention_backward": (EVERY,),  # its own formula raises (no double backward): loud

@@ -25,7 +25,7 @@ output and **every** gradient, by name, with the same model run whole:
   the ranks' gradients).
 
 `run_case` runs one case on a rank and returns its errors; `check` says what is wrong with a rank's result;
-``tests/test_score_program_fuzz.py`` draws the cases.
+``tests/models/test_score_program_fuzz.py`` draws the cases.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Training jobs as users write them, with the ring: the Hugging Face Trainer, unmodified but for one line
-(`tests/trainer_job.py`, launched with torchrun on 2 CPU processes), against the same job without the ring.
+(`tests/workers/trainer_job.py`, launched with torchrun on 2 CPU processes), against the same job without the ring.
 
 The Trainer wraps the model in DDP (Dynamo's default optimize_ddp: the ring keeps its graph whole), hands each
 rank its own batches (DistributedSampler; ``inputs="per_rank"``), normalises the loss by the token count over
@@ -10,8 +10,8 @@ test_composition): fp32 with gradient accumulation and checkpointing; bf16
 (autocast: the two jobs round differently; measured 3e-5 on the losses, 1.5e-4 on the gradient norms, a mean
 weight difference 3.6% of the mean change: bounds 1e-3 and 10%) with -m heavy. fp32 weights are compared
 absolutely (1e-5), after checking that training moved each by more than 100 x that; an accelerate loop; the ring
-job interrupted after its checkpoint and resumed; TRL's SFTTrainer with packing (`tests/trl_job.py`: padding-free
-batches of per-rank lengths, position ids restarting per sequence; ``dynamic=True``).
+job interrupted after its checkpoint and resumed; TRL's SFTTrainer with packing (`tests/workers/trl_job.py`:
+padding-free batches of per-rank lengths, position ids restarting per sequence; ``dynamic=True``).
 """
 
 import json
@@ -25,17 +25,17 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @cache
 def run_job(*flags: str, job: str = "trainer_job", procs: int = 2) -> dict:
-    """The log (rank 0), saved weights and output folder of ``tests/{job}.py`` on ``procs`` processes, after
+    """The log (rank 0), saved weights and output folder of ``tests/workers/{job}.py`` on ``procs`` processes, after
     torchrun exits 0."""
     out = tempfile.mkdtemp(prefix=f"ringpass-{job}-")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-    script = ROOT / "tests" / f"{job}.py"
+    script = ROOT / "tests" / "workers" / f"{job}.py"
     done = subprocess.run(
         [*command, str(script), out, *flags], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
     )
@@ -54,12 +54,12 @@ def steps(log: dict) -> list[dict]:
 
 
 def initial_weights(job: str) -> dict:
-    """The weights ``tests/{job}.py`` starts from (its ``build_model`` after ``set_seed(0)``)."""
+    """The weights ``tests/workers/{job}.py`` starts from (its ``build_model`` after ``set_seed(0)``)."""
     import importlib
 
     import transformers
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "workers"))
     transformers.set_seed(0)
     return importlib.import_module(job).build_model().state_dict()
 

@@ -139,7 +139,7 @@ def unsharded_and_autocast(rank: int, world_size: int) -> dict:
 
 
 def random_architectures(rank: int, world_size: int, seeds: list, seq_len: int) -> dict:
-    """Each seed's random model (tests/random_models.py) compiled with the ring backend against itself
+    """Each seed's random model (tests/workers/random_models.py) compiled with the ring backend against itself
     run whole: the relative errors of the output and the gradients, and the ring exchanges it made."""
     import random_models
     from reference import grad_error, rel_err

@@ -1,10 +1,9 @@
 """``strategy="auto"``: the cost model's choice per attention (`lowering.costmodel.choose_strategies`), checked by
-hand; and the backend running every choice it can make, forced by hardware, exactly (fp64 against the model run
-whole), with the report naming the choice and its alternatives and the events showing what moved."""
+hand, offline and in one process. The backend running every choice on 2 ranks:
+tests/distributed/test_strategy_ranks.py."""
 
 import math
 
-import backend_workers
 import pytest
 
 from lowering.costmodel import (
@@ -19,10 +18,9 @@ from lowering.costmodel import (
     strategy_seconds,
 )
 from lowering.layout import Layout
-from ringpass.cli.launch import spawn_ranks
 
-MHA = AttentionShape(2, 4, 4, 8, 8, is_causal=True)  # tests/models.py GPT in fp64, batch 2
-GQA = AttentionShape(2, 4, 2, 8, 8, is_causal=True)  # tests/models.py Llama
+MHA = AttentionShape(2, 4, 4, 8, 8, is_causal=True)  # tests/workers/models.py GPT in fp64, batch 2
+GQA = AttentionShape(2, 4, 2, 8, 8, is_causal=True)  # tests/workers/models.py Llama
 LAYOUTS = ("zigzag", "contiguous")
 # hardware that makes each strategy the fastest for these shapes at 64 tokens on 2 ranks (see the test below)
 COMPUTE_BOUND = Hardware(1e15, 0.0, 1e6)  # transfers free: the ring hides them and holds least
@@ -86,52 +84,6 @@ def test_a_layout_is_chosen_for_the_whole_graph_and_none_only_for_all_of_it():
     long_and_short = choose_strategies([GQA, GQA], 64, 2, LATENCY_BOUND, layouts=LAYOUTS, none=True)
     assert [s.kind for s in long_and_short.chosen] == ["none", "none"]  # both short: the graph runs whole
     assert long_and_short.unsharded
-
-
-@pytest.mark.timeout(400)
-def test_the_backend_runs_every_strategy_auto_can_choose_exactly():
-    """Two ranks, fp64, 64 tokens: each choice forced by hardware, the model's outputs and gradients against the
-    model run whole, the report's choice and alternatives, what moved between the ranks."""
-    cases = [
-        ("ring", "llama", {"strategy": "auto", "hardware": COMPUTE_BOUND}),
-        ("ulysses", "gpt", {"strategy": "auto", "hardware": BANDWIDTH_BOUND}),
-        ("all-gather", "llama", {"strategy": "auto", "hardware": LATENCY_BOUND, "outputs": "sharded"}),
-        ("none", "llama", {"strategy": "auto", "hardware": LATENCY_BOUND}),
-        ("all-gather masks", "encoder_padded", {"strategy": "all-gather"}),  # a lifted padding mask program
-        ("default hardware", "llama", {"strategy": "auto"}),
-    ]
-    cases = [(case, name, {"compiler": "aot_eager", **options}) for case, name, options in cases]
-    expected_moved = {
-        "ring": ["exchange"],
-        "ulysses": ["heads_exchange"],
-        "all-gather": ["kv all-gather"],
-        "none": [],
-        "all-gather masks": ["kv all-gather"],
-        "default hardware": None,  # whatever this machine's calibration says: exact either way
-    }
-    for rank_results in spawn_ranks(backend_workers.strategy_cases, 2, (cases,), timeout=380):
-        for case, result in rank_results.items():
-            assert max(result["outputs"]) < 1e-10 and result["grads"] < 1e-10, (case, result)
-            assert result["warnings"] == [], (case, result["warnings"])
-            if expected_moved[case] is not None:
-                assert result["moved"] == expected_moved[case], (case, result["moved"])
-            report = result["report"]
-            if case == "default hardware":  # whatever it chose, something moved exactly when it sharded
-                assert (result["moved"] == []) == (report["status"] == "whole"), (report["status"], result["moved"])
-            if report["status"] == "whole":  # this machine's calibration, at 64 tokens, also runs it whole
-                assert case in ("none", "default hardware") and report["attentions"] == [], case
-                assert "strategy='auto' chose no sequence parallelism" in result["report_text"]
-                continue
-            strategies = [a["strategy"] for a in report["attentions"]]
-            assert len(strategies) == 2, case  # both blocks' attentions
-            if case in ("all-gather masks",):
-                assert strategies == ["all-gather (zigzag)"] * 2
-                continue
-            for text in strategies:
-                chosen = text.split(",")[0]
-                assert case == "default hardware" or chosen.startswith(case), (case, text)
-                assert "predicted" in text and "none" in text and "ring (contiguous)" in text, text
-            assert f"by {strategies[0].split(',')[0]}" in result["report_text"].splitlines()[0]
 
 
 def test_auto_offline_and_where_ulysses_cannot_run():

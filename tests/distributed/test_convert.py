@@ -21,7 +21,7 @@ from ringpass.cli.launch import spawn_ranks
 from ringpass.fx.nodes import example_value
 
 TIMEOUT = 300
-TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
+TARGETS = str(Path(__file__).parents[1] / "workers" / "inspect_targets.py")
 
 
 def converted(name: str, world_size: int, seq_len: int, *, dynamic: bool = False):

@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_bench.py (a module of its own so spawned ranks can import it)."""
+"""What each rank runs in tests/distributed/test_bench.py (a module of its own so spawned ranks can import it)."""
 
 from __future__ import annotations
 

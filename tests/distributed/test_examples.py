@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # gloo sometimes aborts a worker at interpreter exit after all its work is done (a C++ thread of the process group

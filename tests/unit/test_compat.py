@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowering import compat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ringpass", "lowering")
 COMPAT = ROOT / "lowering" / "compat.py"
 UPSTREAM = ("torch", "transformers")
@@ -180,21 +178,6 @@ def test_a_moved_attribute_of_instances_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(compat.SYMBOLS, "op_no_such", moved)
     with pytest.raises(compat.TorchInternalMoved, match="OpOverload._no_such"):
         compat.resolve("op_no_such")
-
-
-def test_importing_ringpass_patches_nothing_in_torch():
-    """The DDP graph splitter is wrapped when a ring backend is first made or looked up, not at ``import ringpass``."""
-    code = (
-        "import sys, ringpass, torch._dynamo.backends.distributed as d\n"
-        "print(getattr(d.DDPOptimizer.compile_fn, '_ringpass_keeps_ring_graphs_whole', False), "
-        "any(type(f).__module__.startswith('ringpass') for f in sys.meta_path))\n"
-        "import torch\n"
-        "torch.compile(torch.nn.Linear(2, 2), backend='ring')\n"
-        "print(getattr(d.DDPOptimizer.compile_fn, '_ringpass_keeps_ring_graphs_whole', False))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "False", "True"], done.stdout
 
 
 def _tested(versions: str) -> list[tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Eager code on what a ring model returns works as on the unsharded tensor (`tests/eager_output_workers.py`).
+"""Eager code on what a ring model returns works as on the unsharded tensor (`tests/workers/eager_output_workers.py`).
 
 Every line of `eager_output_workers.LINES` (metrics, losses, checks, conversion, saving) on a `SequenceSharded`
 value with padding slots, against the same line on the whole tensor, at P = 2 (and 3, heavy): the value (fp64:
@@ -9,7 +9,7 @@ are plain tensors. Then on a compiled model's logits, and the cases where not ev
 The rules with arithmetic in them (what each rank reduces, how the parts combine, padding left out) are fuzzed:
 hypothesis draws an op with its dims and options, the value's shape, its sequence dim, the layout, the ranks and
 the dtype (`cases`); the default suite runs a fixed draw on 2 ranks, ``./dev test -m heavy
-tests/test_eager_outputs.py`` draws ``RINGPASS_FUZZ_EXAMPLES`` (default 300) at random on 2 and 3 ranks.
+tests/distributed/test_eager_outputs.py`` draws ``RINGPASS_FUZZ_EXAMPLES`` (default 300) at random on 2 and 3 ranks.
 """
 
 from __future__ import annotations

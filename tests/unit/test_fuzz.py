@@ -3,18 +3,14 @@ N = 1, N not divisible by 2P), P from 1 to 4, layouts, causal / sliding window /
 padding, packed documents) with every fully-masked convention, soft-capping, fp64 and fp32; forward,
 LSE and every gradient, through the simulated ring (the ring's per-rank code, blocks moved in-process).
 
-The default suite runs a fixed set of examples (``derandomize``); ``./dev test -m heavy tests/test_fuzz.py``
+The default suite runs a fixed set of examples (``derandomize``); ``./dev test -m heavy tests/unit/test_fuzz.py``
 runs many more random ones, and ``RINGPASS_FUZZ_EXAMPLES=N`` sets how many (hypothesis prints the
-failing example and how to reproduce it).
-
-Then random model architectures (`random_models`: position scheme, norm, MLP, GQA, attention spelling,
-padding, loss) through ``backend="ring"`` against the same model run whole, on 2 gloo ranks (more seeds
-and 2 to 4 ranks under ``-m heavy``).
+failing example and how to reproduce it). Random model architectures through the ring on gloo ranks:
+tests/distributed/test_random_architectures.py.
 """
 
 import os
 
-import failure_workers
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +18,6 @@ from hypothesis import strategies as st
 from reference import masked_attention_fp64, masked_lse_fp64, rel_err
 
 from lowering import Layout, simulate_ring
-from ringpass.cli.launch import spawn_ranks
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -130,26 +125,3 @@ def test_fuzzed_ring_matches_fp64_attention(case):
 @given(ring_cases())
 def test_fuzzed_ring_matches_fp64_attention_long(case):
     check_ring_case(case)
-
-
-def _check_random_architectures(world_size: int, seeds: list, seq_len: int) -> None:
-    for per_rank in spawn_ranks(failure_workers.random_architectures, world_size, (seeds, seq_len), timeout=900):
-        for seed, result in per_rank.items():
-            assert result["error"] is None, (seed, result)
-            # every attention rewritten: forward P-1 KV exchanges per layer, backward P-1 KV and P dK/dV
-            layers = result["spec"]["layers"]
-            assert result["exchanges"] == layers * (3 * world_size - 2), (seed, result)
-            assert result["output"] < 1e-10 and result["grads"] < 1e-9, (seed, result)
-
-
-@pytest.mark.heavy  # suite time (README, "Heavier cases")
-@pytest.mark.timeout(900)
-def test_random_architectures_match_eager():
-    _check_random_architectures(2, list(range(6)), seq_len=11)
-
-
-@pytest.mark.heavy
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_random_architectures_match_eager_long(world_size):
-    _check_random_architectures(world_size, list(range(100, 115)), seq_len=4 * world_size + 1)

@@ -1,4 +1,5 @@
-"""Workers of tests/test_boundaries.py: training recipes that make several graphs, against the unsharded model.
+"""Workers of tests/distributed/test_boundaries.py: training recipes that make several graphs, against the
+unsharded model.
 
 Each recipe trains one step of `models.Llama` (fp64) the way a user's stack runs it (per-block compile, FSDP2 per
 block and root, a graph break, checkpointing, dynamic shapes) and returns the loss's and every gradient's relative

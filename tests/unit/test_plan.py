@@ -136,21 +136,6 @@ def test_recommendations():
         hardware(None, "h100")
 
 
-def test_plan_command_prints_and_writes_json(tmp_path):
-    out = tmp_path / "plan.json"
-    command = "plan --world-size 2 --seq-len 16384 --heads 4 --head-dim 64 --dtype fp32 --link loopback --device cpu"
-    run = subprocess.run(
-        [sys.executable, "-m", "ringpass.cli", *command.split(), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "recommendation: ring, layout zigzag" in run.stdout
-    data = json.loads(out.read_text())
-    assert data["world_size"] == 2 and data["hides"] and data["forward_s"] > 0
-
-
 @pytest.mark.parametrize("command", ["plan", "bench", "inspect", "convert", "demo"])
 def test_every_subcommand_prints_its_help(command, capsys):
     """`ringpass <cmd> --help` is what a user types first (plan's help crashed on a `%` in a preset's text): the
@@ -160,7 +145,7 @@ def test_every_subcommand_prints_its_help(command, capsys):
     assert exit.value.code == 0 and "usage: ringpass " + command in capsys.readouterr().out
 
 
-TARGET = shlex.quote(f"{Path(__file__).with_name('inspect_targets.py')}:llama")
+TARGET = shlex.quote(f"{Path(__file__).parents[1] / 'workers' / 'inspect_targets.py'}:llama")
 BAD_COMMANDS = {  # a command line each subcommand refuses -> what it says
     "plan --world-size 2 --seq-len 64 --heads 1 --head-dim 8 --device cpu": "ringpass plan: give --link",
     "bench --methods ring-spiral": "ringpass bench: unknown method(s) ring-spiral",
@@ -182,7 +167,7 @@ def _whole_model_plan(tmp_path, *flags: str) -> dict:
     """`ringpass plan` on the tests' Llama with its loss (fp32, 2 layers, 61 tokens, 128 tokens x batch 2), as
     JSON; the human output must name the collapsed attention line."""
     out = tmp_path / "model-plan.json"
-    target = f"{Path(__file__).parent / 'inspect_targets.py'}:llama_with_loss"
+    target = f"{Path(__file__).parents[1] / 'workers' / 'inspect_targets.py'}:llama_with_loss"
     argv = [*f"plan {target} --world-size 2 --seq-len 128 --batch 2 --dtype fp32 --link loopback".split()]
     assert cli.main([*argv, "--device", "cpu", *flags, "--json", str(out)]) == 0
     return json.loads(out.read_text())
@@ -217,7 +202,7 @@ def test_a_whole_model_plan_by_hand(tmp_path, capsys):
     # checkpointed, its peak is a block's recompute in the backward, with the gradients made by then (fewer than all)
     assert by[1, True]["activations"] < by[1, False]["activations"] and 0 < by[1, True]["gradients"] < params, by
     # with the ring the step is compiled: its activations and gradients at the peak are the compiled step's
-    # (`ringpass.planning.compiled_memory`, checked against a measured step in tests/test_compiled_memory.py)
+    # (`ringpass.planning.compiled_memory`, checked against a measured step in tests/unit/test_compiled_memory.py)
     import inspect_targets
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -396,7 +381,7 @@ def test_the_plans_memory_against_a_measured_step():
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith(("| llama |", "| hand |"))]

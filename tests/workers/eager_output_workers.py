@@ -1,4 +1,4 @@
-"""Workers of tests/test_eager_outputs.py: the eager code users write on what a ring model returns.
+"""Workers of tests/distributed/test_eager_outputs.py: the eager code users write on what a ring model returns.
 
 `LINES` are lines of eager code on logits ``[B, N, V]`` (metrics, losses, checks, conversion, saving), each run on a
 `SequenceSharded` value and on the whole tensor; `lines` reports, per line, the difference, whether it all-gathered
@@ -288,8 +288,8 @@ def apart(rank: int, world_size: int) -> dict:
         return {"error": str(error), "seconds": time.monotonic() - started}
 
 
-# a drawn case (`tests/test_eager_outputs.py::cases`): one op with its dims and options on a value of a drawn shape,
-# sharded along a drawn dim in a drawn layout
+# a drawn case (`tests/distributed/test_eager_outputs.py::cases`): one op with its dims and options on a value of
+# a drawn shape, sharded along a drawn dim in a drawn layout
 
 
 def _drawn_op(case: dict, t, w):

@@ -6,9 +6,9 @@ a learned sink logit and a trained soft-cap refused, never answered.
 
 Each example is one case, run by ranks that stay up between examples (`ringpass.cli.launch.RankPool`, one per ring
 size). The default suite runs a fixed draw (``derandomize``, under a minute); ``./dev test -m heavy
-tests/test_score_program_fuzz.py`` draws ``RINGPASS_FUZZ_EXAMPLES`` cases (default 150) at random, P 2 to 4.
+tests/models/test_score_program_fuzz.py`` draws ``RINGPASS_FUZZ_EXAMPLES`` cases (default 150) at random, P 2 to 4.
 Hypothesis prints a failing case, shrunk, and how to reproduce it; `test_one_case` reruns a case given as JSON:
-``RINGPASS_FUZZ_CASE='{"family": "t5", ...}' ./dev test tests/test_score_program_fuzz.py -k one_case``.
+``RINGPASS_FUZZ_CASE='{"family": "t5", ...}' ./dev test tests/models/test_score_program_fuzz.py -k one_case``.
 """
 
 from __future__ import annotations

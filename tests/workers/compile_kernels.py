@@ -1,5 +1,5 @@
 """Compile the Triton block kernels for an sm_90 GPU without one (run by test_heavy in a fresh process):
-python tests/compile_kernels.py bf16|fp32"""
+python tests/workers/compile_kernels.py bf16|fp32"""
 
 import inspect
 import sys

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import networkx as nx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ringpass", "lowering")
 
 
@@ -111,18 +111,6 @@ def test_the_graph_sees_lazy_relative_and_package_imports(tmp_path):
         ("pkg.sub.d", "pkg.sub.e"),
     }
     assert cycles(graph) == {("pkg.a", "pkg.c"), ("pkg.b", "pkg.sub.d")}
-
-
-def test_importing_ringpass_loads_neither_dynamo_nor_triton():
-    """`import ringpass` stays light: Dynamo imports Triton, and Triton reads ``TRITON_INTERPRET`` when it is first
-    imported, so a Dynamo import here would fix that setting before the user (or tests/test_triton_kernels.py) sets
-    it. The backend wraps Dynamo's DDP graph splitter when Dynamo loads it (`ringpass.frontend.ddp_whole_graph`)."""
-    import subprocess
-    import sys
-
-    code = "import sys, ringpass; print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
 
 
 FRONT_ENDS = ("frontend", "inspection", "conversion", "planning", "integrations", "cli")  # README, "Where the code is"

@@ -310,7 +310,7 @@ def test_the_strategy_grid_script_at_a_tiny_size(tmp_path, order):
     out = tmp_path / "grid.json"
     argv = ["--seq-lens", "256", "--world-sizes", "2", "--masks", "causal", "--repeats", "1", "--rounds", "2", *order]
     argv += ["--json"]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "examples/strategy_grid.py", *argv, str(out)], cwd=root, check=True, timeout=600)
     (cell,) = json.loads(out.read_text())
     assert set(cell["fixed_s"]) == {"ring-zigzag", "ring-contiguous", "all-gather", "ulysses"}

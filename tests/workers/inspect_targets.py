@@ -301,3 +301,21 @@ class SlicedTypeIds(nn.Module):
 
 def sliced_type_ids(seq_len: int = 16):
     return SlicedTypeIds(), (torch.randint(0, 61, (2, seq_len)),)
+
+
+def llama_config_file(folder, **overrides) -> str:
+    """A small Llama config (8k positions) saved in ``folder``: the path of its config.json."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=8192,
+        **overrides,
+    )
+    config.save_pretrained(folder)
+    return str(folder / "config.json")

@@ -1,8 +1,10 @@
 """A Hugging Face Trainer job as a user writes it, launched by the tests with torchrun (2 CPU processes, gloo).
 
-    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] [--accum N] [--bf16] [--checkpointing]
-    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT --accelerate [--ring]
-    torchrun --standalone --nproc-per-node 2 tests/trainer_job.py OUT [--ring] ... --stop-after K | --resume CHECKPOINT
+    torchrun --standalone --nproc-per-node 2 tests/workers/trainer_job.py OUT [--ring] [--accum N] [--bf16]
+        [--checkpointing]
+    torchrun --standalone --nproc-per-node 2 tests/workers/trainer_job.py OUT --accelerate [--ring]
+    torchrun --standalone --nproc-per-node 2 tests/workers/trainer_job.py OUT [--ring] ... --stop-after K
+        | --resume CHECKPOINT
 
 A tiny Llama trains 6 optimizer steps on 16 random sequences of 48 tokens, each rank its own batches from the
 Trainer's DistributedSampler (the ranks' label counts differ: some labels are -100). With ``--ring`` the only

@@ -22,7 +22,7 @@ import pytest
 
 from ringpass import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 # what a user types: VAR=value assignments, then ringpass <subcommand>, python examples/<x>.py, torchrun or ./dev
@@ -60,7 +60,7 @@ HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
 SKIP = {
     "./dev test": "the test suite itself, this file included",
     "./dev lint": "ruff over the repository: a CI step of its own (.ci/run)",
-    "torchrun": "the examples run under torchrun in tests/test_examples.py (checked below: every such script)",
+    "torchrun": "the examples, under torchrun in tests/distributed/test_examples.py (checked below: every such script)",
 }
 RUN_AS = {"./dev demo": "ringpass demo"}  # ./dev installs the project, then runs this: the install is not repeated
 
@@ -204,8 +204,8 @@ def test_documented_command_runs(line, workdir, monkeypatch, capsys):
 
 
 def test_documented_torchrun_examples_are_run_by_the_example_tests():
-    """SKIP's reason for torchrun lines holds: tests/test_examples.py runs each script they name."""
-    example_tests = (ROOT / "tests" / "test_examples.py").read_text()
+    """SKIP's reason for torchrun lines holds: tests/distributed/test_examples.py runs each script they name."""
+    example_tests = (ROOT / "tests" / "distributed" / "test_examples.py").read_text()
     scripts = {
         word.removeprefix("examples/")
         for _, line in documented_lines()

@@ -7,7 +7,6 @@ and the schedule against `lowering.schedule`. No process group may be created.
 
 import json
 import re
-import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -27,8 +26,8 @@ from lowering.schedule import schedule_table
 from ringpass.cli import main
 from ringpass.fx.report import size_text
 
-TARGETS = str(Path(__file__).with_name("inspect_targets.py"))
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "inspect.md"
+TARGETS = str(Path(__file__).parents[1] / "workers" / "inspect_targets.py")
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "inspect.md"
 
 
 @pytest.fixture(autouse=True)
@@ -250,52 +249,6 @@ def test_causal_buffer_is_read_from_the_real_buffer():
     assert inspection.status == "rewritten" and inspection.reports[0].attention[0].mask == "causal"
 
 
-def _hf_config(tmp_path, **overrides) -> str:
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=8192,
-        **overrides,
-    )
-    config.save_pretrained(tmp_path)
-    return str(tmp_path / "config.json")
-
-
-def test_hugging_face_config_on_the_meta_device_end_to_end(tmp_path):
-    """The console script, as a user runs it: a local config, no weights, a long sequence."""
-    config = _hf_config(tmp_path)
-    out = tmp_path / "plan.json"
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ringpass")),
-            "inspect",
-            "--hf-config",
-            config,
-            "--world-size",
-            "8",
-            "--labels",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    graph = json.loads(out.read_text())["graphs"][0]
-    n, world = 8192, 8  # the config's max_position_embeddings
-    assert graph["seq_len"] == n and graph["tokens_per_rank"] == [n // world] * world
-    assert [a["module"] for a in graph["attentions"]] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert graph["ring"][0]["kv_bytes_per_hop"] == 2 * 1 * 2 * (n // world) * 32 * 4
-    names = {v["name"]: v["placement"] for v in graph["inputs"]}
-    assert names == {"input_ids": "sharded", "labels": "whole"}
-    assert "2 x model.layers.{0-1}.self_attn: sdpa (causal" in result.stdout  # identical attentions: one line
-
-
 def test_a_hugging_face_config_whose_class_has_no_sdpa_runs_its_own_attention(tmp_path, capsys):
     """GPT-J has no SDPA path before transformers 5.25: `--hf-config` builds it with its eager attention (raised
     "does not support an attention implementation through SDPA" before), which the ring rewrites; `ringpass plan`
@@ -318,7 +271,7 @@ def test_a_hugging_face_config_whose_class_has_no_sdpa_runs_its_own_attention(tm
 def test_hugging_face_padding_mask_is_a_lifted_program(tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(_hf_config(tmp_path))
+            transformers.AutoConfig.from_pretrained(inspect_targets.llama_config_file(tmp_path))
         )
     ids = torch.zeros(2, 96, dtype=torch.long)
     inspection = ringpass.inspect(

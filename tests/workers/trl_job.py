@@ -1,7 +1,7 @@
 """A TRL SFTTrainer job with packing as a user writes it, launched by the tests with torchrun (2 CPU processes, gloo).
 
-    torchrun --standalone --nproc-per-node 2 tests/trl_job.py OUT [--ring] [--model-loss]
-    torchrun --standalone --nproc-per-node 1 tests/trl_job.py OUT --accum 2
+    torchrun --standalone --nproc-per-node 2 tests/workers/trl_job.py OUT [--ring] [--model-loss]
+    torchrun --standalone --nproc-per-node 1 tests/workers/trl_job.py OUT --accum 2
 
 A tiny Llama (random weights) is fine-tuned 6 optimizer steps on 80 prompt-completion pairs of varied lengths (a
 word-level tokenizer built in code; completion-only loss). ``SFTConfig(packing=True)`` packs them best-fit into

@@ -32,7 +32,7 @@ def test_triton_kernels_compile_for_an_h100_class_gpu(dtype, tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = os.path.join(os.path.dirname(__file__), "compile_kernels.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "workers", "compile_kernels.py")
     done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr
 
