@@ -14,30 +14,31 @@ from lowering.errors import NotSupportedError
 from lowering.ulysses import check_heads
 from ringpass.cli.launch import spawn_ranks
 
-TWO_RANKS = [
-    ("wrapped_step", ("fsdp2", 1)),
-    ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
-    ("refused", ("fsdp2", "local")),
-    ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
-]
-TWO_RANKS_HEAVY = [  # suite time: a second 2-rank spawn, -m heavy
-    ("wrapped_step", ("fsdp2", 1, "reduced")),
-    ("per_rank_lengths", ()),
-    ("per_rank_tail", ("none",)),
-    ("per_rank_tail", ("ddp",)),
-    ("per_rank_blocks", ("ddp_blocks",)),
-    ("per_rank_blocks", ("fsdp2_blocks",)),
-    ("per_rank_blocks", ("hf_fsdp2_padded",)),
-]
-FOUR_RANKS = [
-    ("wrapped_step", ("fsdp2", 2)),
-    ("wrapped_step", ("ddp", 2)),
-    ("wrapped_step", ("ddp_dp", 2)),
-    ("tensor_parallel_step", ()),
-    ("ulysses_step", ("llama", "option")),
-    ("ulysses_step", ("hf_llama", "mesh")),
+# case -> (the `composition_workers` function, its arguments); a spawn returns each rank's {case: result}
+TWO_RANKS = {
+    "fsdp2 blocks": ("wrapped_step", ("fsdp2", 1)),
+    "fsdp2 root hf": ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
+    "refused": ("refused", ("fsdp2", "local")),
+    "per_rank ddp": ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
+}
+TWO_RANKS_HEAVY = {  # suite time: a second 2-rank spawn, -m heavy
+    "fsdp2 reduced": ("wrapped_step", ("fsdp2", 1, "reduced")),
+    "per_rank lengths": ("per_rank_lengths", ()),
+    "tail none": ("per_rank_tail", ("none",)),
+    "tail ddp": ("per_rank_tail", ("ddp",)),
+    "blocks ddp": ("per_rank_blocks", ("ddp_blocks",)),
+    "blocks fsdp2": ("per_rank_blocks", ("fsdp2_blocks",)),
+    "blocks hf fsdp2 padded": ("per_rank_blocks", ("hf_fsdp2_padded",)),
+}
+FOUR_RANKS = {
+    "fsdp2": ("wrapped_step", ("fsdp2", 2)),
+    "ddp": ("wrapped_step", ("ddp", 2)),
+    "ddp dp": ("wrapped_step", ("ddp_dp", 2)),
+    "tensor parallel": ("tensor_parallel_step", ()),
+    "ulysses option": ("ulysses_step", ("llama", "option")),
+    "ulysses mesh hf": ("ulysses_step", ("hf_llama", "mesh")),
     # (sequence, query heads, KV heads, causal, layout): GQA, fewer KV heads than U, padding, both layouts
-    (
+    "ulysses by hand": (
         "ulysses_by_hand",
         (
             [
@@ -48,18 +49,18 @@ FOUR_RANKS = [
             ],
         ),
     ),
-    ("wrapped_step", ("hsdp", 2)),
-    ("ulysses_step", ("hf_llama", "mesh", "inductor")),
-    ("ulysses_hf_modes", (["left-padded", "packed"],)),
-    ("per_rank_step", ("ddp_dp", 1)),
-    ("per_rank_step", ("ddp", 1)),
-    ("per_rank_step", ("fsdp2_root", 1)),
-    ("per_rank_step", ("none", 1)),
-]
+    "hsdp": ("wrapped_step", ("hsdp", 2)),
+    "ulysses mesh hf inductor": ("ulysses_step", ("hf_llama", "mesh", "inductor")),
+    "ulysses hf modes": ("ulysses_hf_modes", (["left-padded", "packed"],)),
+    "per_rank ddp dp": ("per_rank_step", ("ddp_dp", 1)),
+    "per_rank ddp": ("per_rank_step", ("ddp", 1)),
+    "per_rank fsdp2 root": ("per_rank_step", ("fsdp2_root", 1)),
+    "per_rank none": ("per_rank_step", ("none", 1)),
+}
 
 
 @cache
-def results(world_size: int, heavy: bool = False) -> list:
+def results(world_size: int, heavy: bool = False) -> list[dict]:
     calls = FOUR_RANKS if world_size == 4 else TWO_RANKS_HEAVY if heavy else TWO_RANKS
     return spawn_ranks(composition_workers.runs, world_size, (calls,), timeout=600)
 
@@ -74,7 +75,7 @@ def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
     share x 2, FSDP2's reduce-scatters are the only gradient collectives; a graph per block (FSDP2's hooks break
     the graph), and the root only (one graph, a Hugging Face Llama)."""
     for rank in results(2):
-        for result in rank[:2]:
+        for result in (rank["fsdp2 blocks"], rank["fsdp2 root hf"]):
             check_exact(result)
             assert result["gradients"] and set(result["gradients"]) == {"mean"}, result
             assert "FSDP2 over ranks 0, 1" in result["why"][0], result
@@ -89,21 +90,21 @@ def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
 @pytest.mark.heavy  # in the second 2-rank spawn
 def test_an_explicit_grads_reduced_under_fsdp2_is_exact_and_says_what_it_costs():
     for rank in results(2, heavy=True):
-        result = rank[0]
+        result = rank["fsdp2 reduced"]
         check_exact(result)
         assert result["ringpass_all_reduces"] > 0 and "reduces it again" in result["why"][0], result
 
 
 def test_combinations_that_would_be_wrong_are_refused():
     for rank in results(2):
-        assert "grads='local'" in rank[2] and "1/2 of the truth" in rank[2], rank[2]
+        assert "grads='local'" in rank["refused"] and "1/2 of the truth" in rank["refused"], rank["refused"]
 
 
 def test_ddp_with_dynamos_default_optimize_ddp_keeps_the_ring_graph_whole():
     """DDP with buckets small enough that Dynamo's DDPOptimizer would cut the graph into pieces (the per_rank case
     below): the ring's graph arrives whole (one graph, its attentions rewritten), the summary says so."""
     for rank in results(2):
-        summary = rank[3]["summaries"][0]  # the first call's graph (a second length compiles a second)
+        summary = rank["per_rank ddp"]["summaries"][0]  # the first call's graph (a second length compiles a second)
         assert "2 attention(s) rewritten" in summary and "DDP: kept whole (Dynamo's optimize_ddp" in summary, summary
 
 
@@ -112,7 +113,7 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
     are its own batch's, the gradients after DDP's mean DDP's of the ranks' own, the ring ran on every batch.
     (No wrapper, a (dp, cp) mesh, FSDP2: -m heavy.)"""
     for rank in results(2):
-        result = rank[3]
+        result = rank["per_rank ddp"]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
@@ -127,7 +128,7 @@ def test_per_rank_batches_of_different_lengths_and_sizes_under_a_dynamic_graph()
     same error on every rank, saying what to do."""
     errors = []
     for rank in results(2, heavy=True):
-        result = rank[1]
+        result = rank["per_rank lengths"]
         assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
         assert result["kv_exchanges"] == 2 * 2, result
         fixed, branch = result["fixed_length"], result["branch_on_length"]
@@ -146,7 +147,7 @@ def test_per_rank_runs_a_tail_that_shifts_the_hidden_states_on_each_ranks_own_ba
     under DDP (the tied weight trains through both the ring graph and the tail); the ring ran on both batches. A
     token shift between two attentions is still refused on every rank."""
     for rank in results(2, heavy=True):
-        for result in rank[2:4]:
+        for result in (rank["tail none"], rank["tail ddp"]):
             assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
             assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions, each rank's batch
             assert "the tail from `getitem`" in result["summary"], result["summary"]
@@ -163,13 +164,14 @@ def test_per_rank_across_graph_boundaries_sends_the_activations_by_tokens():
     each block; the summary says the hidden states were sent by tokens (not gathered). An eager activation attended
     without a wrapper: its output and the gradient of this rank's own objective as unsharded."""
     for rank in results(2, heavy=True):
-        for result in rank[4:7]:
+        for result in (rank["blocks ddp"], rank["blocks fsdp2"], rank["blocks hf fsdp2 padded"]):
             assert result["loss"] <= 1e-12 and result["grads"] <= 1e-10, result
             assert result["kv_exchanges"] == 2 * 2 * 2, result  # 2 blocks, each rank's batch, forward and backward
             ring_graphs = [s for s in result["summaries"] if "rewritten to ring attention" in s]
             assert ring_graphs and all("(activations) sent by tokens" in s for s in ring_graphs), result["summaries"]
-        assert max(rank[4]["activation"]) <= 1e-12, rank[4]["activation"]
-        assert all("mask(s) crossing" in s for s in rank[6]["summaries"] if "ring attention" in s), rank[6]
+        assert max(rank["blocks ddp"]["activation"]) <= 1e-12, rank["blocks ddp"]["activation"]
+        padded = rank["blocks hf fsdp2 padded"]
+        assert all("mask(s) crossing" in s for s in padded["summaries"] if "ring attention" in s), padded
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
@@ -177,12 +179,12 @@ def test_fsdp2_and_ddp_over_data_and_ring_ranks_flattened():
     """A 2 x 2 mesh (dp, cp): FSDP2 / DDP over the four ranks flattened, each replica its own rows; the mean of
     the scaled shares is the gradient of the global batch, the wrapper's reduction the only one."""
     for rank in results(4):
-        for result, kind in zip(rank[:2], ("FSDP2", "DDP")):
+        for result, kind in ((rank["fsdp2"], "FSDP2"), (rank["ddp"], "DDP")):
             check_exact(result)
             assert set(result["gradients"]) == {"mean"} and f"{kind} over ranks 0-3" in result["why"][0], result
             assert all(shape == result["head_shape"] for shape in result["backward_all_reduce_shapes"]), result
-        assert rank[0]["collectives"]["_reduce_scatter_base_"] == rank[0]["fsdp_units"], rank[0]
-        assert rank[1]["collectives"] == {"allreduce_": 1}, rank[1]  # DDP's one bucket
+        assert rank["fsdp2"]["collectives"]["_reduce_scatter_base_"] == rank["fsdp2"]["fsdp_units"], rank["fsdp2"]
+        assert rank["ddp"]["collectives"] == {"allreduce_": 1}, rank["ddp"]  # DDP's one bucket
 
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
@@ -190,7 +192,7 @@ def test_hsdp_replicated_over_data_sharded_over_the_ring():
     """fully_shard on the 2-D (dp, cp) mesh: FSDP2 reduce-scatters over cp and all-reduces over dp, a mean over
     all four ranks; the ring adds nothing."""
     for rank in results(4):
-        result = rank[7]
+        result = rank["hsdp"]
         check_exact(result)
         assert set(result["gradients"]) == {"mean"} and "FSDP2 over ranks 0-3" in result["why"][0], result
         assert all(shape == result["head_shape"] for shape in result["backward_all_reduce_shapes"]), result
@@ -200,7 +202,7 @@ def test_hsdp_replicated_over_data_sharded_over_the_ring():
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ddp_over_data_parallel_ranks_only_still_reduces_over_the_ring():
     for rank in results(4):
-        result = rank[2]
+        result = rank["ddp dp"]
         check_exact(result)
         assert result["gradients"] == ["reduced"] and "data-parallel ranks only" in result["why"][0], result
         assert result["ringpass_all_reduces"] > 0 and result["collectives"] == {"allreduce_": 1}, result
@@ -212,7 +214,7 @@ def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
     the ring over ``cp`` on a 2 x 2 mesh: exact, and each KV block on the wire holds this rank's one KV head of
     two (2 x batch 2 x 1 head x 6 slots x head dim 8 x 4 bytes)."""
     for rank in results(4):
-        result = rank[3]
+        result = rank["tensor parallel"]
         check_exact(result)
         assert result["kv_bytes"] == [2 * 2 * 1 * 6 * 8 * 4], result
         # no wrapper: the ring all-reduces each parameter's gradient (a DTensor's local shard) once over cp
@@ -225,7 +227,8 @@ def test_ulysses_x_ring_trains_exactly():
     """U = 2 on 4 ranks, by option (groups of neighbours) and by a 2-D mesh: the ring runs over 2 groups (one
     KV exchange per layer forward and one backward, not three), four all-to-alls per layer forward and four back."""
     for rank in results(4):
-        for result in rank[4:6] + rank[8:9]:  # and the mesh case compiled by Inductor
+        for case in ("ulysses option", "ulysses mesh hf", "ulysses mesh hf inductor"):  # the last by Inductor
+            result = rank[case]
             check_exact(result)
             assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
             assert result["ringpass_all_reduces"] == result["parameters"], result  # each gradient once, over all 4
@@ -237,7 +240,7 @@ def test_ulysses_with_padding_packed_documents_and_dynamic_shapes():
     """Hugging Face Llama, left-padded and packed batches (lifted masks on the groups' positions), one dynamic
     compile serving two lengths."""
     for rank in results(4):
-        for case, result in rank[9].items():
+        for case, result in rank["ulysses hf modes"].items():
             assert max(result["loss"], result["logits"], result["grads"], result["longer"]) <= 1e-4, (case, result)
             assert result["all_to_alls"] == 2 * 8 and result["later_compiles"] == 0, (case, result)
 
@@ -245,7 +248,7 @@ def test_ulysses_with_padding_packed_documents_and_dynamic_shapes():
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ulysses_attention_by_hand_is_exact_in_fp64():
     for rank in results(4):
-        for case in rank[6]:
+        for case in rank["ulysses by hand"]:
             assert case["out"] < 1e-12 and case["grads"] < 1e-12, case
             assert case["kv_exchanges"] == 2 and case["all_to_alls"] == 8, case
 
@@ -277,7 +280,8 @@ def test_per_rank_inputs_on_a_data_and_ring_mesh():
     ranks (the ring's shares scaled for the wrapper's mean), no wrapper (every rank ends with the mean over its
     ring's ranks): each rank's own loss and logits, the data-parallel gradient."""
     for rank in results(4):
-        for result, mode in zip(rank[-4:], ("reduced", "mean", "mean", "reduced")):
+        for case, mode in (("ddp dp", "reduced"), ("ddp", "mean"), ("fsdp2 root", "mean"), ("none", "reduced")):
+            result = rank[f"per_rank {case}"]
             assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
             assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x the ring's 2 batches
             assert set(result["gradients"]) == {mode}, result

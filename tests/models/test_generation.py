@@ -25,8 +25,8 @@ def generated(world_size: int, cases: tuple = tuple(CASES)) -> list:
 
 
 def check_generated(world_size: int, per_rank: list, cases) -> None:
-    for index, (name, prompt_len, padded, new) in enumerate(cases):
-        results = [rank[index] for rank in per_rank]
+    for name, prompt_len, padded, new in cases:
+        results = [rank[generation_workers.case_name((name, prompt_len, padded, new))] for rank in per_rank]
         for result in results:
             assert result["same_tokens"], (name, padded)
             assert result["logits"] < 1e-4, (name, padded, result["logits"])

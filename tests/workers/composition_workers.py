@@ -110,9 +110,10 @@ def refused(rank: int, world_size: int, wrapper: str, grads: str = "auto") -> st
     return "no error"
 
 
-def runs(rank: int, world_size: int, calls: list) -> list:
-    """Several of this module's functions in one process: ``calls`` is a list of (name, args)."""
-    return [globals()[name](rank, world_size, *args) for name, args in calls]
+def runs(rank: int, world_size: int, calls: dict) -> dict:
+    """Several of this module's functions in one process: ``calls`` maps a case's name to (function, args); the
+    result maps it to what the function returned."""
+    return {case: globals()[name](rank, world_size, *args) for case, (name, args) in calls.items()}
 
 
 def _model(family: str):

@@ -39,11 +39,17 @@ def _held(cache) -> list:
     return [sorted(p for p in layer.slot_pos.tolist() if p != FREE) for layer in cache.layers]
 
 
-def hf_generate(rank: int, world_size: int, cases: list) -> list:
-    """Per case (family, prompt length, left padded, new tokens): greedy ``ringpass.generate`` against
-    ``model.generate`` unsharded: tokens equal, worst per-step logits error, events, compiles, what the
+def case_name(case: tuple) -> str:
+    """``("llama", 13, True, 4)`` as ``"llama 13 padded 4"``: how `hf_generate` keys its results."""
+    name, prompt_len, padded, new = case
+    return f"{name} {prompt_len}{' padded' * padded} {new}"
+
+
+def hf_generate(rank: int, world_size: int, cases: list) -> dict:
+    """Per case (family, prompt length, left padded, new tokens), keyed by `case_name`: greedy ``ringpass.generate``
+    against ``model.generate`` unsharded: tokens equal, worst per-step logits error, events, compiles, what the
     slots hold and whether they hold the unsharded cache's keys and values there, and the cache's bytes."""
-    results = []
+    results = {}
     for name, prompt_len, padded, new in cases:
         model = build(name).eval()
         ids, mask = _prompt(2, prompt_len, padded)
@@ -70,25 +76,23 @@ def hf_generate(rank: int, world_size: int, cases: list) -> list:
             or _slots_hold(layer, layer_whole, real.bool())
             for layer, layer_whole in zip(cache.layers, whole.layers)
         )
-        results.append(
-            {
-                "same_tokens": torch.equal(got.sequences, expected.sequences),
-                "logits": max(rel_err(g, e) for g, e in zip(got.logits, expected.logits)),
-                "logits_bits": [hashlib.sha256(g.numpy().tobytes()).hexdigest() for g in got.logits],  # every rank's?
-                "steps": len(got.logits),
-                "layers": len(cache.layers),
-                "events": _counts(events),
-                "compiles": len(backend.reports),
-                "statuses": [r.status for r in backend.reports],
-                "decode": [r.decode for r in backend.reports],
-                "held": _held(cache),
-                "slots_hold_cache": slots_hold_cache,
-                "slot_bytes": cache.slot_bytes(),
-                "whole_bytes": sum(
-                    t.numel() * t.element_size() for layer in whole.layers for t in (layer.keys, layer.values)
-                ),
-            }
-        )
+        results[case_name((name, prompt_len, padded, new))] = {
+            "same_tokens": torch.equal(got.sequences, expected.sequences),
+            "logits": max(rel_err(g, e) for g, e in zip(got.logits, expected.logits)),
+            "logits_bits": [hashlib.sha256(g.numpy().tobytes()).hexdigest() for g in got.logits],  # every rank's?
+            "steps": len(got.logits),
+            "layers": len(cache.layers),
+            "events": _counts(events),
+            "compiles": len(backend.reports),
+            "statuses": [r.status for r in backend.reports],
+            "decode": [r.decode for r in backend.reports],
+            "held": _held(cache),
+            "slots_hold_cache": slots_hold_cache,
+            "slot_bytes": cache.slot_bytes(),
+            "whole_bytes": sum(
+                t.numel() * t.element_size() for layer in whole.layers for t in (layer.keys, layer.values)
+            ),
+        }
     return results
 
 
