@@ -280,12 +280,6 @@ SYMBOLS: dict[str, Private] = {
 }
 
 
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
 def resolve(name: str) -> object:
     """The object `SYMBOLS` [``name``] names; `TorchInternalMoved` if this torch / transformers lacks it."""
     symbol = SYMBOLS[name]
@@ -306,7 +300,7 @@ def resolve(name: str) -> object:
         raise ModuleNotFoundError(parts[0])
     except (ImportError, AttributeError) as error:
         library = "transformers" if parts[0] == "transformers" else "torch"
-        installed = _installed(library)
+        installed = installed_version(library)
         tested = TESTED_TRANSFORMERS if library == "transformers" else TESTED_TORCH
         raise TorchInternalMoved(
             f"ringpass uses {symbol.path} ({symbol.why}), which {library} {installed} does not have ({error}). "
@@ -323,7 +317,8 @@ def _still_read(module: str, attribute: str) -> bool:
     return True
 
 
-def _installed(library: str) -> str:
+def installed_version(library: str) -> str:
+    """``library``'s version as installed (``torch``, ``transformers``), or that it is not installed."""
     try:
         return importlib.import_module(library).__version__
     except ImportError:

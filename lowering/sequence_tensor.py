@@ -286,12 +286,13 @@ def _needs_whole(func, why: str) -> NeedsWholeSequence:
 
 def _written(func, args, kwargs) -> list:
     """The tensors an op writes into (in place, ``out=``)."""
-    if not compat.schema_of(func).is_mutable:
+    schema = compat.schema_of(func)
+    if not schema.is_mutable:
         return []
     given = _bound(func, args, kwargs)
     return [
         given[a.name]
-        for a in compat.schema_of(func).arguments
+        for a in schema.arguments
         if a.alias_info is not None and a.alias_info.is_write and isinstance(given.get(a.name), torch.Tensor)
     ]
 

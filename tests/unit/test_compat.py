@@ -170,7 +170,7 @@ def test_a_moved_name_is_a_clear_error(monkeypatch):
         compat.resolve("NoSuchSource")
     message = str(raised.value)
     assert "torch._dynamo.source.NoSuchSource" in message and "names an input's origin" in message
-    assert f"torch {compat.torch_version()}" in message and compat.TESTED_TORCH in message
+    assert f"torch {compat.installed_version('torch')}" in message and compat.TESTED_TORCH in message
 
 
 def test_a_moved_attribute_of_instances_is_a_clear_error(monkeypatch):

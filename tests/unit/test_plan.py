@@ -279,7 +279,7 @@ def test_the_step_time_prices_each_op_by_hand():
 
 
 def test_a_large_vocabulary_step_peaks_with_its_parameters_gradients():
-    """Issue 4: a large vocabulary x hidden at a short slice of the sequence, where the embedding's and the head's
+    """A large vocabulary x hidden at a short slice of the sequence, where the embedding's and the head's
     gradients (vocabulary x hidden each) outweigh the activations. Counted here from the shapes: the optimizer step
     holds every gradient and AdamW's temporaries (torch on the CPU: the square root of one parameter's second moment
     and its quotient by the bias correction, two of the largest parameter at once, the head's, beside the quotient
