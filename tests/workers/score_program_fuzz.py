@@ -300,8 +300,7 @@ def run_case(rank: int, world_size: int, case: dict, folder: str) -> dict:
                 if want_out is not None:
                     found["output"] = max(found["output"], _relative(out.detach(), want_out))
                 _merge(found["grads"], _grad_errors(_grads(trained), _grads(reference), FLOOR[case["dtype"]]))
-                for module in (trained, reference):
-                    _sgd_step(module)
+                _sgd_step(trained, reference)
     except Exception as error:
         return {
             "raised": type(error).__name__,
@@ -335,18 +334,24 @@ def _grads(module: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def _sgd_step(module: nn.Module) -> None:
-    """An SGD step whose one learning rate moves the weights by 1% of their norm (a fixed rate would throw some
-    drawn models far enough that fp32 compares rounding amplified by saturated softmaxes; a rate per parameter
-    would blow a gradient that is zero in exact arithmetic, its rounding, up to 1% of that parameter)."""
+def _sgd_step(trained: nn.Module, reference: nn.Module) -> None:
+    """One SGD step on both models with one learning rate, the reference's: it moves the reference's weights by
+    1% of their norm (a fixed rate would throw some drawn models far enough that fp32 compares rounding amplified
+    by saturated softmaxes; a rate per parameter would blow a gradient that is zero in exact arithmetic, its
+    rounding, up to 1% of that parameter). A rate computed per model would differ between the two wherever such a
+    gradient is exactly zero in one run and rounding (1e-17) in the other, which leaves a parameter out of one
+    model's norms: the second call then compares two different models (two identical tokens give every score a
+    zero gradient; the case `SHORT_PADDED_TABLE` was that)."""
     # (a parameter only an unused output reads has a zero gradient under torch.compile, None in eager: left out)
-    trained = [p for p in module.parameters() if p.grad is not None and p.grad.count_nonzero()]
-    weights = math.sqrt(sum(p.norm().item() ** 2 for p in trained))
-    grads = math.sqrt(sum(p.grad.norm().item() ** 2 for p in trained))
-    for p in trained:
-        p.sub_(p.grad * (0.01 * weights / max(grads, 1e-30)))
-    for p in module.parameters():
-        p.grad = None
+    moved = [p for p in reference.parameters() if p.grad is not None and p.grad.count_nonzero()]
+    weights = math.sqrt(sum(p.norm().item() ** 2 for p in moved))
+    grads = math.sqrt(sum(p.grad.norm().item() ** 2 for p in moved))
+    rate = 0.01 * weights / max(grads, 1e-30)
+    for module in (trained, reference):
+        for p in module.parameters():
+            if p.grad is not None:
+                p.sub_(p.grad * rate)
+            p.grad = None
 
 
 def _merge(worst: dict, errors: dict) -> None:
