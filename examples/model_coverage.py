@@ -23,6 +23,7 @@ import argparse
 import datetime
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -43,6 +44,10 @@ SMALL = dict(
 )
 GQA = dict(SMALL, num_key_value_heads=2)
 ENCODER = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# a Mamba2 mixer of 4 heads of 16 (hidden 32, expand 2), state 8, one group, chunks of 8 (Bamba's spelling of it)
+MAMBA2_MIXER = dict(
+    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=8
+)
 # family -> (config class, config keywords, attention implementation[, "masked-lm" or "token-classification": an
 # encoder with that head, else a causal LM])
 FAMILIES = {
@@ -390,6 +395,94 @@ FAMILIES = {
         ),
         "sdpa",
     ),
+    # hybrids and state-space models: sequence mixers besides attention (docs/backend.md, "Sequence mixers")
+    "lfm2": ("Lfm2Config", dict(GQA, layer_types=["conv", "full_attention"], conv_L_cache=3), "sdpa"),
+    "mamba2": (
+        "Mamba2Config",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=16,
+            state_size=8,
+            n_groups=1,
+            conv_kernel=4,
+            chunk_size=8,
+        ),
+        "sdpa",
+    ),
+    "bamba": (
+        "BambaConfig",
+        dict(GQA, attn_layer_indices=[1], **MAMBA2_MIXER, mamba_d_conv=4),
+        "sdpa",
+    ),
+    "falcon_h1": ("FalconH1Config", dict(GQA, **MAMBA2_MIXER, mamba_d_conv=4), "sdpa"),
+    "nemotron_h": (
+        "NemotronHConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            layers_block_type=["mamba", "attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=8,
+            use_mamba_kernels=False,
+        ),
+        "sdpa",
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            GQA,
+            layer_types=["mamba", "attention"],
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            shared_intermediate_size=64,
+            **MAMBA2_MIXER,
+            mamba_d_conv=4,
+        ),
+        "sdpa",
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+        "sdpa",
+    ),
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        dict(
+            GQA,
+            num_key_value_heads=1,
+            block_types=["recurrent", "attention"],
+            lru_width=32,
+            attention_window_size=8,
+            conv1d_width=4,
+        ),
+        "sdpa",
+    ),
     "bert (masked LM)": ("BertConfig", ENCODER, "sdpa", "masked-lm"),
     "roberta (masked LM)": ("RobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
     "xlm-roberta (masked LM)": ("XLMRobertaConfig", dict(ENCODER, pad_token_id=1), "sdpa", "masked-lm"),
@@ -580,6 +673,7 @@ def training_step(rank: int, world_size: int, family: str, dynamic: bool = False
             }
         ),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+        "mixers": [m.kind for r in backend.reports for m in r.mixers],
         "graphs": len(backend.reports),
     }
 
@@ -638,7 +732,8 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
             why = re.sub(r"\S*/site-packages/", "", r["why"]).replace("|", "/")  # paths from the package root
             lines.append(f"| {family} | {spelling} | {r['status']} | | | {why[:300]} |")
         else:
-            notes = "; ".join(r["attention"][:1]) + (f"; {r['graphs']} graphs" if r["graphs"] > 1 else "")
+            mixers = [f"{count} x {kind}: state passed" for kind, count in Counter(r.get("mixers", [])).items()]
+            notes = "; ".join(r["attention"][:1] + mixers) + (f"; {r['graphs']} graphs" if r["graphs"] > 1 else "")
             lines.append(
                 f"| {family} | {spelling} | {r['status']} | {r['error']:.1e} | {r['kv_exchanges']} | {notes} |"
             )

@@ -2,8 +2,9 @@
 
 Exact attention over a sequence sharded across processes (`ring_attention`), decode steps against a KV
 cache that stays sharded (`decode_attention`; the cache's slots: `lowering.sharded_cache`), Ulysses x ring
-(`ulysses_attention`: all-to-all over heads inside groups, the ring across them), the layouts that say
-which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
+(`ulysses_attention`: all-to-all over heads inside groups, the ring across them), causal convolutions and cumulative
+sums along a sharded sequence (`sharded_conv1d`, `sharded_cumsum`: each chunk gets the state before it), the
+layouts that say which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
 opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
 """
 
@@ -13,6 +14,7 @@ from lowering.events import RingEvent, record_ring_events
 from lowering.layout import Layout
 from lowering.op import ring_attention
 from lowering.schedule import BlockTask, plan_block, schedule_table
+from lowering.sequence_mixers import sharded_conv1d, sharded_cumsum
 from lowering.sharded_cache import append_slots, decode_over_slots, prompt_slots, whole_cache
 from lowering.simulate import SimulatedRing, simulate_ring
 from lowering.ulysses import ulysses_attention
@@ -33,6 +35,8 @@ __all__ = [
     "record_ring_events",
     "ring_attention",
     "schedule_table",
+    "sharded_conv1d",
+    "sharded_cumsum",
     "simulate_ring",
     "ulysses_attention",
     "whole_cache",

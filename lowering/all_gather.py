@@ -22,8 +22,8 @@ from lowering.failures import wait_collective
 from lowering.ring import RankBackward, RankForward, RingSpec, span
 
 # torch 2.13 renamed the tensor collectives (the old names still work, with a warning)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gathered_forward(q, k, v, spec: RingSpec, group):
@@ -46,7 +46,7 @@ def gathered_backward(dout, q, k, v, out, lse, dlse, spec: RingSpec, group, trai
     del blocks
     mine = grads.new_empty((2, *grads.shape[1:]))
     with span("backward", 0, "wait", "dkv reduce-scatter"):
-        work = _reduce_scatter(mine, grads, group=group, async_op=True)
+        work = reduce_scatter_into(mine, grads, group=group, async_op=True)
         wait_collective(work, mine, group.group_name, "the reduce-scatter of the all-gathered blocks' dK/dV")
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
     return state.dq.to(q.dtype), mine[0].to(k.dtype, copy=True), mine[1].to(v.dtype, copy=True), state.program_results()
@@ -58,6 +58,6 @@ def _gather_blocks(k, v, group, phase: str) -> torch.Tensor:
     p = dist.get_world_size(group)
     blocks = kv.new_empty((p * kv.size(0), *kv.shape[1:]))  # the collectives concatenate along dim 0
     with span(phase, 0, "wait", "kv all-gather"):
-        work = _all_gather(blocks, kv, group=group, async_op=True)
+        work = all_gather_into(blocks, kv, group=group, async_op=True)
         wait_collective(work, blocks, group.group_name, f"the {phase} all-gather of every rank's K/V block")
     return blocks.view(p, *kv.shape)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from lowering.layout import Layout, local_length
-from ringpass.fx.findings import AttentionMatch, MaskFindings, SequenceFindings
+from ringpass.fx.findings import AttentionMatch, MaskFindings, MixerMatch, SequenceFindings
 from ringpass.fx.gradient_reach import CapturedGradients
 from ringpass.fx.nodes import example_value
 from ringpass.fx.report import Report
@@ -94,6 +94,7 @@ class PassContext:
     # record_gradient_paths: the inputs that train through the captured graph (check_gradient_paths checks them)
     gradient_paths: CapturedGradients | None = None
     attention: list[AttentionMatch] = field(default_factory=list)  # find_attention
+    mixers: list[MixerMatch] = field(default_factory=list)  # find_sequence_mixers
     masks: MaskFindings = field(default_factory=MaskFindings)  # lift_masks
     sequence: SequenceFindings = field(default_factory=SequenceFindings)  # find_sequence_axes
     # choose_strategy: each attention's strategy (None: the ring as the options say) and the Ulysses group sizes used

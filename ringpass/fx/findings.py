@@ -1,4 +1,5 @@
-"""What the analysis passes find, as typed records: `AttentionMatch` (`find_attention`), `MaskPlan` and
+"""What the analysis passes find, as typed records: `AttentionMatch` (`find_attention`), `MixerMatch`
+(`find_sequence_mixers`), `MaskPlan` and
 `MaskFindings` (`lift_masks`), `SeqDim` and `SequenceFindings` (`find_sequence_axes`). `PassContext` holds one
 of each; a pass that reads a finding imports its type from here, not from the pass that writes it."""
 
@@ -43,6 +44,30 @@ class AttentionMatch:
             return plain(q.shape[0]), 1, 1
         batch = plain(self.batch)
         return batch, plain(q.shape[0]) // batch, plain(k.shape[0]) // batch  # heads merged with the batch in dim 0
+
+
+@dataclass(frozen=True)
+class MixerMatch:
+    """A sequence mixer other than attention that the ring runs on this rank's tokens, each chunk with a summary
+    of the chunks before it (`lowering.sequence_mixers`): ``kind`` "causal_conv1d" (``conv1d(x [B, C, N], weight
+    [C, 1, k], bias, padding=k-1, groups=C)`` then ``[..., :N]``: ``internal`` holds the conv, ``output`` the slice)
+    or "cumsum" (``cumsum(x, dim)`` of a floating activation, ``output`` the cumsum). ``dim``: the sequence axis of
+    ``input`` it runs along (a cumsum's may still prove not to be the sequence: the rewrite checks)."""
+
+    kind: str
+    output: fx.Node
+    input: fx.Node
+    dim: int
+    weight: fx.Node | None = None
+    bias: fx.Node | None = None
+    width: int = 0  # the convolution's kernel size
+    internal: tuple[fx.Node, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind == "causal_conv1d":
+            channels = plain(example_value(self.input).shape[1])
+            return f"causal depthwise conv1d, width {self.width}, {channels} channels"
+        return f"cumulative sum along dim {self.dim}"
 
 
 @dataclass(frozen=True)

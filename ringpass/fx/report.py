@@ -20,6 +20,17 @@ summary_logger = logging.getLogger("ringpass.summary")
 
 
 @dataclass
+class MixerRecord:
+    """One sequence mixer other than attention (`ringpass.passes.find_sequence_mixers`) and how it runs."""
+
+    module: str  # the user's module path, "" at the top level
+    source: str  # file, line and code of the op
+    kind: str  # "causal depthwise conv1d, width 4, 80 channels" | "cumulative sum along dim 1"
+    strategy: str  # how it runs on the ranks ("state passing: ...", or computed whole and why)
+    bytes_per_call: int = 0  # what each rank sends in the forward
+
+
+@dataclass
 class AttentionRecord:
     """One attention and what became of it."""
 
@@ -96,6 +107,7 @@ class Report:
     layout: str = ""
     seq_len: int | None = None
     attention: list[AttentionRecord] = field(default_factory=list)
+    mixers: list[MixerRecord] = field(default_factory=list)  # sequence mixers other than attention
     positions: list[str] = field(default_factory=list)
     inputs: list[ValueRecord] = field(default_factory=list)
     outputs: list[ValueRecord] = field(default_factory=list)
@@ -125,7 +137,7 @@ class Report:
             return "refused"
         if self.runs_whole:
             return "whole"
-        if self.attention or self.decode or self.carried():
+        if self.attention or self.mixers or self.decode or self.carried():
             return "rewritten"
         return "no attention" if self.world_size > 1 else "unchanged"
 
@@ -187,6 +199,8 @@ class Report:
             if self.attention
             else f"no attention, sharded over {over}"
         )
+        if self.mixers:
+            what += f", {len(self.mixers)} sequence mixer(s) passing state between ranks"
         chosen = Counter(a.strategy.split(",")[0] for a in self.attention if a.strategy)
         what += "".join(f", {count} by {strategy}" for strategy, count in chosen.items())
         carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""
@@ -210,6 +224,7 @@ class Report:
                 ),
             )
         lines += _section("attention", attention_lines(self.attention))
+        lines += _section("sequence mixers", [_mixer_text(m) for m in self.mixers])
         lines += _section("positions", self.positions)
         for title, placement in (
             ("inputs sharded (each rank gets its tokens)", "sharded"),
@@ -282,6 +297,7 @@ class Report:
             "local_len": layout.local_len if layout else None,
             "tokens_per_rank": [layout.valid_len(r) for r in range(self.world_size)] if layout else None,
             "attentions": [asdict(a) for a in self.attention],
+            "mixers": [asdict(m) for m in self.mixers],
             "positions": self.positions,
             "inputs": [asdict(v) for v in self.inputs],
             "outputs": [asdict(v) for v in self.outputs],
@@ -406,6 +422,12 @@ def _attention_text(a: AttentionRecord) -> str:
         f"head dim {a.head_dim}, {a.dtype}) -> ringpass::ring_attention at {a.source}"
         + (f"; strategy {a.strategy}" if a.strategy else "")
     )
+
+
+def _mixer_text(m: MixerRecord) -> str:
+    where = f"{m.module}: " if m.module else ""
+    sent = f", {size_text(m.bytes_per_call)} sent per rank per call" if m.bytes_per_call else ""
+    return f"{where}{m.kind}: {m.strategy}{sent} ({m.source})"
 
 
 def _value_text(v: ValueRecord) -> str:

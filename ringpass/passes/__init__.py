@@ -4,9 +4,10 @@ for every front end (the backend, `ringpass.inspect`, `ringpass.convert`):
 
 - ``prepare`` (`PREPARE`): remove the values nothing reads, spell tensor properties one way (torch 2.13's and
   2.15's captures differ), record the gradient paths, write out what Dynamo wraps (subgraphs, model numbers,
-  ``nn.MultiheadAttention``, vmapped masks) and find the attentions. Then, by what was found:
-- a graph without attention: nothing more; it runs unchanged (replicated) on every rank, unless an input arrives
-  sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
+  ``nn.MultiheadAttention``, vmapped masks), find the attentions and the other sequence mixers (causal convolutions,
+  cumsums). Then, by what was found:
+- a graph without attention or sequence mixer: nothing more; it runs unchanged (replicated) on every rank, unless an
+  input arrives sequence-sharded (a `SequenceSharded` from another ring graph): then it is a prefill without attention;
 - decode steps (fewer queries than keys: against a KV cache; `DECODE`): attended where the cache lies;
   nothing else in the graph is sharded;
 - else the prefill (`PREFILL`): ``analyse`` (masks, sequence axes, strategy, layout, placements), ``shard`` (positions,
@@ -33,6 +34,7 @@ from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
+from ringpass.passes.find_sequence_mixers import find_sequence_mixers
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.invert_permutations import invert_permutations
@@ -48,6 +50,7 @@ from ringpass.passes.remove_unread_values import remove_unread_values
 from ringpass.passes.rewrite_attention import rewrite_attention
 from ringpass.passes.rewrite_decode_attention import is_decode_step, rewrite_decode_attention
 from ringpass.passes.rewrite_positions import rewrite_positions
+from ringpass.passes.rewrite_sequence_mixers import rewrite_sequence_mixers
 from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
@@ -64,6 +67,7 @@ PREPARE = Stage(
         expand_multi_head_attention,
         devectorize_vmaps,
         find_attention,
+        find_sequence_mixers,
     ),
 )
 PREFILL = (
@@ -85,7 +89,9 @@ PREFILL = (
     ),
     # from the whole sequence to this rank's tokens: the graph computes its values again after the last
     Stage(
-        "shard", (rewrite_positions, localize_shapes, rewrite_attention, insert_boundaries), runs_between_passes=False
+        "shard",
+        (rewrite_positions, localize_shapes, rewrite_attention, rewrite_sequence_mixers, insert_boundaries),
+        runs_between_passes=False,
     ),
     Stage("gradients", (reduce_grads,)),
 )
@@ -111,7 +117,7 @@ def _run_stages(ctx: PassContext) -> None:
     report, runner = ctx.report, PassRunner(ctx)
     try:
         runner.run(PREPARE)
-        if not ctx.attention and not ctx.carried_inputs:
+        if not ctx.attention and not ctx.mixers and not ctx.carried_inputs:
             report.unchanged = "no attention found"
             report.warnings.append("no attention in this graph: it runs unchanged (replicated) on every rank")
             stages = ()

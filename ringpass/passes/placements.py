@@ -86,9 +86,11 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
 
 
 def replaced_by_ring(ctx: PassContext) -> set[fx.Node]:
-    """Nodes that only feed the inside of an attention: they disappear with the rewrite."""
+    """Nodes that only feed the inside of an attention or of a sequence mixer: they disappear with the rewrite."""
     gone = {n for m in ctx.attention for n in m.internal if n is not m.output} | ctx.masks.lifted
+    gone |= {n for m in ctx.mixers for n in m.internal}  # a convolution's longer output
     operands = {n for m in ctx.attention for n in (m.query, m.key, m.value)} | ctx.masks.whole_values
+    operands |= {n for m in ctx.mixers for n in (m.input, m.weight, m.bias) if n is not None}
     changed = True
     while changed:
         changed = False
@@ -134,10 +136,12 @@ def _check_full(ctx: PassContext, node: fx.Node, mixing_op: fx.Node, after_atten
     why = ctx.sequence.mixing.get(mixing_op, "it needs the whole sequence")
     if node in after_attention:
         raise refusal(
-            f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention may mix "
-            "the tokens of sharded activations; move this op onto per-token inputs before attention, or compile "
-            "this part of the model without the ring backend. (After the last attention, with each rank passing its "
-            "own batch, inputs='per_rank' runs such an op on that rank's own values: docs/training.md.)",
+            f"{describe(mixing_op)} cannot run on a sequence-sharded activation: {why}. Only attention and the "
+            "sequence mixers ringpass passes state for (causal depthwise convolutions, cumulative sums: "
+            "docs/backend.md) may mix the tokens of sharded activations; move this op onto per-token inputs before "
+            "attention, or compile this part of the model without the ring backend. (After the last attention, with "
+            "each rank passing its own batch, inputs='per_rank' runs such an op on that rank's own values: "
+            "docs/training.md.)",
             mixing_op,
         )
     if node in ctx.carried_inputs:  # arrived sequence-sharded from another graph: all-gathered (the report says so)

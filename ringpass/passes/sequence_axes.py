@@ -1,13 +1,15 @@
 """Find the sequence axis of every value, by running the graph at another sequence length.
 
-Matches: the sequence length N is the attentions' query length and the length of the inputs that arrive
-sequence-sharded (``ctx.carried_inputs``; all must agree). Sources of the
+Matches: the sequence length N is the attentions' query length, the length the sequence mixers (``ctx.mixers``) run
+along and the length of the inputs that arrive sequence-sharded (``ctx.carried_inputs``; all must agree). Sources of the
 sequence axis are user inputs with a dimension of N (batch-first: dim 1 when it fits), ``arange(N)``
 (positions), tensors created with a size N, and slices ``[:N]`` of module state (position tables); the
 slots of a `ringpass.ShardedCache` (``ringpass::prompt_slots``) have none, whatever the prompt's length.
 Every other node is executed on fake tensors with the sequence resized to N+1 (a probe): the dimensions
 whose size moved are its sequence axes. The nodes inside a hand-written attention (scores, soft-cap, bias,
-probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v. Ops
+probabilities: the rewrite removes them) are not run; the attention's output is probed from q and v, a sequence mixer's
+from its input (a mixer that does not run along its input's sequence axis is dropped from ``ctx.mixers``: a
+convolution then mixes tokens, a cumsum is an ordinary op). Ops
 that spell sizes literally (``view``, ``reshape``, ``expand``, ``repeat``) are given the probe's sizes by
 `resize_size_args`, which the shape rewrite reuses for the real local length.
 
@@ -33,7 +35,7 @@ from torch.fx.node import map_aggregate
 from lowering import compat
 from lowering.errors import NotSupportedError
 from ringpass.fx.context import PassContext
-from ringpass.fx.findings import SeqDim
+from ringpass.fx.findings import MixerMatch, SeqDim
 from ringpass.fx.nodes import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
 from ringpass.fx.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
@@ -54,10 +56,11 @@ PROBE_EQUIVALENTS = {compat.pad_binding: _pad, F.pad: _pad}  # same shapes, no s
 def find_sequence_axes(ctx: PassContext) -> None:
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
     lengths += [example_value(node).shape[dim] for node, dim in ctx.carried_inputs.items()]
+    lengths += [example_value(m.input).shape[m.dim] for m in ctx.mixers]
     if not all(same(n, lengths[0]) for n in lengths):
         raise NotSupportedError(
-            f"The attentions and sequence-sharded inputs of this graph have different lengths {lengths}; ringpass "
-            "shards one sequence."
+            "The attentions, sequence mixers and sequence-sharded inputs of this graph have different lengths "
+            f"{lengths}; ringpass shards one sequence."
         )
     ctx.sequence.seq_len = lengths[0]
     ctx.sequence.global_seq_len = (
@@ -76,6 +79,8 @@ class _Probe:
         self.inner_by_size: dict[object, int] = {_key(self.n): 1}
         self.attention_outputs = {m.output: m for m in ctx.attention}
         self.inside_attention = {n for m in ctx.attention for n in m.internal if n is not m.output}
+        self.inside_attention |= {n for m in ctx.mixers for n in m.internal}  # a convolution's longer output
+        self.mixer_outputs = {m.output: m for m in ctx.mixers}
         self.fake_mode = next(
             example_value(n).fake_mode
             for n in ctx.gm.graph.nodes
@@ -118,6 +123,9 @@ class _Probe:
                     for i, item in enumerate(original)
                 )
             return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=original.dtype)
+        if node in self.mixer_outputs:  # a sequence mixer keeps its input's shape
+            value = self.values[self.mixer_outputs[node].input]
+            return value.new_empty(value.shape, dtype=original.dtype) if isinstance(value, torch.Tensor) else original
         if node.op == "call_method" and node.target in CREATORS and self._source_kind(node, original):
             self.ctx.sequence.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
             return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
@@ -196,7 +204,24 @@ class _Probe:
         if is_size_op(node):
             resized = resize_size_args(node, self.ctx.sequence.axes.get(node.args[0], ()), self.probe_len, self.n)
             args = map_aggregate(resized, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
+        elif node.target is operator.getitem and self.ctx.sequence.axes.get(node.args[0]):
+            args = (args[0], self._whole_slices(node))
         return args, kwargs
+
+    def _whole_slices(self, node: fx.Node):
+        """A getitem's index with each slice that takes the whole sequence at the traced length (``x[:, -N:]``,
+        ``x[..., :N]``: Lfm2 and Mamba2 slice their padding mask so) spelled ``:``, which takes it at any length (a
+        shard's too: Python clamps the literal bounds)."""
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        x = example_value(node.args[0])
+        dims = _index_dims(index, x.dim())
+        seq_dims = {axis.dim for axis in self.ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
+        spelled = [
+            slice(None) if dims[i] in seq_dims and _takes_everything(item, x.shape[dims[i]]) else item
+            for i, item in enumerate(index)
+        ]
+        spelled = map_aggregate(tuple(spelled), lambda a: self.values[a] if isinstance(a, fx.Node) else a)
+        return spelled if isinstance(node.args[1], tuple) else spelled[0]
 
     def _changed(self, node: fx.Node) -> bool:
         """The probe changed this node's value: a sequence axis, a tuple holding one, or a length."""
@@ -254,6 +279,8 @@ class _Probe:
         """Per-token op, reduction over the sequence, or token mixing (see `token_ops.classify`)."""
         if node.op not in ("call_function", "call_method"):
             return
+        if node in self.mixer_outputs and self._runs_along_the_sequence(self.mixer_outputs[node]):
+            return  # rewrite_sequence_mixers runs it on this rank's tokens
         if not any(self.ctx.sequence.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             return
         output_has_seq = bool(self.ctx.sequence.axes.get(node)) or self._tuple_has_seq(node)
@@ -262,6 +289,18 @@ class _Probe:
             self.ctx.sequence.mixing.setdefault(node, why)
         elif role != "token":
             self.ctx.sequence.reductions[node] = role
+
+    def _runs_along_the_sequence(self, mixer: MixerMatch) -> bool:
+        """The mixer's dim is its input's only sequence axis, the sequence itself (no other dim merged in). If not,
+        it is no sequence mixer: a convolution that is not along the sequence mixes tokens (its slice reads a resized
+        sequence), a cumsum along another dim is an ordinary op."""
+        if self.ctx.sequence.axes.get(mixer.input, ()) == (SeqDim(mixer.dim, 1, True),):
+            return True
+        self.ctx.mixers.remove(mixer)
+        del self.mixer_outputs[mixer.output]
+        if mixer.internal and self.ctx.sequence.axes.get(mixer.input):
+            self.ctx.sequence.mixing[mixer.output] = f"it reads a {mixer.describe()} not along the sequence axis"
+        return False
 
 
 def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:
@@ -282,6 +321,32 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> int | None:
             if j == dim:
                 return inner
     return None
+
+
+def _index_dims(index: tuple, rank: int) -> list:
+    """The input dim each item of a getitem index reads (None for items that read none: ``None``, ``...``)."""
+    if any(isinstance(i, fx.Node) or i is True or i is False for i in index):
+        return [None] * len(index)  # tensor indexing: not a slice of the sequence
+    taking = [i for i in index if i is not None and i is not Ellipsis]
+    dims, dim = [], 0
+    for item in index:
+        if item is None:
+            dims.append(None)
+        elif item is Ellipsis:
+            dims.append(None)
+            dim += rank - len(taking)
+        else:
+            dims.append(dim)
+            dim += 1
+    return dims
+
+
+def _takes_everything(item, length) -> bool:
+    """A slice that, at ``length``, takes every element in order."""
+    if not isinstance(item, slice) or item.step not in (None, 1):
+        return False
+    start, stop = value_of(item.start), value_of(item.stop)
+    return (start is None or same(start, 0) or same(start, -length)) and (stop is None or same(stop, length))
 
 
 def _same_shape(a, b) -> bool:

@@ -473,9 +473,9 @@ def test_masks_that_only_look_causal_match_eager_at_every_length():
 
 
 REFUSALS = {  # case -> what its error must say
-    "cumsum": (
-        r"`cumsum`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
-        r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumsum`"
+    "cumprod": (
+        r"`cumprod`.*backend_workers.py.*cannot run on a sequence-sharded activation.*Chain of ops between the "
+        r"attention and the blocking op: `scaled_dot_product_attention` at backend_workers.py:\d+ -> `cumprod`"
     ),
     "dropout": r"dropout_p=0.1.*dropout inside ring attention is not supported",
     "lengths": r"16 queries but 4 keys",

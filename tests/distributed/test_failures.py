@@ -77,9 +77,9 @@ def test_disagreeing_ranks_all_refuse_before_the_ring(world_size):
             assert outcomes[case]["seconds"] < DETECTED_WITHIN + 5, (rank, case, outcomes[case])  # includes a compile
         refused = outcomes["refused"]["error"]
         if rank == VICTIM:
-            assert "NotSupportedError: `cumsum`" in refused, refused
+            assert "NotSupportedError: `cumprod`" in refused, refused
         else:
-            assert refused.startswith("PeerFailure: ") and "rank 1 failed: NotSupportedError: `cumsum`" in refused, (
+            assert refused.startswith("PeerFailure: ") and "rank 1 failed: NotSupportedError: `cumprod`" in refused, (
                 refused
             )
         assert outcomes["agree"]["error"] is None, (rank, outcomes["agree"])

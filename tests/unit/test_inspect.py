@@ -109,6 +109,7 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     documented = DOCS.read_text()
     graph = data["graphs"][0]
     _, refused = _cli(tmp_path, f"{TARGETS}:refused", "--world-size", "2")
+    _, mixers = _cli(tmp_path, f"{TARGETS}:conv_mixers", "--world-size", "2")
     ring = graph["ring"][0]
     keys = (
         set(data)
@@ -121,6 +122,7 @@ def test_json_keys_are_the_documented_ones(tmp_path):
         | set(ring["exchanges"])
         | set(ring["memory_per_rank"])
         | set(refused["graphs"][0]["refusal"])
+        | set(mixers["graphs"][0]["mixers"][0])
     )
     missing = sorted(k for k in keys if f"`{k}`" not in documented)
     assert not missing, f"keys not documented in docs/inspect.md: {missing}"
@@ -198,15 +200,15 @@ def test_refused_model_exits_2_with_the_op_its_line_and_the_chain(tmp_path, caps
     lines = Path(TARGETS).read_text().splitlines()
     attention, blocking = (
         next(i + 1 for i, line in enumerate(lines) if code in line)
-        for code in ("y = F.scaled_dot_product_attention(q, q, q", "cumsum(dim=1)")
+        for code in ("y = F.scaled_dot_product_attention(q, q, q", "cumprod(dim=1)")
     )
-    assert refusal["op"] == "cumsum" and refusal["source"] == f"inspect_targets.py:{blocking}"
+    assert refusal["op"] == "cumprod" and refusal["source"] == f"inspect_targets.py:{blocking}"
     chain = refusal["chain"]
     assert chain[0].startswith("`scaled_dot_product_attention`") and f"inspect_targets.py:{attention}" in chain[0]
-    assert chain[1:-1] == ["transpose", "reshape", "linear"] and chain[-1].startswith("`cumsum`")
+    assert chain[1:-1] == ["transpose", "reshape", "linear"] and chain[-1].startswith("`cumprod`")
     text = capsys.readouterr().out  # the refusal as printed for people
     assert "REFUSED" in text and "cannot run on a sequence-sharded activation" in text
-    assert "-> transpose -> reshape -> linear -> `cumsum`" in text
+    assert "-> transpose -> reshape -> linear -> `cumprod`" in text
 
 
 def test_no_attention_is_stated_loudly(tmp_path, capsys):
@@ -496,13 +498,13 @@ class RunningSumOfInput(torch.nn.Module):
     """Attention over a running sum of its [B, S, D] input: the input is needed whole."""
 
     def forward(self, x):
-        q = x.cumsum(1).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        q = x.cumprod(1).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
         return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
 def test_a_sharded_padding_mask_is_gathered_and_a_sharded_activation_needed_whole_is_refused():
     """The mask program reads the padding of every key: a [B, S] vector passed sharded is all-gathered
-    (its bytes in the report); a [B, S, D] input a cumsum needs whole is refused, naming it."""
+    (its bytes in the report); a [B, S, D] input a cumprod needs whole is refused, naming it."""
     x, keep = torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.bool)
     report = ringpass.inspect(KeyPadding(), (x, keep), world_size=2, inputs="sharded").reports[0]
     assert report.status == "rewritten", report.refusal
@@ -511,7 +513,7 @@ def test_a_sharded_padding_mask_is_gathered_and_a_sharded_activation_needed_whol
         report.collectives
     )
     refusal = ringpass.inspect(RunningSumOfInput(), (x,), world_size=2, inputs="sharded").reports[0].refusal
-    assert refusal is not None and "Input x is passed sharded (inputs='sharded') but `cumsum`" in refusal.message, (
+    assert refusal is not None and "Input x is passed sharded (inputs='sharded') but `cumprod`" in refusal.message, (
         refusal
     )
 

@@ -21,7 +21,7 @@ RING, SDPA = "torch.ops.ringpass.ring_attention.default(", "torch._C._nn.scaled_
 
 
 class Causal(nn.Module):
-    """Embedding, one causal SDPA over two heads, a projection; ``mix`` adds a cumsum over the sequence after
+    """Embedding, one causal SDPA over two heads, a projection; ``mix`` adds a cumprod over the sequence after
     the attention (refused: only attention may mix a sharded activation's tokens)."""
 
     def __init__(self, mix: bool = False):
@@ -33,7 +33,7 @@ class Causal(nn.Module):
         b, n = ids.shape
         q, k, v = (t.view(b, n, 2, 8).transpose(1, 2) for t in self.qkv(self.embed(ids)).split(16, -1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, 16)
-        return self.out(y.cumsum(1) if self.mix else y)
+        return self.out(y.cumprod(1) if self.mix else y)
 
 
 class DecodeStep(nn.Module):
@@ -82,13 +82,13 @@ def test_a_second_run_of_a_graph_leaves_no_file_of_the_first(tmp_path, monkeypat
     assert names[-1].endswith("_decide_placements_refused.py")
     assert names[:-1] == _named((passes.PREPARE, *passes.PREFILL, passes.CHECK))[: len(names) - 1]
     refused_graph = (tmp_path / "graph_0" / names[-1]).read_text()
-    assert "# NotSupportedError: `cumsum`" in refused_graph and "cumsum" in refused_graph.split("class ", 1)[1]
+    assert "# NotSupportedError: `cumprod`" in refused_graph and "cumprod" in refused_graph.split("class ", 1)[1]
 
 
 def test_a_refusal_names_the_pass_that_raised_it():
     refused = ringpass.inspect(Causal(mix=True), (torch.randint(0, 50, (2, 32)),), world_size=2)
     message = refused.reports[0].refusal.message
-    assert message.startswith(f"`cumsum` at {__file__}, line"), message
+    assert message.startswith(f"`cumprod` at {__file__}, line"), message
     assert message.endswith("(Refused by the pass `decide_placements`.)"), message
 
 

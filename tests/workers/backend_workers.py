@@ -278,11 +278,11 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class CumsumAfterAttention(nn.Module):
+    class CumprodAfterAttention(nn.Module):  # (a cumsum passes its chunks' totals: lowering.sequence_mixers)
         def forward(self, x):
             q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
             y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-            return y.cumsum(dim=2)
+            return y.cumprod(dim=2)
 
     class DropoutInAttention(nn.Module):
         def forward(self, x):
@@ -346,7 +346,7 @@ def refusal(rank: int, world_size: int, case: str) -> str:
         AfterAttention(after[case])
         if case in after
         else {
-            "cumsum": CumsumAfterAttention,
+            "cumprod": CumprodAfterAttention,
             "dropout": DropoutInAttention,
             "lengths": DifferentLengths,
             "reshape": TokensMixedByReshape,

@@ -63,15 +63,15 @@ def fail_in_the_ring(rank: int, world_size: int, how: str, victim: int, phase: s
         return _outcome(lambda: _step(model, _ids(SEQ_LEN)), linger=2.0)
 
 
-class CumsumAfterGPT(torch.nn.Module):
-    """The GPT with a running sum over the sequence after it: the backend refuses it."""
+class CumprodAfterGPT(torch.nn.Module):
+    """The GPT with a running product over the sequence after it: the backend refuses it."""
 
     def __init__(self):
         super().__init__()
         self.gpt = models.GPT()
 
     def forward(self, ids):
-        return self.gpt(ids).cumsum(1)
+        return self.gpt(ids).cumprod(1)
 
 
 def disagree(rank: int, world_size: int, victim: int) -> dict:
@@ -82,7 +82,7 @@ def disagree(rank: int, world_size: int, victim: int) -> dict:
     cases = {
         "length": lambda: _step(_compiled(), _ids(SEQ_LEN + 2 if mine else SEQ_LEN)),
         "options": lambda: _step(_compiled(layout="contiguous" if mine else "zigzag"), _ids(SEQ_LEN)),
-        "refused": lambda: _step(_compiled(CumsumAfterGPT if mine else models.GPT), _ids(SEQ_LEN)),
+        "refused": lambda: _step(_compiled(CumprodAfterGPT if mine else models.GPT), _ids(SEQ_LEN)),
         "batch": lambda: _step(_compiled(), _ids(SEQ_LEN, seed=rank if mine else 0)),
         "weights": lambda: _step(_compiled(seed=rank if mine else 0), _ids(SEQ_LEN)),
         "drift": lambda: _drifting(_compiled(), mine),

@@ -50,6 +50,20 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.FalconForCausalLM(config)
+    if name == "lfm2":  # a hybrid: short causal depthwise convolutions (width 3) between attention layers
+        config = transformers.Lfm2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            max_position_embeddings=4096,
+            attn_implementation=implementation,
+        )
+        return transformers.Lfm2ForCausalLM(config)
     if name == "mistral":  # a sliding window of 5 keys
         config = transformers.MistralConfig(
             vocab_size=VOCAB,
@@ -334,6 +348,7 @@ def training_step(
             "reports": [r.as_dict() for r in backend.reports],
             "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
             "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
+            "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
             "saved_bytes": _saved_for_backward(compiled, kwargs),
         }
         if dynamic:

@@ -31,8 +31,8 @@ def llama_with_loss(seq_len: int = 64, batch: int = 2):
     return models.WithLoss(models.Llama()), {"ids": ids, "labels": ids.roll(-1, 1)}
 
 
-class CumsumAfterAttention(nn.Module):
-    """A running sum over the tokens of the attention's output: the ring backend must refuse it."""
+class CumprodAfterAttention(nn.Module):
+    """A running product over the tokens of the attention's output: the ring backend must refuse it."""
 
     def __init__(self):
         super().__init__()
@@ -41,11 +41,18 @@ class CumsumAfterAttention(nn.Module):
     def forward(self, x):
         q = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(x.shape)
-        return self.proj(y).cumsum(dim=1)  # the blocking op
+        return self.proj(y).cumprod(dim=1)  # the blocking op (a cumsum passes state: not refused)
 
 
 def refused(seq_len: int = 16):
-    return CumsumAfterAttention(), (torch.randn(1, seq_len, 8),)
+    return CumprodAfterAttention(), (torch.randn(1, seq_len, 8),)
+
+
+def conv_mixers(seq_len: int = 32):
+    """Causal depthwise convolutions and cumsums between attentions (`mixer_workers.ConvNet`): sequence mixers."""
+    import mixer_workers
+
+    return mixer_workers.ConvNet(29, 8, 4, attention=True), (torch.randint(0, 29, (2, seq_len)),)
 
 
 def no_attention():

@@ -1,0 +1,131 @@
+"""Sequence mixers other than attention on a sharded sequence: causal depthwise convolutions and cumulative sums pass
+each chunk a summary of the chunks before it (`lowering.sequence_mixers`; the graph side: `find_sequence_mixers`,
+`rewrite_sequence_mixers`). The ops against the unsharded ops over drawn sizes, ring sizes, layouts and dtypes; a model
+of them, with and without attention, through the ring backend against the model run whole (logits and every gradient
+by name), sharded (local lengths) and with the summaries exchanged (events counted); what is not a causal convolution
+refused with the op and the user's source line. Hugging Face's Lfm2 (convolution layers between attention layers):
+tests/models/test_hf.py."""
+
+from __future__ import annotations
+
+import mixer_workers
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rank_pools import RankPools
+
+import ringpass
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    found = RankPools()
+    yield found
+    found.close()
+
+
+@st.composite
+def runtime_cases(draw, world_sizes=(2, 3, 4)) -> dict:
+    return dict(
+        world_size=draw(st.sampled_from(world_sizes)),
+        layout=draw(st.sampled_from(["contiguous", "zigzag"])),
+        seq_len=draw(st.one_of(st.integers(1, 9), st.integers(10, 70))),  # shorter than the chunks, or many tokens
+        width=draw(st.integers(1, 7)),  # 1: no halo; wider than a chunk: the halo spans chunks
+        channels=draw(st.integers(1, 5)),
+        batch=draw(st.integers(1, 3)),
+        bias=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["float64", "float64", "float32"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _check_runtime(pools, case: dict) -> None:
+    results = pools.run(case["world_size"], mixer_workers.runtime_case, (case,), timeout=300)
+    for rank, result in enumerate(results):
+        bound = TOLERANCE[case["dtype"]]
+        assert max(result["errors"]) <= bound, (rank, case, result["errors"])
+        # one all-gather each: the convolution's forward and backward (none at width 1), the cumsum's forward
+        assert result["exchanges"] == (3 if case["width"] > 1 else 1), (rank, case, result)
+
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=15, derandomize=True, **SETTINGS)
+@given(case=runtime_cases())
+def test_a_sharded_convolution_and_cumsum_equal_the_unsharded_ops(pools, case):
+    _check_runtime(pools, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1800)
+@settings(max_examples=150, **SETTINGS)
+@given(case=runtime_cases())
+def test_many_drawn_convolutions_and_cumsums_equal_the_unsharded_ops(pools, case):
+    _check_runtime(pools, case)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "world_size,attention,dtype,padding",
+    [
+        (2, True, "float64", True),
+        (3, False, "float64", False),
+        (2, False, "float32", True),
+        pytest.param(4, True, "float64", True, marks=pytest.mark.heavy),
+        pytest.param(3, True, "float32", False, marks=pytest.mark.heavy),
+        pytest.param(4, False, "float64", True, marks=pytest.mark.heavy),
+    ],
+)
+def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(pools, world_size, attention, dtype, padding):
+    seq_len = 13  # no multiple of 2P: the layout pads
+    case = dict(seed=3, dtype=dtype, width=4, attention=attention, seq_len=seq_len, padding=padding, layout="auto")
+    for rank, result in enumerate(pools.run(world_size, mixer_workers.conv_model_step, (case,), timeout=600)):
+        bound = TOLERANCE[dtype]
+        assert result["logits"] <= bound, (rank, result)
+        assert result["grads"] and max(result["grads"].values()) <= bound, (rank, result["grads"])
+        chunks = 2 * world_size if attention else world_size  # zigzag under causal attention, else contiguous
+        assert result["local_len"] == -(-seq_len // chunks) * chunks // world_size  # sharded, padded to the chunks
+        assert result["mixer_exchanges"] == 6  # 2 convolutions (forward and backward) and 2 cumsums (forward)
+        assert (result["kv_exchanges"] > 0) == attention
+        kinds = [m["kind"] for m in result["mixers"]]
+        assert kinds == ["causal depthwise conv1d, width 4, 8 channels"] * 2 + ["cumulative sum along dim 1"] * 2
+        assert all(m["strategy"].startswith("state passing") and m["bytes_per_call"] > 0 for m in result["mixers"])
+
+
+class CenteredConv(nn.Module):
+    """A convolution over the sequence that reads the tokens after each token too (padding on both sides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(11, 4), nn.Conv1d(4, 4, 3, groups=4, padding=1)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        q = x.unsqueeze(1)
+        x = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_convolution_that_reads_later_tokens_is_refused_with_its_source_line():
+    report = ringpass.inspect(CenteredConv(), torch.randint(0, 11, (2, 16)), world_size=2).reports[0]
+    assert report.status == "refused" and report.refusal.op.startswith("conv1d")
+    assert (
+        "test_sequence_mixers.py" in report.refusal.source and "causal depthwise convolutions" in report.refusal.message
+    )
+    assert "self.conv(x.transpose(1, 2))" in report.refusal.message  # the user's line, in the message too
+
+
+def test_inspect_lists_each_mixer_with_its_strategy_and_bytes():
+    model = mixer_workers.ConvNet(29, 8, 4, attention=False)
+    report = ringpass.inspect(model, torch.randint(0, 29, (2, 64)), world_size=4).reports[0]
+    text = str(report)
+    assert "sequence mixers" in text and "causal depthwise conv1d, width 4, 8 channels" in text
+    assert report.status == "rewritten" and report.layout == "contiguous"
+    # the halo: 3 tokens x 8 channels x batch 2 x 4 bytes from the one chunk a rank holds, whatever the length
+    assert [m.bytes_per_call for m in report.mixers] == [3 * 8 * 2 * 4] * 2 + [8 * 2 * 4] * 2

@@ -1,0 +1,133 @@
+"""What the sequence-mixer tests run on each rank: `lowering.sequence_mixers`' ops against the unsharded op, and models
+whose sequence mixers are causal convolutions and cumulative sums, through the ring backend, against the model run
+whole (`tests/distributed/test_sequence_mixers.py`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import rel_err
+
+import lowering
+import ringpass
+from lowering import Layout, record_ring_events
+
+
+def runtime_case(rank: int, world_size: int, case: dict) -> dict:
+    """One drawn case of `sharded_conv1d` and `sharded_cumsum`: the largest relative error of this rank's output and of
+    the input's, weight's and bias's gradients (gathered, summed over the ranks) against the unsharded ops, in the
+    case's dtype; and how many summary exchanges ran."""
+    dtype = getattr(torch, case["dtype"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, c, n, k = case["batch"], case["channels"], case["seq_len"], case["width"]
+    x = torch.randn(b, c, n, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.randn(c, 1, k, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = torch.randn(c, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() if case["bias"] else None
+    grad = torch.randn(b, c, n, generator=gen, dtype=torch.float64).to(dtype)
+    layout = Layout(case["layout"], world_size, n)
+    trained = [t for t in (x, weight, bias) if t is not None]
+
+    conv = F.conv1d(x, weight, bias, padding=k - 1, groups=c)[..., :n]
+    expected = [conv, *torch.autograd.grad(conv, trained, grad)]
+    cumsum = x.transpose(1, 2).cumsum(1)  # [B, N, C]: the sequence in dim 1 this time
+    expected += [cumsum, *torch.autograd.grad(cumsum, x, grad.transpose(1, 2))]
+
+    local = layout.shard(x.detach(), 2, rank).requires_grad_()
+    with record_ring_events() as events:
+        conv = lowering.sharded_conv1d(local, weight, bias, layout=layout)
+        got = [_gather(conv, layout, 2)]
+        grads = torch.autograd.grad(conv, [local, *trained[1:]], layout.shard(grad, 2, rank))
+        got += [_gather(grads[0], layout, 2), *[_summed(g) for g in grads[1:]]]
+        local_t = layout.shard(x.detach().transpose(1, 2), 1, rank).requires_grad_()
+        cumsum = lowering.sharded_cumsum(local_t, 1, layout=layout)
+        (d_local,) = torch.autograd.grad(cumsum, local_t, layout.shard(grad.transpose(1, 2), 1, rank))
+        got += [_gather(cumsum, layout, 1), _gather(d_local.transpose(1, 2), layout, 2)]
+    return {
+        "errors": [rel_err(g, e) for g, e in zip(got, expected)],
+        "exchanges": sum(e.kind == "mixer_exchange" for e in events),
+        "local_len": conv.shape[-1],
+    }
+
+
+def _gather(x: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
+    shards = [torch.empty_like(x) for _ in range(layout.world_size)]
+    dist.all_gather(shards, x.detach().contiguous())
+    return layout.unshard(shards, dim)
+
+
+def _summed(x: torch.Tensor) -> torch.Tensor:
+    total = x.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
+class ConvNet(nn.Module):
+    """Two blocks, each a gated causal depthwise convolution over the sequence (Lfm2's and Mamba2's short
+    convolution: ``nn.Conv1d(groups=C, padding=k-1)`` then ``[..., :N]``), a cumulative sum of its output along the
+    sequence (scaled: the sum grows with the position), and, with ``attention``, causal SDPA; a padding mask
+    ``keep [B, N]`` zeroes the padding tokens before each mixer, as Hugging Face's hybrids do."""
+
+    def __init__(self, vocab: int, dim: int, width: int, attention: bool, heads: int = 2):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.in_proj = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(2))
+        self.conv = nn.ModuleList(nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1) for _ in range(2))
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(2)) if attention else None
+        self.norm = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2))
+        self.heads = heads
+
+    def forward(self, ids, keep=None):
+        x = self.embed(ids)
+        n = ids.shape[1]
+        for i in range(2):
+            h = self.norm[i](x)
+            if keep is not None:
+                h = h * keep[:, -n:, None]  # a slice that takes the whole mask, as Lfm2 spells it
+            gate, h = self.in_proj[i](h).chunk(2, dim=-1)
+            h = self.conv[i](h.transpose(1, 2))[..., :n].transpose(1, 2)
+            h = torch.sigmoid(gate) * h + torch.cumsum(h, dim=1) / n
+            if self.qkv is not None:
+                q, k, v = self.qkv[i](h).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+                h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+            x = x + h
+        return self.head(x)
+
+
+def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
+    """One training step of `ConvNet` through the ring backend against the model run whole (fp64 or fp32): relative
+    errors of the logits and of every gradient by name; the ring's KV and summary exchanges; the local
+    length of the logits; the report's mixers."""
+    torch.manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    model = ConvNet(29, 8, case["width"], case["attention"]).to(dtype)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(case["seed"])
+    ids = torch.randint(0, 29, (2, case["seq_len"]), generator=gen)
+    kwargs = {"ids": ids}
+    if case["padding"]:
+        keep = torch.ones(2, case["seq_len"], dtype=dtype)
+        keep[1, -3:] = 0
+        kwargs["keep"] = keep
+    weights = torch.randn(2, case["seq_len"], 29, generator=gen, dtype=torch.float64).to(dtype)
+    want = reference(**kwargs)
+    (want * weights).sum().backward()
+    backend = ringpass.backend(compiler="aot_eager", layout=case["layout"], outputs="sharded")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with record_ring_events() as events:
+        local = compiled(**kwargs)
+        layout = Layout(backend.reports[0].layout, world_size, case["seq_len"])
+        (local * layout.shard(weights, 1, rank)).sum().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "logits": rel_err(_gather(local, layout, 1), want),
+        # the backend sums each parameter's gradient over the ranks (grads="auto" with no wrapper: reduced)
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "kv_exchanges": sum(e.kind == "exchange" for e in events),
+        "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+        "local_len": local.shape[1],
+        "mixers": backend.reports[0].as_dict()["mixers"],
+    }
