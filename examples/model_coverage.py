@@ -410,14 +410,14 @@ FAMILIES = {
             conv_kernel=4,
             chunk_size=8,
         ),
-        "sdpa",
+        "eager",  # no attention (Hugging Face refuses "sdpa" for it)
     ),
     "bamba": (
         "BambaConfig",
         dict(GQA, attn_layer_indices=[1], **MAMBA2_MIXER, mamba_d_conv=4),
         "sdpa",
     ),
-    "falcon_h1": ("FalconH1Config", dict(GQA, **MAMBA2_MIXER, mamba_d_conv=4), "sdpa"),
+    "falcon_h1": ("FalconH1Config", dict(GQA, **MAMBA2_MIXER, mamba_d_conv=4, mamba_d_ssm=64), "sdpa"),
     "nemotron_h": (
         "NemotronHConfig",
         dict(

@@ -112,12 +112,13 @@ def _needs_full(ctx: PassContext) -> dict[fx.Node, fx.Node]:
     needed: dict[fx.Node, fx.Node] = {}
     stack = [(a, op) for op in ctx.sequence.mixing for a in op.all_input_nodes if ctx.has_sequence(a)]
     stack += [(value, value) for value in ctx.masks.whole_values if ctx.has_sequence(value)]  # read whole by the ring
+    mixer_inputs = {m.output: [m.input] for m in ctx.mixers}  # (a convolution's output reads it through the conv)
     while stack:
         node, op = stack.pop()
         if node in needed:
             continue
         needed[node] = op
-        stack += [(a, op) for a in node.all_input_nodes if ctx.has_sequence(a)]
+        stack += [(a, op) for a in mixer_inputs.get(node, node.all_input_nodes) if ctx.has_sequence(a)]
     return needed
 
 

@@ -129,3 +129,25 @@ def test_inspect_lists_each_mixer_with_its_strategy_and_bytes():
     assert report.status == "rewritten" and report.layout == "contiguous"
     # the halo: 3 tokens x 8 channels x batch 2 x 4 bytes from the one chunk a rank holds, whatever the length
     assert [m.bytes_per_call for m in report.mixers] == [3 * 8 * 2 * 4] * 2 + [8 * 2 * 4] * 2
+
+
+class ConvBeforeARunningProduct(nn.Module):
+    """A causal convolution whose output a running product reads before the first attention (RecurrentGemma's
+    convolution before its unrolled recurrence): both are computed whole on every rank, the attention is the ring."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(11, 4), nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+    def forward(self, ids):
+        x = self.conv(self.embed(ids).transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)
+        q = torch.sigmoid(x).cumprod(1).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_convolution_whose_output_is_needed_whole_is_computed_whole():
+    report = ringpass.inspect(ConvBeforeARunningProduct(), torch.randint(0, 11, (2, 16)), world_size=2).reports[0]
+    assert report.status == "rewritten" and len(report.attention) == 1
+    (mixer,) = report.mixers
+    assert mixer.strategy == "computed whole on every rank (its input is needed whole)" and mixer.bytes_per_call == 0
+    assert any("cumprod" in name for name in report.computed_whole), report.computed_whole
