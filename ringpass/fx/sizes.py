@@ -46,9 +46,25 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
         suffix *= out_shape[j]
     raise refusal(
         f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
-        "mixes it with other axes; the tokens of a shard would not stay together.",
+        "mixes it with other axes; the tokens of a shard would not stay together." + chunked_scan(node, in_axis.dim),
         node,
     )
+
+
+def chunked_scan(node: fx.Node, dim: int) -> str:
+    """Where the reshape ``node`` cuts its input's sequence dim ``dim`` into (chunks, chunk length) at the traced
+    sizes: a sentence saying it is a chunked scan, which ringpass does not shard yet; else ""."""
+    length = example_value(node.args[0]).shape[dim]
+    after = example_value(node).shape
+    for d in range(len(after) - 1):
+        if same(after[d] * after[d + 1], length) and not same(after[d + 1], length) and after[d] != 1:
+            return (
+                f" It cuts the sequence into chunks of {after[d + 1]} tokens: a chunked scan (Mamba2's SSD, Gated "
+                "DeltaNet's delta rule) that carries a state from chunk to chunk. ringpass passes the state of causal "
+                "convolutions and cumulative sums between ranks, not yet of chunked scans (docs/backend.md, "
+                '"Sequence mixers other than attention").'
+            )
+    return ""
 
 
 def resize_size_args(node: fx.Node, in_axes, length, n) -> tuple:

@@ -19,6 +19,8 @@ sequence-sharded from another graph (``ctx.carried_inputs``) and is needed whole
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -43,6 +45,10 @@ def decide_placements(ctx: PassContext) -> None:
         elif node in needs_full or node in ctx.sequence.mixing:
             ctx.placement[node] = FULL
             _check_full(ctx, node, needs_full.get(node, node), after_attention)
+        elif node.target is operator.getitem and ctx.placement.get(node.args[0]) == FULL:
+            ctx.placement[node] = (
+                FULL  # an element of a tuple computed whole (`sort`'s values, its indices needed whole)
+            )
         else:
             ctx.placement[node] = LOCAL
     _record(ctx, needs_full)

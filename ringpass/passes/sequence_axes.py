@@ -37,7 +37,7 @@ from lowering.errors import NotSupportedError
 from ringpass.fx.context import PassContext
 from ringpass.fx.findings import MixerMatch, SeqDim
 from ringpass.fx.nodes import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
-from ringpass.fx.sizes import is_size_op, resize_size_args, same, value_of, view_target_dim
+from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
 from ringpass.fx.token_ops import classify, custom_forward
 
@@ -146,13 +146,16 @@ class _Probe:
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
+            axes = self.ctx.sequence.axes.get(node.args[0], ()) if is_size_op(node) else ()
+            scan = "".join(chunked_scan(node, axis.dim) for axis in axes)
+            why = scan or (
+                " It combines a value that follows the sequence length with one whose size stays at the traced "
+                "length: typically a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, "
+                "linear attention), which cannot be sharded along the sequence yet, or a size read from a tensor's "
+                "data. If neither fits, please report this model."
+            )
             raise refusal(
-                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. It combines a "
-                "value that follows the sequence length with one whose size stays at the traced length: typically "
-                "a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, linear attention), "
-                "which cannot be sharded along the sequence, or a size read from a tensor's data. If neither fits, "
-                "please report this model.",
-                node,
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}.{why}", node
             ) from None
 
     def _probe_placeholder(self, node: fx.Node, original):

@@ -151,3 +151,21 @@ def test_a_convolution_whose_output_is_needed_whole_is_computed_whole():
     (mixer,) = report.mixers
     assert mixer.strategy == "computed whole on every rank (its input is needed whole)" and mixer.bytes_per_call == 0
     assert any("cumprod" in name for name in report.computed_whole), report.computed_whole
+
+
+@pytest.mark.parametrize("seq_len", [24, 13])  # a multiple of the chunk (the reshape splits the sequence), or padded
+def test_a_chunked_scan_is_refused_naming_it(seq_len):
+    """Mamba2 (no attention; its short convolution passes state): its SSD cuts the sequence into chunks of 8 and
+    carries a state across them, which ringpass does not shard yet: refused, saying so, with the line."""
+    import transformers
+
+    config = transformers.Mamba2Config(
+        vocab_size=64, hidden_size=32, state_size=8, num_heads=4, head_dim=16, n_groups=1, num_hidden_layers=1,
+        conv_kernel=4, chunk_size=8,
+    )  # fmt: skip
+    model = transformers.Mamba2ForCausalLM(config)
+    kwargs = {"input_ids": torch.randint(0, 64, (2, seq_len)), "use_cache": False}
+    report = ringpass.inspect(model, kwargs, world_size=2).reports[0]
+    assert report.status == "refused" and report.refusal.op.startswith("reshape"), report.refusal
+    assert "chunks of 8 tokens: a chunked scan" in report.refusal.message
+    assert "reshape_into_chunks" in report.refusal.message  # the line in transformers

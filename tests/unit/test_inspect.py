@@ -17,6 +17,8 @@ import networkx as nx
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 
 import ringpass
@@ -653,3 +655,25 @@ def test_attentions_alike_but_for_their_layer_numbers_share_a_line():
     )
     assert lines[2].startswith("    - cross.0.attn: sdpa (causal, scale 0.125"), lines[2]
     assert len(report.as_dict()["attentions"]) == 33
+
+
+class SortThenFlip(nn.Module):
+    """A per-token sort whose indices a flip along the sequence reads (computed whole, before the attention) and
+    whose values the attention reads: both elements of the sort's tuple are whole, the values sharded where they meet
+    the attention (Qwen3-Next's MoE on torch 2.15 crashed here: `KeyError: sort`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+
+    def forward(self, ids):
+        values, indices = torch.sort(self.embed(ids), dim=-1)
+        q = (values + indices.flip(1).float()).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_an_element_of_a_tuple_computed_whole_is_whole():
+    report = ringpass.inspect(SortThenFlip(), torch.randint(0, 11, (2, 16)), world_size=2).reports[0]
+    assert report.status == "rewritten", report.refusal
+    whole = " ".join(report.computed_whole)
+    assert all(f"`{op}`" in whole for op in ("sort", "getitem", "flip")), report.computed_whole
