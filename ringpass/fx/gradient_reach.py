@@ -241,8 +241,8 @@ def gradient_reach(
                 step[node] = user
                 break
         else:
-            if _writes_in_place(node):  # its arguments reach what it writes, if a later reader carries that on
-                for base in _written(node):
+            if writes_in_place(node):  # its arguments reach what it writes, if a later reader carries that on
+                for base in written(node):
                     later = [u for u in base.users if order[u] > order[node] and u in live and rules.passes(base, u)]
                     if later:
                         live.add(node)
@@ -275,7 +275,7 @@ def _output_nodes(output: fx.Node, positions: set | None) -> set:
     return set(flat_nodes([results[i] for i in positions if isinstance(i, int) and i < len(results)]))
 
 
-def _writes_in_place(node: fx.Node) -> bool:
+def writes_in_place(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in IN_PLACE_FUNCTIONS
     return (
@@ -288,7 +288,7 @@ def _writes_in_place(node: fx.Node) -> bool:
     )
 
 
-def _written(node: fx.Node) -> list[fx.Node]:
+def written(node: fx.Node) -> list[fx.Node]:
     """The tensor an in-place op writes and the tensors it is a view of (``x[..., :8].copy_(y)`` writes x)."""
     found, current = [], node.args[0]
     while isinstance(current, fx.Node) and current not in found:

@@ -36,6 +36,7 @@ from lowering.compat import pytree
 from lowering.layout import Layout
 from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.fx.findings import SeqDim
+from ringpass.fx.gradient_reach import writes_in_place, written
 from ringpass.fx.nodes import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, ValueRecord
 from ringpass.fx.sizes import same
@@ -154,8 +155,12 @@ def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
 
 
 def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:
+    """This rank's tokens of a whole value, taken once, after the last op that writes the value in place (an
+    unrolled recurrence filling ``out[:, t] = state`` step by step: RecurrentGemma)."""
     if node not in shards:
-        with ctx.gm.graph.inserting_after(node):
+        graph = ctx.gm.graph
+        writers = [n for n in graph.nodes if writes_in_place(n) and node in written(n)]
+        with graph.inserting_after(writers[-1] if writers else node):
             shards[node] = _shard_node(ctx, node)
     return shards[node]
 

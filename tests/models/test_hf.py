@@ -85,6 +85,20 @@ def test_convolution_layers_between_attention_layers_train_through_the_ring(worl
             assert [m["kind"] for m in report["mixers"]] == ["causal depthwise conv1d, width 3, 32 channels"] * 2
 
 
+def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
+    """RecurrentGemma: its convolution feeds an unrolled recurrence (``out[:, t] = state``, filled in place step by
+    step), so both run whole on every rank, before the ring's attention layer; the recurrence's output is sharded
+    after its last write, not before (it once was: zeros)."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("recurrent_gemma", ["labels"], SEQ), timeout=600):
+        r = results["labels"]
+        assert r["untrained"] == r["unexpected"] == [], r
+        assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, r
+        assert r["kv_exchanges"] == 2, r  # the one attention layer, forward and backward
+        (report,) = r["reports"]
+        (mixer,) = report["mixers"]
+        assert mixer["strategy"] == "computed whole on every rank (its input is needed whole)", mixer
+
+
 CAUSAL = {"mask": "causal"}  # read as the causal flag
 PROGRAM, PROGRAM_AND_CAUSAL = {"mask": "lifted mask program, evaluated"}, {"mask": "lifted mask program + causal"}
 AVERAGES = {"fully_masked": "uniform"}  # a query with every key hidden averages all keys, as eager (grads to q, k, v)

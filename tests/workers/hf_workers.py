@@ -64,6 +64,21 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.Lfm2ForCausalLM(config)
+    if name == "recurrent_gemma":  # a convolution, then an unrolled recurrence filling out[:, t] step by step
+        config = transformers.RecurrentGemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            block_types=["recurrent", "attention"],
+            lru_width=32,
+            attention_window_size=8,
+            conv1d_width=4,
+            attn_implementation=implementation,
+        )
+        return transformers.RecurrentGemmaForCausalLM(config)
     if name == "mistral":  # a sliding window of 5 keys
         config = transformers.MistralConfig(
             vocab_size=VOCAB,
