@@ -5,8 +5,9 @@ sum along the sequence reads every token before. On a sequence laid out over the
 rank, or zigzag's two), each of a rank's chunks needs from the rest of the sequence only a summary of the chunks
 before it: their last k - 1 tokens (a halo), or their total. Every rank computes its chunks' summaries, one
 all-gather gives every rank all of them in global chunk order (bytes: the summaries', independent of the
-sequence's length), and each chunk is computed on its own tokens with the summary of the chunks before it. Exact:
-the same arithmetic as the unsharded op, in the order it does it (a cumsum's offset is added once per chunk).
+sequence's length), and each chunk is computed on its own tokens with the summary of the chunks before it. A
+convolution does the unsharded op's arithmetic; a cumsum adds the chunks before as one offset, so in low precision it
+rounds as a blocked sum does (bf16 at N=4096 over 8 chunks: 0.008 relative against the whole cumsum's 0.004).
 
 - ``ringpass::chunk_summaries``: the all-gather, in global chunk order. The backwards all-reduce the summaries'
   gradients and keep this rank's own chunks' rows, so the gradient reaches the tokens that made each summary.
@@ -84,7 +85,7 @@ def _conv_forward(x, weight, bias, kind, world_size, seq_len, group_name):
         )
         for chunk, index in zip(chunks, owned)
     ]
-    return torch.cat(outs, -1)
+    return torch.cat(outs, -1).contiguous()
 
 
 def _gathered_tails(chunks, width: int, kind: str, world_size: int, seq_len: int, group_name: str):
@@ -118,7 +119,7 @@ def causal_conv1d(
 
 @causal_conv1d.register_fake
 def _(x, weight, bias, kind, world_size, seq_len, group_name):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the op's result (an input given transposed is not)
 
 
 def _sequence_cumsum_forward(x, dim, kind, world_size, seq_len, group_name):
@@ -126,7 +127,7 @@ def _sequence_cumsum_forward(x, dim, kind, world_size, seq_len, group_name):
     totals = torch.stack([c.sum(dim) for c in chunks])
     every = chunk_summaries(totals, kind, world_size, seq_len, group_name)
     outs = [c.cumsum(dim) + every[:index].sum(0).unsqueeze(dim) for c, index in zip(chunks, owned)]
-    return torch.cat(outs, dim)
+    return torch.cat(outs, dim).contiguous()
 
 
 @torch.library.custom_op("ringpass::sequence_cumsum", mutates_args=())
@@ -139,7 +140,7 @@ def sequence_cumsum(
 
 @sequence_cumsum.register_fake
 def _(x, dim, kind, world_size, seq_len, group_name):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 # The backwards are ops of their own, so a compiled backward graph holds one opaque call per mixer, the same on
@@ -178,7 +179,7 @@ def causal_conv1d_backward(
         for d_chunk, d_tail in zip(dx, _to_owners(d_every, kind, world_size, seq_len, group_name)):
             d_chunk[..., -d_tail.shape[-1] :] += d_tail
     dbias = grad.sum((0, 2)) if bias is not None else weight.new_zeros(0)
-    return torch.cat(dx, -1), dweight, dbias
+    return torch.empty_like(x).copy_(torch.cat(dx, -1)), dweight, dbias  # x's strides, as the fake says
 
 
 @causal_conv1d_backward.register_fake
@@ -208,7 +209,7 @@ def sequence_cumsum_backward(
 
 @sequence_cumsum_backward.register_fake
 def _(grad, dim, kind, world_size, seq_len, group_name):
-    return torch.empty_like(grad)
+    return grad.new_empty(grad.shape)
 
 
 def _to_owners(d_every: torch.Tensor, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:

@@ -199,8 +199,9 @@ class Report:
             if self.attention
             else f"no attention, sharded over {over}"
         )
-        if self.mixers:
-            what += f", {len(self.mixers)} sequence mixer(s) passing state between ranks"
+        passing = sum(m.strategy.startswith("state passing") for m in self.mixers)
+        if passing:
+            what += f", {passing} sequence mixer(s) passing state between ranks"
         chosen = Counter(a.strategy.split(",")[0] for a in self.attention if a.strategy)
         what += "".join(f", {count} by {strategy}" for strategy, count in chosen.items())
         carried = f", {self.carried()} value(s) carried sharded across its boundaries" if self.carried() else ""

@@ -7,7 +7,8 @@ Matches:
 - a cumulative sum ``cumsum(x, dim)`` of a floating activation (3-D or more: a feature dim besides batch and
   sequence) along a dim as long as the sequence (the length of the attentions' queries, of a convolution above or of
   an input that arrives sequence-sharded). A cumsum of a per-token vector (``[B, N]``: position ids from a padding
-  mask, document ids) stays where it is, computed whole on every rank, as per-token vectors are (DESIGN.md).
+  mask, document ids) stays where it is, computed whole on every rank, as per-token vectors are (DESIGN.md); so
+  does one accumulated in another dtype (``dtype=``).
 
 Writes ``ctx.mixers``: one `MixerMatch` each. `find_sequence_axes` probes a convolution's output from its input and
 checks that each mixer runs along its input's sequence axis (else it is an ordinary token-mixing op again);
@@ -40,8 +41,8 @@ def find_sequence_mixers(ctx: PassContext) -> None:
             if match is not None:
                 ctx.mixers.append(match)
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
-    lengths += [example_value(m.input).shape[-1] for m in ctx.mixers]
     lengths += [example_value(node).shape[dim] for node, dim in ctx.carried_inputs.items()]
+    lengths += [example_value(m.input).shape[-1] for m in ctx.mixers]  # (a graph with no attention)
     if not lengths:
         return
     for node in ctx.gm.graph.nodes:
@@ -103,6 +104,8 @@ def _cumsum(node: fx.Node, length) -> MixerMatch | None:
     x = example_value(node.args[0])
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3 or not isinstance(dim, int):
+        return None
+    if node.kwargs.get("dtype") is not None or len(node.args) > 2:  # accumulated in another dtype: left to the probe
         return None
     dim %= x.dim()
     if not same(x.shape[dim], length):

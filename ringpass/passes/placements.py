@@ -37,6 +37,7 @@ def decide_placements(ctx: PassContext) -> None:
         ctx.sequence.mixing.pop(match.output, None)
     needs_full = _needs_full(ctx)
     after_attention = downstream_of([m.output for m in ctx.attention])
+    mixer_inputs = {m.output: m.input for m in ctx.mixers}
     for node in ctx.gm.graph.nodes:
         if node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
@@ -45,13 +46,20 @@ def decide_placements(ctx: PassContext) -> None:
         elif node in needs_full or node in ctx.sequence.mixing:
             ctx.placement[node] = FULL
             _check_full(ctx, node, needs_full.get(node, node), after_attention)
-        elif node.target is operator.getitem and ctx.placement.get(node.args[0]) == FULL:
+        elif node in mixer_inputs and ctx.placement.get(mixer_inputs[node]) == FULL:
+            ctx.placement[node] = FULL  # a sequence mixer on a value computed whole: computed whole too
+        elif _element_of_whole_tuple(ctx, node):
             ctx.placement[node] = (
                 FULL  # an element of a tuple computed whole (`sort`'s values, its indices needed whole)
             )
         else:
             ctx.placement[node] = LOCAL
     _record(ctx, needs_full)
+
+
+def _element_of_whole_tuple(ctx: PassContext, node: fx.Node) -> bool:
+    source = node.args[0] if node.target is operator.getitem else None
+    return ctx.placement.get(source) == FULL and isinstance(example_value(source), (tuple, list))
 
 
 def _record(ctx: PassContext, needs_full: dict) -> None:

@@ -27,6 +27,8 @@ def rewrite_sequence_mixers(ctx: PassContext) -> None:
         if ctx.placement.get(match.input) != LOCAL:
             record.strategy = "computed whole on every rank (its input is needed whole)"
             continue
+        if match.kind == "causal_conv1d" and match.width == 1:
+            record.strategy = "on this rank's tokens alone (width 1: no token before is read)"
         layout = (ctx.layout_kind, ctx.world_size, ctx.insert_length("global"), ctx.group_name)
         with graph.inserting_before(match.output):
             if match.kind == "causal_conv1d":
@@ -43,7 +45,8 @@ def rewrite_sequence_mixers(ctx: PassContext) -> None:
         graph.erase_node(match.output)
         for node in match.internal:
             graph.erase_node(node)
-        record.strategy, record.bytes_per_call = _state_passing(ctx, match)
+        if not record.strategy:
+            record.strategy, record.bytes_per_call = _state_passing(ctx, match)
     remove_dead_code(graph)
 
 

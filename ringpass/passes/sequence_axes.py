@@ -56,7 +56,10 @@ PROBE_EQUIVALENTS = {compat.pad_binding: _pad, F.pad: _pad}  # same shapes, no s
 def find_sequence_axes(ctx: PassContext) -> None:
     lengths = [example_value(m.query).shape[-2] for m in ctx.attention]
     lengths += [example_value(node).shape[dim] for node, dim in ctx.carried_inputs.items()]
-    lengths += [example_value(m.input).shape[m.dim] for m in ctx.mixers]
+    if lengths:  # a mixer of another length is no sequence mixer (a convolution over a side input)
+        ctx.mixers[:] = [m for m in ctx.mixers if same(example_value(m.input).shape[m.dim], lengths[0])]
+    else:  # a graph whose only sequence mixers are convolutions and cumsums
+        lengths = [example_value(m.input).shape[m.dim] for m in ctx.mixers]
     if not all(same(n, lengths[0]) for n in lengths):
         raise NotSupportedError(
             "The attentions, sequence mixers and sequence-sharded inputs of this graph have different lengths "
@@ -288,10 +291,21 @@ class _Probe:
             return
         output_has_seq = bool(self.ctx.sequence.axes.get(node)) or self._tuple_has_seq(node)
         role, why = classify(node, lambda a: {axis.dim for axis in self.ctx.sequence.axes.get(a, ())}, output_has_seq)
+        if role == "pick" and not self._sequence_alone(node.args[0]):
+            role, why = "mixing", "it picks tokens by index from a sequence axis merged with others (batch x sequence)"
         if role == "mixing":
             self.ctx.sequence.mixing.setdefault(node, why)
         elif role != "token":
             self.ctx.sequence.reductions[node] = role
+
+    def _sequence_alone(self, node: fx.Node) -> bool:
+        """Every sequence axis of ``node`` holds the sequence alone (no batch or other dim merged into it): what a pick
+        by position needs (an index into ``x.reshape(B * N, D)`` is no position; JetMoE's routing indexes so)."""
+        value = example_value(node)
+        return all(
+            axis.inner == 1 and axis.aligned and same(value.shape[axis.dim], self.n)
+            for axis in self.ctx.sequence.axes.get(node, ())
+        )
 
     def _runs_along_the_sequence(self, mixer: MixerMatch) -> bool:
         """The mixer's dim is its input's only sequence axis, the sequence itself (no other dim merged in). If not,

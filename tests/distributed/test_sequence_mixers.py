@@ -169,3 +169,56 @@ def test_a_chunked_scan_is_refused_naming_it(seq_len):
     assert report.status == "refused" and report.refusal.op.startswith("reshape"), report.refusal
     assert "chunks of 8 tokens: a chunked scan" in report.refusal.message
     assert "reshape_into_chunks" in report.refusal.message  # the line in transformers
+
+
+def test_mixers_of_a_value_needed_whole_run_whole_and_exactly(pools):
+    """A cumsum and a convolution of a value a flip needs whole: computed whole on every rank, sharded after them (they
+    once ran as plain ops on one rank's shard: wrong)."""
+    for rank, result in enumerate(pools.run(2, mixer_workers.whole_input_mixers, ("aot_eager",), timeout=300)):
+        assert max(result["outputs"]) <= 1e-10 and max(result["grads"].values()) <= 1e-10, (rank, result)
+        assert result["mixers"] == ["computed whole on every rank (its input is needed whole)"] * 2, result
+        assert result["kv_exchanges"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_inductor_compiles_the_mixers_ops(pools):
+    """Inductor checks each op's strides against its fake: a convolution over a transposed input included."""
+    for rank, result in enumerate(pools.run(2, mixer_workers.inductor_step, (), timeout=900)):
+        assert result["logits"] <= 1e-4 and max(result["grads"].values()) <= 1e-4, (rank, result)
+        assert result["mixer_exchanges"] == 6
+
+
+class SideConvolution(nn.Module):
+    """Attention over the tokens, and a causal convolution over a side input of another length (no sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(11, 4), nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+    def forward(self, ids, side):
+        q = self.embed(ids).unsqueeze(1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out, self.conv(side)[..., : side.shape[-1]]
+
+
+def test_a_convolution_over_something_else_than_the_sequence_is_left_alone():
+    report = ringpass.inspect(SideConvolution(), (torch.randint(0, 11, (2, 16)), torch.randn(2, 4, 8)), world_size=2)
+    assert report.reports[0].status == "rewritten" and report.reports[0].mixers == []
+
+
+class CumsumInAnotherDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+
+    def forward(self, ids):
+        x = self.embed(ids).to(torch.bfloat16)
+        q = torch.cumsum(x, dim=1, dtype=torch.float32).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_cumsum_accumulated_in_another_dtype_is_not_passed_state():
+    """``cumsum(x, dtype=float32)`` of bf16 values: not a mixer (the op would lose the dtype); computed whole."""
+    report = ringpass.inspect(CumsumInAnotherDtype(), torch.randint(0, 11, (2, 16)), world_size=2).reports[0]
+    assert report.status == "rewritten" and report.mixers == []
+    assert any("`cumsum`" in name for name in report.computed_whole), report.computed_whole

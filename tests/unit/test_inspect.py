@@ -677,3 +677,24 @@ def test_an_element_of_a_tuple_computed_whole_is_whole():
     assert report.status == "rewritten", report.refusal
     whole = " ".join(report.computed_whole)
     assert all(f"`{op}`" in whole for op in ("sort", "getitem", "flip")), report.computed_whole
+
+
+class PickFromFlattenedTokens(nn.Module):
+    """Attention, then rows picked by index from its output flattened to ``[B * N, D]`` (JetMoE's routing): the
+    indices are no sequence positions, so the pick is refused, not answered (it once gave other rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+
+    def forward(self, ids, rows):
+        q = self.embed(ids).unsqueeze(1)
+        y = F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+        return y.reshape(-1, y.shape[-1])[rows]
+
+
+def test_a_pick_by_index_from_flattened_batch_and_sequence_is_refused():
+    ids, rows = torch.randint(0, 11, (2, 16)), torch.tensor([0, 5, 17])
+    report = ringpass.inspect(PickFromFlattenedTokens(), (ids, rows), world_size=2).reports[0]
+    assert report.status == "refused" and report.refusal.op.startswith("getitem"), report.refusal
+    assert "merged with others (batch x sequence)" in report.refusal.message

@@ -131,3 +131,62 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
         "local_len": local.shape[1],
         "mixers": backend.reports[0].as_dict()["mixers"],
     }
+
+
+class WholeInputMixers(nn.Module):
+    """A cumsum and a causal convolution of a value another op needs whole (a flip along the sequence, before the
+    attention): both run whole on every rank, and what the attention and the sum read is sharded after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(11, 4), nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(1, 2)  # [B, C, N]
+        z = x.flip(2).amax(2, keepdim=True)  # needs x whole
+        c = x.cumsum(2) + self.conv(x)[..., : ids.shape[1]]
+        q = (c + z).transpose(1, 2).unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+        return out, c.sum(1)
+
+
+def whole_input_mixers(rank: int, world_size: int, compiler: str) -> dict:
+    """`WholeInputMixers` (fp64) through the ring backend against the model run whole: relative errors of both
+    outputs and every gradient; the report's mixers; the KV exchanges."""
+    torch.manual_seed(0)
+    model = WholeInputMixers().double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = reference(ids)
+    (want[0].sum() + want[1].pow(2).sum()).backward()
+    backend = ringpass.backend(compiler=compiler, outputs="gathered")
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=backend, fullgraph=True)(ids)
+        (got[0].sum() + got[1].pow(2).sum()).backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "outputs": [rel_err(g, w) for g, w in zip(got, want)],
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "mixers": [m.strategy for m in backend.reports[0].mixers],
+        "kv_exchanges": sum(e.kind == "exchange" for e in events),
+    }
+
+
+def inductor_step(rank: int, world_size: int) -> dict:
+    """`ConvNet` (fp32, with attention) compiled by Inductor (the default inner compiler; the mixers' ops must give
+    it the strides they return) against the model run whole: the logits' and every gradient's relative error."""
+    torch.manual_seed(0)
+    model = ConvNet(29, 8, 4, attention=True)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 29, (2, 13), generator=torch.Generator().manual_seed(1))
+    want = reference(ids)
+    want.pow(2).mean().backward()
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=ringpass.backend(outputs="gathered"), fullgraph=True)(ids)
+        got.pow(2).mean().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "logits": rel_err(got, want),
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+    }
