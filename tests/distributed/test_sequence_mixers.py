@@ -72,19 +72,23 @@ def test_many_drawn_convolutions_and_cumsums_equal_the_unsharded_ops(pools, case
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "world_size,attention,dtype,padding",
+    "world_size,attention,dtype,padding,dynamic",
     [
-        (2, True, "float64", True),
-        (3, False, "float64", False),
-        (2, False, "float32", True),
-        pytest.param(4, True, "float64", True, marks=pytest.mark.heavy),
-        pytest.param(3, True, "float32", False, marks=pytest.mark.heavy),
-        pytest.param(4, False, "float64", True, marks=pytest.mark.heavy),
+        (2, True, "float64", True, None),
+        (2, True, "float64", True, True),  # the length symbolic: the ops take it as an argument
+        (3, False, "float64", False, None),
+        (2, False, "float32", True, None),
+        pytest.param(4, True, "float64", True, None, marks=pytest.mark.heavy),
+        pytest.param(3, True, "float32", False, None, marks=pytest.mark.heavy),
+        pytest.param(4, False, "float64", True, True, marks=pytest.mark.heavy),
     ],
 )
-def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(pools, world_size, attention, dtype, padding):
+def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(
+    pools, world_size, attention, dtype, padding, dynamic
+):
     seq_len = 13  # no multiple of 2P: the layout pads
     case = dict(seed=3, dtype=dtype, width=4, attention=attention, seq_len=seq_len, padding=padding, layout="auto")
+    case["dynamic"] = dynamic
     for rank, result in enumerate(pools.run(world_size, mixer_workers.conv_model_step, (case,), timeout=600)):
         bound = TOLERANCE[dtype]
         assert result["logits"] <= bound, (rank, result)

@@ -116,7 +116,7 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     want = reference(**kwargs)
     (want * weights).sum().backward()
     backend = ringpass.backend(compiler="aot_eager", layout=case["layout"], outputs="sharded")
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=case.get("dynamic"))
     with record_ring_events() as events:
         local = compiled(**kwargs)
         layout = Layout(backend.reports[0].layout, world_size, case["seq_len"])
