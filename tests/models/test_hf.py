@@ -70,17 +70,29 @@ def test_training_matches_the_unsharded_model(name, world_size):
         _check(results, expected, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
-def test_convolution_layers_between_attention_layers_train_through_the_ring(world_size):
+@pytest.mark.parametrize(
+    "world_size,dynamic,checkpointed",
+    [
+        (2, None, ""),
+        pytest.param(4, None, "", marks=pytest.mark.heavy),
+        pytest.param(2, True, "", marks=pytest.mark.heavy),
+        pytest.param(2, None, "non-reentrant", marks=pytest.mark.heavy),
+        pytest.param(2, None, "reentrant", marks=pytest.mark.heavy),
+    ],
+)
+def test_convolution_layers_between_attention_layers_train_through_the_ring(world_size, dynamic, checkpointed):
     """Lfm2, a hybrid: its short convolutions (causal, depthwise, width 3) pass each chunk the tokens before it, its
-    attention layer is the ring; padded (the convolution layer multiplies by a slice of the padding mask) and packed."""
+    attention layer is the ring; padded (the convolution layer multiplies by a slice of the padding mask) and packed;
+    with dynamic shapes (and a second length), with Hugging Face's gradient checkpointing."""
     cases = ["labels", "left-padded", "packed"]
-    for results in spawn_ranks(hf_workers.training_step, world_size, ("lfm2", cases, SEQ), timeout=600):
+    args = ("lfm2", cases, SEQ, dynamic, checkpointed)
+    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
         for case, r in results.items():
             assert r["untrained"] == r["unexpected"] == [], (case, r)
             assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
             assert r["kv_exchanges"] == 2 * (world_size - 1), (case, r)  # one attention layer, forward and backward
             assert r["mixer_exchanges"] == 4, (case, r)  # 2 convolutions' halos, forward and backward
+            assert r.get("longer", 0.0) <= 1e-4, (case, r)  # dynamic: the same compile at a second length
             (report,) = r["reports"]
             assert [m["kind"] for m in report["mixers"]] == ["causal depthwise conv1d, width 3, 32 channels"] * 2
 
