@@ -97,6 +97,14 @@ def test_convolution_layers_between_attention_layers_train_through_the_ring(worl
             assert [m["kind"] for m in report["mixers"]] == ["causal depthwise conv1d, width 3, 32 channels"] * 2
 
 
+def test_a_hybrid_compiled_layer_by_layer_passes_state_between_its_graphs():
+    """Lfm2 with each decoder layer compiled on its own: the convolution layers' graphs take the hidden states sharded
+    (`SequenceSharded`, no attention in them) and pass their halos; exact, every graph sharded."""
+    for result in spawn_ranks(hf_workers.per_block_step, 2, ("lfm2", SEQ), timeout=600):
+        assert max(result["loss"], result["grads"]) <= 1e-4, result
+        assert result["statuses"] == ["rewritten"] * 3 and result["mixer_exchanges"] == 4, result
+
+
 def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
     """RecurrentGemma: its convolution feeds an unrolled recurrence (``out[:, t] = state``, filled in place step by
     step), so both run whole on every rank, before the ring's attention layer; the recurrence's output is sharded

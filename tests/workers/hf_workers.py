@@ -3,6 +3,8 @@ no downloads), compiled with the ring backend, against the same model uncompiled
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 from reference import grad_error, rel_err
@@ -530,3 +532,27 @@ def flex_training_step(rank: int, world_size: int, cases: list, seq_len: int, fu
     return training_step(
         rank, world_size, "llama-flex_attention", cases, seq_len, reference="llama", fullgraph=fullgraph
     )
+
+
+def per_block_step(rank: int, world_size: int, name: str, seq_len: int) -> dict:
+    """One training step with each decoder layer compiled on its own (torchtitan's way: `SequenceSharded` between
+    the layers) against the model run whole: relative errors of the loss and the worst gradient, each graph's status,
+    the mixers' summary exchanges."""
+    model = build(name)
+    reference = copy.deepcopy(model)
+    kwargs = batch("labels", seq_len)
+    expected = reference(**kwargs)
+    expected.loss.backward()
+    backend = ringpass.backend(compiler="aot_eager", report="off")
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend=backend)
+    with record_ring_events() as events:
+        got = model(**kwargs)
+        got.loss.backward()
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
+    return {
+        "loss": rel_err(got.loss, expected.loss),
+        "grads": max(rel_err(g, want) for g, want in pairs),
+        "statuses": [r.status for r in backend.reports],
+        "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+    }
