@@ -226,3 +226,10 @@ def test_a_cumsum_accumulated_in_another_dtype_is_not_passed_state():
     report = ringpass.inspect(CumsumInAnotherDtype(), torch.randint(0, 11, (2, 16)), world_size=2).reports[0]
     assert report.status == "rewritten" and report.mixers == []
     assert any("`cumsum`" in name for name in report.computed_whole), report.computed_whole
+
+
+def test_each_rank_passing_its_own_batch_trains_exactly(pools):
+    """``inputs="per_rank"``: the ranks' batches form the global batch, whose sequence the mixers run sharded."""
+    for rank, result in enumerate(pools.run(2, mixer_workers.per_rank_step, (), timeout=300)):
+        assert result["output"] <= 1e-10 and max(result["grads"].values()) <= 1e-10, (rank, result)
+        assert result["mixer_exchanges"] > 0

@@ -190,3 +190,27 @@ def inductor_step(rank: int, world_size: int) -> dict:
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
     }
+
+
+def per_rank_step(rank: int, world_size: int) -> dict:
+    """`ConvNet` (fp64, with attention) under ``inputs="per_rank"``: each rank passes its own batch; the reference is
+    a data-parallel job (each rank's output on its batch, the mean of the ranks' gradients)."""
+    torch.manual_seed(0)
+    model = ConvNet(29, 8, 4, attention=True).double()
+    reference = copy.deepcopy(model)
+    batches = [
+        torch.randint(0, 29, (2, 13), generator=torch.Generator().manual_seed(10 + r)) for r in range(world_size)
+    ]
+    for batch in batches:
+        (reference(batch).pow(2).mean() / world_size).backward()
+    want = reference(batches[rank]).detach()
+    backend = ringpass.backend(compiler="aot_eager", inputs="per_rank")
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=backend, fullgraph=True)(batches[rank])
+        got.pow(2).mean().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "output": rel_err(got, want),
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+    }
