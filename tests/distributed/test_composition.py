@@ -18,6 +18,7 @@ from ringpass.cli.launch import spawn_ranks
 TWO_RANKS = {
     "fsdp2 blocks": ("wrapped_step", ("fsdp2", 1)),
     "fsdp2 root hf": ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
+    "fsdp2 root hybrid": ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_lfm2")),
     "refused": ("refused", ("fsdp2", "local")),
     "per_rank ddp": ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
 }
@@ -73,15 +74,19 @@ def check_exact(result: dict) -> None:
 def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
     """fully_shard on every block and the root over the ring's 2 ranks (grads="auto"): each rank's gradient is its
     share x 2, FSDP2's reduce-scatters are the only gradient collectives; a graph per block (FSDP2's hooks break
-    the graph), and the root only (one graph, a Hugging Face Llama)."""
+    the graph), and the root only (one graph, a Hugging Face Llama, and a hybrid: Lfm2's convolution layers pass their
+    state between the ranks)."""
     for rank in results(2):
-        for result in (rank["fsdp2 blocks"], rank["fsdp2 root hf"]):
+        for result in (rank["fsdp2 blocks"], rank["fsdp2 root hf"], rank["fsdp2 root hybrid"]):
             check_exact(result)
             assert result["gradients"] and set(result["gradients"]) == {"mean"}, result
             assert "FSDP2 over ranks 0, 1" in result["why"][0], result
             # the graphs reduce no gradient; the head, which runs eagerly on the SequenceSharded hidden state
-            # after FSDP2's graph break, sums its weight gradient's shares over the ring (`SequenceSharded`'s rule)
-            assert all(shape == result["head_shape"] for shape in result["backward_all_reduce_shapes"]), result
+            # after FSDP2's graph break, sums its weight gradient's shares over the ring (`SequenceSharded`'s rule);
+            # the hybrid's convolutions send their halos' gradients home ([4 zigzag chunks, batch 2, 32 channels, 2])
+            halos = [[4, 2, 32, 2]] * 2 if result is rank["fsdp2 root hybrid"] else []
+            shapes = result["backward_all_reduce_shapes"]
+            assert [s for s in shapes if s != result["head_shape"]] == halos, result
             # one reduce-scatter per FSDP2 unit; the all-gathers re-gather resharded blocks' parameters
             assert set(result["collectives"]) <= {"_reduce_scatter_base_", "_allgather_base_"}, result
             assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result

@@ -118,8 +118,8 @@ def runs(rank: int, world_size: int, calls: dict) -> dict:
 
 def _model(family: str):
     torch.manual_seed(0)
-    if family == "hf_llama":
-        return hf_workers.build("llama")
+    if family.startswith("hf_"):  # hf_llama, hf_lfm2 (a hybrid: convolution layers between attention layers)
+        return hf_workers.build(family[3:])
     return models.WithLoss(models.Llama())
 
 
