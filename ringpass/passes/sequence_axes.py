@@ -84,6 +84,7 @@ class _Probe:
         self.inside_attention = {n for m in ctx.attention for n in m.internal if n is not m.output}
         self.inside_attention |= {n for m in ctx.mixers for n in m.internal}  # a convolution's longer output
         self.mixer_outputs = {m.output: m for m in ctx.mixers}
+        self.reads_inputs: dict[fx.Node, bool] = {}  # computed from an input other than module state
         self.fake_mode = next(
             example_value(n).fake_mode
             for n in ctx.gm.graph.nodes
@@ -102,6 +103,9 @@ class _Probe:
                 for node in self.ctx.gm.graph.nodes:
                     if node.op == "output":
                         continue
+                    self.reads_inputs[node] = (node.op == "placeholder" and not is_module_state(node)) or any(
+                        self.reads_inputs[a] for a in node.all_input_nodes
+                    )
                     self.values[node] = self._probe(node)
                     self._record_axes(node)
                     self._record_role(node)
@@ -195,7 +199,9 @@ class _Probe:
         if node.target is operator.getitem and isinstance(node.args[1], (slice, tuple)):
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             if any(isinstance(i, slice) and same(value_of(i.stop), self.n) and i.start in (None, 0) for i in index):
-                return "sliced"
+                # a table's first N rows (positions); not a value computed from the inputs whose sequence axis the
+                # probe lost (Mamba2's scan output on transformers 5.25, padded to whole chunks, then cut to N)
+                return None if self.reads_inputs[node.args[0]] else "sliced"
         return None
 
     def _resized(self, original: torch.Tensor, dims: list[int]):
