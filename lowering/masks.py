@@ -97,7 +97,7 @@ class BlockMask:
     def evaluate_program(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """The program alone on these positions: (bool visible, expanded to ``[B or 1, Hq or 1, n, m]``;
         its additive bias or None), its shape checked."""
-        visible, bias = split_additive(self.program(q_pos, kv_pos, *self.inputs))
+        visible, bias = split_additive(call_program(self.program, q_pos, kv_pos, *self.inputs))
         try:
             shape = torch.broadcast_shapes(visible.shape, (1, 1, len(q_pos), len(kv_pos)))
         except RuntimeError:
@@ -330,6 +330,13 @@ def _is_causal_on_aligned(visible, q_pos, kv_pos) -> bool:
         return False
     causal = torch.ones(len(q_pos), len(q_pos), dtype=torch.bool, device=visible.device).tril()
     return bool((visible == causal).all())
+
+
+def call_program(program, *args):
+    """A mask or bias program's values: a GraphModule's ``forward`` called directly, so that no module hook fires
+    (a program runs inside the ring op; a hook that tracks modules, CommDebugMode's, would see a module it never
+    saw entered); a plain function called as it is."""
+    return getattr(program, "forward", program)(*args)
 
 
 def split_additive(values: torch.Tensor):

@@ -25,6 +25,7 @@ import torch
 
 from lowering import events
 from lowering.errors import InvalidInputError
+from lowering.masks import call_program
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class ScoreMod:
 
     def bias_tile(self, q_pos, kv_pos, batch: int, heads: int) -> torch.Tensor:
         """The bias program's values for one tile, checked to broadcast to ``[batch, heads, n, m]``."""
-        bias = self.bias(q_pos, kv_pos, *self.bias_inputs)
+        bias = call_program(self.bias, q_pos, kv_pos, *self.bias_inputs)
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
             raise InvalidInputError(
                 f"The bias program returned {type(bias).__name__} "

@@ -27,6 +27,7 @@ from lowering import compat
 from lowering.compat import pytree
 from lowering.errors import InvalidInputError
 from lowering.implicit_gather import NeedsWholeSequence
+from lowering.masks import call_program
 
 aten = torch.ops.aten
 
@@ -139,4 +140,4 @@ class SequenceMask(torch.Tensor):
 
 def _built(mask: SequenceMask) -> torch.Tensor:
     entry, inputs = recipe(mask.recipe), mask.inputs
-    return entry.program(*inputs, *(inputs[i].shape[d] for i, d in entry.sizes)).expand(mask.shape)
+    return call_program(entry.program, *inputs, *(inputs[i].shape[d] for i, d in entry.sizes)).expand(mask.shape)

@@ -19,6 +19,7 @@ TWO_RANKS = {
     "fsdp2 blocks": ("wrapped_step", ("fsdp2", 1)),
     "fsdp2 root hf": ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_llama")),
     "fsdp2 root hybrid": ("wrapped_step", ("fsdp2_root", 1, "auto", "hf_lfm2")),
+    "fsdp2 blocks hybrid": ("wrapped_step", ("fsdp2", 1, "auto", "hf_lfm2")),
     "refused": ("refused", ("fsdp2", "local")),
     "per_rank ddp": ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
 }
@@ -74,17 +75,21 @@ def check_exact(result: dict) -> None:
 def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
     """fully_shard on every block and the root over the ring's 2 ranks (grads="auto"): each rank's gradient is its
     share x 2, FSDP2's reduce-scatters are the only gradient collectives; a graph per block (FSDP2's hooks break
-    the graph), and the root only (one graph, a Hugging Face Llama, and a hybrid: Lfm2's convolution layers pass their
-    state between the ranks)."""
+    the graph), and the root only (one graph, a Hugging Face Llama); a hybrid both ways (Lfm2: its convolution layers
+    pass their state between the ranks; with a graph per block, CommDebugMode, which tracks modules, once raised on the
+    ring's lifted mask program, a GraphModule called inside the ring op)."""
     for rank in results(2):
-        for result in (rank["fsdp2 blocks"], rank["fsdp2 root hf"], rank["fsdp2 root hybrid"]):
+        hybrids = (rank["fsdp2 root hybrid"], rank["fsdp2 blocks hybrid"])
+        for result in (rank["fsdp2 blocks"], rank["fsdp2 root hf"], *hybrids):
             check_exact(result)
             assert result["gradients"] and set(result["gradients"]) == {"mean"}, result
             assert "FSDP2 over ranks 0, 1" in result["why"][0], result
             # the graphs reduce no gradient; the head, which runs eagerly on the SequenceSharded hidden state
             # after FSDP2's graph break, sums its weight gradient's shares over the ring (`SequenceSharded`'s rule);
-            # the hybrid's convolutions send their halos' gradients home ([4 zigzag chunks, batch 2, 32 channels, 2])
-            halos = [[4, 2, 32, 2]] * 2 if result is rank["fsdp2 root hybrid"] else []
+            # the hybrid's convolutions send their halos' gradients home ([chunks, batch 2, 32 channels, 2 tokens]: one
+            # graph is zigzag under its attention, 4 chunks; a convolution block's own graph is contiguous, 2)
+            chunks = {id(hybrids[0]): 4, id(hybrids[1]): 2}.get(id(result))
+            halos = [[chunks, 2, 32, 2]] * 2 if chunks else []
             shapes = result["backward_all_reduce_shapes"]
             assert [s for s in shapes if s != result["head_shape"]] == halos, result
             # one reduce-scatter per FSDP2 unit; the all-gathers re-gather resharded blocks' parameters
