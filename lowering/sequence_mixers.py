@@ -16,8 +16,9 @@ rounds as a blocked sum does (bf16 at N=4096 over 8 chunks: 0.008 relative again
 - ``ringpass::sequence_cumsum``: ``cumsum(x, dim)`` along the sequence on this rank's tokens.
 - `sharded_conv1d` and `sharded_cumsum`: the two for a user who shards by hand (a `Layout` and a process group).
 
-The two mixers and their backwards are single ops to the compiler (a backward recomputes the forward's few ops, the
-all-gather included, and differentiates them), so the rank is read at run time and every rank runs the same graph.
+The two mixers and their backwards are single ops to the compiler, the backwards written out (a convolution's
+input and weight gradients per chunk, a cumsum's reversed cumsum; the summaries' gradients all-reduced to the ranks
+that made them), so the rank is read at run time and every rank runs the same graph.
 Padding slots (`Layout`: at the end of the sequence) follow every real token, so no real token reads them.
 """
 
@@ -214,7 +215,7 @@ def _(grad, dim, kind, world_size, seq_len, group_name):
 
 def _to_owners(d_every: torch.Tensor, kind: str, world_size: int, seq_len: int, group_name: str) -> torch.Tensor:
     """Every rank's gradient of every chunk's summary, summed, as this rank's own chunks' rows (local order)."""
-    total = all_reduce_sum(d_every.contiguous(), group_name) if group_name else d_every
+    total = all_reduce_sum(d_every.contiguous(), group_name)
     own = cached_layout(kind, world_size, seq_len).chunks(rank_in(group_name))
     return total.index_select(0, torch.tensor(own, device=total.device))
 

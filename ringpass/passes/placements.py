@@ -49,9 +49,8 @@ def decide_placements(ctx: PassContext) -> None:
         elif node in mixer_inputs and ctx.placement.get(mixer_inputs[node]) == FULL:
             ctx.placement[node] = FULL  # a sequence mixer on a value computed whole: computed whole too
         elif _element_of_whole_tuple(ctx, node):
-            ctx.placement[node] = (
-                FULL  # an element of a tuple computed whole (`sort`'s values, its indices needed whole)
-            )
+            # an element of a tuple computed whole (`sort`'s values, its indices needed whole)
+            ctx.placement[node] = FULL
         else:
             ctx.placement[node] = LOCAL
     _record(ctx, needs_full)
