@@ -225,17 +225,9 @@ def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, str | 
         return "mixing", "indexing with a tensor picks tokens"  # which tokens depends on per-token data
     if not output_has_seq and positions_index(node, seq_dims) is not None:
         return "pick", None  # x[arange(B), last_non_padding]: a few tokens at positions given as data
-    rank = value_of(source).dim()
-    consumed = [i for i in index if i is not None and i is not Ellipsis]
-    dim, addressed = 0, {}
-    for i in index:
-        if i is Ellipsis:
-            dim += rank - len(consumed)
-        elif i is not None:
-            addressed[dim] = i
-            dim += 1
+    addressed = {d: i for d, i in zip(index_dims(index, value_of(source).dim()), index) if d is not None}
     for d in seq_dims(source):
-        if d in addressed and not _whole(addressed[d]):
+        if d in addressed and not takes_every_element(addressed[d]):
             if not output_has_seq and pick_index(node, seq_dims) is not None:
                 return "pick", None
             picks = isinstance(addressed[d], (fx.Node, torch.Tensor, list))
@@ -250,8 +242,8 @@ def pick_index(node: fx.Node, seq_dims) -> tuple[int, object] | None:
     index = index if isinstance(index, tuple) else (index,)
     if any(i is None for i in index):
         return None
-    entries = [(d, i) for d, i in zip(_positions(index, value_of(source).dim()), index) if i is not Ellipsis]
-    picked = [(d, i) for d, i in entries if not _whole(i)]
+    entries = [(d, i) for d, i in zip(index_dims(index, value_of(source).dim()), index) if d is not None]
+    picked = [(d, i) for d, i in entries if not takes_every_element(i)]
     if len(picked) != 1 or picked[0][0] not in seq_dims(source) or not isinstance(picked[0][1], (int, slice)):
         return None
     d, i = picked[0]
@@ -273,19 +265,34 @@ def positions_index(node: fx.Node, seq_dims) -> int | None:
     return addressed[0] if len(addressed) == 1 and len(seq_dims(source)) == 1 else None
 
 
-def _positions(index: tuple, rank: int) -> list[int]:
-    """The source dim each index entry addresses (an Ellipsis stands for the dims it covers)."""
-    explicit = sum(1 for i in index if i is not Ellipsis)
+def index_dims(index: tuple, rank: int) -> list[int | None]:
+    """The source dim each entry of a getitem index addresses; None for an entry that addresses none (``None`` and
+    ``True``/``False`` add a dim, ``...`` stands for the dims no other entry addresses)."""
+    addressing = sum(1 for i in index if not _addresses_no_dim(i))
     dims, d = [], 0
     for i in index:
-        dims.append(d)
-        d += rank - explicit if i is Ellipsis else 1
+        if _addresses_no_dim(i):
+            dims.append(None)
+            d += rank - addressing if i is Ellipsis else 0
+        else:
+            dims.append(d)
+            d += 1
     return dims
 
 
-def _whole(index) -> bool:
-    """``:`` or an equivalent slice (``0:``, ``::1``) that keeps every token."""
-    return isinstance(index, slice) and index.start in (None, 0) and index.stop is None and index.step in (None, 1)
+def _addresses_no_dim(item) -> bool:
+    return item is None or item is Ellipsis or item is True or item is False
+
+
+def takes_every_element(item, length=None) -> bool:
+    """A slice that takes every element in order: ``:``, ``0:``, ``::1``; and, given the dim's ``length``, also
+    ``-length:`` and ``:length``."""
+    if not isinstance(item, slice) or item.step not in (None, 1):
+        return False
+    start, stop = value_of(item.start), value_of(item.stop)
+    if length is None:
+        return start in (None, 0) and stop is None
+    return (start is None or same(start, 0) or same(start, -length)) and (stop is None or same(stop, length))
 
 
 def _dims(node: fx.Node, name: str, first: fx.Node | None) -> set | None:

@@ -39,7 +39,7 @@ from ringpass.fx.findings import MixerMatch, SeqDim
 from ringpass.fx.nodes import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
 from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
-from ringpass.fx.token_ops import classify, custom_forward
+from ringpass.fx.token_ops import classify, custom_forward, index_dims, takes_every_element
 
 
 def _pad(x, pad, mode="constant", value=None):
@@ -226,10 +226,10 @@ class _Probe:
         shard's too: Python clamps the literal bounds)."""
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         x = example_value(node.args[0])
-        dims = _index_dims(index, x.dim())
+        dims = _slice_dims(index, x.dim())
         seq_dims = {axis.dim for axis in self.ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
         spelled = [
-            slice(None) if dims[i] in seq_dims and _takes_everything(item, x.shape[dims[i]]) else item
+            slice(None) if dims[i] in seq_dims and takes_every_element(item, x.shape[dims[i]]) else item
             for i, item in enumerate(index)
         ]
         spelled = map_aggregate(tuple(spelled), lambda a: self.values[a] if isinstance(a, fx.Node) else a)
@@ -346,30 +346,11 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> int | None:
     return None
 
 
-def _index_dims(index: tuple, rank: int) -> list:
-    """The input dim each item of a getitem index reads (None for items that read none: ``None``, ``...``)."""
-    if any(isinstance(i, fx.Node) or i is True or i is False for i in index):
-        return [None] * len(index)  # tensor indexing: not a slice of the sequence
-    taking = [i for i in index if i is not None and i is not Ellipsis]
-    dims, dim = [], 0
-    for item in index:
-        if item is None:
-            dims.append(None)
-        elif item is Ellipsis:
-            dims.append(None)
-            dim += rank - len(taking)
-        else:
-            dims.append(dim)
-            dim += 1
-    return dims
-
-
-def _takes_everything(item, length) -> bool:
-    """A slice that, at ``length``, takes every element in order."""
-    if not isinstance(item, slice) or item.step not in (None, 1):
-        return False
-    start, stop = value_of(item.start), value_of(item.stop)
-    return (start is None or same(start, 0) or same(start, -length)) and (stop is None or same(stop, length))
+def _slice_dims(index: tuple, rank: int) -> list[int | None]:
+    """`index_dims` of a basic index; every entry None where a tensor indexes (no slice of the sequence then)."""
+    if any(isinstance(i, fx.Node) for i in index):
+        return [None] * len(index)
+    return index_dims(index, rank)
 
 
 def _same_shape(a, b) -> bool:
