@@ -101,6 +101,7 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     """One training step of `ConvNet` through the ring backend against the model run whole (fp64 or fp32): relative
     errors of the logits and of every gradient by name; the ring's KV and summary exchanges; the local
     length of the logits; the report's mixers."""
+    torch._dynamo.reset()  # a pool's process runs many drawn cases: each compiles ConvNet.forward afresh
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
     model = ConvNet(29, 8, case["width"], case["attention"]).to(dtype)
