@@ -674,7 +674,7 @@ def training_step(rank: int, world_size: int, family: str, dynamic: bool = False
             }
         ),
         "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-        "mixers": [m.kind for r in backend.reports for m in r.mixers],
+        "mixers": [f"{m.kind}: {m.strategy.split(':')[0]}" for r in backend.reports for m in r.mixers],
         "graphs": len(backend.reports),
     }
 
@@ -734,7 +734,7 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
             why = re.sub(r"\S*/site-packages/", "", r["why"]).replace("|", "/")  # paths from the package root
             lines.append(f"| {family} | {spelling} | {r['status']} | | | {why[:300]} |")
         else:
-            mixers = [f"{count} x {kind}: state passed" for kind, count in Counter(r.get("mixers", [])).items()]
+            mixers = [f"{count} x {kind}" for kind, count in Counter(r.get("mixers", [])).items()]
             notes = "; ".join(r["attention"][:1] + mixers) + (f"; {r['graphs']} graphs" if r["graphs"] > 1 else "")
             lines.append(
                 f"| {family} | {spelling} | {r['status']} | {r['error']:.1e} | {r['kv_exchanges']} | {notes} |"

@@ -148,6 +148,21 @@ class MaskFindings:
     whole_values: set[fx.Node] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class WholeRegion:
+    """A function call run on the whole sequence on every rank: ``function`` its name, ``call_site`` where it is
+    called ("file, line N, in caller"), ``internal`` its nodes (graph order), ``entries`` the values from outside it
+    reads, ``exits`` its values read outside it (each with its sequence dim), ``why`` the op that cannot run on a
+    shard."""
+
+    function: str
+    call_site: str
+    internal: tuple[fx.Node, ...]
+    entries: tuple[fx.Node, ...]
+    exits: tuple[tuple[fx.Node, int], ...]
+    why: str
+
+
 @dataclass
 class SequenceFindings:
     """What `find_sequence_axes` found: the sequence length the graph sees (``seq_len``: this rank's with
@@ -155,7 +170,8 @@ class SequenceFindings:
     sequence dims (``axes``); the ops that mix tokens (``mixing``: node -> why; `find_local_permutations` drops
     the ones that only permute a rank's own tokens), reduce over the sequence (``reductions``: node -> "sum" |
     "mean" | "cross_entropy" | "pick") or bring the sequence in (``sources``: node -> "input" | "positions" |
-    "created" | "sliced"); and the SymInt inputs whose value is the sequence length (``length_nodes``)."""
+    "created" | "sliced"); the SymInt inputs whose value is the sequence length (``length_nodes``); and the function
+    calls computed on the whole sequence on every rank (``regions``: a chunked scan, `ringpass.fx.call_regions`)."""
 
     seq_len: int | torch.SymInt = 0
     global_seq_len: int = 0
@@ -164,3 +180,4 @@ class SequenceFindings:
     reductions: dict[fx.Node, str] = field(default_factory=dict)
     sources: dict[fx.Node, str] = field(default_factory=dict)
     length_nodes: set[fx.Node] = field(default_factory=set)
+    regions: list[WholeRegion] = field(default_factory=list)

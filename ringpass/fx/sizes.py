@@ -51,18 +51,21 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
     )
 
 
-def chunked_scan(node: fx.Node, dim: int) -> str:
+def chunked_scan(node: fx.Node, dim: int, n=None) -> str:
     """Where the reshape ``node`` cuts its input's sequence dim ``dim`` into (chunks, chunk length) at the traced
-    sizes: a sentence saying it is a chunked scan, which ringpass does not shard yet; else ""."""
+    sizes (one chunk too where the sequence, of length ``n``, was padded to it): a sentence saying it is a chunked
+    scan, which ringpass does not shard yet; else ""."""
     length = example_value(node.args[0]).shape[dim]
     after = example_value(node).shape
+    padded = n is not None and not same(length, n)
     for d in range(len(after) - 1):
-        if same(after[d] * after[d + 1], length) and not same(after[d + 1], length) and after[d] != 1:
+        whole = same(after[d + 1], length) or after[d] == 1
+        if same(after[d] * after[d + 1], length) and (not whole or (padded and after[d] == 1)):
             return (
                 f" It cuts the sequence into chunks of {after[d + 1]} tokens: a chunked scan (Mamba2's SSD, Gated "
-                "DeltaNet's delta rule) that carries a state from chunk to chunk. ringpass passes the state of causal "
-                "convolutions and cumulative sums between ranks, not yet of chunked scans (docs/backend.md, "
-                '"Sequence mixers other than attention").'
+                "DeltaNet's delta rule) that carries a state from chunk to chunk. ringpass runs such a scan whole on "
+                "every rank where it is a function call of its own that reads and returns per-token values; this one "
+                'is not (docs/backend.md, "Sequence mixers other than attention").'
             )
     return ""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ringpass.fx.nodes import example_value
 from ringpass.fx.sizes import same, value_of
@@ -114,6 +115,8 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return ("token", None) if reduction == "none" else ("cross_entropy", None)
     if name in ("max", "min") and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
         return "token", None  # elementwise maximum / minimum of two tensors
+    if name == "tensor_split" and first is not None and split_takes_everything(node):
+        return "token", None  # tensor_split(x, [N]): x, then nothing (Mamba2 on transformers 5.25, with no cache)
     if name in REDUCTIONS or name in ALONG_DIM:
         dims = _dims(node, name, first)
         if dims is not None and not (dims & seq_dims(first)):
@@ -140,6 +143,17 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
 
 
 DTENSOR_CONVERSIONS = {"to_local", "from_local", "redistribute"}  # tensor parallel's (parallelize_module)
+
+
+def split_takes_everything(node: fx.Node) -> bool:
+    """``tensor_split(x, [i, ...], dim)`` with every split index at or past the dim's traced length: the first piece
+    is all of ``x`` (at any length no longer than the traced one, a shard's too), the others empty."""
+    indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices_or_sections")
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    if not isinstance(indices, (list, tuple)) or not indices or not isinstance(dim, int):
+        return False
+    length = value_of(node.args[0]).shape[dim]
+    return all(statically_known_true(value_of(i) >= length) for i in indices)
 
 
 def _dtensor_conversion(node: fx.Node, first, seq_dims) -> tuple[str, str | None]:

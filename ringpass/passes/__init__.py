@@ -35,6 +35,7 @@ from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.find_sequence_mixers import find_sequence_mixers
+from ringpass.passes.gather_whole_regions import gather_whole_regions
 from ringpass.passes.inline_subgraphs import inline_subgraphs
 from ringpass.passes.insert_boundaries import insert_boundaries
 from ringpass.passes.invert_permutations import invert_permutations
@@ -90,7 +91,14 @@ PREFILL = (
     # from the whole sequence to this rank's tokens: the graph computes its values again after the last
     Stage(
         "shard",
-        (rewrite_positions, localize_shapes, rewrite_attention, rewrite_sequence_mixers, insert_boundaries),
+        (
+            rewrite_positions,
+            localize_shapes,
+            rewrite_attention,
+            rewrite_sequence_mixers,
+            gather_whole_regions,
+            insert_boundaries,
+        ),
         runs_between_passes=False,
     ),
     Stage("gradients", (reduce_grads,)),

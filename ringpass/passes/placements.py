@@ -5,7 +5,9 @@ The scores, probabilities and masks of hand-written attention, and what only fee
 ``ctx.sequence.axes`` and ``ctx.sequence.mixing`` first (the rewrite removes them). A value with a sequence axis is
 *local* (this rank's tokens, in layout order) unless an op that moves information between tokens needs it whole:
 then it and its sequence-carrying ancestors are *full* (run on every rank, which is fine for per-token vectors such
-as labels and position ids). Such an op on a value that comes out of attention cannot be sharded and is refused. A
+as labels and position ids). Such an op on a value that comes out of attention cannot be sharded and is refused. The
+values of a function call computed whole (``ctx.sequence.regions``: a chunked scan) are *full* too, while the values
+it reads stay local (`gather_whole_regions` all-gathers them). A
 reduction over the sequence of a local value is *partial* (summed over the ranks at the boundary). Values without a
 sequence axis are replicated (*noseq*).
 
@@ -38,8 +40,11 @@ def decide_placements(ctx: PassContext) -> None:
     needs_full = _needs_full(ctx)
     after_attention = downstream_of([m.output for m in ctx.attention])
     mixer_inputs = {m.output: m.input for m in ctx.mixers}
+    computed_whole = {node for region in ctx.sequence.regions for node in region.internal}
     for node in ctx.gm.graph.nodes:
-        if node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
+        if node in computed_whole:
+            ctx.placement[node] = FULL  # a function call run on the whole sequence: its entries are all-gathered
+        elif node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
         elif not ctx.has_sequence(node):
             ctx.placement[node] = NOSEQ
@@ -64,6 +69,7 @@ def _element_of_whole_tuple(ctx: PassContext, node: fx.Node) -> bool:
 def _record(ctx: PassContext, needs_full: dict) -> None:
     """The report's inputs (sharded, kept whole and why, replicated) and the values computed whole."""
     whole_ops: dict[str, None] = {}
+    computed_whole = {node for region in ctx.sequence.regions for node in region.internal}
     for node in ctx.gm.graph.nodes:
         placement, value = ctx.placement.get(node), example_value(node)
         if node.op == "placeholder" and not is_module_state(node) and isinstance(value, torch.Tensor):
@@ -93,8 +99,8 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
                     nbytes(value),
                 )
             )
-        elif placement == FULL and node.op != "placeholder":
-            whole_ops[user_name(node)] = None
+        elif placement == FULL and node.op != "placeholder" and node not in computed_whole:
+            whole_ops[user_name(node)] = None  # (a function call computed whole is a mixer of the report's)
     ctx.report.computed_whole = list(whole_ops)
 
 

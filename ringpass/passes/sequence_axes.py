@@ -34,12 +34,21 @@ from torch.fx.node import map_aggregate
 
 from lowering import compat
 from lowering.errors import NotSupportedError
+from ringpass.fx.call_regions import boundary, enclosing_calls
 from ringpass.fx.context import PassContext
-from ringpass.fx.findings import MixerMatch, SeqDim
-from ringpass.fx.nodes import describe, example_value, is_module_state, is_vmap_bookkeeping, refusal, user_name
+from ringpass.fx.findings import MixerMatch, SeqDim, WholeRegion
+from ringpass.fx.nodes import (
+    describe,
+    example_value,
+    is_module_state,
+    is_vmap_bookkeeping,
+    op_label,
+    refusal,
+    user_name,
+)
 from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
-from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS
-from ringpass.fx.token_ops import classify, custom_forward, index_dims, takes_every_element
+from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS, op_name
+from ringpass.fx.token_ops import classify, custom_forward, index_dims, split_takes_everything, takes_every_element
 
 
 def _pad(x, pad, mode="constant", value=None):
@@ -70,6 +79,13 @@ def find_sequence_axes(ctx: PassContext) -> None:
         ctx.sequence.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.sequence.seq_len
     )
     _Probe(ctx).run()
+    if ctx.sequence.regions and ctx.dynamic:
+        region = ctx.sequence.regions[0]
+        raise refusal(
+            f"`{region.function}` ({region.call_site}) runs whole on every rank ({region.why}), which ringpass does "
+            "with static shapes only so far: compile with dynamic=False.",
+            region.internal[0],
+        )
 
 
 class _Probe:
@@ -85,6 +101,9 @@ class _Probe:
         self.inside_attention |= {n for m in ctx.mixers for n in m.internal}  # a convolution's longer output
         self.mixer_outputs = {m.output: m for m in ctx.mixers}
         self.reads_inputs: dict[fx.Node, bool] = {}  # computed from an input other than module state
+        self.region_nodes: set[fx.Node] = set()  # function calls computed whole (`ctx.sequence.regions`)
+        self.region_exits: dict[fx.Node, int] = {}  # their values read outside them -> sequence dim
+        self.current: fx.Node | None = None  # the node being probed
         self.fake_mode = next(
             example_value(n).fake_mode
             for n in ctx.gm.graph.nodes
@@ -100,27 +119,51 @@ class _Probe:
         fake_log.setLevel(logging.CRITICAL)
         try:
             with self.fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
-                for node in self.ctx.gm.graph.nodes:
-                    if node.op == "output":
-                        continue
-                    self.reads_inputs[node] = (node.op == "placeholder" and not is_module_state(node)) or any(
-                        self.reads_inputs[a] for a in node.all_input_nodes
-                    )
-                    self.values[node] = self._probe(node)
-                    self._record_axes(node)
-                    self._record_role(node)
+                order = [node for node in self.ctx.gm.graph.nodes if node.op != "output"]
+                i = 0
+                while i < len(order):
+                    try:
+                        self._step(order[i])
+                        i += 1
+                    except _Rewind as rewind:  # a function call found to run whole: probe again from its start
+                        start = order.index(rewind.start)
+                        for node in order[start:i]:
+                            self._forget(node)
+                        i = start
         finally:
             fake_log.setLevel(level)
             for _ in range(self.open_vmap_levels):  # a refusal inside a vmap nest: close its levels
                 compat.vmap_decrement_nesting()
 
     # ---- one node -------------------------------------------------------------------------------
+    def _step(self, node: fx.Node) -> None:
+        self.current = node
+        self.reads_inputs[node] = (node.op == "placeholder" and not is_module_state(node)) or any(
+            self.reads_inputs[a] for a in node.all_input_nodes
+        )
+        self.values[node] = self._probe(node)
+        if node in self.region_exits or node not in self.region_nodes:
+            self._record_axes(node)
+        if node not in self.region_nodes:
+            self._record_role(node)
+
+    def _forget(self, node: fx.Node) -> None:
+        """Undo what probing ``node`` recorded."""
+        sequence = self.ctx.sequence
+        for found in (sequence.axes, sequence.mixing, sequence.reductions, sequence.sources):
+            found.pop(node, None)
+        self.values.pop(node, None)
+
     def _probe(self, node: fx.Node):
         original = example_value(node)
         if node.op == "placeholder":
             return self._probe_placeholder(node, original)
         if node.op == "get_attr" or node in self.inside_attention or node.target in PROMPT_SLOTS:
             return original  # a KV cache's slots are this rank's, whatever the prompt's length
+        if node in self.region_exits:  # computed whole, read per token outside: at the probe's length
+            return self._resized(original, [self.region_exits[node]])
+        if node in self.region_nodes:
+            return original
         if node in self.attention_outputs:  # out: q's leading dims and v's head dim (flex: and an LSE)
             match = self.attention_outputs[node]
             q, v = self.values[match.query], self.values[match.value]
@@ -145,8 +188,8 @@ class _Probe:
                 return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
             if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
-        args, kwargs = self._probe_args(node)
         try:
+            args, kwargs = self._probe_args(node)
             if node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply:
                 return custom_forward(node)(*args[2:])[0]  # the Function's forward body: (outputs, saved)
             if node.op == "call_method":
@@ -154,7 +197,11 @@ class _Probe:
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
             axes = self.ctx.sequence.axes.get(node.args[0], ()) if is_size_op(node) else ()
-            scan = "".join(chunked_scan(node, axis.dim) for axis in axes)
+            scan = "".join(chunked_scan(node, axis.dim, self.n) for axis in axes)
+            op = f"`{op_label(node)}`"
+            self._compute_whole(node, f"a chunked scan ({op} cuts the sequence into chunks)" if scan else "")
+            if isinstance(error, NotSupportedError):
+                raise
             why = scan or (
                 " It combines a value that follows the sequence length with one whose size stays at the traced "
                 "length: typically a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, "
@@ -218,6 +265,9 @@ class _Probe:
             args = map_aggregate(resized, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
         elif node.target is operator.getitem and self.ctx.sequence.axes.get(node.args[0]):
             args = (args[0], self._whole_slices(node))
+        elif op_name(node) == "tensor_split" and self.ctx.sequence.axes.get(node.args[0]):
+            if split_takes_everything(node):  # everything at the probe's length too
+                args = (args[0], [self.probe_len] * len(node.args[1]), *args[2:])
         return args, kwargs
 
     def _whole_slices(self, node: fx.Node):
@@ -248,6 +298,66 @@ class _Probe:
         if not isinstance(value, (tuple, list)) or not isinstance(original, (tuple, list)):
             return False
         return any(isinstance(v, torch.Tensor) and not _same_shape(v.shape, o.shape) for v, o in zip(value, original))
+
+    # ---- function calls computed whole ------------------------------------------------------------
+    def _compute_whole(self, node: fx.Node, scan: str) -> None:
+        """``node`` cannot run on a shard. Where it cuts the sequence into chunks (``scan``: a chunked scan) or reads
+        a value that lost its sequence axis (a loop over the tokens unrolled at the traced length: a selective scan),
+        the innermost function call around that value, or else around ``node``, that reads and returns per-token
+        values becomes a `WholeRegion`, and the probe starts again from the call's first node (`_Rewind`). Returns
+        when there is none (another op that cannot run on a shard is refused, not computed whole)."""
+        lost = self._lost_sequence(node)  # a value computed before lost it: that is where to look first
+        for start in (*lost, node) if scan else lost:
+            why = "a loop over the sequence, unrolled at the traced length" if start in lost else scan
+            for function, call_site, nodes in enclosing_calls(self.ctx.gm.graph, start):
+                region = self._region(function, call_site, nodes, why)
+                if region is not None:
+                    self.ctx.sequence.regions.append(region)
+                    self.region_nodes.update(region.internal)
+                    self.region_exits.update(region.exits)
+                    raise _Rewind(region.internal[0])
+
+    def _lost_sequence(self, node: fx.Node) -> list[fx.Node]:
+        """The values ``node`` reads, directly or through others like them, that were computed from the inputs and
+        have a dim of the sequence's length the probe did not move."""
+        lost, stack = [], list(node.all_input_nodes)
+        while stack and len(lost) < 64:
+            value = stack.pop(0)
+            original = example_value(value)
+            if value in lost or self.ctx.sequence.axes.get(value) or not self.reads_inputs.get(value):
+                continue
+            if isinstance(original, torch.Tensor) and any(same(size, self.n) for size in original.shape):
+                lost.append(value)
+                stack += value.all_input_nodes
+        return lost
+
+    def _region(self, function: str, call_site: str, nodes: list[fx.Node], why: str) -> WholeRegion | None:
+        """The call as a `WholeRegion`, if it can be one: no attention or other sequence mixer inside it, every
+        entry with a sequence axis holding it alone (the all-gather's dim), every exit a tensor with a dim of the
+        sequence's length."""
+        inside = set(nodes)
+        if inside & (self.inside_attention | set(self.attention_outputs) | set(self.mixer_outputs) | self.region_nodes):
+            return None
+        order = list(self.ctx.gm.graph.nodes)
+        probed_again = order[order.index(nodes[0]) : order.index(self.current) + 1]
+        if any(_opens_or_closes_a_vmap_level(n) for n in probed_again):
+            return None  # functorch's levels are global state: the probe does not run them twice
+        entries, exits = boundary(nodes)
+        if not any(self.ctx.sequence.axes.get(e) for e in entries):
+            return None
+        for entry in entries:
+            axes = self.ctx.sequence.axes.get(entry, ())
+            if self._tuple_has_seq(entry) or (axes and (len(axes) != 1 or not self._sequence_alone(entry))):
+                return None
+        exit_dims = []
+        for node in exits:
+            value = example_value(node)
+            shape = value.shape if isinstance(value, torch.Tensor) else ()
+            dims = [d for d, size in enumerate(shape) if same(size, self.n)]
+            if not dims:
+                return None
+            exit_dims.append((node, 1 if 1 in dims else dims[0]))
+        return WholeRegion(function, call_site, tuple(nodes), tuple(entries), tuple(exit_dims), why)
 
     # ---- what the probe says ----------------------------------------------------------------------
     def _record_axes(self, node: fx.Node) -> None:
@@ -324,6 +434,14 @@ class _Probe:
         if mixer.internal and self.ctx.sequence.axes.get(mixer.input):
             self.ctx.sequence.mixing[mixer.output] = f"it reads a {mixer.describe()} not along the sequence axis"
         return False
+
+
+class _Rewind(Exception):
+    """`_Probe._compute_whole` found a function call to run whole: probe again from ``start``, its first node."""
+
+    def __init__(self, start: fx.Node):
+        super().__init__(start.name)
+        self.start = start
 
 
 def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:

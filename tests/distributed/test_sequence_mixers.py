@@ -12,13 +12,12 @@ import mixer_workers
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from packaging.version import Version
 from rank_pools import RankPools
 
 import ringpass
-from lowering import compat
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
@@ -76,13 +75,15 @@ def test_many_drawn_convolutions_and_cumsums_equal_the_unsharded_ops(pools, case
 def model_cases(draw, world_sizes=(2, 3, 4)) -> dict:
     """`mixer_workers.ConvNet` and how it is compiled and called: the ring size, layout, length (shorter than the
     chunks, or many tokens; duck sizing aside: a symbolic length never equals the batch of 2), convolution width
-    (1: no halo), attention or none (a graph of mixers alone), a padded row, dtype, static or symbolic lengths."""
+    (1: no halo), a chunked scan's chunk (0: none), attention or none (a graph of mixers alone), a padded row,
+    dtype, static or symbolic lengths."""
     dynamic = draw(st.booleans())
     return dict(
         world_size=draw(st.sampled_from(world_sizes)),
         layout=draw(st.sampled_from(["auto", "zigzag", "contiguous"])),
         seq_len=draw(st.one_of(st.integers(3, 9), st.integers(10, 40))) if dynamic else draw(st.integers(2, 40)),
         width=draw(st.integers(1, 6)),
+        scan=0 if dynamic else draw(st.sampled_from([0, 0, 2, 3, 5, 8])),  # (with static shapes only, so far)
         attention=draw(st.booleans()),
         padding=draw(st.booleans()),
         dtype=draw(st.sampled_from(["float64", "float64", "float32"])),
@@ -104,9 +105,15 @@ def _check_model(pools, case: dict) -> None:
         assert result["mixer_exchanges"] == (6 if case["width"] > 1 else 2), (rank, case, result)
         assert (result["kv_exchanges"] > 0) == case["attention"], (rank, case, result)
         conv = f"causal depthwise conv1d, width {case['width']}, 8 channels"
-        assert [m["kind"] for m in result["mixers"]] == [conv] * 2 + ["cumulative sum along dim 1"] * 2
+        scans = ["`chunked_decay_scan`: a chunked scan (`reshape` cuts the sequence into chunks)"] * 2
+        kinds = [conv] * 2 + ["cumulative sum along dim 1"] * 2 + (scans if case["scan"] else [])
+        assert [m["kind"] for m in result["mixers"]] == kinds, (rank, case, result["mixers"])
         passing = [m for m in result["mixers"] if m["strategy"].startswith("state passing")]
         assert len(passing) == (4 if case["width"] > 1 else 2) and all(m["bytes_per_call"] > 0 for m in passing)
+        whole = [m for m in result["mixers"] if m["strategy"].startswith("computed whole on every rank")]
+        assert all(m["bytes_per_call"] > 0 for m in whole)
+        # the scan's two per-token inputs, all-gathered in each block, and its output's gradient in the backward
+        assert result["all_gathers"] == (6 if case["scan"] else 0), (rank, case, result)
 
 
 @pytest.mark.timeout(600)
@@ -181,9 +188,10 @@ def test_a_convolution_whose_output_is_needed_whole_is_computed_whole():
 
 
 @pytest.mark.parametrize("seq_len", [24, 13])  # a multiple of the chunk (the reshape splits the sequence), or padded
-def test_a_chunked_scan_is_refused_naming_it(seq_len):
+def test_a_chunked_scan_in_a_function_of_its_own_is_computed_whole(seq_len):
     """Mamba2 (no attention; its short convolution passes state): its SSD cuts the sequence into chunks of 8 and
-    carries a state across them, which ringpass does not shard yet: refused, saying so, with the line."""
+    carries a state across them; its function call, ``mamba2_chunk_scan``, runs whole on every rank, its four
+    per-token inputs all-gathered, and everything around it stays sharded."""
     import transformers
 
     config = transformers.Mamba2Config(
@@ -193,14 +201,36 @@ def test_a_chunked_scan_is_refused_naming_it(seq_len):
     model = transformers.Mamba2ForCausalLM(config)
     kwargs = {"input_ids": torch.randint(0, 64, (2, seq_len)), "use_cache": False}
     report = ringpass.inspect(model, kwargs, world_size=2).reports[0]
-    assert report.status == "refused" and "modeling_mamba2.py" in report.refusal.source, report.refusal
-    if Version(compat.installed_version("transformers")) < Version(
-        "5.25"
-    ):  # its reshape into chunks is where the probe stops
-        assert report.refusal.op.startswith("reshape") and "reshape_into_chunks" in report.refusal.message
-        assert "chunks of 8 tokens: a chunked scan" in report.refusal.message
-    else:  # 5.25 spells the chunking so that the probe runs through it and stops at the scan's output
-        assert "a recurrence: a state-space scan" in report.refusal.message, report.refusal
+    assert report.status == "rewritten", report.refusal
+    conv, scan = report.mixers
+    assert conv.strategy.startswith("state passing"), conv
+    assert scan.kind.startswith("`mamba2_chunk_scan`: ") and "modeling_mamba2.py" in scan.source + scan.module, scan
+    assert scan.strategy.startswith("computed whole on every rank") and scan.bytes_per_call > 0, scan
+    gathered = [c for c in report.collectives if c.phase == "forward" and "mamba2_chunk_scan" in c.what]
+    assert len(gathered) == 4, report.collectives  # hidden states, dt, B, C
+    assert [i.placement for i in report.inputs if i.name == "input_ids"] == ["sharded"]
+
+
+class InlineScan(nn.Module):
+    """`mixer_workers.chunked_decay_scan` written out in the model's own forward (no function call around it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.decay = nn.Embedding(11, 4), nn.Linear(4, 1)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, n, d = x.shape
+        cum = F.pad(-F.softplus(self.decay(x)), (0, 0, 0, 3 - n % 3)).reshape(b, -1, 3).cumsum(2)
+        q = (x + cum.flatten(1)[:, :n, None]).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_chunked_scan_outside_any_function_call_is_refused_with_its_line():
+    report = ringpass.inspect(InlineScan(), (torch.randint(0, 11, (2, 10)),), world_size=2).reports[0]
+    assert report.status == "refused" and report.refusal.op.startswith("reshape"), report.refusal
+    assert "test_sequence_mixers.py" in report.refusal.source, report.refusal
+    assert "a chunked scan" in report.refusal.message and "function call of its own" in report.refusal.message
 
 
 def test_mixers_of_a_value_needed_whole_run_whole_and_exactly(pools):

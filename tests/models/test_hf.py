@@ -119,6 +119,41 @@ def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
         assert mixer["strategy"] == "computed whole on every rank (its input is needed whole)", mixer
 
 
+SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1}  # function calls with a chunked scan (one per such layer)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "family,world_size",
+    [
+        ("mamba2", 2),
+        ("bamba", 2),
+        ("qwen3_next", 2),
+        pytest.param("mamba2", 4, marks=pytest.mark.heavy),
+        pytest.param("bamba", 3, marks=pytest.mark.heavy),
+        pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),
+    ],
+)
+def test_chunked_scans_run_whole_on_every_rank_and_the_rest_sharded(family, world_size):
+    """Mamba2 (no attention: SSD in chunks of 4 over 13 tokens), Bamba (a Mamba2 layer, then attention) and Qwen3-Next
+    (Gated DeltaNet's delta rule, then attention): each scan's function call (``mamba2_chunk_scan``,
+    ``torch_chunk_gated_delta_rule``) runs unchanged on the whole sequence on every rank, its per-token inputs
+    all-gathered; the convolutions before it pass state, the attention is the ring. Padded too."""
+    args = (family, ["labels", "left-padded"], SEQ)
+    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
+        for case, r in results.items():
+            assert r["untrained"] == r["unexpected"] == [], (case, r)
+            assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
+            (report,) = r["reports"]
+            scans = [m for m in report["mixers"] if m["strategy"].startswith("computed whole on every rank: its")]
+            assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
+            gathered = [c for c in report["collectives"] if c["phase"] == "forward" and "computed whole" in c["what"]]
+            assert r["all_gathers"] >= len(gathered) > 0, (case, r["all_gathers"], gathered)  # (and gradients')
+            assert r["mixer_exchanges"] == 2 * SCANS[family], (case, r)  # the convolutions' halos, both ways
+            assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)  # the attention layer is the ring
+            assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
+
+
 CAUSAL = {"mask": "causal"}  # read as the causal flag
 PROGRAM, PROGRAM_AND_CAUSAL = {"mask": "lifted mask program, evaluated"}, {"mask": "lifted mask program + causal"}
 AVERAGES = {"fully_masked": "uniform"}  # a query with every key hidden averages all keys, as eager (grads to q, k, v)

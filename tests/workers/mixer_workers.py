@@ -65,20 +65,40 @@ def _summed(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def chunked_decay_scan(x: torch.Tensor, log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``y_t = exp(a_t) y_(t-1) + x_t`` along the sequence of ``x [B, N, H, D]`` with ``a = log_decay [B, N, H]``,
+    per head, spelled as Mamba2's SSD spells its scan: padded to whole chunks, each chunk computed at once from its
+    decays' cumsum, a state carried from chunk to chunk (a loop Dynamo unrolls)."""
+    b, n, h, d = x.shape
+    pad = (chunk - n % chunk) % chunk
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).reshape(b, -1, chunk, h, d)
+    cum = F.pad(log_decay, (0, 0, 0, pad)).reshape(b, -1, chunk, h).cumsum(2)  # [B, chunks, L, H]
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).triu(1)[:, :, None]  # [L, S, 1]: s > t
+    decay = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(later, float("-inf")).exp()  # [B, chunks, L, S, H]
+    within = torch.einsum("bclsh,bcshd->bclhd", decay, x)
+    state, out = x.new_zeros(b, h, d), []
+    for c in range(x.shape[1]):
+        out.append(within[:, c] + cum[:, c, :, :, None].exp() * state[:, None])
+        state = out[-1][:, -1]
+    return torch.stack(out, 1).reshape(b, -1, h, d)[:, :n]
+
+
 class ConvNet(nn.Module):
     """Two blocks, each a gated causal depthwise convolution over the sequence (Lfm2's and Mamba2's short
     convolution: ``nn.Conv1d(groups=C, padding=k-1)`` then ``[..., :N]``), a cumulative sum of its output along the
-    sequence (scaled: the sum grows with the position), and, with ``attention``, causal SDPA; a padding mask
-    ``keep [B, N]`` zeroes the padding tokens before each mixer, as Hugging Face's hybrids do."""
+    sequence (scaled: the sum grows with the position), with ``scan_chunk`` a `chunked_decay_scan` over its heads in
+    chunks of that many tokens, and, with ``attention``, causal SDPA; a padding mask ``keep [B, N]`` zeroes the
+    padding tokens before each mixer, as Hugging Face's hybrids do."""
 
-    def __init__(self, vocab: int, dim: int, width: int, attention: bool, heads: int = 2):
+    def __init__(self, vocab: int, dim: int, width: int, attention: bool, heads: int = 2, scan_chunk: int = 0):
         super().__init__()
         self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.in_proj = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(2))
         self.conv = nn.ModuleList(nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1) for _ in range(2))
+        self.decay = nn.ModuleList(nn.Linear(dim, heads) for _ in range(2)) if scan_chunk else None
         self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(2)) if attention else None
         self.norm = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2))
-        self.heads = heads
+        self.heads, self.scan_chunk = heads, scan_chunk
 
     def forward(self, ids, keep=None):
         x = self.embed(ids)
@@ -90,6 +110,9 @@ class ConvNet(nn.Module):
             gate, h = self.in_proj[i](h).chunk(2, dim=-1)
             h = self.conv[i](h.transpose(1, 2))[..., :n].transpose(1, 2)
             h = torch.sigmoid(gate) * h + torch.cumsum(h, dim=1) / n
+            if self.decay is not None:
+                log_decay = -F.softplus(self.decay[i](h))
+                h = h + chunked_decay_scan(h.unflatten(-1, (self.heads, -1)), log_decay, self.scan_chunk).flatten(2)
             if self.qkv is not None:
                 q, k, v = self.qkv[i](h).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
                 h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
@@ -104,7 +127,7 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     torch._dynamo.reset()  # a pool's process runs many drawn cases: each compiles ConvNet.forward afresh
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
-    model = ConvNet(29, 8, case["width"], case["attention"]).to(dtype)
+    model = ConvNet(29, 8, case["width"], case["attention"], scan_chunk=case.get("scan", 0)).to(dtype)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(case["seed"])
     ids = torch.randint(0, 29, (2, case["seq_len"]), generator=gen)
@@ -129,6 +152,7 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "kv_exchanges": sum(e.kind == "exchange" for e in events),
         "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+        "all_gathers": sum(e.kind == "all_gather" for e in events),
         "local_len": local.shape[1],
         "mixers": backend.reports[0].as_dict()["mixers"],
     }
