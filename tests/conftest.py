@@ -3,8 +3,9 @@ computes its values, run on fake tensors (`ringpass.fx.runner`). Ranks spawned b
 
 The tests by kind: tests/unit (one file per pass or module, no processes), tests/distributed (spawned ranks),
 tests/models (Hugging Face families), tests/kernels (Triton kernels, interpreted). What they and their ranks import by
-name (`models`, `reference`, `hf_workers`, ...) is in tests/workers, put on sys.path here, before pytest imports any
-test module: the server the ranks are forked from (`ringpass/cli/launch.py`) copies sys.path when it starts."""
+name (`models`, `reference`, `hf_workers`, ...) is in tests/workers, put on sys.path here with examples/ (whose
+`model_coverage` holds tiny configs of many Hugging Face families), before pytest imports any test module: the server
+the ranks are forked from (`ringpass/cli/launch.py`) copies sys.path when it starts."""
 
 import os
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 os.environ.setdefault("RINGPASS_CHECK_PASSES", "1")
 WORKERS = str(Path(__file__).resolve().parent / "workers")
-if WORKERS not in sys.path:
-    sys.path.insert(0, WORKERS)
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")  # model_coverage's tiny configs, for hf_workers
+for folder in (EXAMPLES, WORKERS):
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def pytest_configure(config):

@@ -152,7 +152,8 @@ class _Probe:
         sequence = self.ctx.sequence
         for found in (sequence.axes, sequence.mixing, sequence.reductions, sequence.sources):
             found.pop(node, None)
-        self.values.pop(node, None)
+        if self.values.pop(node, None) is not None and _opens_or_closes_a_vmap_level(node):
+            self.open_vmap_levels -= _vmap_levels_opened([node])
 
     def _probe(self, node: fx.Node):
         original = example_value(node)
@@ -180,7 +181,7 @@ class _Probe:
             self.ctx.sequence.sources[node] = "created"  # x.new_empty(B, H, N, D): sizes spelled, like torch.zeros
             return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
         if _opens_or_closes_a_vmap_level(node):  # functorch's global state: run whatever the inputs
-            self.open_vmap_levels += 1 if node.target.__name__ == "_vmap_increment_nesting" else -1
+            self.open_vmap_levels += _vmap_levels_opened([node])
         elif not any(self.ctx.sequence.axes.get(a) or self._tuple_has_seq(a) for a in node.all_input_nodes):
             source = self._source_kind(node, original)
             if source is not None:
@@ -340,8 +341,8 @@ class _Probe:
             return None
         order = list(self.ctx.gm.graph.nodes)
         probed_again = order[order.index(nodes[0]) : order.index(self.current) + 1]
-        if any(_opens_or_closes_a_vmap_level(n) for n in probed_again):
-            return None  # functorch's levels are global state: the probe does not run them twice
+        if _vmap_levels_opened(probed_again) or _vmap_levels_opened(nodes):
+            return None  # functorch's levels are global state: probed again, each level opened must close
         entries, exits = boundary(nodes)
         if not any(self.ctx.sequence.axes.get(e) for e in entries):
             return None
@@ -442,6 +443,15 @@ class _Rewind(Exception):
     def __init__(self, start: fx.Node):
         super().__init__(start.name)
         self.start = start
+
+
+def _vmap_levels_opened(nodes) -> int:
+    """How many vmap levels ``nodes`` open and leave open (negative: close)."""
+    return sum(
+        1 if node.target.__name__ == "_vmap_increment_nesting" else -1
+        for node in nodes
+        if _opens_or_closes_a_vmap_level(node)
+    )
 
 
 def _opens_or_closes_a_vmap_level(node: fx.Node) -> bool:

@@ -119,7 +119,9 @@ def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
         assert mixer["strategy"] == "computed whole on every rank (its input is needed whole)", mixer
 
 
-SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1}  # function calls with a chunked scan (one per such layer)
+# function calls computed whole (one per such layer) and short convolutions passing state, per family
+SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 1}
+CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 0}
 
 
 @pytest.mark.timeout(600)
@@ -129,16 +131,20 @@ SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1}  # function calls with a chun
         ("mamba2", 2),
         ("bamba", 2),
         ("qwen3_next", 2),
+        ("jamba", 2),
+        pytest.param("minimax", 2, marks=pytest.mark.heavy),
         pytest.param("mamba2", 4, marks=pytest.mark.heavy),
         pytest.param("bamba", 3, marks=pytest.mark.heavy),
         pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),
     ],
 )
 def test_chunked_scans_run_whole_on_every_rank_and_the_rest_sharded(family, world_size):
-    """Mamba2 (no attention: SSD in chunks of 4 over 13 tokens), Bamba (a Mamba2 layer, then attention) and Qwen3-Next
-    (Gated DeltaNet's delta rule, then attention): each scan's function call (``mamba2_chunk_scan``,
-    ``torch_chunk_gated_delta_rule``) runs unchanged on the whole sequence on every rank, its per-token inputs
-    all-gathered; the convolutions before it pass state, the attention is the ring. Padded too."""
+    """Mamba2 (no attention: SSD in chunks of 8 over 13 tokens), Bamba (a Mamba2 layer, then attention), Qwen3-Next
+    (Gated DeltaNet's delta rule, then attention), Jamba (Mamba's selective scan: a loop over the tokens, unrolled, with
+    vmaps inside) and MiniMax (lightning attention: a loop over blocks): each scan's function call
+    (``mamba2_chunk_scan``, ``torch_chunk_gated_delta_rule``, ``mamba_selective_scan``, a module's ``forward``) runs
+    unchanged on the whole sequence on every rank, its per-token inputs all-gathered; the convolutions before it pass
+    state, the attention is the ring. Padded too."""
     args = (family, ["labels", "left-padded"], SEQ)
     for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
         for case, r in results.items():
@@ -149,7 +155,7 @@ def test_chunked_scans_run_whole_on_every_rank_and_the_rest_sharded(family, worl
             assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
             gathered = [c for c in report["collectives"] if c["phase"] == "forward" and "computed whole" in c["what"]]
             assert r["all_gathers"] >= len(gathered) > 0, (case, r["all_gathers"], gathered)  # (and gradients')
-            assert r["mixer_exchanges"] == 2 * SCANS[family], (case, r)  # the convolutions' halos, both ways
+            assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family], (case, r)  # the convolutions' halos, both ways
             assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)  # the attention layer is the ring
             assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
 

@@ -66,60 +66,10 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.Lfm2ForCausalLM(config)
-    if name == "mamba2":  # no attention: each layer a short convolution, then a chunked scan (SSD, chunks of 4)
-        config = transformers.Mamba2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_heads=4,
-            head_dim=16,
-            state_size=8,
-            n_groups=2,
-            conv_kernel=4,
-            chunk_size=4,
-        )
-        return transformers.Mamba2ForCausalLM(config)
-    if name == "bamba":  # a Mamba2 layer (one group, chunks of 4), then an attention layer
-        config = transformers.BambaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_layer_indices=[1],
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_n_groups=1,
-            mamba_d_state=8,
-            mamba_expand=2,
-            mamba_chunk_size=4,
-            mamba_d_conv=4,
-            attn_implementation=implementation,
-        )
-        return transformers.BambaForCausalLM(config)
-    if name == "qwen3_next":  # a Gated DeltaNet layer (its delta rule in chunks of 64), then an attention layer
-        config = transformers.Qwen3NextConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=2,
-            num_experts_per_tok=1,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-            attn_implementation=implementation,
-        )
-        return transformers.Qwen3NextForCausalLM(config)
+    if name in ("mamba2", "bamba", "qwen3_next", "jamba", "minimax"):  # scans: chunked (SSD, the delta rule), unrolled
+        import model_coverage  # examples/model_coverage.py: Mamba2 alone, the hybrids' two layers
+
+        return model_coverage.build(name)
     if name == "recurrent_gemma":  # a convolution, then an unrolled recurrence filling out[:, t] step by step
         config = transformers.RecurrentGemmaConfig(
             vocab_size=VOCAB,
