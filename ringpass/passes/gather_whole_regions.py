@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ringpass.fx.context import FULL, LOCAL, PassContext
-from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source
+from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, MixerRecord
 
 STRATEGY = "computed whole on every rank: its per-token inputs all-gathered, its outputs sharded again"
@@ -44,7 +44,7 @@ def gather_whole_regions(ctx: PassContext) -> None:
                 user.replace_input_with(entry, whole)
             size = nbytes(example_value(entry))
             sent += size // ctx.world_size
-            what = f"the input {entry.name} of `{region.function}` (computed whole)"
+            what = f"{user_name(entry)}, read by `{region.function}` (computed whole)"
             ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(first), size))
         kind = f"`{region.function}`: {region.why}"
         record = MixerRecord(module_path(first), region.call_site, kind, STRATEGY, plain(sent))
