@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rank_pools import RankPools
 
@@ -117,8 +117,12 @@ def _check_model(pools, case: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=8, derandomize=True, **SETTINGS)
+@settings(max_examples=6, derandomize=True, **SETTINGS)
 @given(case=model_cases())
+@example(  # a chunked scan over 3-token chunks with attention and padding, whatever else is drawn
+    case=dict(world_size=2, layout="auto", seq_len=13, width=4, scan=3, attention=True, padding=True, dtype="float64",
+              dynamic=None, seed=1)
+)  # fmt: skip
 def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(pools, case):
     """Logits and every gradient by name against the model run whole, the sequence sharded, the state exchanged."""
     _check_model(pools, case)
@@ -132,6 +136,7 @@ def test_many_drawn_models_of_convolutions_and_cumsums_train_exactly(pools, case
     _check_model(pools, case)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(strict=True, reason="open: a chunked scan with a loop over its chunks under dynamic=True")
 def test_a_chunked_scan_with_dynamic_shapes_trains_exactly(pools):

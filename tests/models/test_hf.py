@@ -129,9 +129,9 @@ CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax":
     "family,world_size",
     [
         ("mamba2", 2),
-        ("bamba", 2),
         ("qwen3_next", 2),
         ("jamba", 2),
+        pytest.param("bamba", 2, marks=pytest.mark.heavy),
         pytest.param("minimax", 2, marks=pytest.mark.heavy),
         pytest.param("mamba2", 4, marks=pytest.mark.heavy),
         pytest.param("bamba", 3, marks=pytest.mark.heavy),
