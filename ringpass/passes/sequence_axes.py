@@ -17,8 +17,12 @@ Writes ``ctx.sequence`` (`SequenceFindings`): ``seq_len`` (N), ``global_seq_len`
 ``inputs="sharded"``), ``axes`` (node -> `SeqDim`s), ``sources`` (where the sequence axis comes from),
 ``length_nodes`` (SymInt inputs equal to N, with dynamic shapes), ``mixing`` (ops that move information between
 tokens, with why) and ``reductions`` (per-token values reduced over the sequence: sum, mean, cross-entropy, a
-pick of a few tokens). Refuses attentions over different lengths, a reshape that splits the sequence, and an op that
-fails at the probe's length (its sizes do not follow the sequence: an unrolled recurrence).
+pick of a few tokens). An op that cannot run at the probe's length because it cuts the sequence into chunks, or
+because it reads a value a loop over the tokens left at the traced length, inside a function call that reads and
+returns per-token values, makes that call a `WholeRegion` (``ctx.sequence.regions``, `ringpass.fx.call_regions`):
+computed whole on every rank, its nodes unprobed, its outputs probed at the probe's length; the probe starts again
+from the call. Refuses attentions over different lengths, a reshape that splits the sequence, a function call computed
+whole with dynamic shapes, and any other op that fails at the probe's length (its sizes do not follow the sequence).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from rank_pools import RankPools
 
 import ringpass
+from ringpass.cli.launch import RankFailure
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
@@ -75,15 +76,18 @@ def test_many_drawn_convolutions_and_cumsums_equal_the_unsharded_ops(pools, case
 def model_cases(draw, world_sizes=(2, 3, 4)) -> dict:
     """`mixer_workers.ConvNet` and how it is compiled and called: the ring size, layout, length (shorter than the
     chunks, or many tokens; duck sizing aside: a symbolic length never equals the batch of 2), convolution width
-    (1: no halo), a chunked scan's chunk (0: none), attention or none (a graph of mixers alone), a padded row,
-    dtype, static or symbolic lengths."""
+    (1: no halo), a chunked scan's chunk (0: none; never the whole length: that reshape is no cut, see
+    `test_a_scan_of_exactly_one_chunk_is_computed_whole_or_refused`), attention or none (a graph of mixers alone),
+    a padded row, dtype, static or symbolic lengths."""
     dynamic = draw(st.booleans())
+    seq_len = draw(st.one_of(st.integers(3, 9), st.integers(10, 40))) if dynamic else draw(st.integers(2, 40))
     return dict(
         world_size=draw(st.sampled_from(world_sizes)),
         layout=draw(st.sampled_from(["auto", "zigzag", "contiguous"])),
-        seq_len=draw(st.one_of(st.integers(3, 9), st.integers(10, 40))) if dynamic else draw(st.integers(2, 40)),
+        seq_len=seq_len,
         width=draw(st.integers(1, 6)),
-        scan=0 if dynamic else draw(st.sampled_from([0, 0, 2, 3, 5, 8])),  # (with static shapes only, so far)
+        # (with static shapes only, so far)
+        scan=0 if dynamic else draw(st.sampled_from([0, 0, 2, 3, 5, 8]).filter(lambda chunk: chunk != seq_len)),
         attention=draw(st.booleans()),
         padding=draw(st.booleans()),
         dtype=draw(st.sampled_from(["float64", "float64", "float32"])),
@@ -134,6 +138,25 @@ def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(pools, c
 @given(case=model_cases())
 def test_many_drawn_models_of_convolutions_and_cumsums_train_exactly(pools, case):
     _check_model(pools, case)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("chunk", [2, 3])
+def test_a_scan_of_exactly_one_chunk_is_computed_whole_or_refused(pools, chunk):
+    """A sequence exactly one chunk long: ``reshape(B, -1, N, ...)`` cuts nothing, the probe reads the chunk as the
+    sequence, and the scan's decay matrix (sequence x sequence) then needs the whole sequence: the model runs whole on
+    every rank, exactly (chunk 3), or an op inside the scan is refused with its line (chunk 2). Never a wrong answer;
+    not sharded either (open: a reshape whose chunk is the whole length could be read as a cut)."""
+    case = dict(world_size=2, layout="auto", seq_len=chunk, width=1, scan=chunk, attention=False, padding=False)
+    case |= dict(dtype="float64", dynamic=None, seed=0)
+    if chunk == 2:
+        with pytest.raises(RankFailure, match=r"NotSupportedError: `mul` at .*mixer_workers.py"):
+            pools.run(2, mixer_workers.conv_model_step, (case,), timeout=600)
+        return
+    for result in pools.run(2, mixer_workers.conv_model_step, (case,), timeout=600):
+        assert result["logits"] <= 1e-12 and max(result["grads"].values()) <= 1e-12, result
+        assert all(m["strategy"].startswith("computed whole on every rank (its") for m in result["mixers"]), result
+        assert result["mixer_exchanges"] == 0, result  # nothing passes state: every mixer runs whole
 
 
 @pytest.mark.heavy
