@@ -22,7 +22,8 @@ because it reads a value a loop over the tokens left at the traced length, insid
 returns per-token values, makes that call a `WholeRegion` (``ctx.sequence.regions``, `ringpass.fx.call_regions`):
 computed whole on every rank, its nodes unprobed, its outputs probed at the probe's length; the probe starts again
 from the call. Refuses attentions over different lengths, a reshape that splits the sequence, a function call computed
-whole with dynamic shapes, and any other op that fails at the probe's length (its sizes do not follow the sequence).
+whole with dynamic shapes or sharded inputs, and any other op that fails at the probe's length (its sizes do not
+follow the sequence).
 """
 
 from __future__ import annotations
@@ -83,11 +84,12 @@ def find_sequence_axes(ctx: PassContext) -> None:
         ctx.sequence.seq_len * ctx.world_size if ctx.options.inputs == "sharded" else ctx.sequence.seq_len
     )
     _Probe(ctx).run()
-    if ctx.sequence.regions and ctx.dynamic:
+    if ctx.sequence.regions and (ctx.dynamic or ctx.options.inputs == "sharded"):
         region = ctx.sequence.regions[0]
         raise refusal(
             f"`{region.function}` ({region.call_site}) runs whole on every rank ({region.why}), which ringpass does "
-            "with static shapes only so far: compile with dynamic=False.",
+            "with static shapes and whole inputs only so far (its sizes are the traced ones): compile with "
+            "dynamic=False and inputs='full'.",
             region.internal[0],
         )
 

@@ -249,6 +249,21 @@ def test_a_chunked_scan_in_a_function_of_its_own_is_computed_whole(seq_len):
     assert [i.placement for i in report.inputs if i.name == "input_ids"] == ["sharded"]
 
 
+def test_a_chunked_scan_with_sharded_inputs_is_refused_naming_it():
+    """inputs='sharded': the graph is traced at a rank's length, so the call's sizes are not the whole sequence's."""
+    import transformers
+
+    config = transformers.Mamba2Config(
+        vocab_size=64, hidden_size=32, state_size=8, num_heads=4, head_dim=16, n_groups=1, num_hidden_layers=1,
+        conv_kernel=4, chunk_size=4,
+    )  # fmt: skip
+    model = transformers.Mamba2ForCausalLM(config)
+    kwargs = {"input_ids": torch.randint(0, 64, (2, 12)), "use_cache": False}
+    report = ringpass.inspect(model, kwargs, world_size=2, inputs="sharded").reports[0]
+    assert report.status == "refused" and "`mamba2_chunk_scan`" in report.refusal.message, report.refusal
+    assert "inputs='full'" in report.refusal.message and "modeling_mamba2.py" in report.refusal.source
+
+
 class InlineScan(nn.Module):
     """`mixer_workers.chunked_decay_scan` written out in the model's own forward (no function call around it)."""
 
