@@ -27,9 +27,16 @@ class Placement(str, Enum):
     FULL = "full"  # the whole sequence, computed on every rank
     PARTIAL = "partial"  # this rank's share of a sum over the sequence: made whole by an all-reduce
     NOSEQ = "noseq"  # no sequence axis: the same on every rank (Replicated)
+    HEADS = "heads"  # every token of this rank's share of the heads (a function call split by heads)
 
 
-LOCAL, FULL, PARTIAL, NOSEQ = Placement.LOCAL, Placement.FULL, Placement.PARTIAL, Placement.NOSEQ
+LOCAL, FULL, PARTIAL, NOSEQ, HEADS = (
+    Placement.LOCAL,
+    Placement.FULL,
+    Placement.PARTIAL,
+    Placement.NOSEQ,
+    Placement.HEADS,
+)
 
 
 class UlyssesGroups(NamedTuple):

@@ -163,6 +163,22 @@ class WholeRegion:
     why: str
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a `WholeRegion` that keeps its ``heads`` apart runs on every token of H / P of them on each rank
+    (`find_region_heads`): ``entries`` maps each value it reads to its head dim (None: it has none, and is read
+    whole: all-gathered where it is this rank's tokens); ``narrowed`` the nodes inside it whose output is the first
+    with a head dim (a value repeated to every head, a state created with H heads) to that dim, narrowed to this
+    rank's heads after them; ``respelled`` the ops inside it that spell sizes, to their args with the head sizes
+    divided by P; ``exits`` each value read outside it to (its sequence dim, its head dim)."""
+
+    heads: int
+    entries: dict[fx.Node, int | None]
+    narrowed: dict[fx.Node, int]
+    respelled: dict[fx.Node, tuple]
+    exits: dict[fx.Node, tuple[int, int]]
+
+
 @dataclass
 class SequenceFindings:
     """What `find_sequence_axes` found: the sequence length the graph sees (``seq_len``: this rank's with
@@ -171,7 +187,9 @@ class SequenceFindings:
     the ones that only permute a rank's own tokens), reduce over the sequence (``reductions``: node -> "sum" |
     "mean" | "cross_entropy" | "pick") or bring the sequence in (``sources``: node -> "input" | "positions" |
     "created" | "sliced"); the SymInt inputs whose value is the sequence length (``length_nodes``); and the function
-    calls computed on the whole sequence on every rank (``regions``: a chunked scan, `ringpass.fx.call_regions`)."""
+    calls computed on the whole sequence on every rank (``regions``: a chunked scan, `ringpass.fx.call_regions`), and
+    for each of them the `HeadSplit` that runs it on a share of its heads on each rank, or why it cannot
+    (``heads``, `find_region_heads`)."""
 
     seq_len: int | torch.SymInt = 0
     global_seq_len: int = 0
@@ -181,3 +199,4 @@ class SequenceFindings:
     sources: dict[fx.Node, str] = field(default_factory=dict)
     length_nodes: set[fx.Node] = field(default_factory=set)
     regions: list[WholeRegion] = field(default_factory=list)
+    heads: dict[WholeRegion, HeadSplit | str] = field(default_factory=dict)

@@ -48,6 +48,10 @@ GRADIENT_ARGUMENTS: dict[str, tuple] = {
     "take_positions": ("x",),
     "ulysses_heads_to_tokens": ("x",),
     "ulysses_tokens_to_heads": ("x",),
+    "sequence_to_heads": ("x",),
+    "heads_to_sequence": ("x",),
+    "own_heads": ("x",),
+    "place_own_heads": ("x",),
     "causal_conv1d": ("x", "weight", "bias"),
     "causal_conv1d_backward": (EVERY,),  # no formula of its own (no double backward): loud
     "sequence_cumsum": ("x",),

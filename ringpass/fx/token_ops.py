@@ -88,6 +88,8 @@ ALONG_DIM = {
     "scatter_add",
     "scatter_add_",
 }
+# Linear algebra on the last two dims of each operand, batched over the others
+MATRIX_BATCHED = {"linalg_solve_triangular", "linalg_solve", "linalg_inv", "inverse", "linalg_cholesky", "cholesky"}
 DIM_POSITION = {
     "split": 2,
     "chunk": 2,
@@ -110,6 +112,8 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         return "token", None  # every rank keeps its own tokens' keys (keep_cache_sharded)
     if name == "getitem":
         return _getitem(node, seq_dims, output_has_seq)
+    if name == "setitem":
+        return _setitem(node, seq_dims)
     if name == "cross_entropy":
         reduction = node.kwargs.get("reduction", "mean")
         return ("token", None) if reduction == "none" else ("cross_entropy", None)
@@ -126,6 +130,11 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
         if name in ("cat", "concat") and _only_one_nonempty(node.args[0]):
             return "token", None  # cat([empty, x]) is x (an empty KV cache)
         return "mixing", f"`{name}` runs along the sequence"
+    if name in MATRIX_BATCHED:
+        matrix_dims = any(
+            seq_dims(a) & {value_of(a).dim() - 2, value_of(a).dim() - 1} for a in _tensor_args(node) if seq_dims(a)
+        )
+        return ("mixing", f"`{name}` solves along the sequence") if matrix_dims else ("token", None)
     if name in TRAILING_NORMS:
         shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else ())
         rank = value_of(first).dim()
@@ -247,6 +256,18 @@ def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, str | 
             picks = isinstance(addressed[d], (fx.Node, torch.Tensor, list))
             return "mixing", "indexing with a tensor picks tokens" if picks else "it picks or slices tokens"
     return "token", None  # a list or tensor index along another dim (heads, features) stays per token
+
+
+def _setitem(node: fx.Node, seq_dims) -> tuple[str, str | None]:
+    """``x[index] = y`` writes into every token alike where ``index`` takes every element of ``x``'s sequence dims
+    (``out[:, :, i] = y``: a chunk of each token's features) and holds no per-token tensor."""
+    target, index = node.args[0], node.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    addressed = dict(zip(index_dims(index, value_of(target).dim()), index))
+    picks = any(d in addressed and not takes_every_element(addressed[d]) for d in seq_dims(target))
+    if picks or any(isinstance(i, fx.Node) and seq_dims(i) for i in index):
+        return "mixing", "it writes into some tokens only"
+    return "token", None
 
 
 def pick_index(node: fx.Node, seq_dims) -> tuple[int, object] | None:

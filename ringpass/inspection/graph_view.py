@@ -16,10 +16,18 @@ import torch.fx as fx
 
 from ringpass.fx.nodes import example_value, module_path, op_label, short_source, user_name
 
-PLACEMENT_NAMES = {"local": "sharded", "full": "whole", "partial": "partial", "noseq": "replicated"}
+PLACEMENT_NAMES = {
+    "local": "sharded",
+    "full": "whole",
+    "partial": "partial",
+    "noseq": "replicated",
+    "heads": "split by heads",
+}
 COLLECTIVES = {
     "shard_sequence": "shard",
     "gather_sequence": "all-gather",
+    "sequence_to_heads": "all-to-all",
+    "heads_to_sequence": "all-to-all",
     "all_reduce_sum": "all-reduce",
     "reduce_grad": "all-reduce (backward)",
     "scale_grad": "scale (backward)",

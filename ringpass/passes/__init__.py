@@ -23,7 +23,7 @@ from lowering import compat
 from lowering.errors import NotSupportedError
 from lowering.layout import Layout
 from ringpass.fx.chains import op_chain
-from ringpass.fx.context import FULL, LOCAL, PassContext
+from ringpass.fx.context import FULL, HEADS, LOCAL, PassContext
 from ringpass.fx.nodes import example_value, nbytes, op_label, plain, short_source
 from ringpass.fx.report import Refusal
 from ringpass.fx.runner import PassRunner, Stage
@@ -34,6 +34,7 @@ from ringpass.passes.devectorize_vmaps import devectorize_vmaps
 from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
+from ringpass.passes.find_region_heads import find_region_heads
 from ringpass.passes.find_sequence_mixers import find_sequence_mixers
 from ringpass.passes.gather_whole_regions import gather_whole_regions
 from ringpass.passes.inline_subgraphs import inline_subgraphs
@@ -55,6 +56,7 @@ from ringpass.passes.rewrite_sequence_mixers import rewrite_sequence_mixers
 from ringpass.passes.sequence_axes import find_sequence_axes
 from ringpass.passes.sharded_lengths import globalize_sharded_lengths
 from ringpass.passes.spell_properties_as_attributes import spell_properties_as_attributes
+from ringpass.passes.split_region_heads import split_region_heads
 from ringpass.passes.split_tail import split_tail
 
 PREPARE = Stage(
@@ -85,6 +87,7 @@ PREFILL = (
             find_local_permutations,
             split_tail,
             decide_placements,
+            find_region_heads,
             keep_cache_sharded,
         ),
     ),
@@ -96,6 +99,7 @@ PREFILL = (
             localize_shapes,
             rewrite_attention,
             rewrite_sequence_mixers,
+            split_region_heads,
             gather_whole_regions,
             insert_boundaries,
         ),
@@ -174,6 +178,9 @@ def _activation_bytes(ctx: PassContext) -> dict:
         if placement == LOCAL:
             per_rank += nbytes(value) * local_length // traced_length
             unsharded += nbytes(value) * global_length // traced_length
+        elif placement == HEADS:  # every token of H / P heads
+            per_rank += nbytes(value) // ctx.world_size
+            unsharded += nbytes(value)
         elif placement == FULL:
             whole += nbytes(value)
     return {"per_rank": per_rank, "unsharded": unsharded, "whole": whole}

@@ -1,7 +1,8 @@
 """Run each function call the probe could not shard (a chunked scan) on the whole sequence, on every rank.
 
-Matches ``ctx.sequence.regions`` (`find_sequence_axes`: a call such as Mamba2's ``mamba2_chunk_scan`` or Gated
-DeltaNet's ``torch_chunk_gated_delta_rule``, whose ops cut the sequence into chunks and carry a state across them).
+Matches the ``ctx.sequence.regions`` (`find_sequence_axes`: a call such as Jamba's selective scan, whose ops cut the
+sequence into chunks or loop over it and carry a state across) that `split_region_heads` did not split by heads
+(``ctx.sequence.heads`` says why: the report's strategy repeats it).
 Writes ``ringpass::gather_sequence`` after each of its entries that holds this rank's tokens (once per entry: every
 rank then holds the whole sequence, in position order, padding dropped) and points the call's reads of the entry at
 it; the call itself runs unchanged, as traced, and its exits are sharded again where per-token ops read them
@@ -10,7 +11,7 @@ alike and the gather's backward keeps its own rows). Each call's `MixerRecord` g
 rank sends per call, and each all-gather's `CollectiveRecord`.
 
 Exact, and the rest of the model stays sharded, but the call's memory and compute are the unsharded model's on every
-rank: head-parallel all-to-all and state passing for these scans are not built yet (docs/backend.md).
+rank: state passing for these scans is not built yet (docs/backend.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ringpass.fx.context import FULL, LOCAL, PassContext
+from ringpass.fx.findings import HeadSplit
 from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, MixerRecord
 
@@ -27,6 +29,9 @@ STRATEGY = "computed whole on every rank: its per-token inputs all-gathered, its
 def gather_whole_regions(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for region in ctx.sequence.regions:
+        why_whole = ctx.sequence.heads.get(region, "")
+        if isinstance(why_whole, HeadSplit):
+            continue
         first = region.internal[0]
         internal = set(region.internal)
         sent = 0
@@ -47,5 +52,6 @@ def gather_whole_regions(ctx: PassContext) -> None:
             what = f"{user_name(entry)}, read by `{region.function}` (computed whole)"
             ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(first), size))
         kind = f"`{region.function}`: {region.why}"
-        record = MixerRecord(module_path(first), region.call_site, kind, STRATEGY, plain(sent))
+        strategy = f"{STRATEGY} (not split by heads: {why_whole})" if why_whole else STRATEGY
+        record = MixerRecord(module_path(first), region.call_site, kind, strategy, plain(sent))
         ctx.report.mixers.append(record)

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from lowering.sequence_ops import reduce_grad, scale_grad
-from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, GradientMode, PassContext
+from ringpass.fx.context import FULL, HEADS, LOCAL, NOSEQ, PARTIAL, GradientMode, PassContext
 from ringpass.fx.nodes import copy_origin, example_value, is_module_state, nbytes, user_name
 from ringpass.fx.report import CollectiveRecord
 
@@ -83,7 +83,7 @@ def reduce_grads(ctx: PassContext) -> None:
 def _use_kind(ctx: PassContext, user: fx.Node, kinds: dict) -> str | None:
     if user.op == "output" or user.target is torch.ops.ringpass.shard_sequence.default:
         return WHOLE
-    if ctx.placement.get(user) in (LOCAL, PARTIAL):  # per-token work, or the ring's programs on this rank's queries
+    if ctx.placement.get(user) in (LOCAL, PARTIAL, HEADS):  # per-token or per-head work, the ring's programs
         return PART
     found = kinds.get(user)
     if found is None:

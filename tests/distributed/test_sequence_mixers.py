@@ -73,6 +73,39 @@ def test_many_drawn_convolutions_and_cumsums_equal_the_unsharded_ops(pools, case
 
 
 @st.composite
+def head_exchange_cases(draw) -> dict:
+    """A tensor of 2 to 4 dims with a sequence dim and a head dim anywhere (either first), P dividing the heads."""
+    world_size = draw(st.sampled_from([2, 3, 4]))
+    rank = draw(st.integers(2, 4))
+    seq_dim, head_dim = draw(st.permutations(range(rank)))[:2]
+    shape = [draw(st.integers(1, 3)) for _ in range(rank)]
+    shape[seq_dim] = draw(st.integers(1, 20))
+    shape[head_dim] = world_size * draw(st.integers(1, 3))
+    layout = draw(st.sampled_from(["contiguous", "zigzag"]))
+    return dict(
+        world_size=world_size,
+        shape=shape,
+        seq_dim=seq_dim,
+        head_dim=head_dim,
+        layout=layout,
+        seed=draw(st.integers(0, 99)),
+    )
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=10, derandomize=True, **SETTINGS)
+@given(case=head_exchange_cases())
+def test_a_shard_exchanged_for_a_share_of_the_heads_equals_slices_of_the_whole_tensor(pools, case):
+    """`lowering.head_exchange`: this rank's tokens of every head become every token of its heads and back, forward and
+    backward, exactly; a per-head weight is narrowed to this rank's heads (its gradient zero elsewhere)."""
+    for rank, result in enumerate(
+        pools.run(case["world_size"], mixer_workers.head_exchange_case, (case,), timeout=300)
+    ):
+        assert result["error"] == 0.0, (rank, case, result)
+        assert result["exchanges"] == 4, (rank, case, result)  # two ops, forward and backward
+
+
+@st.composite
 def model_cases(draw, world_sizes=(2, 3, 4)) -> dict:
     """`mixer_workers.ConvNet` and how it is compiled and called: the ring size, layout, length (shorter than the
     chunks, or many tokens; duck sizing aside: a symbolic length never equals the batch of 2), convolution width
@@ -114,10 +147,19 @@ def _check_model(pools, case: dict) -> None:
         assert [m["kind"] for m in result["mixers"]] == kinds, (rank, case, result["mixers"])
         passing = [m for m in result["mixers"] if m["strategy"].startswith("state passing")]
         assert len(passing) == (4 if case["width"] > 1 else 2) and all(m["bytes_per_call"] > 0 for m in passing)
+        split = [m for m in result["mixers"] if m["strategy"].startswith("split by heads: every token of")]
         whole = [m for m in result["mixers"] if m["strategy"].startswith("computed whole on every rank")]
-        assert all(m["bytes_per_call"] > 0 for m in whole)
-        # the scan's two per-token inputs, all-gathered in each block, and its output's gradient in the backward
-        assert result["all_gathers"] == (6 if case["scan"] else 0), (rank, case, result)
+        assert all(m["bytes_per_call"] > 0 for m in split + whole)
+        # 4 heads (of 2 features; the batch is 2 too): a share of them at P = 2 and 4, unless the sequence, the
+        # chunk count or the padded length is 4 too (the heads would be ambiguous): then computed whole
+        chunks = -(-case["seq_len"] // case["scan"]) if case["scan"] else 0
+        ambiguous = 4 in (case["seq_len"], chunks, chunks * case["scan"])
+        splits = case["scan"] and case["world_size"] in (2, 4) and not ambiguous
+        assert (len(split), len(whole)) == ((2, 0) if splits else (0, 2) if case["scan"] else (0, 0)), (rank, case)
+        # split: the scan's two per-token inputs and its output exchanged in each block, both ways; whole: those inputs
+        # all-gathered in each block, and its output's gradient in the backward
+        assert result["heads_exchanges"] == 6 * len(split), (rank, case, result)
+        assert result["all_gathers"] == 3 * len(whole), (rank, case, result)
 
 
 @pytest.mark.timeout(600)
@@ -225,27 +267,50 @@ def test_a_convolution_whose_output_is_needed_whole_is_computed_whole():
     assert any("cumprod" in name for name in report.computed_whole), report.computed_whole
 
 
-@pytest.mark.parametrize("seq_len", [24, 13])  # a multiple of the chunk (the reshape splits the sequence), or padded
-def test_a_chunked_scan_in_a_function_of_its_own_is_computed_whole(seq_len):
+@pytest.mark.parametrize(
+    "heads,head_dim,seq_len,world_size,strategy,collectives",
+    [
+        # a multiple of the chunk (the reshape cuts the sequence), or padded; at P = 2 and 4. Exchanged: the hidden
+        # states and dt (this rank's tokens of every head for every token of its heads) and the output back;
+        # all-gathered: B and C (one group for all heads), their gradient all-reduced in the backward
+        (6, 4, 24, 2, "split by heads: every token of 3 of its 6 heads", (3, 2, 2)),
+        (6, 4, 13, 2, "split by heads: every token of 3 of its 6 heads", (3, 2, 2)),
+        (4, 6, 13, 4, "split by heads: every token of 1 of its 4 heads", (3, 2, 2)),
+        # 3 heads of 5 features over 2 ranks: neither divides, so it runs whole, its four per-token inputs all-gathered
+        (3, 5, 13, 2, "computed whole on every rank: its per-token inputs all-gathered, its outputs sharded again "
+         "(not split by heads: 3 does not divide by 2 ranks; 5 does not divide by 2 ranks)", (0, 4, 0)),
+        # 24 tokens in chunks of 8, padded by one chunk inside the scan's decay: 4 chunks as the 4 heads (ambiguous)
+        (4, 3, 24, 2, "computed whole on every rank: its per-token inputs all-gathered, its outputs sharded again "
+         "(not split by heads: split into 4 heads, `ones` makes 2 dims of size 4; 3 does not divide by 2 ranks)",
+         (0, 4, 0)),
+    ],
+)  # fmt: skip
+def test_a_chunked_scan_in_a_function_of_its_own_is_split_by_heads_or_computed_whole(
+    heads, head_dim, seq_len, world_size, strategy, collectives
+):
     """Mamba2 (no attention; its short convolution passes state): its SSD cuts the sequence into chunks of 8 and
-    carries a state across them; its function call, ``mamba2_chunk_scan``, runs whole on every rank, its four
-    per-token inputs all-gathered, and everything around it stays sharded."""
+    carries a state across them; its function call, ``mamba2_chunk_scan``, runs on every token of a share of its heads
+    on each rank where the heads divide by P and nothing else in it is as many, else whole on every rank; everything
+    around it stays sharded. The report says which, and why not split."""
     import transformers
 
     config = transformers.Mamba2Config(
-        vocab_size=64, hidden_size=32, state_size=8, num_heads=4, head_dim=16, n_groups=1, num_hidden_layers=1,
-        conv_kernel=4, chunk_size=8,
+        vocab_size=64, hidden_size=heads * head_dim, expand=1, state_size=8, num_heads=heads, head_dim=head_dim,
+        n_groups=1, num_hidden_layers=1, conv_kernel=4, chunk_size=8,
     )  # fmt: skip
     model = transformers.Mamba2ForCausalLM(config)
     kwargs = {"input_ids": torch.randint(0, 64, (2, seq_len)), "use_cache": False}
-    report = ringpass.inspect(model, kwargs, world_size=2).reports[0]
+    report = ringpass.inspect(model, kwargs, world_size=world_size).reports[0]
     assert report.status == "rewritten", report.refusal
     conv, scan = report.mixers
     assert conv.strategy.startswith("state passing"), conv
     assert scan.kind.startswith("`mamba2_chunk_scan`: ") and "modeling_mamba2.py" in scan.source + scan.module, scan
-    assert scan.strategy.startswith("computed whole on every rank") and scan.bytes_per_call > 0, scan
-    gathered = [c for c in report.collectives if c.phase == "forward" and "mamba2_chunk_scan" in c.what]
-    assert len(gathered) == 4, report.collectives  # hidden states, dt, B, C
+    assert scan.strategy.startswith(strategy) and scan.bytes_per_call > 0, scan
+    kinds = [(c.kind, c.phase) for c in report.collectives if "mamba2_chunk_scan" in c.what]
+    counts = tuple(
+        kinds.count(k) for k in [("all-to-all", "forward"), ("all-gather", "forward"), ("all-reduce", "backward")]
+    )
+    assert counts == collectives, report.collectives
     assert [i.placement for i in report.inputs if i.name == "input_ids"] == ["sharded"]
 
 

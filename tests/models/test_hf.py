@@ -119,9 +119,16 @@ def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
         assert mixer["strategy"] == "computed whole on every rank (its input is needed whole)", mixer
 
 
-# function calls computed whole (one per such layer) and short convolutions passing state, per family
+# function calls split by heads or computed whole (one per such layer), and short convolutions passing state, per family
 SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 1}
 CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 0}
+# (family, P) whose scans split by heads (4 heads: P = 3 does not divide them); the others run whole, and why
+SPLIT = {("mamba2", 2), ("mamba2", 4), ("bamba", 2), ("qwen3_next", 2), ("qwen3_next", 4)}
+WHY_WHOLE = {
+    "jamba": "it runs under vmap",
+    "minimax": "has 2 dims of size",  # its call is the module's forward: projections [hidden, hidden] inside
+    "bamba": "4 does not divide by 3 ranks",
+}
 
 
 @pytest.mark.timeout(600)
@@ -138,23 +145,31 @@ CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax":
         pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),
     ],
 )
-def test_chunked_scans_run_whole_on_every_rank_and_the_rest_sharded(family, world_size):
+def test_chunked_scans_run_split_by_heads_or_whole_and_the_rest_sharded(family, world_size):
     """Mamba2 (no attention: SSD in chunks of 8 over 13 tokens), Bamba (a Mamba2 layer, then attention), Qwen3-Next
     (Gated DeltaNet's delta rule, then attention), Jamba (Mamba's selective scan: a loop over the tokens, unrolled, with
     vmaps inside) and MiniMax (lightning attention: a loop over blocks): each scan's function call
     (``mamba2_chunk_scan``, ``torch_chunk_gated_delta_rule``, ``mamba_selective_scan``, a module's ``forward``) runs
-    unchanged on the whole sequence on every rank, its per-token inputs all-gathered; the convolutions before it pass
-    state, the attention is the ring. Padded too."""
+    unchanged on every token of this rank's share of its heads (all-to-all in and out) where they divide by P, else on
+    the whole sequence on every rank (its per-token inputs all-gathered, the report saying why); the convolutions
+    before it pass state, the attention is the ring. Padded too."""
     args = (family, ["labels", "left-padded"], SEQ)
+    split = (family, world_size) in SPLIT
     for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
         for case, r in results.items():
             assert r["untrained"] == r["unexpected"] == [], (case, r)
             assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
             (report,) = r["reports"]
-            scans = [m for m in report["mixers"] if m["strategy"].startswith("computed whole on every rank: its")]
+            strategy = "split by heads: every token of" if split else "computed whole on every rank: its"
+            scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
             assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
-            gathered = [c for c in report["collectives"] if c["phase"] == "forward" and "computed whole" in c["what"]]
-            assert r["all_gathers"] >= len(gathered) > 0, (case, r["all_gathers"], gathered)  # (and gradients')
+            assert split or all(WHY_WHOLE[family] in m["strategy"] for m in scans), report["mixers"]
+            forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
+            exchanged = [c for c in forward if c[0] == "all-to-all" and "split by heads" in c[1]]
+            gathered = [c for c in forward if c[0] == "all-gather" and "`" in c[1].partition(" read by ")[2]]
+            assert (len(exchanged) > 0) == split and (split or gathered), forward  # (q, k of fewer heads: gathered)
+            assert r["heads_exchanges"] == 2 * len(exchanged), (case, r)  # forward and backward
+            assert r["all_gathers"] >= len(gathered), (case, r["all_gathers"], gathered)  # (and gradients')
             assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family], (case, r)  # the convolutions' halos, both ways
             assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)  # the attention layer is the ring
             assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]

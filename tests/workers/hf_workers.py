@@ -371,6 +371,7 @@ def training_step(
             "kv_bytes": {e.fields["bytes"] for e in events if e.kind == "exchange" and e.fields["payload"] == "kv"},
             "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
             "all_gathers": sum(e.kind == "all_gather" for e in events),
+            "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
             "saved_bytes": _saved_for_backward(compiled, kwargs),
         }
         if dynamic:

@@ -1,4 +1,5 @@
-"""What the sequence-mixer tests run on each rank: `lowering.sequence_mixers`' ops against the unsharded op, and models
+"""What the sequence-mixer tests run on each rank: `lowering.sequence_mixers`' ops against the unsharded op,
+`lowering.head_exchange`'s against slices of the whole tensor, and models
 whose sequence mixers are causal convolutions and cumulative sums, through the ring backend, against the model run
 whole (`tests/distributed/test_sequence_mixers.py`)."""
 
@@ -15,6 +16,7 @@ from reference import rel_err
 import lowering
 import ringpass
 from lowering import Layout, record_ring_events
+from lowering.head_exchange import heads_to_sequence, own_heads, sequence_to_heads
 
 
 def runtime_case(rank: int, world_size: int, case: dict) -> dict:
@@ -50,6 +52,43 @@ def runtime_case(rank: int, world_size: int, case: dict) -> dict:
         "errors": [rel_err(g, e) for g, e in zip(got, expected)],
         "exchanges": sum(e.kind == "mixer_exchange" for e in events),
         "local_len": conv.shape[-1],
+    }
+
+
+def head_exchange_case(rank: int, world_size: int, case: dict) -> dict:
+    """One drawn case of `lowering.head_exchange`: a whole tensor with a sequence dim and a head dim (anywhere), this
+    rank's shard of it exchanged for every token of its heads and back, and a per-head weight narrowed to them; each
+    result and gradient against slices of the whole tensors (a move of data: exact). Returns the largest absolute
+    error and the all-to-alls counted."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape, seq_dim, head_dim = list(case["shape"]), case["seq_dim"], case["head_dim"]
+    n, heads = shape[seq_dim], shape[head_dim]
+    share, group = heads // world_size, dist.group.WORLD.group_name
+    layout = Layout(case["layout"], world_size, n)
+    whole = torch.randn(shape, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(shape, generator=gen, dtype=torch.float64)  # the same on every rank
+    weight = torch.randn(heads, 3, generator=gen, dtype=torch.float64).requires_grad_()
+    mine = slice(rank * share, (rank + 1) * share)
+    args = (seq_dim, head_dim, layout.kind, world_size, n, group)
+    local = layout.shard(whole, seq_dim, rank).requires_grad_()
+    with record_ring_events() as events:
+        heads_of_mine = sequence_to_heads(local, *args)
+        back = heads_to_sequence(heads_of_mine, *args)
+        (d_local,) = torch.autograd.grad(heads_of_mine, local, upstream.narrow(head_dim, mine.start, share))
+        (d_heads,) = torch.autograd.grad(back, heads_of_mine, layout.shard(upstream, seq_dim, rank))
+    narrowed = own_heads(weight, 0, world_size, group)
+    (d_weight,) = torch.autograd.grad(narrowed, weight, torch.ones_like(narrowed))
+    errors = [
+        heads_of_mine - whole.narrow(head_dim, mine.start, share),  # every token of this rank's heads
+        back - local,  # and back to this rank's slots (zero at padding)
+        d_local - layout.shard(upstream, seq_dim, rank),  # every rank's heads' gradient of this rank's tokens
+        d_heads - upstream.narrow(head_dim, mine.start, share),
+        narrowed - weight[mine],
+        d_weight - torch.zeros(heads, 3, dtype=torch.float64).index_fill(0, torch.arange(heads)[mine], 1.0),
+    ]
+    return {
+        "error": max(e.abs().max().item() for e in errors),
+        "exchanges": sum(e.kind == "heads_exchange" for e in events),
     }
 
 
@@ -90,7 +129,7 @@ class ConvNet(nn.Module):
     chunks of that many tokens, and, with ``attention``, causal SDPA; a padding mask ``keep [B, N]`` zeroes the
     padding tokens before each mixer, as Hugging Face's hybrids do."""
 
-    def __init__(self, vocab: int, dim: int, width: int, attention: bool, heads: int = 2, scan_chunk: int = 0):
+    def __init__(self, vocab: int, dim: int, width: int, attention: bool, heads: int = 4, scan_chunk: int = 0):
         super().__init__()
         self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.in_proj = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(2))
@@ -153,6 +192,7 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
         "kv_exchanges": sum(e.kind == "exchange" for e in events),
         "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
         "all_gathers": sum(e.kind == "all_gather" for e in events),
+        "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
         "local_len": local.shape[1],
         "mixers": backend.reports[0].as_dict()["mixers"],
     }
