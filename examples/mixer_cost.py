@@ -2,18 +2,20 @@
 step (docs/performance.md, "Sequence mixers").
 
     python examples/mixer_cost.py [--family lfm2|bamba|mamba2] [--seq-lens 8192,32768] [--world-sizes 2,4]
-                                  [--hidden 256]
+                                  [--hidden 256] [--scans heads,whole]
 
 A model from a config (random weights; hidden 256, 4 layers, fp32, batch 1) trains one step compiled with
 ``backend="ring"`` (``aot_eager``) on P gloo ranks of this machine (one thread each), and unsharded on one process, each
 in fresh processes after one warm-up step. ``lfm2``: three short-convolution layers of width 3 around one attention
 layer (the convolutions pass state); ``bamba``: three Mamba2 layers (8 heads, state 64, chunks of 256) around one
-attention layer; ``mamba2``: four Mamba2 layers, no attention (a Mamba2 layer's convolution passes state, its chunked
-scan is computed whole on every rank, its inputs all-gathered). Peak: `ringpass.cli.bench.measure.PeakMemory` (VmHWM
+attention layer; ``mamba2``: four Mamba2 layers, no attention (a Mamba2 layer's convolution passes state; its chunked
+scan runs split by heads, or with ``--scans whole`` on the whole sequence on every rank: the backend's ``scans`` option,
+one row each). Peak: `ringpass.cli.bench.measure.PeakMemory` (VmHWM
 above the resident set before the step; freed tensors leave it: MALLOC_MMAP_THRESHOLD_). Bytes per rank per step
 (`lowering.record_ring_events`): the convolutions' summaries (the halos, all-gathered: forward, and again in the
-backward), the scans' all-gathers (what a rank receives: the inputs in the forward, the outputs' gradients in the
-backward) and the attention's KV exchanges.
+backward), the scans' all-to-alls (what a rank sends: its tokens of the inputs and its heads of the outputs, forward
+and backward) and all-gathers (what a rank receives: the inputs read whole in the forward, the outputs' gradients in
+the backward) and the attention's KV exchanges.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def build(family: str, hidden: int):
     return transformers.Lfm2ForCausalLM(config)
 
 
-def measure(rank: int, world_size: int, family: str, seq_len: int, hidden: int) -> dict:
+def measure(rank: int, world_size: int, family: str, seq_len: int, hidden: int, scans: str = "heads") -> dict:
     import ringpass
     from lowering import record_ring_events
     from ringpass.cli.bench.measure import PeakMemory
@@ -71,7 +73,8 @@ def measure(rank: int, world_size: int, family: str, seq_len: int, hidden: int) 
     kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
     run = model
     if world_size > 1:
-        run = torch.compile(model, backend=ringpass.backend(compiler="aot_eager", report="off"), fullgraph=True)
+        backend = ringpass.backend(compiler="aot_eager", report="off", scans=scans)
+        run = torch.compile(model, backend=backend, fullgraph=True)
     run(**kwargs).loss.backward()  # compiles; the first call's one-time memory is not the step's
     model.zero_grad(set_to_none=False)
     memory = PeakMemory(torch.device("cpu"))
@@ -84,12 +87,14 @@ def measure(rank: int, world_size: int, family: str, seq_len: int, hidden: int) 
     peak = memory.peak()
     mixer = sum(e.fields["bytes"] for e in events if e.kind == "mixer_exchange")
     gathered = sum(e.fields["bytes"] for e in events if e.kind == "all_gather")
+    exchanged = sum(e.fields["bytes"] for e in events if e.kind == "heads_exchange")
     kv = sum(e.fields["bytes"] for e in events if e.kind == "exchange")
     return {
         "peak_mib": (peak or 0) / MIB,
         "seconds": seconds,
         "mixer_bytes": mixer,
         "gathered_bytes": gathered,
+        "exchanged_bytes": exchanged,
         "kv_bytes": kv,
         "loss": loss.item(),
     }
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="8192,32768")
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--scans", default="heads,whole", help="the backend's scans option, one row each")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the resident set (see PeakMemory)
     from ringpass.cli.launch import spawn_ranks
@@ -108,24 +114,27 @@ def main() -> None:
     print(f"{args.family}, hidden {args.hidden}, 4 layers, fp32, batch 1, one training step after a warm-up; the rank")
     print("with the higher peak")
     print(
-        "| N | P | peak MiB per rank | vs unsharded | step s | convolutions' summaries sent per rank | "
-        "scans' all-gathers received per rank | KV sent per rank | loss |\n|---|---|---|---|---|---|---|---|---|"
+        "| N | P | scans | peak MiB per rank | vs unsharded | step s | convolutions' summaries sent per rank | "
+        "scans' all-to-alls sent per rank | scans' all-gathers received per rank | KV sent per rank | loss |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for seq_len in map(int, args.seq_lens.split(",")):
         whole = spawn_ranks(measure, 1, (args.family, seq_len, args.hidden), timeout=3600)[0]
         print(
-            f"| {seq_len} | 1 | {whole['peak_mib']:.0f} | 1.00 | {whole['seconds']:.2f} | 0 | 0 | 0 | "
+            f"| {seq_len} | 1 | | {whole['peak_mib']:.0f} | 1.00 | {whole['seconds']:.2f} | 0 | 0 | 0 | 0 | "
             f"{whole['loss']:.6f} |"
         )
         for world_size in map(int, args.world_sizes.split(",")):
-            rows = spawn_ranks(measure, world_size, (args.family, seq_len, args.hidden), timeout=3600)
-            row = max(rows, key=lambda r: r["peak_mib"])
-            print(
-                f"| {seq_len} | {world_size} | {row['peak_mib']:.0f} | {row['peak_mib'] / whole['peak_mib']:.2f} | "
-                f"{max(r['seconds'] for r in rows):.2f} | {row['mixer_bytes'] / 1024:.0f} KiB | "
-                f"{row['gathered_bytes'] / MIB:.1f} MiB | {row['kv_bytes'] / MIB:.1f} MiB | {row['loss']:.6f} |",
-                flush=True,
-            )
+            for scans in args.scans.split(",") if args.family != "lfm2" else ["heads"]:
+                rows = spawn_ranks(measure, world_size, (args.family, seq_len, args.hidden, scans), timeout=3600)
+                row = max(rows, key=lambda r: r["peak_mib"])
+                print(
+                    f"| {seq_len} | {world_size} | {scans if args.family != 'lfm2' else ''} | {row['peak_mib']:.0f} | "
+                    f"{row['peak_mib'] / whole['peak_mib']:.2f} | {max(r['seconds'] for r in rows):.2f} | "
+                    f"{row['mixer_bytes'] / 1024:.0f} KiB | {row['exchanged_bytes'] / MIB:.1f} MiB | "
+                    f"{row['gathered_bytes'] / MIB:.1f} MiB | {row['kv_bytes'] / MIB:.1f} MiB | {row['loss']:.6f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ CHOICES = {
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
     "strategy": ("ring", "auto", "all-gather"),
+    "scans": ("heads", "whole"),
 }
 
 
@@ -66,6 +67,10 @@ class RingOptions:
     ``ulysses`` say), ``all-gather`` (every rank gathers K/V at once) or ``auto`` (per attention the fastest the
     cost model predicts on ``hardware`` among the ring, Ulysses x ring, the all-gather and, for a whole graph,
     none: `ringpass.passes.choose_strategy`; the report lists each alternative's predicted time).
+    ``scans``: how a function call that cannot run on a shard (a chunked scan: Mamba2's SSD, Gated DeltaNet) runs:
+    ``heads`` (on every token of H / P of its heads on each rank, all-to-all in and out, where it keeps its heads
+    apart and they divide by P; else whole, the report saying why) or ``whole`` (on the whole sequence on every rank,
+    its inputs all-gathered: the unsharded call's memory on every rank; docs/backend.md, "Chunked scans").
     ``hardware``: what ``auto`` predicts on: None (this machine's kind: NVLink + H100 presets with CUDA, else the
     loopback + CPU calibration), ``"link/device"`` preset names (``"infiniband/h100"``), a ``ringpass bench
     --calibrate --json`` file, or a `lowering.costmodel.Hardware`."""
@@ -84,6 +89,7 @@ class RingOptions:
     cache: str = "sharded"
     ulysses: int = 1
     strategy: str = "ring"
+    scans: str = "heads"
     hardware: Any = None
 
     @classmethod

@@ -3,6 +3,8 @@ and the names a user knows it by (argument names, module paths, source lines; ne
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import os
 import re
@@ -203,3 +205,24 @@ def is_module_state(node: fx.Node) -> bool:
     arg = node.meta.get("grapharg")
     name = arg.source.name if arg is not None and getattr(arg, "source", None) is not None else node.name
     return "_parameters" in name or "_buffers" in name or isinstance(example_value(node), torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def probing(graph: fx.Graph):
+    """Run ops on the graph's fake tensors at hypothetical sizes (a probe): in the fake mode of its inputs, adding no
+    guards to the real graph, and not logging the ops that fail there (fake tensors log each at ERROR): such a
+    failure is an answer, not an error."""
+    fake_mode = next(
+        example_value(n).fake_mode
+        for n in graph.nodes
+        if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
+    )
+    shape_env = fake_mode.shape_env
+    fake_log = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+            yield
+    finally:
+        fake_log.setLevel(level)

@@ -18,24 +18,21 @@ of those that run, the one that reads the fewest bytes whole gives the call's `H
   heads' that is not theirs would make the split ambiguous), the call opens no vmap level, and every reader of an
   exit outside the call works on this rank's tokens.
 
-Writes ``ctx.sequence.heads[region]``: the `HeadSplit`, or, where no candidate runs, why (the report's strategy for
+Writes ``ctx.sequence.heads[region]``: the `HeadSplit`, or, where no candidate runs or the option ``scans="whole"``
+asks so, why (the report's strategy for
 the call computed whole says it). Runs after `decide_placements` (it reads the exits' readers' placements).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from lowering import compat
 from lowering.errors import NotSupportedError
 from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, SeqDim, WholeRegion
-from ringpass.fx.nodes import example_value, is_vmap_bookkeeping, nbytes, op_label, user_name
+from ringpass.fx.nodes import example_value, is_vmap_bookkeeping, nbytes, op_label, probing, user_name
 from ringpass.fx.sizes import is_size_op, resize_size_args, same, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS
 from ringpass.fx.token_ops import classify
@@ -51,6 +48,8 @@ def find_region_heads(ctx: PassContext) -> None:
 
 
 def _plan(ctx: PassContext, region: WholeRegion) -> HeadSplit | str:
+    if ctx.options.scans == "whole":
+        return "scans='whole'"
     if ctx.ulysses is not None:
         return "Ulysses x ring groups split heads inside the attention only"
     if any(is_vmap_bookkeeping(node) for node in region.internal):
@@ -97,23 +96,11 @@ class _HeadProbe:
         self.respelled: dict[fx.Node, tuple] = {}
 
     def run(self) -> HeadSplit:
-        fake_mode = next(
-            example_value(n).fake_mode
-            for n in self.ctx.gm.graph.nodes
-            if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
-        )
-        shape_env = fake_mode.shape_env
-        fake_log = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
-        level = fake_log.level
-        fake_log.setLevel(logging.CRITICAL)  # an op failing at the probe's sizes is an answer, not an error
-        try:
-            with fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
-                for entry in self.region.entries:
-                    self._enter(entry)
-                for node in self.region.internal:
-                    self._step(node)
-        finally:
-            fake_log.setLevel(level)
+        with probing(self.ctx.gm.graph):
+            for entry in self.region.entries:
+                self._enter(entry)
+            for node in self.region.internal:
+                self._step(node)
         self._check_unambiguous()
         exits = {}
         for node, seq_dim in self.region.exits:

@@ -28,8 +28,6 @@ follow the sequence).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import operator
 
 import torch
@@ -48,6 +46,7 @@ from ringpass.fx.nodes import (
     is_module_state,
     is_vmap_bookkeeping,
     op_label,
+    probing,
     refusal,
     user_name,
 )
@@ -110,21 +109,10 @@ class _Probe:
         self.region_nodes: set[fx.Node] = set()  # function calls computed whole (`ctx.sequence.regions`)
         self.region_exits: dict[fx.Node, int] = {}  # their values read outside them -> sequence dim
         self.current: fx.Node | None = None  # the node being probed
-        self.fake_mode = next(
-            example_value(n).fake_mode
-            for n in ctx.gm.graph.nodes
-            if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
-        )
 
     def run(self) -> None:
-        shape_env = self.fake_mode.shape_env
-        # The probe's sizes are hypothetical: what it learns must not become guards of the real graph, and
-        # an op that fails at them is an answer, not an error (fake tensors log each failure at ERROR).
-        fake_log = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
-        level = fake_log.level
-        fake_log.setLevel(logging.CRITICAL)
         try:
-            with self.fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+            with probing(self.ctx.gm.graph):  # hypothetical sizes: no guards, failures are answers
                 order = [node for node in self.ctx.gm.graph.nodes if node.op != "output"]
                 i = 0
                 while i < len(order):
@@ -137,7 +125,6 @@ class _Probe:
                             self._forget(node)
                         i = start
         finally:
-            fake_log.setLevel(level)
             for _ in range(self.open_vmap_levels):  # a refusal inside a vmap nest: close its levels
                 compat.vmap_decrement_nesting()
 

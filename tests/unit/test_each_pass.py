@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mixer_workers import chunked_decay_scan
 from torch import fx
 
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
-from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.fx.findings import MaskFindings, SeqDim, SequenceFindings
+from ringpass.fx.context import FULL, HEADS, LOCAL, NOSEQ, PARTIAL, PassContext
+from ringpass.fx.findings import HeadSplit, MaskFindings, SeqDim, SequenceFindings
 from ringpass.fx.nodes import example_value
 from ringpass.fx.report import Report
 from ringpass.options import RingOptions
@@ -306,6 +307,30 @@ def test_find_sequence_axes_finds_the_length_the_axes_and_where_they_come_from()
     assert all(not ctx.sequence.axes.get(p) for p in ctx.gm.graph.nodes if p.op == "placeholder" and "weight" in p.name)
 
 
+class WritesAndSolves(nn.Module):
+    """A feature slice written into every token, a 2 x 2 triangular system solved per token, attention, then one
+    token overwritten."""
+
+    def forward(self, x):
+        b, n = x.shape[:2]
+        y = torch.zeros_like(x)
+        y[:, :, :4] = x[:, :, :4]
+        system = torch.eye(2) + x[..., :4].reshape(b, n, 2, 2).tril(-1)
+        solved = torch.linalg.solve_triangular(system, x[..., 4:].reshape(b, n, 2, 2), upper=False)
+        q = (y + solved.flatten(2).repeat(1, 1, 2))[:, None]
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out[:, :, 0] = 0
+        return out
+
+
+def test_find_sequence_axes_reads_writes_and_solves_per_token_and_a_write_into_one_token_as_mixing():
+    ctx, _ = run_through("find_sequence_axes", WritesAndSolves(), _x())
+    writes = [node for node in ctx.gm.graph.nodes if node.target is operator.setitem]
+    (solve,) = [node for node in ctx.gm.graph.nodes if "solve_triangular" in str(node.target)]
+    assert len(writes) == 2 and writes[0] not in ctx.sequence.mixing and solve not in ctx.sequence.mixing
+    assert ctx.sequence.mixing.get(writes[1]) == "it writes into some tokens only", ctx.sequence.mixing
+
+
 @pytest.mark.parametrize(
     "model,options,layout",
     [
@@ -353,6 +378,67 @@ def test_decide_placements_places_every_value_and_reports_the_inputs():
     inputs = {value.name: (value.placement, value.why) for value in ctx.report.inputs}
     assert inputs["ids"] == ("sharded", "") and inputs["segments"][0] == "whole"
     assert "cumsum" in inputs["segments"][1], inputs
+
+
+class HeadScan(nn.Module):
+    """`chunked_decay_scan` (chunks of 5: 11 tokens make 3, padded to 15) over ``heads`` heads of 2 features, then
+    causal attention (a graph whose only sequence mixer is a scan has no length to shard yet)."""
+
+    def __init__(self, heads: int = 4):
+        super().__init__()
+        self.proj, self.decay, self.heads = nn.Linear(8, 2 * heads), nn.Linear(8, heads), heads
+
+    def forward(self, x):
+        y = chunked_decay_scan(self.proj(x).unflatten(-1, (self.heads, 2)), -F.softplus(self.decay(x)), 5)
+        y = y.flatten(2)[:, None]
+        return F.scaled_dot_product_attention(y, y, y, is_causal=True)
+
+
+def test_find_region_heads_probes_the_scan_at_a_share_of_its_heads():
+    ctx, _ = run_through("find_region_heads", HeadScan(), _x())
+    (region,) = ctx.sequence.regions
+    split = ctx.sequence.heads[region]
+    assert isinstance(split, HeadSplit) and split.heads == 4, split
+    per_token = {example_value(e).shape: d for e, d in split.entries.items() if ctx.sequence.axes.get(e)}
+    assert per_token == {(2, SEQ, 4, 2): 2, (2, SEQ, 4): 2}, per_token  # x and its decays: heads in dim 2
+    assert [(example_value(n).shape, d) for n, d in split.narrowed.items()] == [((2, 4, 2), 1)]  # the state's zeros
+    (exit_dims,) = split.exits.values()
+    assert exit_dims == (1, 2)
+    reshapes = [args for node, args in split.respelled.items() if node.target == "reshape"]
+    assert (2, -1, 5, 2, 2) in [tuple(args[1:]) for args in reshapes], reshapes  # [B, chunks, 5, H/P, 2]
+
+
+@pytest.mark.parametrize(
+    "heads,options,why",
+    [
+        # then its 2 features: as many as the batch
+        (3, {}, ("3 does not divide by 2 ranks; split into 2 heads, `unflatten` at test_each_pass.py:",
+                 " (2, 11, 3, 2) has 2 dims of size 2")),
+        (4, {"scans": "whole"}, ("scans='whole'", "")),
+    ],
+)  # fmt: skip
+def test_find_region_heads_says_why_a_scan_stays_whole(heads, options, why):
+    ctx, _ = run_through("find_region_heads", HeadScan(heads), _x(), **options)
+    (region,) = ctx.sequence.regions
+    said = ctx.sequence.heads[region]
+    assert said.startswith(why[0]) and said.endswith(why[1]) and said.count(";") == why[0].count(";"), said
+
+
+def test_split_region_heads_exchanges_the_inputs_and_outputs_of_the_scan():
+    ctx, _ = run_through("split_region_heads", HeadScan(), _x())
+    (region,) = ctx.sequence.regions
+    inputs = _calls(ctx, RING.sequence_to_heads.default)
+    assert [node.args[1:3] for node in inputs] == [(1, 2), (1, 2)]  # the sequence and head dims of x and its decays
+    assert all(node.args[3:6] == ("zigzag", 2, SEQ) for node in inputs)
+    (output,) = _calls(ctx, RING.heads_to_sequence.default)
+    assert output.args[0] in region.internal and ctx.placement[output] == LOCAL
+    assert all(u not in region.internal for u in output.users)  # what reads the scan's output reads this rank's tokens
+    (state,) = _calls(ctx, RING.own_heads.default)
+    assert state.args[0].target == "new_zeros" and state.args[1:3] == (1, 2)
+    assert {ctx.placement[node] for node in region.internal} == {HEADS}
+    (scan,) = ctx.report.mixers
+    assert scan.strategy.startswith("split by heads: every token of 2 of its 4 heads"), scan
+    assert [c.kind for c in ctx.report.collectives] == ["all-to-all"] * 3, ctx.report.collectives
 
 
 def test_rewrite_positions_gives_the_arange_and_the_table_slice_this_ranks_positions():
