@@ -66,6 +66,7 @@ ALONG_DIM = {
     "log_softmax",
     "cat",
     "concat",
+    "concatenate",
     "split",
     "chunk",
     "unbind",
@@ -127,7 +128,7 @@ def classify(node: fx.Node, seq_dims: Callable[[fx.Node], set], output_has_seq: 
             return "token", None
         if name in ("sum", "mean"):
             return name, None
-        if name in ("cat", "concat") and _only_one_nonempty(node.args[0]):
+        if name in ("cat", "concat", "concatenate") and _only_one_nonempty(node.args[0]):
             return "token", None  # cat([empty, x]) is x (an empty KV cache)
         return "mixing", f"`{name}` runs along the sequence"
     if name in MATRIX_BATCHED:

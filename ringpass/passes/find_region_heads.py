@@ -15,12 +15,10 @@ of those that run, the one that reads the fewest bytes whole gives the call's `H
   concatenation or scan along them); one that spells sizes (``view``, ``reshape``, ``expand``) gets its head sizes
   divided by P (`resize_size_args`);
 - every exit comes out with one head dim, and no value in the call has another dim of size H (a size equal to the
-  heads' that is not theirs would make the split ambiguous), the call opens no vmap level, and every reader of an
-  exit outside the call works on this rank's tokens.
+  heads' that is not theirs would make the split ambiguous), and the call opens no vmap level.
 
 Writes ``ctx.sequence.heads[region]``: the `HeadSplit`, or, where no candidate runs or the option ``scans="whole"``
-asks so, why (the report's strategy for
-the call computed whole says it). Runs after `decide_placements` (it reads the exits' readers' placements).
+asks so, why (the report's strategy for the call computed whole says it).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from lowering.errors import NotSupportedError
-from ringpass.fx.context import LOCAL, PassContext
+from ringpass.fx.context import PassContext
 from ringpass.fx.findings import HeadSplit, SeqDim, WholeRegion
 from ringpass.fx.nodes import example_value, is_vmap_bookkeeping, nbytes, op_label, probing, user_name
 from ringpass.fx.sizes import is_size_op, resize_size_args, same, view_target_dim
@@ -54,10 +52,6 @@ def _plan(ctx: PassContext, region: WholeRegion) -> HeadSplit | str:
         return "Ulysses x ring groups split heads inside the attention only"
     if any(is_vmap_bookkeeping(node) for node in region.internal):
         return "it runs under vmap"
-    for node, _ in region.exits:
-        outside = [u for u in node.users if u not in set(region.internal)]
-        if any(u.op != "output" and ctx.placement.get(u) != LOCAL for u in outside):
-            return f"{user_name(node)} is read whole outside it"
     tried, found = [], []
     for heads in _candidates(ctx, region):
         if heads % ctx.world_size:

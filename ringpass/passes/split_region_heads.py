@@ -8,7 +8,8 @@ rank's heads' share, is all-reduced: `reduce_grad`), and
 ``ringpass::own_heads`` after a whole entry with a head dim (a per-head parameter narrowed to this rank's heads);
 ``own_heads`` after each node inside the call whose output is the first with a head dim (``B`` repeated to every
 head); the head sizes the call's ops spell, divided by P; and ``ringpass::heads_to_sequence`` after each exit (the
-all-to-all back to this rank's tokens of every head), which its readers outside the call read instead.
+all-to-all back to this rank's tokens of every head), which its readers outside the call read instead (a reader
+computed whole on every rank reads it all-gathered).
 
 The call's nodes and the inserted ones become `HEADS` (every token of this rank's heads: their gradients are this
 rank's share, which `reduce_grads` sums over the ranks); the exchanged exits are `LOCAL`. Each call's `MixerRecord`
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 import lowering.head_exchange  # noqa: F401  (registers the ops written here)
 from lowering.sequence_ops import reduce_grad
-from ringpass.fx.context import HEADS, LOCAL, PassContext
+from ringpass.fx.context import FULL, HEADS, LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, WholeRegion
 from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, MixerRecord
@@ -91,12 +92,21 @@ def _split(ctx: PassContext, region: WholeRegion, split: HeadSplit) -> None:
         with graph.inserting_after(node):
             tokens = _insert(ctx, ops.heads_to_sequence.default, (node, seq_dim, head_dim, *ctx.layout_args()), node)
         ctx.placement[tokens], ctx.sequence.axes[tokens] = LOCAL, ctx.sequence.axes[node]
-        for user in outside:
-            user.replace_input_with(node, tokens)
         size = nbytes(example_value(node))
         sent += size // ctx.world_size * (ctx.world_size - 1) // ctx.world_size
         what = f"{user_name(node)}, returned by `{region.function}` (split by heads)"
         ctx.report.collectives.append(CollectiveRecord("all-to-all", "forward", what, short_source(node), size))
+        whole = None
+        for user in outside:
+            if ctx.placement.get(user) == FULL and whole is None:  # read whole too: gathered once
+                with graph.inserting_after(tokens):
+                    whole = graph.call_function(ops.gather_sequence.default, (tokens, seq_dim, *ctx.layout_args()))
+                copy_origin(whole, node).meta["example_value"] = example_value(node)
+                ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[node]
+                sent += size // ctx.world_size
+                what = f"{user_name(node)}, returned by `{region.function}` and read whole"
+                ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(node), size))
+            user.replace_input_with(node, whole if ctx.placement.get(user) == FULL else tokens)
     for node in region.internal:
         ctx.placement[node] = HEADS
     strategy = STRATEGY.format(share=split.heads // ctx.world_size, heads=split.heads)

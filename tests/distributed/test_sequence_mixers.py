@@ -325,6 +325,21 @@ def test_a_chunked_scan_in_a_function_of_its_own_is_split_by_heads_or_computed_w
     assert [i.placement for i in report.inputs if i.name == "input_ids"] == ["sharded"]
 
 
+def test_a_scan_split_by_heads_whose_output_is_also_read_whole_is_exact(pools):
+    """The scan's output goes back to this rank's tokens for the attention's shard, and is all-gathered for the flip."""
+    for result in pools.run(2, mixer_workers.scan_read_whole_step, (), timeout=300):
+        assert max(result["outputs"]) <= 1e-12 and max(result["grads"].values()) <= 1e-12, result
+        assert result["mixers"][0].startswith("split by heads: every token of 2 of its 4 heads"), result
+        assert result["heads_exchanges"] == 6, result  # x and its decays in, the output out; forward and backward
+
+
+@pytest.mark.heavy  # suite time
+def test_a_converted_model_with_a_scan_split_by_heads_saves_loads_and_trains_exactly(pools, tmp_path):
+    for result in pools.run(2, mixer_workers.converted_scan_step, (str(tmp_path),), timeout=300):
+        assert result["logits"] <= 1e-12 and max(result["grads"].values()) <= 1e-12, result
+        assert result["heads_exchanges"] == 12, result  # two scans: x and its decays in, the output out, both ways
+
+
 def test_a_chunked_scan_with_sharded_inputs_is_refused_naming_it():
     """inputs='sharded': the graph is traced at a rank's length, so the call's sizes are not the whole sequence's."""
     import transformers

@@ -120,10 +120,10 @@ def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
 
 
 # function calls split by heads or computed whole (one per such layer), and short convolutions passing state, per family
-SCANS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 1}
-CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "qwen3_next": 1, "jamba": 1, "minimax": 0}
+SCANS = {"mamba2": 2, "bamba": 1, "zamba2": 2, "qwen3_next": 1, "jamba": 1, "minimax": 1}
+CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "zamba2": 2, "qwen3_next": 1, "jamba": 1, "minimax": 0}
 # (family, P) whose scans split by heads (4 heads: P = 3 does not divide them); the others run whole, and why
-SPLIT = {("mamba2", 2), ("mamba2", 4), ("bamba", 2), ("qwen3_next", 2), ("qwen3_next", 4)}
+SPLIT = {("mamba2", 2), ("mamba2", 4), ("bamba", 2), ("zamba2", 2), ("qwen3_next", 2), ("qwen3_next", 4)}
 WHY_WHOLE = {
     "jamba": "it runs under vmap",
     "minimax": "has 2 dims of size",  # its call is the module's forward: projections [hidden, hidden] inside
@@ -140,6 +140,8 @@ WHY_WHOLE = {
         ("jamba", 2),
         pytest.param("bamba", 2, marks=pytest.mark.heavy),
         pytest.param("minimax", 2, marks=pytest.mark.heavy),
+        # a hybrid layer concatenates the embeddings with the hidden states along the features (`torch.concatenate`)
+        pytest.param("zamba2", 2, marks=pytest.mark.heavy),
         pytest.param("mamba2", 4, marks=pytest.mark.heavy),
         pytest.param("bamba", 3, marks=pytest.mark.heavy),
         pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),

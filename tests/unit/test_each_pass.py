@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mixer_workers import chunked_decay_scan
+from mixer_workers import ScanReadWhole, chunked_decay_scan
 from torch import fx
 
 import ringpass.passes as passes
@@ -439,6 +439,16 @@ def test_split_region_heads_exchanges_the_inputs_and_outputs_of_the_scan():
     (scan,) = ctx.report.mixers
     assert scan.strategy.startswith("split by heads: every token of 2 of its 4 heads"), scan
     assert [c.kind for c in ctx.report.collectives] == ["all-to-all"] * 3, ctx.report.collectives
+
+
+def test_split_region_heads_gathers_an_output_also_read_whole():
+    ctx, _ = run_through("split_region_heads", ScanReadWhole(), _x())
+    (tokens,) = _calls(ctx, RING.heads_to_sequence.default)
+    (whole,) = _calls(ctx, RING.gather_sequence.default)
+    assert whole.args[:2] == (tokens, 1) and ctx.placement[whole] == FULL
+    assert whole.users and {ctx.placement[u] for u in whole.users} == {FULL}  # what the flip reads
+    assert list(tokens.users) == [whole]  # every reader needs it whole (the flip's input: the attention's too)
+    assert [c.kind for c in ctx.report.collectives] == ["all-to-all"] * 3 + ["all-gather"], ctx.report.collectives
 
 
 def test_rewrite_positions_gives_the_arange_and_the_table_slice_this_ranks_positions():

@@ -66,7 +66,7 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.Lfm2ForCausalLM(config)
-    if name in ("mamba2", "bamba", "qwen3_next", "jamba", "minimax"):  # scans: chunked (SSD, the delta rule), unrolled
+    if name in ("mamba2", "bamba", "zamba2", "qwen3_next", "jamba", "minimax"):  # scans: chunked, unrolled
         import model_coverage  # examples/model_coverage.py: Mamba2 alone, the hybrids' two layers
 
         return model_coverage.build(name)

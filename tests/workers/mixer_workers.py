@@ -159,6 +159,41 @@ class ConvNet(nn.Module):
         return self.head(x)
 
 
+class ScanReadWhole(nn.Module):
+    """`chunked_decay_scan` over 4 heads of 2 features (chunks of 5), its output read by causal attention and by a
+    flip along the sequence, which needs it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.decay = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = chunked_decay_scan(self.proj(x).unflatten(-1, (4, 2)), -F.softplus(self.decay(x)), 5).flatten(2)
+        return F.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None], is_causal=True), y.flip(1)
+
+
+def scan_read_whole_step(rank: int, world_size: int) -> dict:
+    """`ScanReadWhole` (fp64, 11 tokens) through the ring backend against the model run whole: both outputs and every
+    gradient; the scan's strategy and its all-to-alls counted."""
+    torch.manual_seed(0)
+    model = ScanReadWhole().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 11, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = reference(x)
+    (want[0].pow(2).sum() + want[1].sin().sum()).backward()
+    backend = ringpass.backend(compiler="aot_eager", outputs="gathered")
+    with record_ring_events() as events:
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        (got[0].pow(2).sum() + got[1].sin().sum()).backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "outputs": [rel_err(g, w) for g, w in zip(got, want)],
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "mixers": [m.strategy for m in backend.reports[0].mixers],
+        "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
+    }
+
+
 def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     """One training step of `ConvNet` through the ring backend against the model run whole (fp64 or fp32): relative
     errors of the logits and of every gradient by name; the ring's KV and summary exchanges; the local
@@ -195,6 +230,29 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
         "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
         "local_len": local.shape[1],
         "mixers": backend.reports[0].as_dict()["mixers"],
+    }
+
+
+def converted_scan_step(rank: int, world_size: int, folder: str) -> dict:
+    """`ConvNet` with a chunked scan (fp64, 13 tokens, chunks of 3) converted by `ringpass.convert`, saved and loaded
+    again: its logits and every gradient against the model run whole; the scan's all-to-alls counted."""
+    torch.manual_seed(0)
+    model = ConvNet(29, 8, 3, attention=True, scan_chunk=3).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 29, (2, 13), generator=torch.Generator().manual_seed(1))
+    want = reference(ids)
+    want.pow(2).sum().backward()
+    path = f"{folder}/scan-{rank}.pt2"
+    ringpass.convert(model, (ids,), world_size=world_size).save(path)
+    loaded = ringpass.load(path)
+    with record_ring_events() as events:
+        got = loaded(ids)
+        got.pow(2).sum().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "logits": rel_err(got, want),
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in loaded.model.named_parameters()},
+        "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
     }
 
 
