@@ -99,8 +99,8 @@ class _HeadProbe:
         exits = {}
         for node, seq_dim in self.region.exits:
             dims = [axis.dim for axis in self.axes.get(node, ()) if axis.inner == 1]
-            if len(dims) != 1:
-                raise _NoSplit(f"its output {user_name(node)} does not keep one head dim")
+            if len(dims) != 1 or node in self.narrowed:
+                raise _NoSplit(f"its output {user_name(node)} does not keep one head dim read from its inputs")
             exits[node] = (seq_dim, dims[0])
         return HeadSplit(self.heads, self.entries, self.narrowed, self.respelled, exits)
 

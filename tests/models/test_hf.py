@@ -177,6 +177,20 @@ def test_chunked_scans_run_split_by_heads_or_whole_and_the_rest_sharded(family, 
             assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
+def test_scans_split_by_heads_train_exactly_under_gradient_checkpointing(kind):
+    """Mamba2 with Hugging Face's gradient checkpointing: each checkpointed layer's scan recomputed, split by heads."""
+    for results in spawn_ranks(hf_workers.training_step, 2, ("mamba2", ["labels"], SEQ, None, kind), timeout=600):
+        r = results["labels"]
+        assert r["untrained"] == r["unexpected"] == [], r
+        assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, r
+        (report,) = r["reports"]
+        scans = [m for m in report["mixers"] if m["strategy"].startswith("split by heads: every token of 2 of its 4")]
+        assert len(scans) == 2 and r["heads_exchanges"] >= 12, (report["mixers"], r["heads_exchanges"])
+
+
 CAUSAL = {"mask": "causal"}  # read as the causal flag
 PROGRAM, PROGRAM_AND_CAUSAL = {"mask": "lifted mask program, evaluated"}, {"mask": "lifted mask program + causal"}
 AVERAGES = {"fully_masked": "uniform"}  # a query with every key hidden averages all keys, as eager (grads to q, k, v)
