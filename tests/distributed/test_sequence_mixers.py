@@ -58,7 +58,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=15, derandomize=True, **SETTINGS)
+@settings(max_examples=8, derandomize=True, **SETTINGS)
 @given(case=runtime_cases())
 def test_a_sharded_convolution_and_cumsum_equal_the_unsharded_ops(pools, case):
     _check_runtime(pools, case)
@@ -93,7 +93,7 @@ def head_exchange_cases(draw) -> dict:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=6, derandomize=True, **SETTINGS)
+@settings(max_examples=4, derandomize=True, **SETTINGS)
 @given(case=head_exchange_cases())
 def test_a_shard_exchanged_for_a_share_of_the_heads_equals_slices_of_the_whole_tensor(pools, case):
     """`lowering.head_exchange`: this rank's tokens of every head become every token of its heads and back, forward and
@@ -174,11 +174,15 @@ def _check_model(pools, case: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=4, derandomize=True, **SETTINGS)
+@settings(max_examples=3, derandomize=True, **SETTINGS)
 @given(case=model_cases())
-@example(  # a chunked scan over 3-token chunks with attention and padding, whatever else is drawn
+@example(  # a chunked scan over 3-token chunks with attention and padding (split by heads), whatever else is drawn
     case=dict(world_size=2, layout="auto", seq_len=13, width=4, scan=3, attention=True, padding=True, dtype="float64",
               dynamic=None, seed=1)
+)  # fmt: skip
+@example(  # and on 3 ranks, which do not divide its 4 heads: computed whole
+    case=dict(world_size=3, layout="contiguous", seq_len=13, width=2, scan=5, attention=False, padding=False,
+              dtype="float32", dynamic=None, seed=2)
 )  # fmt: skip
 def test_a_model_of_convolutions_and_cumsums_trains_exactly_and_sharded(pools, case):
     """Logits and every gradient by name against the model run whole, the sequence sharded, the state exchanged."""

@@ -137,7 +137,8 @@ WHY_WHOLE = {
     [
         ("mamba2", 2),
         ("qwen3_next", 2),
-        ("jamba", 2),
+        # suite time: a call computed whole trains in the drawn models of test_sequence_mixers.py (P = 3)
+        pytest.param("jamba", 2, marks=pytest.mark.heavy),
         pytest.param("bamba", 2, marks=pytest.mark.heavy),
         pytest.param("minimax", 2, marks=pytest.mark.heavy),
         # a hybrid layer concatenates the embeddings with the hidden states along the features (`torch.concatenate`)
