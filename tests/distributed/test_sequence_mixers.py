@@ -289,7 +289,9 @@ def test_a_convolution_whose_output_is_needed_whole_is_computed_whole():
         # states and dt (this rank's tokens of every head for every token of its heads) and the output back;
         # all-gathered: B and C (one group for all heads), their gradient all-reduced in the backward
         (6, 4, 24, 2, "split by heads: every token of 3 of its 6 heads", (3, 2, 2)),
-        pytest.param(6, 4, 13, 2, "split by heads: every token of 3 of its 6 heads", (3, 2, 2), marks=pytest.mark.heavy),
+        pytest.param(
+            6, 4, 13, 2, "split by heads: every token of 3 of its 6 heads", (3, 2, 2), marks=pytest.mark.heavy
+        ),
         (4, 6, 13, 4, "split by heads: every token of 1 of its 4 heads", (3, 2, 2)),
         # 3 heads of 5 features over 2 ranks: neither divides, so it runs whole, its four per-token inputs all-gathered
         (3, 5, 13, 2, "computed whole on every rank: its per-token inputs all-gathered, its outputs sharded again "
