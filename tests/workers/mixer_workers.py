@@ -176,22 +176,31 @@ def scan_read_whole_step(rank: int, world_size: int) -> dict:
     """`ScanReadWhole` (fp64, 11 tokens) through the ring backend against the model run whole: both outputs and every
     gradient; the scan's strategy and its all-to-alls counted."""
     torch.manual_seed(0)
-    model = ScanReadWhole().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(2, 11, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    result, events = _two_outputs_step(
+        ScanReadWhole().double(), x, lambda out: out[0].pow(2).sum() + out[1].sin().sum(), "aot_eager"
+    )
+    return result | {"heads_exchanges": sum(e.kind == "heads_exchange" for e in events)}
+
+
+def _two_outputs_step(model: nn.Module, x: torch.Tensor, loss, compiler: str) -> tuple[dict, list]:
+    """``model`` through the ring backend (outputs gathered) against a copy run whole, ``loss`` of its two outputs
+    backward: relative errors of both outputs and every gradient, the report's mixers' strategies; and the ring's
+    events."""
+    reference = copy.deepcopy(model)
     want = reference(x)
-    (want[0].pow(2).sum() + want[1].sin().sum()).backward()
-    backend = ringpass.backend(compiler="aot_eager", outputs="gathered")
+    loss(want).backward()
+    backend = ringpass.backend(compiler=compiler, outputs="gathered")
     with record_ring_events() as events:
         got = torch.compile(model, backend=backend, fullgraph=True)(x)
-        (got[0].pow(2).sum() + got[1].sin().sum()).backward()
+        loss(got).backward()
     expected = dict(reference.named_parameters())
-    return {
+    result = {
         "outputs": [rel_err(g, w) for g, w in zip(got, want)],
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "mixers": [m.strategy for m in backend.reports[0].mixers],
-        "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
     }
+    return result, events
 
 
 def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
@@ -277,22 +286,11 @@ def whole_input_mixers(rank: int, world_size: int, compiler: str) -> dict:
     """`WholeInputMixers` (fp64) through the ring backend against the model run whole: relative errors of both
     outputs and every gradient; the report's mixers; the KV exchanges."""
     torch.manual_seed(0)
-    model = WholeInputMixers().double()
-    reference = copy.deepcopy(model)
     ids = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(1))
-    want = reference(ids)
-    (want[0].sum() + want[1].pow(2).sum()).backward()
-    backend = ringpass.backend(compiler=compiler, outputs="gathered")
-    with record_ring_events() as events:
-        got = torch.compile(model, backend=backend, fullgraph=True)(ids)
-        (got[0].sum() + got[1].pow(2).sum()).backward()
-    expected = dict(reference.named_parameters())
-    return {
-        "outputs": [rel_err(g, w) for g, w in zip(got, want)],
-        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
-        "mixers": [m.strategy for m in backend.reports[0].mixers],
-        "kv_exchanges": sum(e.kind == "exchange" for e in events),
-    }
+    result, events = _two_outputs_step(
+        WholeInputMixers().double(), ids, lambda out: out[0].sum() + out[1].pow(2).sum(), compiler
+    )
+    return result | {"kv_exchanges": sum(e.kind == "exchange" for e in events)}
 
 
 def inductor_step(rank: int, world_size: int) -> dict:
