@@ -29,7 +29,7 @@ STRATEGY = "computed whole on every rank: its per-token inputs all-gathered, its
 def gather_whole_regions(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     for region in ctx.sequence.regions:
-        why_whole = ctx.sequence.heads.get(region, "")
+        why_whole = ctx.sequence.heads[region]  # find_region_heads: a HeadSplit, or why not
         if isinstance(why_whole, HeadSplit):
             continue
         first = region.internal[0]
@@ -52,6 +52,6 @@ def gather_whole_regions(ctx: PassContext) -> None:
             what = f"{user_name(entry)}, read by `{region.function}` (computed whole)"
             ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(first), size))
         kind = f"`{region.function}`: {region.why}"
-        strategy = f"{STRATEGY} (not split by heads: {why_whole})" if why_whole else STRATEGY
+        strategy = f"{STRATEGY} (not split by heads: {why_whole})"
         record = MixerRecord(module_path(first), region.call_site, kind, strategy, plain(sent))
         ctx.report.mixers.append(record)

@@ -37,7 +37,7 @@ STRATEGY = (
 
 def split_region_heads(ctx: PassContext) -> None:
     for region in ctx.sequence.regions:
-        split = ctx.sequence.heads.get(region)
+        split = ctx.sequence.heads[region]
         if isinstance(split, HeadSplit):
             _split(ctx, region, split)
 
