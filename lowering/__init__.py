@@ -3,7 +3,8 @@
 Exact attention over a sequence sharded across processes (`ring_attention`), decode steps against a KV
 cache that stays sharded (`decode_attention`; the cache's slots: `lowering.sharded_cache`), Ulysses x ring
 (`ulysses_attention`: all-to-all over heads inside groups, the ring across them), causal convolutions and cumulative
-sums along a sharded sequence (`sharded_conv1d`, `sharded_cumsum`: each chunk gets the state before it), the
+sums along a sharded sequence (`sharded_conv1d`, `sharded_cumsum`: each chunk gets the state before it), chunked scans
+passed the state before each chunk (`sharded_scan`, with `lowering.state_passing`'s `gated_delta_rule` or `ssd`), the
 layouts that say which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
 opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
 """
@@ -17,6 +18,7 @@ from lowering.schedule import BlockTask, plan_block, schedule_table
 from lowering.sequence_mixers import sharded_conv1d, sharded_cumsum
 from lowering.sharded_cache import append_slots, decode_over_slots, prompt_slots, whole_cache
 from lowering.simulate import SimulatedRing, simulate_ring
+from lowering.state_passing import sharded_scan
 from lowering.ulysses import ulysses_attention
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "schedule_table",
     "sharded_conv1d",
     "sharded_cumsum",
+    "sharded_scan",
     "simulate_ring",
     "ulysses_attention",
     "whole_cache",

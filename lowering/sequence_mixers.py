@@ -9,8 +9,9 @@ sequence's length), and each chunk is computed on its own tokens with the summar
 convolution does the unsharded op's arithmetic; a cumsum adds the chunks before as one offset, so in low precision it
 rounds as a blocked sum does (bf16 at N=4096 over 8 chunks: 0.008 relative against the whole cumsum's 0.004).
 
-- ``ringpass::chunk_summaries``: the all-gather, in global chunk order. The backwards all-reduce the summaries'
-  gradients and keep this rank's own chunks' rows, so the gradient reaches the tokens that made each summary.
+- ``ringpass::chunk_summaries``: the all-gather, in global chunk order. Its backward and the mixers' all-reduce the
+  summaries' gradients and keep this rank's own chunks' rows, so the gradient reaches the tokens that made each summary
+  (`lowering.state_passing` differentiates through it).
 - ``ringpass::causal_conv1d``: ``conv1d(x, weight, bias, padding=k-1, groups=C)[..., :N]`` on this rank's tokens
   ``x [B, C, n]`` (in layout order), with the halo from the chunks before each chunk.
 - ``ringpass::sequence_cumsum``: ``cumsum(x, dim)`` along the sequence on this rank's tokens.
@@ -240,6 +241,15 @@ def _cumsum_backward(ctx, grad):
     return sequence_cumsum_backward(grad.contiguous(), *ctx.args), *[None] * len(ctx.args)
 
 
+def _save_summaries(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _summaries_backward(ctx, grad):
+    return _to_owners(grad, *ctx.args), *[None] * len(ctx.args)
+
+
+chunk_summaries.register_autograd(_summaries_backward, setup_context=_save_summaries)
 causal_conv1d.register_autograd(_conv_backward, setup_context=_save_conv)
 sequence_cumsum.register_autograd(_cumsum_backward, setup_context=_save_cumsum)
 

@@ -43,6 +43,7 @@ SHRINK = {
     "python examples/boundary_memory.py": "--seq-len 64 --hidden 32 --layers 2",
     "python examples/mask_crossing_memory.py": "--seq-len 64 --hidden 32",
     "python examples/mixer_cost.py": "--seq-lens 64 --world-sizes 2 --hidden 32",
+    "python examples/scan_strategies.py": "--seq-lens 64 --world-sizes 2",
     "python examples/plan_check.py": "--model llama --seq-len 512 --world-sizes 1,2",
     "python examples/plan_check.py --spread": "--rows 0,13 --seq-len 512",  # the row and an optimizer peak
     "python examples/strategy_grid.py": "--seq-lens 256 --world-sizes 2 --masks causal --repeats 1 --long-repeats 1",
@@ -54,6 +55,7 @@ HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "python examples/boundary_memory.py": "six spawns of fresh processes, each compiling: about a minute made small",
     "python examples/mask_crossing_memory.py": "three spawns of fresh processes compiling a Hugging Face model: 30 s",
     "python examples/mixer_cost.py": "two spawns of fresh processes compiling a Hugging Face model: 30 s",
+    "python examples/scan_strategies.py": "six spawns of fresh processes: 19 s made small",
     "python examples/plan_check.py": "four spawns of fresh processes training a Hugging Face model: a minute",
     "python examples/plan_check.py --spread": "a plan and a measured step per row, each spawning its ranks",
     "python examples/strategy_grid.py": "a spawn measuring five methods: about 20 s made small",

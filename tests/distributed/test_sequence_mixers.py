@@ -117,6 +117,95 @@ def _check_head_exchange(pools, case: dict) -> None:
 
 
 @st.composite
+def state_passing_cases(draw) -> dict:
+    """A delta rule or an SSD scan of drawn sizes on 2 to 4 ranks: the token-by-token reference in fp64 or Hugging
+    Face's chunked function in fp32 (its chunk size drawn apart from the layout's)."""
+    scan = draw(st.sampled_from(["delta rule", "ssd"]))
+    function = draw(st.sampled_from(["reference", "hugging face"]))
+    heads = draw(st.integers(1, 4))
+    return dict(
+        scan=scan,
+        function=function,
+        dtype="float64" if function == "reference" else "float32",
+        world_size=draw(st.sampled_from([2, 3, 4])),
+        layout=draw(st.sampled_from(["contiguous", "zigzag"])),
+        seq_len=draw(st.one_of(st.integers(1, 9), st.integers(10, 40))),  # shorter than the chunks, or many tokens
+        batch=draw(st.integers(1, 2)),
+        heads=heads,
+        groups=draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])),  # SSD's B and C shared by heads
+        dims=(draw(st.integers(1, 5)), draw(st.integers(1, 5))),  # (dk, dv) or (head_dim, state size)
+        function_chunk=draw(st.integers(1, 8)),
+        flag=draw(st.booleans()),  # the delta rule's l2 norm of q and k, SSD's softplus of dt
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _check_state_passing(pools, case: dict) -> None:
+    results = pools.run(case["world_size"], mixer_workers.state_passing_case, (case,), timeout=300)
+    rows, width = (
+        (case["dims"][0], sum(case["dims"])) if case["scan"] == "delta rule" else (case["dims"][0] + 1, case["dims"][1])
+    )
+    summary_bytes = case["batch"] * case["heads"] * rows * width * (8 if case["dtype"] == "float64" else 4)
+    for rank, result in enumerate(results):
+        bound = TOLERANCE[case["dtype"]]
+        assert max(result["errors"].values()) <= bound, (rank, case, result["errors"])
+        assert result["local_len"] == result["expected_local_len"], (rank, case, result)  # this rank's chunks only
+        assert result["exchanges"] == 1, (rank, case, result)  # one all-gather of the summaries
+        assert result["bytes"] == result["chunks"] * summary_bytes, (rank, case, result)  # whatever the length
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=4, derandomize=True, **SETTINGS)
+@given(case=state_passing_cases())
+@example(
+    case=dict(
+        scan="delta rule",
+        function="hugging face",
+        dtype="float32",
+        world_size=2,
+        layout="zigzag",
+        seq_len=23,
+        batch=1,
+        heads=2,
+        groups=1,
+        dims=(4, 3),
+        function_chunk=4,
+        flag=True,
+        seed=0,
+    )
+)
+@example(
+    case=dict(
+        scan="ssd",
+        function="hugging face",
+        dtype="float32",
+        world_size=3,
+        layout="contiguous",
+        seq_len=17,
+        batch=2,
+        heads=4,
+        groups=2,
+        dims=(3, 5),
+        function_chunk=4,
+        flag=True,
+        seed=1,
+    )
+)
+def test_a_scan_passed_the_state_before_each_chunk_equals_the_unsharded_scan(pools, case):
+    """`lowering.state_passing`: each chunk's scan starts from the state the chunks before it leave (their summaries
+    all-gathered): output and every gradient as the unsharded scan's, bytes independent of the length."""
+    _check_state_passing(pools, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1800)
+@settings(max_examples=100, **SETTINGS)
+@given(case=state_passing_cases())
+def test_many_drawn_scans_passed_state_equal_the_unsharded_scans(pools, case):
+    _check_state_passing(pools, case)
+
+
+@st.composite
 def model_cases(draw, world_sizes=(2, 3, 4)) -> dict:
     """`mixer_workers.ConvNet` and how it is compiled and called: the ring size, layout, length (shorter than the
     chunks, or many tokens; duck sizing aside: a symbolic length never equals the batch of 2), convolution width
@@ -392,6 +481,7 @@ def test_mixers_of_a_value_needed_whole_run_whole_and_exactly(pools):
         assert result["kv_exchanges"] > 0
 
 
+@pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.timeout(900)
 def test_inductor_compiles_the_mixers_ops(pools):
     """Inductor checks each op's strides against its fake: a convolution over a transposed input included."""

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import rel_err
+from reference import recurrent_gated_delta_rule, recurrent_ssd, rel_err
 
 import lowering
 import ringpass
 from lowering import Layout, record_ring_events
 from lowering.head_exchange import heads_to_sequence, own_heads, sequence_to_heads
+from lowering.state_passing import gated_delta_rule, sharded_scan, ssd
 
 
 def runtime_case(rank: int, world_size: int, case: dict) -> dict:
@@ -89,6 +90,79 @@ def head_exchange_case(rank: int, world_size: int, case: dict) -> dict:
     return {
         "error": max(e.abs().max().item() for e in errors),
         "exchanges": sum(e.kind == "heads_exchange" for e in events),
+    }
+
+
+def state_passing_case(rank: int, world_size: int, case: dict) -> dict:
+    """One drawn case of `lowering.state_passing.sharded_scan`: a delta rule or an SSD scan (the token-by-token
+    reference in fp64, or Hugging Face's chunked function in fp32) on this rank's chunks, against the same function on
+    the whole sequence: the relative error of the output and of every input's and weight's gradient, by name (tokens
+    gathered, weights summed over the ranks), the summaries exchanged and their bytes, and the local length."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, n, h = case["batch"], case["seq_len"], case["heads"]
+    hugging_face, dtype = case["function"] == "hugging face", getattr(torch, case["dtype"])
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    def rand(*shape):
+        return torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    if case["scan"] == "delta rule":
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        dk, dv = case["dims"]
+        tokens = dict(query=randn(b, n, h, dk), key=randn(b, n, h, dk), value=randn(b, n, h, dv))
+        tokens.update(g=-rand(b, n, h), beta=rand(b, n, h))
+        weights, state = {}, torch.zeros(b, h, dk, dv)
+        function = torch_chunk_gated_delta_rule if hugging_face else recurrent_gated_delta_rule
+        constants = dict(chunk_size=case["function_chunk"], use_qk_l2norm_in_kernel=case["flag"])
+        scan = gated_delta_rule(function, **constants)
+
+        def whole(tokens, weights):
+            return function(**tokens, **constants)[0]
+
+    else:
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+        head_dim, state_size = case["dims"]
+        groups = case["groups"]
+        tokens = dict(hidden_states=randn(b, n, h, head_dim), dt=randn(b, n, h))
+        tokens.update(B=randn(b, n, groups, state_size), C=randn(b, n, groups, state_size))
+        weights, state = (
+            dict(A=-rand(h), D=randn(h), dt_bias=randn(h, scale=0.5)),
+            torch.zeros(b, h, head_dim, state_size),
+        )
+        function = mamba2_chunk_scan if hugging_face else recurrent_ssd
+        constants = dict(chunk_size=case["function_chunk"], dt_softplus=case["flag"], dt_limit=(0.0, float("inf")))
+        scan = ssd(function, **constants)
+
+        def whole(tokens, weights):
+            return function(**tokens, **weights, **constants)
+
+    state = state.to(torch.float32 if hugging_face else dtype)  # Hugging Face's scans keep their state in fp32
+    tokens = {name: t.requires_grad_() for name, t in tokens.items()}
+    weights = {name: w.requires_grad_() for name, w in weights.items()}
+    expected = whole(tokens, weights)
+    grad = randn(*expected.shape)
+    expected_grads = torch.autograd.grad(expected, [*tokens.values(), *weights.values()], grad)
+    layout = Layout(case["layout"], world_size, n)
+    local = {name: layout.shard(t.detach(), 1, rank).requires_grad_() for name, t in tokens.items()}
+    with record_ring_events() as events:
+        out = sharded_scan(scan, local, weights, state, layout=layout)
+        grads = torch.autograd.grad(out, [*local.values(), *weights.values()], layout.shard(grad, 1, rank))
+    got = [_gather(g, layout, 1) for g in grads[: len(local)]] + [_summed(g) for g in grads[len(local) :]]
+    exchanges = [e for e in events if e.kind == "mixer_exchange"]
+    return {
+        "errors": {
+            "output": rel_err(_gather(out, layout, 1), expected),
+            **{f"d_{name}": rel_err(g, e) for name, g, e in zip([*tokens, *weights], got, expected_grads)},
+        },
+        "exchanges": len(exchanges),
+        "bytes": sum(e.fields["bytes"] for e in exchanges),
+        "local_len": out.shape[1],
+        "chunks": len(layout.chunks(rank)),
+        "expected_local_len": layout.chunk_len * len(layout.chunks(rank)),
     }
 
 

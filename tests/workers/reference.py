@@ -1,4 +1,5 @@
-"""Independent references for the tests: unsharded attention in fp64, written without lowering's code."""
+"""Independent references for the tests: unsharded attention in fp64, and the chunked scans' recurrences token by
+token, written without lowering's code."""
 
 from __future__ import annotations
 
@@ -79,3 +80,66 @@ def grad_error(grads: dict, expected: dict) -> float:
     gradient instead (at 1e-6 its fp64 rounding alone reaches 1e-10 on 4 ranks)."""
     floor = 1e-4 * max(g.abs().max().item() for g in expected.values())
     return max(((grads[k] - g).abs().max() / max(g.abs().max().item(), floor)).item() for k, g in expected.items())
+
+
+def recurrent_gated_delta_rule(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size=64,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+):
+    """The gated delta rule by its definition, one token at a time in the inputs' dtype, with the signature of Hugging
+    Face's ``torch_chunk_gated_delta_rule`` (``chunk_size`` unused): ``S_t = exp(g_t) S_(t-1)``, then
+    ``S_t += beta_t k_t (v_t - k_t^T S_t)^T``, output ``q_t^T S_t / sqrt(dk)``."""
+    q, k, v, b, decay = (x.transpose(1, 2) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    state = q.new_zeros((*q.shape[:2], k.shape[-1], v.shape[-1])) if initial_state is None else initial_state.to(q)
+    out = []
+    for t in range(q.shape[2]):
+        state = state * decay[:, :, t, None, None].exp()
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * b[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None]
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, 2).transpose(1, 2), (state if output_final_state else None)
+
+
+def recurrent_ssd(
+    hidden_states,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    dt_bias=None,
+    initial_states=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+):
+    """Mamba2's scan by its definition, one token at a time in the inputs' dtype, with the signature of Hugging Face's
+    ``mamba2_chunk_scan`` (``chunk_size`` unused): ``S_t = exp(A dt_t) S_(t-1) + dt_t x_t B_t^T``, output
+    ``S_t C_t + D x_t``, ``dt`` biased, softplus'd and clamped first."""
+    batch, n, heads, _ = hidden_states.shape
+    dt = dt + dt_bias if dt_bias is not None else dt
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    B, C = (x.repeat_interleave(heads // x.shape[2], 2) for x in (B, C))
+    state = (
+        hidden_states.new_zeros(batch, heads, hidden_states.shape[-1], B.shape[-1])
+        if initial_states is None
+        else initial_states.to(hidden_states)
+    )
+    out = []
+    for t in range(n):
+        x_t = hidden_states[:, t]
+        state = (A * dt[:, t]).exp()[..., None, None] * state + (dt[:, t, :, None] * x_t)[..., None] * B[:, t, :, None]
+        out.append((state * C[:, t, :, None]).sum(-1) + (D[:, None] * x_t if D is not None else 0))
+    out = torch.stack(out, 1)
+    return (out, state) if return_final_states else out
