@@ -84,9 +84,8 @@ def pass_state(scan: str, local: dict, weights: dict, constants: dict, seq_len: 
     from lowering.state_passing import gated_delta_rule, sharded_scan, ssd
 
     adapter = (ssd if scan == "ssd" else gated_delta_rule)(function(scan), **constants)
-    state = torch.zeros(1, HEADS, HEAD_DIM, STATE if scan == "ssd" else HEAD_DIM)
     layout = Layout("zigzag", torch.distributed.get_world_size(), seq_len)
-    return sharded_scan(adapter, local, weights, state, layout=layout)
+    return sharded_scan(adapter, local, weights, layout=layout)
 
 
 def measure(rank: int, world_size: int, scan: str, seq_len: int, strategy: str) -> dict:

@@ -19,7 +19,7 @@ CHOICES = {
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
     "strategy": ("ring", "auto", "all-gather"),
-    "scans": ("heads", "whole"),
+    "scans": ("heads", "whole", "state"),
 }
 
 

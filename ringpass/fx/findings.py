@@ -179,6 +179,24 @@ class HeadSplit:
     exits: dict[fx.Node, tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class ScanBinding:
+    """A `WholeRegion` that calls a known chunked scan, bound to it (`find_scan_states`): ``adapter`` a key of
+    ``lowering.state_passing.ADAPTERS``, ``module`` and ``function`` the function it calls, ``constants`` the keyword
+    constants it was called with ((name, value) pairs), ``tokens`` its values given as the function's per-token
+    arguments and ``weights`` as its weights (None: not given), in the adapter's order; ``exit`` its output;
+    ``summary_bytes`` one chunk's summary (what a rank sends per chunk it holds)."""
+
+    adapter: str
+    module: str
+    function: str
+    constants: tuple
+    tokens: tuple[fx.Node, ...]
+    weights: tuple[fx.Node | None, ...]
+    exit: fx.Node
+    summary_bytes: int
+
+
 @dataclass
 class SequenceFindings:
     """What `find_sequence_axes` found: the sequence length the graph sees (``seq_len``: this rank's with
@@ -189,7 +207,8 @@ class SequenceFindings:
     "created" | "sliced"); the SymInt inputs whose value is the sequence length (``length_nodes``); and the function
     calls computed on the whole sequence on every rank (``regions``: a chunked scan, `ringpass.fx.call_regions`), and
     for each of them the `HeadSplit` that runs it on a share of its heads on each rank, or why it cannot
-    (``heads``, `find_region_heads`)."""
+    (``heads``, `find_region_heads`), and with ``scans="state"`` the `ScanBinding` that passes its state, or why not
+    (``states``, `find_scan_states`)."""
 
     seq_len: int | torch.SymInt = 0
     global_seq_len: int = 0
@@ -200,3 +219,4 @@ class SequenceFindings:
     length_nodes: set[fx.Node] = field(default_factory=set)
     regions: list[WholeRegion] = field(default_factory=list)
     heads: dict[WholeRegion, HeadSplit | str] = field(default_factory=dict)
+    states: dict[WholeRegion, ScanBinding | str] = field(default_factory=dict)

@@ -35,6 +35,7 @@ from ringpass.passes.exchange_activations import exchange_activations
 from ringpass.passes.expand_multi_head_attention import expand_multi_head_attention
 from ringpass.passes.find_attention import find_attention
 from ringpass.passes.find_region_heads import find_region_heads
+from ringpass.passes.find_scan_states import find_scan_states
 from ringpass.passes.find_sequence_mixers import find_sequence_mixers
 from ringpass.passes.gather_whole_regions import gather_whole_regions
 from ringpass.passes.inline_subgraphs import inline_subgraphs
@@ -45,6 +46,7 @@ from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.pin_model_numbers import pin_model_numbers
+from ringpass.passes.pass_scan_states import pass_scan_states
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads
@@ -88,6 +90,7 @@ PREFILL = (
             split_tail,
             decide_placements,
             find_region_heads,
+            find_scan_states,
             keep_cache_sharded,
         ),
     ),
@@ -99,6 +102,7 @@ PREFILL = (
             localize_shapes,
             rewrite_attention,
             rewrite_sequence_mixers,
+            pass_scan_states,
             split_region_heads,
             gather_whole_regions,
             insert_boundaries,

@@ -53,5 +53,7 @@ def gather_whole_regions(ctx: PassContext) -> None:
             ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(first), size))
         kind = f"`{region.function}`: {region.why}"
         strategy = f"{STRATEGY} (not split by heads: {why_whole})"
+        if region in ctx.sequence.states:  # scans="state", and no binding
+            strategy += f" (state not passed: {ctx.sequence.states[region]})"
         record = MixerRecord(module_path(first), region.call_site, kind, strategy, plain(sent))
         ctx.report.mixers.append(record)

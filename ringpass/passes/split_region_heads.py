@@ -28,6 +28,7 @@ from ringpass.fx.context import FULL, HEADS, LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, WholeRegion
 from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, MixerRecord
+from ringpass.fx.sharded_reads import read_tokens_instead
 
 STRATEGY = (
     "split by heads: every token of {share} of its {heads} heads (a dim it keeps apart) on each rank, "
@@ -91,25 +92,16 @@ def _split(ctx: PassContext, region: WholeRegion, split: HeadSplit) -> None:
         outside = [u for u in node.users if u not in internal]
         with graph.inserting_after(node):
             tokens = _insert(ctx, ops.heads_to_sequence.default, (node, seq_dim, head_dim, *ctx.layout_args()), node)
-        ctx.placement[tokens], ctx.sequence.axes[tokens] = LOCAL, ctx.sequence.axes[node]
         size = nbytes(example_value(node))
         sent += size // ctx.world_size * (ctx.world_size - 1) // ctx.world_size
         what = f"{user_name(node)}, returned by `{region.function}` (split by heads)"
         ctx.report.collectives.append(CollectiveRecord("all-to-all", "forward", what, short_source(node), size))
-        whole = None
-        for user in outside:
-            if ctx.placement.get(user) == FULL and whole is None:  # read whole too: gathered once
-                with graph.inserting_after(tokens):
-                    whole = graph.call_function(ops.gather_sequence.default, (tokens, seq_dim, *ctx.layout_args()))
-                copy_origin(whole, node).meta["example_value"] = example_value(node)
-                ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[node]
-                sent += size // ctx.world_size
-                what = f"{user_name(node)}, returned by `{region.function}` and read whole"
-                ctx.report.collectives.append(CollectiveRecord("all-gather", "forward", what, short_source(node), size))
-            user.replace_input_with(node, whole if ctx.placement.get(user) == FULL else tokens)
+        sent += read_tokens_instead(ctx, node, tokens, outside, f"{user_name(node)}, returned by `{region.function}`")
     for node in region.internal:
         ctx.placement[node] = HEADS
     strategy = STRATEGY.format(share=split.heads // ctx.world_size, heads=split.heads)
+    if region in ctx.sequence.states:  # scans="state", and no binding
+        strategy += f" (state not passed: {ctx.sequence.states[region]})"
     record = MixerRecord(
         module_path(first), region.call_site, f"`{region.function}`: {region.why}", strategy, plain(sent)
     )

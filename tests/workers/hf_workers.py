@@ -335,11 +335,13 @@ def training_step(
     checkpointed: str = "",
     reference: str = "",
     fullgraph: bool = True,
+    options: dict | None = None,
 ) -> dict:
     """(a)-(c), (e): loss, logits and every parameter's gradient of compiled vs uncompiled, per case.
     With ``dynamic=True`` one compile serves the case at ``seq_len`` and at ``seq_len + 6``;
     ``checkpointed="reentrant" | "non-reentrant"`` turns on Hugging Face's gradient checkpointing;
-    ``reference`` names the model run uncompiled when it is not ``name`` (the same weights)."""
+    ``reference`` names the model run uncompiled when it is not ``name`` (the same weights); ``options``: the
+    backend's, besides ``compiler="aot_eager"``."""
     results = {}
     for case in cases:
         torch._dynamo.reset()  # each case is a fresh compile, as in a user's process
@@ -352,7 +354,7 @@ def training_step(
         expected.loss.backward()
         expected_grads = {n: p.grad.clone() for n, p in unsharded.named_parameters() if p.grad is not None}
         unsharded.zero_grad()
-        backend = ringpass.backend(compiler="aot_eager")
+        backend = ringpass.backend(compiler="aot_eager", **(options or {}))
         compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
         with record_ring_events() as events:
             got = compiled(**kwargs)

@@ -114,7 +114,7 @@ def state_passing_case(rank: int, world_size: int, case: dict) -> dict:
         dk, dv = case["dims"]
         tokens = dict(query=randn(b, n, h, dk), key=randn(b, n, h, dk), value=randn(b, n, h, dv))
         tokens.update(g=-rand(b, n, h), beta=rand(b, n, h))
-        weights, state = {}, torch.zeros(b, h, dk, dv)
+        weights = {}
         function = torch_chunk_gated_delta_rule if hugging_face else recurrent_gated_delta_rule
         constants = dict(chunk_size=case["function_chunk"], use_qk_l2norm_in_kernel=case["flag"])
         scan = gated_delta_rule(function, **constants)
@@ -129,10 +129,7 @@ def state_passing_case(rank: int, world_size: int, case: dict) -> dict:
         groups = case["groups"]
         tokens = dict(hidden_states=randn(b, n, h, head_dim), dt=randn(b, n, h))
         tokens.update(B=randn(b, n, groups, state_size), C=randn(b, n, groups, state_size))
-        weights, state = (
-            dict(A=-rand(h), D=randn(h), dt_bias=randn(h, scale=0.5)),
-            torch.zeros(b, h, head_dim, state_size),
-        )
+        weights = dict(A=-rand(h), D=randn(h), dt_bias=randn(h, scale=0.5))
         function = mamba2_chunk_scan if hugging_face else recurrent_ssd
         constants = dict(chunk_size=case["function_chunk"], dt_softplus=case["flag"], dt_limit=(0.0, float("inf")))
         scan = ssd(function, **constants)
@@ -140,7 +137,6 @@ def state_passing_case(rank: int, world_size: int, case: dict) -> dict:
         def whole(tokens, weights):
             return function(**tokens, **weights, **constants)
 
-    state = state.to(torch.float32 if hugging_face else dtype)  # Hugging Face's scans keep their state in fp32
     tokens = {name: t.requires_grad_() for name, t in tokens.items()}
     weights = {name: w.requires_grad_() for name, w in weights.items()}
     expected = whole(tokens, weights)
@@ -149,7 +145,7 @@ def state_passing_case(rank: int, world_size: int, case: dict) -> dict:
     layout = Layout(case["layout"], world_size, n)
     local = {name: layout.shard(t.detach(), 1, rank).requires_grad_() for name, t in tokens.items()}
     with record_ring_events() as events:
-        out = sharded_scan(scan, local, weights, state, layout=layout)
+        out = sharded_scan(scan, local, weights, layout=layout)
         grads = torch.autograd.grad(out, [*local.values(), *weights.values()], layout.shard(grad, 1, rank))
     got = [_gather(g, layout, 1) for g in grads[: len(local)]] + [_summed(g) for g in grads[len(local) :]]
     exchanges = [e for e in events if e.kind == "mixer_exchange"]
