@@ -69,8 +69,11 @@ class RingOptions:
     none: `ringpass.passes.choose_strategy`; the report lists each alternative's predicted time).
     ``scans``: how a function call that cannot run on a shard (a chunked scan: Mamba2's SSD, Gated DeltaNet) runs:
     ``heads`` (on every token of H / P of its heads on each rank, all-to-all in and out, where it keeps its heads
-    apart and they divide by P; else whole, the report saying why) or ``whole`` (on the whole sequence on every rank,
-    its inputs all-gathered: the unsharded call's memory on every rank; docs/backend.md, "Chunked scans").
+    apart and they divide by P; else whole, the report saying why), ``whole`` (on the whole sequence on every rank,
+    its inputs all-gathered: the unsharded call's memory on every rank) or ``state`` (a call of a scan ringpass knows,
+    Hugging Face's ``torch_chunk_gated_delta_rule`` or ``mamba2_chunk_scan``, runs on this rank's chunks only, each
+    from the state the chunks before it leave: O(state) bytes, any P, two scans per chunk; other calls as ``heads``;
+    docs/backend.md, "Chunked scans").
     ``hardware``: what ``auto`` predicts on: None (this machine's kind: NVLink + H100 presets with CUDA, else the
     loopback + CPU calibration), ``"link/device"`` preset names (``"infiniband/h100"``), a ``ringpass bench
     --calibrate --json`` file, or a `lowering.costmodel.Hardware`."""

@@ -52,9 +52,9 @@ def _clamp_limits(nodes) -> tuple:
 
 @dataclass(frozen=True)
 class KnownScan:
-    """``adapter``: a key of ``lowering.state_passing.ADAPTERS`` (and ``ARGUMENTS``); ``draws``: each argument's value drawer
-    (``(shape, generator, dtype, device) -> tensor``; the rest normal); ``constants``: each keyword constant's
-    candidates, from the call's nodes."""
+    """``adapter``: a key of ``lowering.state_passing.ADAPTERS`` (and ``ARGUMENTS``); ``draws``: each argument's
+    value drawer (``(shape, generator, dtype, device) -> tensor``; the rest normal); ``constants``: each keyword
+    constant's candidates, from the call's nodes."""
 
     adapter: str
     draws: dict[str, Callable]

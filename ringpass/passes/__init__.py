@@ -45,8 +45,8 @@ from ringpass.passes.keep_cache_sharded import keep_cache_sharded
 from ringpass.passes.lift_masks import lift_masks
 from ringpass.passes.local_permutations import find_local_permutations
 from ringpass.passes.localize_shapes import localize_shapes
-from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.pass_scan_states import pass_scan_states
+from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads

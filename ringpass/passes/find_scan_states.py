@@ -63,7 +63,10 @@ def _bind(ctx: PassContext, region: WholeRegion, bound: dict) -> ScanBinding:
     if not all(isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.shape) for v in values):
         raise _NotBound("its inputs are not tensors of static shapes")
     tokens = [i for i, e in enumerate(region.entries) if ctx.sequence.axes.get(e)]
-    if any(ctx.placement.get(region.entries[i]) != LOCAL or ctx.sequence.axes[region.entries[i]][0].dim != 1 for i in tokens):
+    if any(
+        ctx.placement.get(e) != LOCAL or ctx.sequence.axes[e][0].dim != 1
+        for e in map(region.entries.__getitem__, tokens)
+    ):
         raise _NotBound("a per-token input is not this rank's tokens with the sequence in dim 1")
     function = getattr(importlib.import_module(module), region.function)
     key = (region.function, tuple(tuple(v.shape) for v in values))
@@ -106,7 +109,9 @@ def _constants_computing(ctx: PassContext, region, known: KnownScan, function, a
             expected = _run_region(ctx, region, drawn)
     except Exception:  # the call's ops refuse these values as these arguments
         return None
-    arguments = {name: drawn.get(index) if index is not None else None for name, index in zip(names, (*order, *weight_slots))}
+    arguments = {
+        name: drawn.get(index) if index is not None else None for name, index in zip(names, (*order, *weight_slots))
+    }
     candidates = known.constants(list(region.internal))
     for values in itertools.product(*candidates.values()):
         constants = dict(zip(candidates, values))

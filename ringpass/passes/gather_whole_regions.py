@@ -11,7 +11,7 @@ alike and the gather's backward keeps its own rows). Each call's `MixerRecord` g
 rank sends per call, and each all-gather's `CollectiveRecord`.
 
 Exact, and the rest of the model stays sharded, but the call's memory and compute are the unsharded model's on every
-rank: state passing for these scans is not built yet (docs/backend.md).
+rank: with ``scans="state"`` a call of a known scan passes its state instead (`pass_scan_states`, before this pass).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 import lowering.head_exchange  # noqa: F401  (registers the ops written here)
 from lowering.sequence_ops import reduce_grad
-from ringpass.fx.context import FULL, HEADS, LOCAL, PassContext
+from ringpass.fx.context import HEADS, LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, WholeRegion
 from ringpass.fx.nodes import copy_origin, example_value, module_path, nbytes, plain, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, MixerRecord

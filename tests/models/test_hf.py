@@ -178,6 +178,49 @@ def test_chunked_scans_run_split_by_heads_or_whole_and_the_rest_sharded(family, 
             assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "family,world_size",
+    [
+        ("qwen3_next", 2),
+        # suite time: the SSD's binding and state are checked in the default suite on Mamba2 at 3 ranks
+        pytest.param("mamba2", 2, marks=pytest.mark.heavy),
+        ("mamba2", 3),  # 4 heads do not divide by 3: split by heads it would run whole
+        pytest.param("bamba", 2, marks=pytest.mark.heavy),
+        pytest.param("zamba2", 2, marks=pytest.mark.heavy),
+        pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),
+        pytest.param("jamba", 2, marks=pytest.mark.heavy),
+    ],
+)
+def test_chunked_scans_pass_their_state_with_scans_state(family, world_size):
+    """``scans="state"``: each call of Hugging Face's ``torch_chunk_gated_delta_rule`` / ``mamba2_chunk_scan`` is bound
+    to the function by what it computes and runs on this rank's chunks only, each from the state the chunks before it
+    leave (one all-gather of the chunks' summaries per call, no all-to-all); any number of ranks. Jamba's selective
+    scan is not one ringpass knows: computed whole, the report saying so. Loss, logits, every gradient; padded too."""
+    args = (family, ["labels", "left-padded"], SEQ, None, "", "", True, {"scans": "state"})
+    known = family != "jamba"
+    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
+        for case, r in results.items():
+            assert r["untrained"] == r["unexpected"] == [], (case, r)
+            assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
+            (report,) = r["reports"]
+            strategy = "passes the state: each of this rank's chunks" if known else "computed whole on every rank"
+            scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
+            assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
+            assert known or all(
+                "(state not passed: `mamba_selective_scan` is not a scan" in m["strategy"] for m in scans
+            )
+            forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
+            summaries = [c for c in forward if c[0] == "all-gather" and "summaries" in c[1]]
+            assert len(summaries) == (SCANS[family] if known else 0), forward
+            assert r["heads_exchanges"] == 0, (case, r)  # no all-to-all: the sequence stays in chunks
+            # the convolutions' halos both ways, and each scan's summaries once (their backward: an all-reduce)
+            assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family] + len(summaries), (case, r)
+            assert known or r["all_gathers"] > 0, (case, r)
+            assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)
+            assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
+
+
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])

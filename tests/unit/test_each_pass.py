@@ -16,11 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mixer_workers import ScanReadWhole, chunked_decay_scan
 from torch import fx
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
+from lowering.state_passing import scan_region
 from ringpass.fx.context import FULL, HEADS, LOCAL, NOSEQ, PARTIAL, PassContext
-from ringpass.fx.findings import HeadSplit, MaskFindings, SeqDim, SequenceFindings
+from ringpass.fx.findings import HeadSplit, MaskFindings, ScanBinding, SeqDim, SequenceFindings
 from ringpass.fx.nodes import example_value
 from ringpass.fx.report import Report
 from ringpass.options import RingOptions
@@ -449,6 +451,69 @@ def test_split_region_heads_gathers_an_output_also_read_whole():
     assert whole.users and {ctx.placement[u] for u in whole.users} == {FULL}  # what the flip reads
     assert list(tokens.users) == [whole]  # every reader needs it whole (the flip's input: the attention's too)
     assert [c.kind for c in ctx.report.collectives] == ["all-to-all"] * 3 + ["all-gather"], ctx.report.collectives
+
+
+class DeltaRuleScan(nn.Module):
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 4, q and k l2-normed) over 3 heads of 2 features,
+    then causal attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.gates = nn.Linear(8, 18), nn.Linear(8, 6)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 3, 2)).unbind(2)
+        g, beta = self.gates(x).unflatten(-1, (2, 3)).unbind(2)
+        out, _ = torch_chunk_gated_delta_rule(
+            q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=4, use_qk_l2norm_in_kernel=True
+        )
+        y = out.flatten(2)[:, None]
+        return F.scaled_dot_product_attention(y, y, y, is_causal=True)
+
+
+def test_find_scan_states_binds_the_call_to_the_function_by_what_it_computes():
+    ctx, _ = run_through("find_scan_states", DeltaRuleScan(), _x(), scans="state")
+    (region,) = ctx.sequence.regions
+    binding = ctx.sequence.states[region]
+    assert isinstance(binding, ScanBinding), binding
+    assert (binding.adapter, binding.function) == ("delta rule", "torch_chunk_gated_delta_rule")
+    assert binding.module == "transformers.models.qwen3_next.modeling_qwen3_next"
+    assert dict(binding.constants) == {"chunk_size": 4, "use_qk_l2norm_in_kernel": True}
+    # q, k, v are unbind's outputs 0, 1, 2 of one tensor, g is softplus's negation, beta a sigmoid
+    q, k, v, g, beta = binding.tokens
+    assert [n.args[1] for n in (q, k, v)] == [0, 1, 2] and g.target in (operator.neg, torch.neg), binding.tokens
+    assert beta.target in ("sigmoid", torch.sigmoid) and binding.weights == ()
+    assert binding.exit is region.exits[0][0]
+    assert binding.summary_bytes == 2 * 3 * 2 * (2 + 2) * 4  # [B, H, dk, dv + dk] in fp32
+
+
+def test_find_scan_states_says_why_a_scan_keeps_its_strategy():
+    ctx, _ = run_through("find_scan_states", HeadScan(), _x(), scans="state")
+    (region,) = ctx.sequence.regions
+    assert ctx.sequence.states[region] == "`chunked_decay_scan` is not a scan ringpass knows the state of"
+    ctx, _ = run_through("find_scan_states", DeltaRuleScan(), _x())
+    assert ctx.sequence.states == {}  # scans="heads": nothing bound
+
+
+def test_pass_scan_states_replaces_the_call_by_the_scan_of_this_ranks_chunks():
+    ctx, before = run_through("pass_scan_states", DeltaRuleScan(), _x(), scans="state")
+    (region,) = before["sequence"].regions
+    assert ctx.sequence.regions == [] and not set(region.internal) & set(ctx.gm.graph.nodes)
+    (scan,) = _calls(ctx, scan_region)
+    binding = before["sequence"].states[region]
+    assert scan.args[:6] == (
+        "delta rule",
+        binding.module,
+        binding.function,
+        binding.constants,
+        list(binding.tokens),
+        [],
+    )
+    assert scan.args[6:9] == ("zigzag", 2, SEQ) and ctx.placement[scan] == LOCAL
+    assert [u.target for u in scan.users] == ["flatten"]  # the output's reader reads this rank's tokens
+    (record,) = ctx.report.mixers
+    assert record.strategy.startswith("passes the state") and record.bytes_per_call == 2 * binding.summary_bytes
+    assert [c.kind for c in ctx.report.collectives] == ["all-gather"], ctx.report.collectives
 
 
 def test_rewrite_positions_gives_the_arange_and_the_table_slice_this_ranks_positions():
