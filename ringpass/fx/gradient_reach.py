@@ -52,6 +52,7 @@ GRADIENT_ARGUMENTS: dict[str, tuple] = {
     "heads_to_sequence": ("x",),
     "own_heads": ("x",),
     "place_own_heads": ("x",),
+    "chunk_summaries": ("summaries",),
     "causal_conv1d": ("x", "weight", "bias"),
     "causal_conv1d_backward": (EVERY,),  # no formula of its own (no double backward): loud
     "sequence_cumsum": ("x",),
