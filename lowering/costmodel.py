@@ -428,6 +428,37 @@ def decode_seconds(cost: DecodeCost, hardware: Hardware) -> dict:
 
 # ---- strategies: the exact ways to run one attention over P ranks, and the cheapest ---------------------------
 @dataclass(frozen=True)
+class ScanCost:
+    """One call of a chunked scan as the cost model sees it (docs/backend.md, "Chunked scans"): its forward on the
+    whole sequence, every head (``flops``: its matrix products; ``ops``: the ops it launches), the buffers a rank
+    hands to the collectives when it is split by heads (``heads_bytes``: its tokens of the inputs, its heads of the
+    output, the inputs without heads gathered; forward, and as many backward), every chunk's summary when it passes
+    the state (``summaries_bytes``: all-gathered forward, their gradients all-reduced backward), and passing the
+    state's compute against one call on a rank's tokens (``state_work``: its two calls, the summary's wider)."""
+
+    flops: int
+    ops: int
+    heads_bytes: int
+    summaries_bytes: int
+    state_work: float
+
+
+def scan_seconds(cost: ScanCost, world_size: int, hardware: Hardware) -> dict[str, float]:
+    """Predicted forward + backward seconds of one scan call split by heads (``"heads"``) and passing the state
+    (``"state"``): its matrix products at the GEMM rate on 1/P of the work (the backward twice the forward), its ops'
+    launches (split by heads every op still runs, on fewer heads; passing the state a call launches ops in
+    proportion to its tokens), and the collectives ((P-1)/P of each buffer crosses the link, a latency per message)."""
+    rate = hardware.gemm_flops_per_s or hardware.flops_per_s
+    work = 3 * cost.flops / world_size / rate
+    launches = 3 * cost.ops * hardware.op_overhead_s
+    crossing = (world_size - 1) / world_size / hardware.link_bytes_per_s
+    heads = work + launches + 2 * cost.heads_bytes * crossing + 4 * hardware.link_latency_s
+    state = cost.state_work * (work + launches / world_size)
+    state += 3 * cost.summaries_bytes * crossing + 2 * hardware.link_latency_s  # all-gather; all-reduce: twice
+    return {"heads": heads, "state": state}
+
+
+@dataclass(frozen=True)
 class Strategy:
     """One exact way to run an attention over P ranks: ``ring`` (K/V passed around, transfers overlapped),
     ``ulysses`` (all-to-all over heads in groups of ``ulysses`` ranks, the ring across the groups), ``all-gather``

@@ -19,7 +19,7 @@ CHOICES = {
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
     "strategy": ("ring", "auto", "all-gather"),
-    "scans": ("heads", "whole", "state"),
+    "scans": ("heads", "whole", "state", "auto"),
 }
 
 
@@ -72,8 +72,9 @@ class RingOptions:
     apart and they divide by P; else whole, the report saying why), ``whole`` (on the whole sequence on every rank,
     its inputs all-gathered: the unsharded call's memory on every rank) or ``state`` (a call of a scan ringpass knows,
     Hugging Face's ``torch_chunk_gated_delta_rule`` or ``mamba2_chunk_scan``, runs on this rank's chunks only, each
-    from the state the chunks before it leave: O(state) bytes, any P, two scans per chunk; other calls as ``heads``;
-    docs/backend.md, "Chunked scans").
+    from the state the chunks before it leave: O(state) bytes, any P, two scans per chunk; other calls as ``heads``)
+    or ``auto`` (per call, the faster of ``heads`` and ``state`` as the cost model predicts on ``hardware``; the report
+    gives both predictions); docs/backend.md, "Chunked scans".
     ``hardware``: what ``auto`` predicts on: None (this machine's kind: NVLink + H100 presets with CUDA, else the
     loopback + CPU calibration), ``"link/device"`` preset names (``"infiniband/h100"``), a ``ringpass bench
     --calibrate --json`` file, or a `lowering.costmodel.Hardware`."""

@@ -5,15 +5,17 @@ Dynamo inlines the functions a model calls; each node's ``stack_trace`` still na
 ``Qwen3NextGatedDeltaNet.forward``). A call is the run of consecutive nodes traced under one frame of a function
 called from one place (the frames above it the same, the line inside it free); `enclosing_calls` lists them around
 a node, innermost first; `boundary` the values a call reads from outside it and those read outside it (a
-`ringpass.fx.findings.WholeRegion`'s entries and exits).
+`ringpass.fx.findings.WholeRegion`'s entries and exits); `run_call` runs a call's nodes on values of its entries.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import re
 
 import torch.fx as fx
+from torch.fx.node import map_aggregate
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
 
@@ -71,3 +73,21 @@ def boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     inside = set(nodes)
     entries = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     return entries, [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def run_call(gm: fx.GraphModule, nodes, entries: dict[fx.Node, object]) -> dict[fx.Node, object]:
+    """Every value of ``nodes`` (a call's, in graph order) computed one by one from ``entries`` (each value the call
+    reads from outside it; real or fake tensors)."""
+    values = dict(entries)
+    for node in nodes:
+        args = map_aggregate(node.args, lambda a: values[a] if isinstance(a, fx.Node) else a)
+        kwargs = map_aggregate(node.kwargs, lambda a: values[a] if isinstance(a, fx.Node) else a)
+        if node.op == "call_method":
+            values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        elif node.op == "call_function":
+            values[node] = node.target(*args, **kwargs)
+        elif node.op == "get_attr":
+            values[node] = operator.attrgetter(node.target)(gm)
+        else:
+            raise ValueError(f"a call holds no {node.op} node")
+    return values

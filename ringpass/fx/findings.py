@@ -185,7 +185,8 @@ class ScanBinding:
     ``lowering.state_passing.ADAPTERS``, ``module`` and ``function`` the function it calls, ``constants`` the keyword
     constants it was called with ((name, value) pairs), ``tokens`` its values given as the function's per-token
     arguments and ``weights`` as its weights (None: not given), in the adapter's order; ``exit`` its output;
-    ``summary_bytes`` one chunk's summary (what a rank sends per chunk it holds)."""
+    ``summary_bytes`` one chunk's summary (what a rank sends per chunk it holds); ``predicted``: with ``scans="auto"``,
+    the cost model's seconds for both strategies."""
 
     adapter: str
     module: str
@@ -195,6 +196,7 @@ class ScanBinding:
     weights: tuple[fx.Node | None, ...]
     exit: fx.Node
     summary_bytes: int
+    predicted: str = ""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 only its own chunks, from the state the chunks before them leave (`pass_scan_states` writes that).
 
 Matches each `WholeRegion` of ``ctx.sequence.regions`` whose function is a `ringpass.fx.known_scans.KnownScan` (by
-name: Hugging Face's ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``), with the option ``scans="state"``. The
+name: Hugging Face's ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``), with the option ``scans="state"`` or
+``"auto"``. The
 graph does not say which of the call's values is which argument of the function, nor the keyword constants it was
 called with, so they are found by what they compute: for each assignment of the call's per-token values to the
 function's per-token arguments and of its other values to its weights (a weight it does not read: None), values are
@@ -12,25 +13,31 @@ ops), binds it. Calls of one function with the same shapes (a model's layers) bi
 
 The call must return one value, ``[B, N, ...]`` with the sequence in dim 1 as its per-token values, at static shapes.
 
-Writes ``ctx.sequence.states[region]``: a `ScanBinding`, or why the state is not passed (the report's strategy says
-it after the strategy the call runs with).
+With ``scans="auto"``, a bound call that also splits by heads (`find_region_heads`) passes its state only where
+`lowering.costmodel.scan_seconds` predicts that faster on ``ctx.hardware`` (the call's matrix products counted on its
+traced values, its ops, the bytes of each strategy's collectives).
+
+Writes ``ctx.sequence.states[region]``: a `ScanBinding` (with the prediction under ``auto``), or why the state is not
+passed (the report's strategy says it after the strategy the call runs with).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
-import operator
 
 import torch
-import torch.fx as fx
-from torch.fx.node import map_aggregate
+from torch.utils.flop_counter import FlopCounterMode
 
-from lowering.state_passing import summary_nbytes
+from lowering.costmodel import ScanCost, scan_seconds
+from lowering.layout import cached_layout
+from lowering.state_passing import STATE_WORK, summary_nbytes
+from ringpass.fx.call_regions import run_call
 from ringpass.fx.context import LOCAL, PassContext
-from ringpass.fx.findings import ScanBinding, WholeRegion
+from ringpass.fx.findings import HeadSplit, ScanBinding, WholeRegion
 from ringpass.fx.known_scans import KNOWN_SCANS, KnownScan, function_module
-from ringpass.fx.nodes import example_value, probing
+from ringpass.fx.nodes import example_value, nbytes, probing
 
 
 class _NotBound(Exception):
@@ -38,14 +45,45 @@ class _NotBound(Exception):
 
 
 def find_scan_states(ctx: PassContext) -> None:
-    if ctx.options.scans != "state":
+    if ctx.options.scans not in ("state", "auto"):
         return
     bound: dict[tuple, tuple] = {}  # (function, the entries' shapes) -> the assignment that bound such a call
     for region in ctx.sequence.regions:
         try:
-            ctx.sequence.states[region] = _bind(ctx, region, bound)
+            binding = _bind(ctx, region, bound)
         except _NotBound as why:
             ctx.sequence.states[region] = str(why)
+            continue
+        split = ctx.sequence.heads[region]
+        if ctx.options.scans == "auto" and isinstance(split, HeadSplit):
+            ctx.sequence.states[region] = _cheaper(ctx, region, binding, split)
+        else:
+            ctx.sequence.states[region] = binding
+
+
+def _cheaper(ctx: PassContext, region: WholeRegion, binding: ScanBinding, split: HeadSplit) -> ScanBinding | str:
+    """``binding`` where the cost model predicts passing the state faster than splitting by heads on
+    ``ctx.hardware`` (with the prediction), else why not."""
+    with probing(ctx.gm.graph), FlopCounterMode(display=False) as counter:
+        run_call(ctx.gm, region.internal, {e: example_value(e) for e in region.entries})
+    per_rank = [
+        nbytes(example_value(e)) // (ctx.world_size if d is not None else 1)
+        for e, d in split.entries.items()
+        if ctx.placement.get(e) == LOCAL
+    ]
+    layout = cached_layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len)
+    cost = ScanCost(
+        flops=counter.get_total_flops(),
+        ops=sum(node.op in ("call_function", "call_method") for node in region.internal),
+        heads_bytes=sum(per_rank) + sum(nbytes(example_value(e)) // ctx.world_size for e in split.exits),
+        summaries_bytes=binding.summary_bytes * layout.num_chunks,
+        state_work=STATE_WORK[binding.adapter],
+    )
+    seconds = scan_seconds(cost, ctx.world_size, ctx.hardware)
+    state, heads = (f"{seconds[k] * 1e3:.3g} ms" for k in ("state", "heads"))
+    if seconds["state"] < seconds["heads"]:
+        return dataclasses.replace(binding, predicted=f"predicted {state} against {heads} split by heads")
+    return f"split by heads predicted faster: {heads} against {state} passing the state"
 
 
 def _bind(ctx: PassContext, region: WholeRegion, bound: dict) -> ScanBinding:
@@ -104,9 +142,10 @@ def _constants_computing(ctx: PassContext, region, known: KnownScan, function, a
             value = example_value(region.entries[index])
             device = torch.device("cpu") if value.device.type == "meta" else value.device
             drawn[index] = known.draw(name)(tuple(value.shape), generator, value.dtype, device)
+    entries = {e: drawn[i].clone() if i in drawn else None for i, e in enumerate(region.entries)}
     try:
         with torch.no_grad():
-            expected = _run_region(ctx, region, drawn)
+            expected = run_call(ctx.gm, region.internal, entries)[region.exits[0][0]]
     except Exception:  # the call's ops refuse these values as these arguments
         return None
     arguments = {
@@ -124,25 +163,6 @@ def _constants_computing(ctx: PassContext, region, known: KnownScan, function, a
         if isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.equal(out, expected):
             return tuple(sorted(constants.items()))
     return None
-
-
-def _run_region(ctx: PassContext, region: WholeRegion, drawn: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The call's output on ``drawn`` (entry index -> value), its nodes run one by one."""
-    values: dict[fx.Node, object] = {region.entries[i]: v.clone() for i, v in drawn.items()}
-    for entry in region.entries:
-        values.setdefault(entry, None)
-    for node in region.internal:
-        args = map_aggregate(node.args, lambda a: values[a] if isinstance(a, fx.Node) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: values[a] if isinstance(a, fx.Node) else a)
-        if node.op == "call_method":
-            values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        elif node.op == "call_function":
-            values[node] = node.target(*args, **kwargs)
-        elif node.op == "get_attr":
-            values[node] = operator.attrgetter(node.target)(ctx.gm)
-        else:
-            raise _NotBound(f"it holds a {node.op} node")
-    return values[region.exits[0][0]]
 
 
 def _binding(ctx: PassContext, region, known: KnownScan, module: str, assignment, constants) -> ScanBinding:

@@ -63,4 +63,5 @@ def _pass_state(ctx: PassContext, region: WholeRegion, binding: ScanBinding) -> 
         CollectiveRecord("all-gather", "forward", what, short_source(tokens), summaries * ctx.world_size)
     )
     kind = f"`{region.function}`: {region.why}"
-    ctx.report.mixers.append(MixerRecord(module_path(tokens), region.call_site, kind, STRATEGY, summaries + sent))
+    strategy = f"{STRATEGY} ({binding.predicted})" if binding.predicted else STRATEGY
+    ctx.report.mixers.append(MixerRecord(module_path(tokens), region.call_site, kind, strategy, summaries + sent))

@@ -20,6 +20,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
+from lowering.costmodel import Hardware
 from lowering.state_passing import scan_region
 from ringpass.fx.context import FULL, HEADS, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.fx.findings import HeadSplit, MaskFindings, ScanBinding, SeqDim, SequenceFindings
@@ -454,18 +455,18 @@ def test_split_region_heads_gathers_an_output_also_read_whole():
 
 
 class DeltaRuleScan(nn.Module):
-    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 4, q and k l2-normed) over 3 heads of 2 features,
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 5, q and k l2-normed) over 4 heads of 3 features,
     then causal attention."""
 
     def __init__(self):
         super().__init__()
-        self.qkv, self.gates = nn.Linear(8, 18), nn.Linear(8, 6)
+        self.qkv, self.gates = nn.Linear(8, 36), nn.Linear(8, 8)
 
     def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 3, 2)).unbind(2)
-        g, beta = self.gates(x).unflatten(-1, (2, 3)).unbind(2)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 3)).unbind(2)
+        g, beta = self.gates(x).unflatten(-1, (2, 4)).unbind(2)
         out, _ = torch_chunk_gated_delta_rule(
-            q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=4, use_qk_l2norm_in_kernel=True
+            q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=5, use_qk_l2norm_in_kernel=True
         )
         y = out.flatten(2)[:, None]
         return F.scaled_dot_product_attention(y, y, y, is_causal=True)
@@ -478,13 +479,13 @@ def test_find_scan_states_binds_the_call_to_the_function_by_what_it_computes():
     assert isinstance(binding, ScanBinding), binding
     assert (binding.adapter, binding.function) == ("delta rule", "torch_chunk_gated_delta_rule")
     assert binding.module == "transformers.models.qwen3_next.modeling_qwen3_next"
-    assert dict(binding.constants) == {"chunk_size": 4, "use_qk_l2norm_in_kernel": True}
+    assert dict(binding.constants) == {"chunk_size": 5, "use_qk_l2norm_in_kernel": True}
     # q, k, v are unbind's outputs 0, 1, 2 of one tensor, g is softplus's negation, beta a sigmoid
     q, k, v, g, beta = binding.tokens
     assert [n.args[1] for n in (q, k, v)] == [0, 1, 2] and g.target in (operator.neg, torch.neg), binding.tokens
     assert beta.target in ("sigmoid", torch.sigmoid) and binding.weights == ()
     assert binding.exit is region.exits[0][0]
-    assert binding.summary_bytes == 2 * 3 * 2 * (2 + 2) * 4  # [B, H, dk, dv + dk] in fp32
+    assert binding.summary_bytes == 2 * 4 * 3 * (3 + 3) * 4  # [B, H, dk, dv + dk] in fp32
 
 
 def test_find_scan_states_says_why_a_scan_keeps_its_strategy():
@@ -493,6 +494,30 @@ def test_find_scan_states_says_why_a_scan_keeps_its_strategy():
     assert ctx.sequence.states[region] == "`chunked_decay_scan` is not a scan ringpass knows the state of"
     ctx, _ = run_through("find_scan_states", DeltaRuleScan(), _x())
     assert ctx.sequence.states == {}  # scans="heads": nothing bound
+
+
+@pytest.mark.parametrize(
+    "link_latency_s,op_overhead_s,passed",
+    [
+        (1.0, 0.0, True),  # messages cost: passing the state sends two per call, splitting by heads four
+        (0.0, 1e-3, False),  # launches cost: passing the state runs its ops on 2 x 2.5 / P of the tokens
+    ],
+)
+def test_find_scan_states_with_scans_auto_passes_the_state_where_predicted_faster(
+    link_latency_s, op_overhead_s, passed
+):
+    hardware = Hardware(
+        link_bytes_per_s=1e30, link_latency_s=link_latency_s, flops_per_s=1e15, op_overhead_s=op_overhead_s
+    )
+    ctx, _ = run_through("find_scan_states", DeltaRuleScan(), _x(), scans="auto", hardware=hardware)
+    (region,) = ctx.sequence.regions
+    assert isinstance(ctx.sequence.heads[region], HeadSplit)  # both strategies can run it
+    found = ctx.sequence.states[region]
+    if passed:
+        assert isinstance(found, ScanBinding) and found.predicted.startswith("predicted "), found
+        assert found.predicted.endswith(" split by heads")
+    else:
+        assert found.startswith("split by heads predicted faster: "), found
 
 
 def test_pass_scan_states_replaces_the_call_by_the_scan_of_this_ranks_chunks():
