@@ -429,33 +429,34 @@ def decode_seconds(cost: DecodeCost, hardware: Hardware) -> dict:
 # ---- strategies: the exact ways to run one attention over P ranks, and the cheapest ---------------------------
 @dataclass(frozen=True)
 class ScanCost:
-    """One call of a chunked scan as the cost model sees it (docs/backend.md, "Chunked scans"): its forward on the
-    whole sequence, every head (``flops``: its matrix products; ``ops``: the ops it launches), the buffers a rank
-    hands to the collectives when it is split by heads (``heads_bytes``: its tokens of the inputs, its heads of the
-    output, the inputs without heads gathered; forward, and as many backward), every chunk's summary when it passes
-    the state (``summaries_bytes``: all-gathered forward, their gradients all-reduced backward), and passing the
-    state's compute against one call on a rank's tokens (``state_work``: its two calls, the summary's wider)."""
+    """One call of a chunked scan as the cost model sees it (docs/backend.md, "Chunked scans"): the (FLOPs, bytes
+    read and written) of each op of its forward on the whole sequence, every head (``heads_ops``: split by heads, each
+    runs on 1/P of them), and of one rank's forward passing the state (``state_ops``: its chunks' summaries and
+    outputs); the buffers a rank hands to the collectives split by heads (``heads_bytes``: its tokens of the inputs,
+    its heads of the output, the inputs without heads gathered; forward, and as many backward) and every chunk's
+    summary passing the state (``summaries_bytes``: all-gathered forward, their gradients all-reduced backward)."""
 
-    flops: int
-    ops: int
+    heads_ops: tuple[tuple[int, int], ...]
+    state_ops: tuple[tuple[int, int], ...]
     heads_bytes: int
     summaries_bytes: int
-    state_work: float
 
 
 def scan_seconds(cost: ScanCost, world_size: int, hardware: Hardware) -> dict[str, float]:
     """Predicted forward + backward seconds of one scan call split by heads (``"heads"``) and passing the state
-    (``"state"``): its matrix products at the GEMM rate on 1/P of the work (the backward twice the forward), its ops'
-    launches (split by heads every op still runs, on fewer heads; passing the state a call launches ops in
-    proportion to its tokens), and the collectives ((P-1)/P of each buffer crosses the link, a latency per message)."""
-    rate = hardware.gemm_flops_per_s or hardware.flops_per_s
-    work = 3 * cost.flops / world_size / rate
-    launches = 3 * cost.ops * hardware.op_overhead_s
+    (``"state"``): each op the longer of its FLOPs at the GEMM rate and its bytes at the memory rate, plus one launch
+    (the backward three times the forward's work, two launches per op), and the collectives ((P-1)/P of each buffer
+    crosses the link, a latency per message: four all-to-alls, against an all-gather and an all-reduce)."""
+    gemm, memory = hardware.gemm_flops_per_s or hardware.flops_per_s, hardware.memory_bytes_per_s
+
+    def ops_seconds(ops, share: float) -> float:
+        work = sum(max(f * share / gemm, m * share / memory if memory else 0.0) for f, m in ops)
+        return 3 * work + 3 * len(ops) * hardware.op_overhead_s
+
     crossing = (world_size - 1) / world_size / hardware.link_bytes_per_s
-    heads = work + launches + 2 * cost.heads_bytes * crossing + 4 * hardware.link_latency_s
-    state = cost.state_work * (work + launches / world_size)
-    state += 3 * cost.summaries_bytes * crossing + 2 * hardware.link_latency_s  # all-gather; all-reduce: twice
-    return {"heads": heads, "state": state}
+    heads = ops_seconds(cost.heads_ops, 1 / world_size) + 2 * cost.heads_bytes * crossing
+    state = ops_seconds(cost.state_ops, 1.0) + 3 * cost.summaries_bytes * crossing  # an all-reduce: twice the bytes
+    return {"heads": heads + 4 * hardware.link_latency_s, "state": state + 2 * hardware.link_latency_s}
 
 
 @dataclass(frozen=True)

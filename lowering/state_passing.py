@@ -173,10 +173,6 @@ def _zero_state(scan: AffineScan, chunk: dict, weights: dict) -> torch.Tensor:
 
 
 ADAPTERS = {"delta rule": gated_delta_rule, "ssd": ssd}
-# passing the state's compute against one call of the scan on a rank's tokens (`lowering.costmodel.ScanCost`): the
-# output's call, and the summary's, wider by dk value columns for the delta rule (its value side about doubles, at
-# dk = dv), by one for SSD
-STATE_WORK = {"delta rule": 2.5, "ssd": 2.0}
 
 
 def scan_region(

@@ -14,8 +14,8 @@ ops), binds it. Calls of one function with the same shapes (a model's layers) bi
 The call must return one value, ``[B, N, ...]`` with the sequence in dim 1 as its per-token values, at static shapes.
 
 With ``scans="auto"``, a bound call that also splits by heads (`find_region_heads`) passes its state only where
-`lowering.costmodel.scan_seconds` predicts that faster on ``ctx.hardware`` (the call's matrix products counted on its
-traced values, its ops, the bytes of each strategy's collectives).
+`lowering.costmodel.scan_seconds` predicts that faster on ``ctx.hardware`` (each strategy's ops, counted on fake
+values, and the bytes of its collectives).
 
 Writes ``ctx.sequence.states[region]``: a `ScanBinding` (with the prediction under ``auto``), or why the state is not
 passed (the report's strategy says it after the strategy the call runs with).
@@ -28,16 +28,16 @@ import importlib
 import itertools
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from lowering.costmodel import ScanCost, scan_seconds
 from lowering.layout import cached_layout
-from lowering.state_passing import STATE_WORK, summary_nbytes
+from lowering.state_passing import scan_region, summary_nbytes
 from ringpass.fx.call_regions import run_call
 from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, ScanBinding, WholeRegion
 from ringpass.fx.known_scans import KNOWN_SCANS, KnownScan, function_module
 from ringpass.fx.nodes import example_value, nbytes, probing
+from ringpass.planning.model_plan import OpCosts
 
 
 class _NotBound(Exception):
@@ -63,21 +63,32 @@ def find_scan_states(ctx: PassContext) -> None:
 
 def _cheaper(ctx: PassContext, region: WholeRegion, binding: ScanBinding, split: HeadSplit) -> ScanBinding | str:
     """``binding`` where the cost model predicts passing the state faster than splitting by heads on
-    ``ctx.hardware`` (with the prediction), else why not."""
-    with probing(ctx.gm.graph), FlopCounterMode(display=False) as counter:
-        run_call(ctx.gm, region.internal, {e: example_value(e) for e in region.entries})
-    per_rank = [
+    ``ctx.hardware`` (with the prediction), else why not: each strategy's ops counted on fake values (the call's
+    nodes on the traced ones; `lowering.state_passing.scan_region` on one rank's share of its per-token inputs)."""
+    layout = cached_layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len)
+    local = layout.chunk_len * len(layout.chunks(0))
+    with probing(ctx.gm.graph):
+        with OpCosts(set()) as whole:
+            run_call(ctx.gm, region.internal, {e: example_value(e) for e in region.entries})
+        tokens = [
+            example_value(t).narrow(1, 0, 1).expand(-1, local, *example_value(t).shape[2:]) for t in binding.tokens
+        ]
+        weights = [example_value(w) if w is not None else None for w in binding.weights]
+        with OpCosts(set()) as mine:
+            scan_region(
+                binding.adapter, binding.module, binding.function, binding.constants, tokens, weights,
+                layout.kind, ctx.world_size, layout.seq_len, ctx.group_name,
+            )  # fmt: skip
+    exchanged = [
         nbytes(example_value(e)) // (ctx.world_size if d is not None else 1)
         for e, d in split.entries.items()
         if ctx.placement.get(e) == LOCAL
     ]
-    layout = cached_layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len)
     cost = ScanCost(
-        flops=counter.get_total_flops(),
-        ops=sum(node.op in ("call_function", "call_method") for node in region.internal),
-        heads_bytes=sum(per_rank) + sum(nbytes(example_value(e)) // ctx.world_size for e in split.exits),
+        heads_ops=tuple(op[:2] for op in whole.ops),
+        state_ops=tuple(op[:2] for op in mine.ops),
+        heads_bytes=sum(exchanged) + sum(nbytes(example_value(e)) // ctx.world_size for e in split.exits),
         summaries_bytes=binding.summary_bytes * layout.num_chunks,
-        state_work=STATE_WORK[binding.adapter],
     )
     seconds = scan_seconds(cost, ctx.world_size, ctx.hardware)
     state, heads = (f"{seconds[k] * 1e3:.3g} ms" for k in ("state", "heads"))
