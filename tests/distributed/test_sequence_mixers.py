@@ -410,6 +410,15 @@ def test_a_converted_model_with_a_scan_split_by_heads_saves_loads_and_trains_exa
         assert result["heads_exchanges"] == 12, result  # two scans: x and its decays in, the output out, both ways
 
 
+@pytest.mark.timeout(600)
+def test_a_converted_model_passing_a_scans_state_saves_loads_and_trains_exactly(pools, tmp_path):
+    """``ringpass.convert(..., scans="state")``: the call of Hugging Face's delta rule bound and passed its state in the
+    saved artifact too (the function named by its module, imported again when it runs)."""
+    for rank, result in enumerate(pools.run(2, mixer_workers.converted_state_step, (str(tmp_path),), timeout=600)):
+        assert result["output"] <= 1e-4 and max(result["grads"].values()) <= 1e-4, (rank, result)
+        assert len(result["grads"]) == 4 and result["summaries"] == 1, (rank, result)
+
+
 def test_a_chunked_scan_with_sharded_inputs_is_refused_naming_it():
     """inputs='sharded': the graph is traced at a rank's length, so the call's sizes are not the whole sequence's."""
     import transformers

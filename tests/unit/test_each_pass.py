@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mixer_workers import ScanReadWhole, chunked_decay_scan
+from mixer_workers import DeltaRuleScan, ScanReadWhole, chunked_decay_scan
 from torch import fx
-from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 import ringpass.passes as passes
 from lowering import Layout, sequence_ops
@@ -452,24 +451,6 @@ def test_split_region_heads_gathers_an_output_also_read_whole():
     assert whole.users and {ctx.placement[u] for u in whole.users} == {FULL}  # what the flip reads
     assert list(tokens.users) == [whole]  # every reader needs it whole (the flip's input: the attention's too)
     assert [c.kind for c in ctx.report.collectives] == ["all-to-all"] * 3 + ["all-gather"], ctx.report.collectives
-
-
-class DeltaRuleScan(nn.Module):
-    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 5, q and k l2-normed) over 4 heads of 3 features,
-    then causal attention."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.gates = nn.Linear(8, 36), nn.Linear(8, 8)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 3)).unbind(2)
-        g, beta = self.gates(x).unflatten(-1, (2, 4)).unbind(2)
-        out, _ = torch_chunk_gated_delta_rule(
-            q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=5, use_qk_l2norm_in_kernel=True
-        )
-        y = out.flatten(2)[:, None]
-        return F.scaled_dot_product_attention(y, y, y, is_causal=True)
 
 
 def test_find_scan_states_binds_the_call_to_the_function_by_what_it_computes():

@@ -335,6 +335,47 @@ def converted_scan_step(rank: int, world_size: int, folder: str) -> dict:
     }
 
 
+class DeltaRuleScan(nn.Module):
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 5, q and k l2-normed) over 4 heads of 3 features,
+    then causal attention."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        self.qkv, self.gates, self.scan = nn.Linear(8, 36), nn.Linear(8, 8), torch_chunk_gated_delta_rule
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 3)).unbind(2)
+        g, beta = self.gates(x).unflatten(-1, (2, 4)).unbind(2)
+        out, _ = self.scan(q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=5, use_qk_l2norm_in_kernel=True)
+        y = out.flatten(2)[:, None]
+        return F.scaled_dot_product_attention(y, y, y, is_causal=True)
+
+
+def converted_state_step(rank: int, world_size: int, folder: str) -> dict:
+    """`DeltaRuleScan` (fp32, 11 tokens) converted by `ringpass.convert` with ``scans="state"``, saved and loaded
+    again: its output and every gradient against the model run whole; the summaries' all-gathers counted."""
+    torch.manual_seed(0)
+    model = DeltaRuleScan()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 11, 8, generator=torch.Generator().manual_seed(1))
+    want = reference(x)
+    want.pow(2).sum().backward()
+    path = f"{folder}/state-{rank}.pt2"
+    ringpass.convert(model, (x,), world_size=world_size, scans="state").save(path)
+    loaded = ringpass.load(path)
+    with record_ring_events() as events:
+        got = loaded(x)
+        got.pow(2).sum().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "output": rel_err(got, want),
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in loaded.model.named_parameters()},
+        "summaries": sum(e.kind == "mixer_exchange" for e in events),
+    }
+
+
 class WholeInputMixers(nn.Module):
     """A cumsum and a causal convolution of a value another op needs whole (a flip along the sequence, before the
     attention): both run whole on every rank, and what the attention and the sum read is sharded after them."""
