@@ -472,6 +472,51 @@ FAMILIES = {
         ),
         "sdpa",
     ),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+        "sdpa",
+    ),
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        dict(
+            GQA,
+            pad_token_id=0,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+        "sdpa",
+    ),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            SMALL,
+            pad_token_id=0,
+            layer_types=["linear_attention", "full_attention"],
+            linear_head_dim=8,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+        "sdpa",
+    ),
     "recurrent_gemma": (
         "RecurrentGemmaConfig",
         dict(
@@ -723,7 +768,10 @@ def table(results: dict, world_size: int, dynamic: bool = False) -> str:
         "arithmetic, a key bias under softmax, is measured against 1e-6 of the largest gradient: OPT's and "
         "Megatron-BERT's worst are such, ~4e-11 absolute); KV hops counts the ring's KV "
         "exchanges on rank 0 (forward and backward), which an unsharded run would not make."
-        + ("" if dynamic else " With `dynamic=True`: `docs/models-dynamic.md` (`--dynamic`)."),
+        + ("" if dynamic else " With `dynamic=True`: `docs/models-dynamic.md` (`--dynamic`).")
+        + ' Default options: with `scans="state"` the calls of `torch_chunk_gated_delta_rule`, '
+        "`chunk_kimi_delta_attention` and `mamba2_chunk_scan` pass their state instead (`tests/models/test_hf.py`, "
+        'docs/backend.md "Chunked scans").',
         "",
         "| family | attention | status | max rel. error | KV hops | notes |",
         "| --- | --- | --- | --- | --- | --- |",

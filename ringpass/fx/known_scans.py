@@ -4,8 +4,9 @@ A `KnownScan` says, for a function name, which adapter of ``lowering.state_passi
 constants a call may have been traced with (a flag's values, the chunk sizes and limits the call's ops spell), and how
 to draw a value for each argument that keeps the recurrence finite over any length (a decay's log at most 0, a
 learning rate in [0, 1]): `find_scan_states` tries the call's values as those arguments and keeps what computes the
-call's output. Hugging Face's ``torch_chunk_gated_delta_rule`` (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and
-``mamba2_chunk_scan`` (Mamba2, Bamba, Falcon-H1, Zamba2, Nemotron-H, GraniteMoeHybrid) are known.
+call's output. Hugging Face's ``torch_chunk_gated_delta_rule`` (Qwen3-Next, Qwen3.5, OLMo-Hybrid),
+``chunk_kimi_delta_attention`` (Kimi-Linear) and ``mamba2_chunk_scan`` (Mamba2, Bamba, Falcon-H1, Zamba2, Nemotron-H,
+GraniteMoeHybrid) are known.
 """
 
 from __future__ import annotations
@@ -72,12 +73,15 @@ class KnownScan:
         return self.draws.get(name, _normal)
 
 
+DELTA_RULE = KnownScan(
+    "delta rule",
+    draws={"g": _non_positive, "beta": _unit},
+    constants=lambda nodes: {"chunk_size": _chunk_sizes(nodes), "use_qk_l2norm_in_kernel": (True, False)},
+)
 KNOWN_SCANS = {
-    "torch_chunk_gated_delta_rule": KnownScan(
-        "delta rule",
-        draws={"g": _non_positive, "beta": _unit},
-        constants=lambda nodes: {"chunk_size": _chunk_sizes(nodes), "use_qk_l2norm_in_kernel": (True, False)},
-    ),
+    "torch_chunk_gated_delta_rule": DELTA_RULE,
+    # Kimi Delta Attention: the delta rule with a decay per key channel (``g [B, N, H, dk]``), the same signature
+    "chunk_kimi_delta_attention": DELTA_RULE,
     "mamba2_chunk_scan": KnownScan(
         "ssd",
         draws={"A": _non_positive},

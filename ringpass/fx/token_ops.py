@@ -250,8 +250,8 @@ def _getitem(node: fx.Node, seq_dims, output_has_seq: bool) -> tuple[str, str | 
     if not output_has_seq and positions_index(node, seq_dims) is not None:
         return "pick", None  # x[arange(B), last_non_padding]: a few tokens at positions given as data
     addressed = {d: i for d, i in zip(index_dims(index, value_of(source).dim()), index) if d is not None}
-    for d in seq_dims(source):
-        if d in addressed and not takes_every_element(addressed[d]):
+    for d in seq_dims(source):  # (``x[:, -N:]`` takes every token: OLMo-Hybrid cuts its convolution's tail so)
+        if d in addressed and not takes_every_element(addressed[d], value_of(source).shape[d]):
             if not output_has_seq and pick_index(node, seq_dims) is not None:
                 return "pick", None
             picks = isinstance(addressed[d], (fx.Node, torch.Tensor, list))
@@ -318,6 +318,18 @@ def index_dims(index: tuple, rank: int) -> list[int | None]:
 
 def _addresses_no_dim(item) -> bool:
     return item is None or item is Ellipsis or item is True or item is False
+
+
+def whole_slices_spelled(index, shape, seq_dims: set[int]):
+    """A getitem's ``index`` into a tensor of ``shape`` with each slice that takes a whole sequence dim at that length
+    (``x[:, -N:]``, ``x[..., :N]``) spelled ``:``, which takes it at any length (a shard's, a probe's)."""
+    items = index if isinstance(index, tuple) else (index,)
+    dims = [None] * len(items) if any(isinstance(i, fx.Node) for i in items) else index_dims(items, len(shape))
+    spelled = tuple(
+        slice(None) if dims[i] in seq_dims and takes_every_element(item, shape[dims[i]]) else item
+        for i, item in enumerate(items)
+    )
+    return spelled if isinstance(index, tuple) else spelled[0]
 
 
 def takes_every_element(item, length=None) -> bool:

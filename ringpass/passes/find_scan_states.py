@@ -37,7 +37,7 @@ from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, ScanBinding, WholeRegion
 from ringpass.fx.known_scans import KNOWN_SCANS, KnownScan, function_module
 from ringpass.fx.nodes import example_value, nbytes, probing
-from ringpass.planning.model_plan import OpCosts
+from ringpass.fx.op_costs import OpCosts
 
 
 class _NotBound(Exception):

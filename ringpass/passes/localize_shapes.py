@@ -1,16 +1,16 @@
 """Rewrite literal sizes of the sequence axis to this rank's length.
 
-Matches ops on this rank's tokens that spell sizes as numbers (``view``, ``reshape``, ``expand``, and
-tensors created with a size of the sequence length). With static shapes Dynamo writes the whole
-sequence length into them; writes the local length instead (a merged dimension such as batch x
-sequence is scaled, not replaced). With ``inputs="sharded"`` the graph already holds local sizes and
-nothing changes. With dynamic shapes the sizes are SymInt inputs instead: uses of the sequence-length
-input (arithmetic on it, and ``torch.Size`` tuples of it such as ``x.size()[:-1] + (nf,)``) in local ops
-get the local length, computed in the graph.
+Matches ops on this rank's tokens that spell sizes as numbers (``view``, ``reshape``, ``expand``, and tensors created
+with a size of the sequence length), and slices that take the whole sequence at the traced length (``x[:, -N:]``:
+spelled ``:``, which takes a shard's whole length, even one padded longer than N). With static shapes Dynamo writes the
+whole sequence length into them; writes the local length instead (a merged dimension such as batch x sequence is scaled,
+not replaced). With ``inputs="sharded"`` the graph already holds local sizes and nothing changes. With dynamic shapes
+the sizes are SymInt inputs instead: uses of the sequence-length input (arithmetic on it, and ``torch.Size`` tuples of
+it such as ``x.size()[:-1] + (nf,)``) in local ops get the local length, computed in the graph.
 
-Also matches, with ``inputs="sharded"``, values kept whole on every rank that the graph creates from its
-(local) length: an ``arange(n)`` or a ``torch.ones(B, n)`` padding mask that a lifted mask program reads
-at global positions. Writes the global length into their sizes, so they cover every position.
+Also matches, with ``inputs="sharded"``, values kept whole on every rank that the graph creates from its (local) length:
+an ``arange(n)`` or a ``torch.ones(B, n)`` padding mask that a lifted mask program reads at global positions. Writes the
+global length into their sizes, so they cover every position.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.fx as fx
 from ringpass.fx.context import FULL, LOCAL, PassContext
 from ringpass.fx.nodes import example_value
 from ringpass.fx.sizes import is_size_op, resize_size_args
+from ringpass.fx.token_ops import whole_slices_spelled
 
 ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod)
 
@@ -41,6 +42,10 @@ def localize_shapes(ctx: PassContext) -> None:
             node.args = resize_size_args(node, ctx.sequence.axes[node.args[0]], local, ctx.sequence.seq_len)
         elif ctx.sequence.sources.get(node) == "created":
             node.args = _created_args(ctx, node, local)
+        elif node.target is operator.getitem and ctx.sequence.axes.get(node.args[0]):
+            seq_dims = {axis.dim for axis in ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
+            node.args = (node.args[0], whole_slices_spelled(node.args[1], example_value(node.args[0]).shape, seq_dims))
+            continue
         else:
             continue  # other uses of the length (x / n, arange(1, n + 1)) keep the global length
         if ctx.dynamic and ctx.options.inputs == "full":

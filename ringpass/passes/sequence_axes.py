@@ -52,7 +52,7 @@ from ringpass.fx.nodes import (
 )
 from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS, op_name
-from ringpass.fx.token_ops import classify, custom_forward, index_dims, split_takes_everything, takes_every_element
+from ringpass.fx.token_ops import classify, custom_forward, split_takes_everything, whole_slices_spelled
 
 
 def _pad(x, pad, mode="constant", value=None):
@@ -266,18 +266,11 @@ class _Probe:
 
     def _whole_slices(self, node: fx.Node):
         """A getitem's index with each slice that takes the whole sequence at the traced length (``x[:, -N:]``,
-        ``x[..., :N]``: Lfm2 and Mamba2 slice their padding mask so) spelled ``:``, which takes it at any length (a
-        shard's too: Python clamps the literal bounds)."""
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        x = example_value(node.args[0])
-        dims = _slice_dims(index, x.dim())
+        ``x[..., :N]``: Lfm2 and Mamba2 slice their padding mask so, OLMo-Hybrid its convolution's output) spelled
+        ``:`` (`whole_slices_spelled`), its tensors the probe's."""
         seq_dims = {axis.dim for axis in self.ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
-        spelled = [
-            slice(None) if dims[i] in seq_dims and takes_every_element(item, x.shape[dims[i]]) else item
-            for i, item in enumerate(index)
-        ]
-        spelled = map_aggregate(tuple(spelled), lambda a: self.values[a] if isinstance(a, fx.Node) else a)
-        return spelled if isinstance(node.args[1], tuple) else spelled[0]
+        spelled = whole_slices_spelled(node.args[1], example_value(node.args[0]).shape, seq_dims)
+        return map_aggregate(spelled, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
 
     def _changed(self, node: fx.Node) -> bool:
         """The probe changed this node's value: a sequence axis, a tuple holding one, or a length."""
@@ -465,13 +458,6 @@ def _view_inner(node: fx.Node, in_axes, dim: int, n: int) -> int | None:
             if j == dim:
                 return inner
     return None
-
-
-def _slice_dims(index: tuple, rank: int) -> list[int | None]:
-    """`index_dims` of a basic index; every entry None where a tensor indexes (no slice of the sequence then)."""
-    if any(isinstance(i, fx.Node) for i in index):
-        return [None] * len(index)
-    return index_dims(index, rank)
 
 
 def _same_shape(a, b) -> bool:

@@ -121,7 +121,9 @@ def test_a_recurrence_before_the_first_attention_runs_whole_and_exactly():
 
 # function calls split by heads or computed whole (one per such layer), and short convolutions passing state, per family
 SCANS = {"mamba2": 2, "bamba": 1, "zamba2": 2, "qwen3_next": 1, "jamba": 1, "minimax": 1}
+SCANS |= {"qwen3_5": 1, "olmo_hybrid": 1, "kimi_linear": 1}
 CONVOLUTIONS = {"mamba2": 2, "bamba": 1, "zamba2": 2, "qwen3_next": 1, "jamba": 1, "minimax": 0}
+CONVOLUTIONS |= {"qwen3_5": 1, "olmo_hybrid": 1, "kimi_linear": 1}  # (cut to N by `x[:, :, -N:]`: every token)
 # (family, P) whose scans split by heads (4 heads: P = 3 does not divide them); the others run whole, and why
 SPLIT = {("mamba2", 2), ("mamba2", 4), ("bamba", 2), ("zamba2", 2), ("qwen3_next", 2), ("qwen3_next", 4)}
 WHY_WHOLE = {
@@ -191,10 +193,14 @@ def test_chunked_scans_run_split_by_heads_or_whole_and_the_rest_sharded(family, 
         pytest.param("zamba2", 2, marks=pytest.mark.heavy),
         pytest.param("qwen3_next", 4, marks=pytest.mark.heavy),
         pytest.param("jamba", 2, marks=pytest.mark.heavy),
+        pytest.param("qwen3_5", 2, marks=pytest.mark.heavy),
+        pytest.param("olmo_hybrid", 2, marks=pytest.mark.heavy),
+        pytest.param("kimi_linear", 3, marks=pytest.mark.heavy),  # Kimi Delta Attention: a decay per key channel
     ],
 )
 def test_chunked_scans_pass_their_state_with_scans_state(family, world_size):
-    """``scans="state"``: each call of Hugging Face's ``torch_chunk_gated_delta_rule`` / ``mamba2_chunk_scan`` is bound
+    """``scans="state"``: each call of Hugging Face's ``torch_chunk_gated_delta_rule`` / ``mamba2_chunk_scan`` /
+    ``chunk_kimi_delta_attention`` (Qwen3-Next, Qwen3.5, OLMo-Hybrid; Mamba2, Bamba, Zamba2; Kimi-Linear) is bound
     to the function by what it computes and runs on this rank's chunks only, each from the state the chunks before it
     leave (one all-gather of the chunks' summaries per call, no all-to-all); any number of ranks. Jamba's selective
     scan is not one ringpass knows: computed whole, the report saying so. Loss, logits, every gradient; padded too."""

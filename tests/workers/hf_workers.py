@@ -66,7 +66,17 @@ def build(name: str):
             attn_implementation=implementation,
         )
         return transformers.Lfm2ForCausalLM(config)
-    if name in ("mamba2", "bamba", "zamba2", "qwen3_next", "jamba", "minimax"):  # scans: chunked, unrolled
+    if name in (
+        "mamba2",
+        "bamba",
+        "zamba2",
+        "qwen3_next",
+        "jamba",
+        "minimax",
+        "qwen3_5",
+        "olmo_hybrid",
+        "kimi_linear",
+    ):  # scans: chunked, unrolled
         import model_coverage  # examples/model_coverage.py: Mamba2 alone, the hybrids' two layers
 
         return model_coverage.build(name)
