@@ -19,7 +19,7 @@ CHOICES = {
     "unsharded": ("warn", "error"),
     "cache": ("sharded", "gathered"),
     "strategy": ("ring", "auto", "all-gather"),
-    "scans": ("heads", "whole", "state", "auto"),
+    "scans": (None, "heads", "whole", "state", "auto"),
 }
 
 
@@ -74,7 +74,8 @@ class RingOptions:
     Hugging Face's ``torch_chunk_gated_delta_rule`` or ``mamba2_chunk_scan``, runs on this rank's chunks only, each
     from the state the chunks before it leave: O(state) bytes, any P, two scans per chunk; other calls as ``heads``)
     or ``auto`` (per call, the faster of ``heads`` and ``state`` as the cost model predicts on ``hardware``; the report
-    gives both predictions); docs/backend.md, "Chunked scans".
+    gives both predictions); docs/backend.md, "Chunked scans". Not given: ``auto`` with ``strategy="auto"``, else
+    ``heads`` (`scan_strategy`).
     ``hardware``: what ``auto`` predicts on: None (this machine's kind: NVLink + H100 presets with CUDA, else the
     loopback + CPU calibration), ``"link/device"`` preset names (``"infiniband/h100"``), a ``ringpass bench
     --calibrate --json`` file, or a `lowering.costmodel.Hardware`."""
@@ -93,8 +94,13 @@ class RingOptions:
     cache: str = "sharded"
     ulysses: int = 1
     strategy: str = "ring"
-    scans: str = "heads"
+    scans: str | None = None
     hardware: Any = None
+
+    @property
+    def scan_strategy(self) -> str:
+        """``scans``, or where not given what ``strategy`` implies: ``auto`` chooses for the scans too."""
+        return self.scans or ("auto" if self.strategy == "auto" else "heads")
 
     @classmethod
     def from_dict(cls, options: dict | None) -> RingOptions:

@@ -46,7 +46,7 @@ def find_region_heads(ctx: PassContext) -> None:
 
 
 def _plan(ctx: PassContext, region: WholeRegion) -> HeadSplit | str:
-    if ctx.options.scans == "whole":
+    if ctx.options.scan_strategy == "whole":
         return "scans='whole'"
     if ctx.ulysses is not None:
         return "Ulysses x ring groups split heads inside the attention only"

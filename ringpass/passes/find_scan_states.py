@@ -45,7 +45,7 @@ class _NotBound(Exception):
 
 
 def find_scan_states(ctx: PassContext) -> None:
-    if ctx.options.scans not in ("state", "auto"):
+    if ctx.options.scan_strategy not in ("state", "auto"):
         return
     bound: dict[tuple, tuple] = {}  # (function, the entries' shapes) -> the assignment that bound such a call
     for region in ctx.sequence.regions:
@@ -55,7 +55,7 @@ def find_scan_states(ctx: PassContext) -> None:
             ctx.sequence.states[region] = str(why)
             continue
         split = ctx.sequence.heads[region]
-        if ctx.options.scans == "auto" and isinstance(split, HeadSplit):
+        if ctx.options.scan_strategy == "auto" and isinstance(split, HeadSplit):
             ctx.sequence.states[region] = _cheaper(ctx, region, binding, split)
         else:
             ctx.sequence.states[region] = binding

@@ -114,6 +114,24 @@ def test_options_that_contradict_the_strategy_are_refused():
         RingOptions.from_dict({"strategy": "fastest"})
 
 
+def test_strategy_auto_chooses_for_the_scans_too_unless_scans_is_given():
+    from ringpass.options import RingOptions
+
+    chosen = {
+        (strategy, scans): RingOptions.from_dict({"strategy": strategy, "scans": scans}).scan_strategy
+        for strategy in ("ring", "auto")
+        for scans in (None, "heads", "state")
+    }
+    assert chosen == {
+        ("ring", None): "heads",
+        ("ring", "heads"): "heads",
+        ("ring", "state"): "state",
+        ("auto", None): "auto",
+        ("auto", "heads"): "heads",
+        ("auto", "state"): "state",
+    }
+
+
 def test_convert_refuses_a_model_auto_would_run_whole():
     """A converted model runs sharded: where ``strategy="auto"`` would run the graph whole, convert says so."""
     import models
