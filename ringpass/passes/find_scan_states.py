@@ -37,7 +37,6 @@ from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, ScanBinding, WholeRegion
 from ringpass.fx.known_scans import KNOWN_SCANS, KnownScan, function_module
 from ringpass.fx.nodes import example_value, nbytes, probing
-from ringpass.fx.op_costs import OpCosts
 
 
 class _NotBound(Exception):
@@ -65,6 +64,8 @@ def _cheaper(ctx: PassContext, region: WholeRegion, binding: ScanBinding, split:
     """``binding`` where the cost model predicts passing the state faster than splitting by heads on
     ``ctx.hardware`` (with the prediction), else why not: each strategy's ops counted on fake values (the call's
     nodes on the traced ones; `lowering.state_passing.scan_region` on one rank's share of its per-token inputs)."""
+    from ringpass.fx.op_costs import OpCosts  # torch's flop counter imports Triton: importing ringpass must not
+
     layout = cached_layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len)
     local = layout.chunk_len * len(layout.chunks(0))
     with probing(ctx.gm.graph):
