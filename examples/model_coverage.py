@@ -49,6 +49,15 @@ ENCODER = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 MAMBA2_MIXER = dict(
     mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=8
 )
+# a Gated DeltaNet layer of 4 value heads (2 key heads) of 8, then an attention layer (Qwen3-Next's spelling of it)
+GATED_DELTANET = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 # family -> (config class, config keywords, attention implementation[, "masked-lm" or "token-classification": an
 # encoder with that head, else a causal LM])
 FAMILIES = {
@@ -459,12 +468,7 @@ FAMILIES = {
         dict(
             GQA,
             head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            **GATED_DELTANET,
             num_experts=2,
             num_experts_per_tok=1,
             moe_intermediate_size=16,
@@ -474,30 +478,12 @@ FAMILIES = {
     ),
     "qwen3_5": (
         "Qwen3_5TextConfig",
-        dict(
-            GQA,
-            head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
+        dict(GQA, head_dim=8, **GATED_DELTANET),
         "sdpa",
     ),
     "olmo_hybrid": (
         "OlmoHybridConfig",
-        dict(
-            GQA,
-            pad_token_id=0,
-            layer_types=["linear_attention", "full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
+        dict(GQA, pad_token_id=0, **GATED_DELTANET),
         "sdpa",
     ),
     "kimi_linear": (

@@ -133,6 +133,17 @@ WHY_WHOLE = {
 }
 
 
+def _exact_steps(world_size: int, args: tuple):
+    """(case, result, report) of each rank's `hf_workers.training_step`, its loss, logits and every gradient checked
+    against the model run whole (fp32: 1e-4)."""
+    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
+        for case, r in results.items():
+            assert r["untrained"] == r["unexpected"] == [], (case, r)
+            assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
+            (report,) = r["reports"]
+            yield case, r, report
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "family,world_size",
@@ -160,24 +171,20 @@ def test_chunked_scans_run_split_by_heads_or_whole_and_the_rest_sharded(family, 
     before it pass state, the attention is the ring. Padded too."""
     args = (family, ["labels", "left-padded"], SEQ)
     split = (family, world_size) in SPLIT
-    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
-        for case, r in results.items():
-            assert r["untrained"] == r["unexpected"] == [], (case, r)
-            assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
-            (report,) = r["reports"]
-            strategy = "split by heads: every token of" if split else "computed whole on every rank: its"
-            scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
-            assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
-            assert split or all(WHY_WHOLE[family] in m["strategy"] for m in scans), report["mixers"]
-            forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
-            exchanged = [c for c in forward if c[0] == "all-to-all" and "split by heads" in c[1]]
-            gathered = [c for c in forward if c[0] == "all-gather" and "`" in c[1].partition(" read by ")[2]]
-            assert (len(exchanged) > 0) == split and (split or gathered), forward  # (q, k of fewer heads: gathered)
-            assert r["heads_exchanges"] == 2 * len(exchanged), (case, r)  # forward and backward
-            assert r["all_gathers"] >= len(gathered), (case, r["all_gathers"], gathered)  # (and gradients')
-            assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family], (case, r)  # the convolutions' halos, both ways
-            assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)  # the attention layer is the ring
-            assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
+    for case, r, report in _exact_steps(world_size, args):
+        strategy = "split by heads: every token of" if split else "computed whole on every rank: its"
+        scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
+        assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
+        assert split or all(WHY_WHOLE[family] in m["strategy"] for m in scans), report["mixers"]
+        forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
+        exchanged = [c for c in forward if c[0] == "all-to-all" and "split by heads" in c[1]]
+        gathered = [c for c in forward if c[0] == "all-gather" and "`" in c[1].partition(" read by ")[2]]
+        assert (len(exchanged) > 0) == split and (split or gathered), forward  # (q, k of fewer heads: gathered)
+        assert r["heads_exchanges"] == 2 * len(exchanged), (case, r)  # forward and backward
+        assert r["all_gathers"] >= len(gathered), (case, r["all_gathers"], gathered)  # (and gradients')
+        assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family], (case, r)  # the convolutions' halos, both ways
+        assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)  # the attention layer is the ring
+        assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
 
 
 @pytest.mark.timeout(600)
@@ -206,26 +213,20 @@ def test_chunked_scans_pass_their_state_with_scans_state(family, world_size):
     scan is not one ringpass knows: computed whole, the report saying so. Loss, logits, every gradient; padded too."""
     args = (family, ["labels", "left-padded"], SEQ, None, "", "", True, {"scans": "state"})
     known = family != "jamba"
-    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
-        for case, r in results.items():
-            assert r["untrained"] == r["unexpected"] == [], (case, r)
-            assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
-            (report,) = r["reports"]
-            strategy = "passes the state: each of this rank's chunks" if known else "computed whole on every rank"
-            scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
-            assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
-            assert known or all(
-                "(state not passed: `mamba_selective_scan` is not a scan" in m["strategy"] for m in scans
-            )
-            forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
-            summaries = [c for c in forward if c[0] == "all-gather" and "summaries" in c[1]]
-            assert len(summaries) == (SCANS[family] if known else 0), forward
-            assert r["heads_exchanges"] == 0, (case, r)  # no all-to-all: the sequence stays in chunks
-            # the convolutions' halos both ways, and each scan's summaries once (their backward: an all-reduce)
-            assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family] + len(summaries), (case, r)
-            assert known or r["all_gathers"] > 0, (case, r)
-            assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)
-            assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
+    for case, r, report in _exact_steps(world_size, args):
+        strategy = "passes the state: each of this rank's chunks" if known else "computed whole on every rank"
+        scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
+        assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
+        assert known or all("(state not passed: `mamba_selective_scan` is not a scan" in m["strategy"] for m in scans)
+        forward = [(c["kind"], c["what"]) for c in report["collectives"] if c["phase"] == "forward"]
+        summaries = [c for c in forward if c[0] == "all-gather" and "summaries" in c[1]]
+        assert len(summaries) == (SCANS[family] if known else 0), forward
+        assert r["heads_exchanges"] == 0, (case, r)  # no all-to-all: the sequence stays in chunks
+        # the convolutions' halos both ways, and each scan's summaries once (their backward: an all-reduce)
+        assert r["mixer_exchanges"] == 2 * CONVOLUTIONS[family] + len(summaries), (case, r)
+        assert known or r["all_gathers"] > 0, (case, r)
+        assert (r["kv_exchanges"] > 0) == (family != "mamba2"), (case, r)
+        assert [i["placement"] for i in report["inputs"] if i["name"] == "input_ids"] == ["sharded"]
 
 
 @pytest.mark.heavy
