@@ -153,7 +153,7 @@ def scan_chunks(scan: AffineScan, tokens: dict, weights: dict, kind: str, world_
     is read only inside ops when they run (``chunk_summaries``, ``own_heads``), so every rank traces the same graph."""
     layout = cached_layout(kind, world_size, seq_len)
     per_chunk = [dict(zip(tokens, parts)) for parts in zip(*(t.split(layout.chunk_len, 1) for t in tokens.values()))]
-    zero = _zero_state(scan, per_chunk[0], weights)
+    zero = zero_state(scan, per_chunk[0], weights)
     summaries = torch.stack([scan.summary(chunk, weights, zero) for chunk in per_chunk])
     every = chunk_summaries(summaries, kind, world_size, seq_len, group_name)  # every chunk's, in sequence order
     starts, state = [zero], zero
@@ -165,7 +165,7 @@ def scan_chunks(scan: AffineScan, tokens: dict, weights: dict, kind: str, world_
     return torch.cat([scan.call(chunk, weights, start)[0] for chunk, start in zip(per_chunk, mine)], 1)
 
 
-def _zero_state(scan: AffineScan, chunk: dict, weights: dict) -> torch.Tensor:
+def zero_state(scan: AffineScan, chunk: dict, weights: dict) -> torch.Tensor:
     """A zero state of the scan's shape and dtype (its function's final state after one token; a compiled graph keeps
     no trace of that call, as nothing reads its values)."""
     _, final = scan.call({name: t[:, :1] for name, t in chunk.items()}, weights, None)
@@ -187,10 +187,10 @@ def scan_region(
     seq_len: int,
     group_name: str,
 ) -> torch.Tensor:
-    """What the ring backend writes in place of a model's call of a known scan (`ringpass.passes.pass_scan_state`):
+    """What the ring backend writes in place of a model's call of a known scan (`ringpass.passes.pass_scan_states`):
     ``module.function`` (imported by name) as ``ADAPTERS[adapter]`` with its keyword ``constants`` (name, value pairs),
     on this rank's ``tokens`` and the whole ``weights`` (in the adapter's order; None where the call passed none)."""
-    scan = _scan(adapter, module, function, constants)
+    scan = scan_for(adapter, module, function, constants)
     return scan_chunks(
         scan, dict(zip(scan.tokens, tokens)), dict(zip(scan.weights, weights)), kind, world_size, seq_len, group_name
     )
@@ -198,12 +198,13 @@ def scan_region(
 
 def summary_nbytes(adapter: str, module: str, function: str, constants: tuple, tokens: dict, weights: dict) -> int:
     """Bytes of one chunk's summary of `scan_region`'s scan (any chunk's: its size does not depend on the length)."""
-    scan = _scan(adapter, module, function, constants)
+    scan = scan_for(adapter, module, function, constants)
     first = {name: t[:, :1] for name, t in tokens.items()}
-    summary = scan.summary(first, weights, _zero_state(scan, first, weights))
+    summary = scan.summary(first, weights, zero_state(scan, first, weights))
     return summary.numel() * summary.element_size()
 
 
 @functools.cache
-def _scan(adapter: str, module: str, function: str, constants: tuple) -> AffineScan:
+def scan_for(adapter: str, module: str, function: str, constants: tuple) -> AffineScan:
+    """``module.function`` (imported by name) as ``ADAPTERS[adapter]`` with its keyword ``constants``."""
     return ADAPTERS[adapter](getattr(importlib.import_module(module), function), **dict(constants))

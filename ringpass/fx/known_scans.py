@@ -42,13 +42,15 @@ def _chunk_sizes(nodes) -> tuple:
 
 
 def _clamp_limits(nodes) -> tuple:
-    """(min, max) of each clamp in the call, and no limit: Mamba2's ``dt_limit``."""
-    limits = {
+    """(min, max) of each clamp in the call, in graph order, then no limit: Mamba2's ``dt_limit``. The call's own
+    limits come first: drawn values the clamp does not reach tie with no limit, and the limits the call spells are
+    what it computes."""
+    limits = [
         (float(n.kwargs.get("min", 0.0)), float(n.kwargs.get("max", float("inf"))))
         for n in nodes
         if n.target in (torch.clamp, "clamp") and "min" in n.kwargs
-    }
-    return tuple(limits | {(0.0, float("inf"))})
+    ]
+    return tuple(dict.fromkeys([*limits, (0.0, float("inf"))]))
 
 
 @dataclass(frozen=True)

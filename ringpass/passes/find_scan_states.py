@@ -31,7 +31,7 @@ import torch
 
 from lowering.costmodel import ScanCost, scan_seconds
 from lowering.layout import cached_layout
-from lowering.state_passing import scan_region, summary_nbytes
+from lowering.state_passing import scan_for, scan_region, summary_nbytes, zero_state
 from ringpass.fx.call_regions import run_call
 from ringpass.fx.context import LOCAL, PassContext
 from ringpass.fx.findings import HeadSplit, ScanBinding, WholeRegion
@@ -120,13 +120,43 @@ def _bind(ctx: PassContext, region: WholeRegion, bound: dict) -> ScanBinding:
         raise _NotBound("a per-token input is not this rank's tokens with the sequence in dim 1")
     function = getattr(importlib.import_module(module), region.function)
     key = (region.function, tuple(tuple(v.shape) for v in values))
-    trials = [bound[key]] if key in bound else _assignments(known, region, tokens)
+    trials = itertools.chain([bound[key]] if key in bound else [], _assignments(known, region, tokens))
     for assignment in trials:
-        constants = _constants_computing(ctx, region, known, function, assignment)
-        if constants is not None:
+        found = _constants_computing(ctx, region, known, function, assignment)
+        if found is not None:
+            constants, arguments, expected = found
+            _check_passing_state(known, module, region.function, constants, arguments, expected)
             bound[key] = assignment
             return _binding(ctx, region, known, module, assignment, constants)
     raise _NotBound(f"no assignment of its values to `{region.function}`'s arguments computes its output")
+
+
+def _check_passing_state(known: KnownScan, module: str, function: str, constants, arguments: dict, expected) -> None:
+    """The state passed as `lowering.state_passing` passes it, on the drawn values in one process: the first half's
+    summary folded into the second half's initial state, both halves scanned; their output must be the call's (to
+    the rounding of another summation order), or the function does not take its state as the adapter gives it."""
+    scan = scan_for(known.adapter, module, function, constants)
+    tokens = {name: arguments[name] for name in known.tokens}
+    weights = {name: arguments[name] for name in known.weights}
+    half = max(1, expected.shape[1] // 2)
+    first, second = ({n: t[:, part] for n, t in tokens.items()} for part in (slice(0, half), slice(half, None)))
+    try:
+        with torch.no_grad():
+            zero = zero_state(scan, first, weights)
+            start = scan.advance(scan.summary(first, weights, zero), zero)
+            halves = [scan.call(first, weights, zero)[0]] + (
+                [scan.call(second, weights, start)[0]] if half < expected.shape[1] else []
+            )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise _NotBound(f"`{function}` does not take a state as {known.adapter}'s adapter gives it: {error}") from None
+    got = torch.cat(halves, 1)
+    scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
+    if got.shape != expected.shape or not ((got - expected).abs().max() / scale <= 1e-4):
+        raise _NotBound(
+            f"`{function}` passed its state as {known.adapter}'s adapter passes it does not compute the call"
+        )
 
 
 def _assignments(known: KnownScan, region: WholeRegion, tokens: list[int]):
@@ -143,8 +173,9 @@ def _assignments(known: KnownScan, region: WholeRegion, tokens: list[int]):
 
 
 def _constants_computing(ctx: PassContext, region, known: KnownScan, function, assignment) -> tuple | None:
-    """The first candidate of the keyword constants with which ``function`` on the values ``assignment`` gives its
-    arguments returns what the call's nodes return on them (bitwise), or None."""
+    """(constants, the drawn arguments, the call's output on them): the first candidate of the keyword constants
+    (`KnownScan.constants`' order: what the call spells first) with which ``function`` on the values ``assignment``
+    gives its arguments returns what the call's nodes return on them (bitwise); or None."""
     order, weight_slots = assignment
     names = [*known.tokens, *known.weights]
     generator = torch.Generator().manual_seed(0)
@@ -158,6 +189,8 @@ def _constants_computing(ctx: PassContext, region, known: KnownScan, function, a
     try:
         with torch.no_grad():
             expected = run_call(ctx.gm, region.internal, entries)[region.exits[0][0]]
+    except torch.OutOfMemoryError:
+        raise
     except Exception:  # the call's ops refuse these values as these arguments
         return None
     arguments = {
@@ -169,11 +202,13 @@ def _constants_computing(ctx: PassContext, region, known: KnownScan, function, a
         try:
             with torch.no_grad():
                 out = function(**arguments, **constants)
-        except Exception:
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:  # not these constants
             continue
         out = out[0] if isinstance(out, tuple) else out
         if isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.equal(out, expected):
-            return tuple(sorted(constants.items()))
+            return tuple(sorted(constants.items())), arguments, expected
     return None
 
 
