@@ -57,7 +57,6 @@ class AffineScan:
     columns the transition needs (the state's other dim for a matrix, 1 for a decay), `transition` how ``M`` (those
     columns) applies to a state."""
 
-    name: str
     call: Callable  # (tokens: dict, weights: dict, initial_state | None) -> (output, final state)
     tokens: tuple[str, ...]
     value: str
@@ -109,7 +108,6 @@ def gated_delta_rule(function: Callable, **constants) -> AffineScan:
         return function(**tokens, initial_state=initial_state, output_final_state=True, **constants)
 
     return AffineScan(
-        name=getattr(function, "__name__", "gated delta rule"),
         call=call,
         tokens=ARGUMENTS["delta rule"][0],
         value="value",
@@ -128,7 +126,6 @@ def ssd(function: Callable, **constants) -> AffineScan:
         return function(**tokens, **weights, initial_states=initial_state, return_final_states=True, **constants)
 
     return AffineScan(
-        name=getattr(function, "__name__", "ssd"),
         call=call,
         tokens=ARGUMENTS["ssd"][0],
         value="hidden_states",

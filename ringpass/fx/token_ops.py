@@ -320,9 +320,11 @@ def _addresses_no_dim(item) -> bool:
     return item is None or item is Ellipsis or item is True or item is False
 
 
-def whole_slices_spelled(index, shape, seq_dims: set[int]):
-    """A getitem's ``index`` into a tensor of ``shape`` with each slice that takes a whole sequence dim at that length
-    (``x[:, -N:]``, ``x[..., :N]``) spelled ``:``, which takes it at any length (a shard's, a probe's)."""
+def whole_slices_spelled(index, shape, axes) -> object:
+    """A getitem's ``index`` into a tensor of ``shape`` whose sequence ``axes`` (its `SeqDim` list) are given, with each
+    slice that takes a whole sequence dim at that length (``x[:, -N:]``, ``x[..., :N]``) spelled ``:``, which takes it
+    at any length (a shard's, a probe's)."""
+    seq_dims = {axis.dim for axis in axes if axis.aligned and axis.inner == 1}
     items = index if isinstance(index, tuple) else (index,)
     dims = [None] * len(items) if any(isinstance(i, fx.Node) for i in items) else index_dims(items, len(shape))
     spelled = tuple(

@@ -43,8 +43,8 @@ def localize_shapes(ctx: PassContext) -> None:
         elif ctx.sequence.sources.get(node) == "created":
             node.args = _created_args(ctx, node, local)
         elif node.target is operator.getitem and ctx.sequence.axes.get(node.args[0]):
-            seq_dims = {axis.dim for axis in ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
-            node.args = (node.args[0], whole_slices_spelled(node.args[1], example_value(node.args[0]).shape, seq_dims))
+            axes, shape = ctx.sequence.axes[node.args[0]], example_value(node.args[0]).shape
+            node.args = (node.args[0], whole_slices_spelled(node.args[1], shape, axes))
             continue
         else:
             continue  # other uses of the length (x / n, arange(1, n + 1)) keep the global length

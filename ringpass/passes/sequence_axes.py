@@ -268,8 +268,8 @@ class _Probe:
         """A getitem's index with each slice that takes the whole sequence at the traced length (``x[:, -N:]``,
         ``x[..., :N]``: Lfm2 and Mamba2 slice their padding mask so, OLMo-Hybrid its convolution's output) spelled
         ``:`` (`whole_slices_spelled`), its tensors the probe's."""
-        seq_dims = {axis.dim for axis in self.ctx.sequence.axes[node.args[0]] if axis.aligned and axis.inner == 1}
-        spelled = whole_slices_spelled(node.args[1], example_value(node.args[0]).shape, seq_dims)
+        axes = self.ctx.sequence.axes[node.args[0]]
+        spelled = whole_slices_spelled(node.args[1], example_value(node.args[0]).shape, axes)
         return map_aggregate(spelled, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
 
     def _changed(self, node: fx.Node) -> bool:
