@@ -2,20 +2,21 @@
 step (docs/performance.md, "Sequence mixers").
 
     python examples/mixer_cost.py [--family lfm2|bamba|mamba2] [--seq-lens 8192,32768] [--world-sizes 2,4]
-                                  [--hidden 256] [--scans heads,whole]
+                                  [--hidden 256] [--scans heads,whole,state]
 
 A model from a config (random weights; hidden 256, 4 layers, fp32, batch 1) trains one step compiled with
 ``backend="ring"`` (``aot_eager``) on P gloo ranks of this machine (one thread each), and unsharded on one process, each
 in fresh processes after one warm-up step. ``lfm2``: three short-convolution layers of width 3 around one attention
 layer (the convolutions pass state); ``bamba``: three Mamba2 layers (8 heads, state 64, chunks of 256) around one
 attention layer; ``mamba2``: four Mamba2 layers, no attention (a Mamba2 layer's convolution passes state; its chunked
-scan runs split by heads, or with ``--scans whole`` on the whole sequence on every rank: the backend's ``scans`` option,
-one row each). Peak: `ringpass.cli.bench.measure.PeakMemory` (VmHWM
-above the resident set before the step; freed tensors leave it: MALLOC_MMAP_THRESHOLD_). Bytes per rank per step
-(`lowering.record_ring_events`): the convolutions' summaries (the halos, all-gathered: forward, and again in the
-backward), the scans' all-to-alls (what a rank sends: its tokens of the inputs and its heads of the outputs, forward
-and backward) and all-gathers (what a rank receives: the inputs read whole in the forward, the outputs' gradients in
-the backward) and the attention's KV exchanges.
+scan runs split by heads, with ``--scans whole`` on the whole sequence on every rank, with ``--scans state`` on this
+rank's chunks from the state the chunks before them leave: the backend's ``scans`` option, one row each). Peak:
+`ringpass.cli.bench.measure.PeakMemory` (VmHWM above the resident set before the step; freed tensors leave it:
+MALLOC_MMAP_THRESHOLD_). Bytes per rank per step (`lowering.record_ring_events`): the mixers' summaries (the
+convolutions' halos, all-gathered: forward, and again in the backward; passing the state, the scans' chunk summaries,
+all-gathered in the forward), the scans' all-to-alls (what a rank sends: its tokens of the inputs and its heads of the
+outputs, forward and backward) and all-gathers (what a rank receives: the inputs read whole in the forward, the
+outputs' gradients in the backward) and the attention's KV exchanges.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> None:
     print(f"{args.family}, hidden {args.hidden}, 4 layers, fp32, batch 1, one training step after a warm-up; the rank")
     print("with the higher peak")
     print(
-        "| N | P | scans | peak MiB per rank | vs unsharded | step s | convolutions' summaries sent per rank | "
+        "| N | P | scans | peak MiB per rank | vs unsharded | step s | mixers' summaries sent per rank | "
         "scans' all-to-alls sent per rank | scans' all-gathers received per rank | KV sent per rank | loss |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|"
     )

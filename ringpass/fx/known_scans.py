@@ -21,6 +21,7 @@ import torch.fx as fx
 from lowering.state_passing import ARGUMENTS
 from ringpass.fx.call_regions import frames
 from ringpass.fx.sizes import is_size_op
+from ringpass.fx.spellings import op_name
 
 
 def _normal(shape, generator, dtype, device):
@@ -36,20 +37,22 @@ def _non_positive(shape, generator, dtype, device):  # in (-1, 0]: a decay's log
 
 
 def _chunk_sizes(nodes) -> tuple:
-    """The sizes the call's reshapes and views spell: its chunk size among them."""
-    sizes = {a for n in nodes if is_size_op(n) for a in n.args[1:] if isinstance(a, int) and a > 1}
-    return tuple(sorted(sizes, reverse=True))
+    """The sizes the call's reshapes, views and unflattens spell: its chunk size among them."""
+    spelled = [a for n in nodes if is_size_op(n) for a in n.args[1:]]
+    spelled += [a for n in nodes if op_name(n) == "unflatten" for a in (n.args[2] if len(n.args) > 2 else ())]
+    return tuple(sorted({a for a in spelled if isinstance(a, int) and a > 1}, reverse=True))
 
 
 def _clamp_limits(nodes) -> tuple:
-    """(min, max) of each clamp in the call, in graph order, then no limit: Mamba2's ``dt_limit``. The call's own
-    limits come first: drawn values the clamp does not reach tie with no limit, and the limits the call spells are
-    what it computes."""
-    limits = [
-        (float(n.kwargs.get("min", 0.0)), float(n.kwargs.get("max", float("inf"))))
-        for n in nodes
-        if n.target in (torch.clamp, "clamp") and "min" in n.kwargs
-    ]
+    """(min, max) of each clamp in the call with a lower limit (given by keyword or position), in graph order, then no
+    limit: Mamba2's ``dt_limit``. The call's own limits come first: drawn values the clamp does not reach tie with no
+    limit, and the limits the call spells are what it computes."""
+    limits = []
+    for n in nodes:
+        if n.target in (torch.clamp, "clamp"):
+            low, high = (n.args[i] if len(n.args) > i else n.kwargs.get(k) for i, k in ((1, "min"), (2, "max")))
+            if isinstance(low, (int, float)):
+                limits.append((float(low), float(high) if isinstance(high, (int, float)) else float("inf")))
     return tuple(dict.fromkeys([*limits, (0.0, float("inf"))]))
 
 

@@ -7,6 +7,9 @@ another length: the sequence probe's (`find_sequence_axes`) and this rank's (`lo
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -46,28 +49,40 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
         suffix *= out_shape[j]
     raise refusal(
         f"{describe(node)} reshapes {tuple(in_shape)} to {tuple(out_shape)}, which splits the sequence axis or "
-        "mixes it with other axes; the tokens of a shard would not stay together." + chunked_scan(node, in_axis.dim),
+        "mixes it with other axes; the tokens of a shard would not stay together." + chunked_scan(node, in_axis),
         node,
     )
 
 
-def chunked_scan(node: fx.Node, dim: int, n=None) -> str:
-    """Where the reshape ``node`` cuts its input's sequence dim ``dim`` into (chunks, chunk length) at the traced
-    sizes (one chunk too where the sequence, of length ``n``, was padded to it): a sentence saying it is a chunked
-    scan, which ringpass does not shard yet; else ""."""
-    length = example_value(node.args[0]).shape[dim]
-    after = example_value(node).shape
-    padded = n is not None and not same(length, n)
+def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
+    """Where the reshape ``node`` cuts its input's sequence ``axis`` (of ``n`` tokens) into (chunks, chunk length) at
+    the traced sizes (symbolic sizes at the values they were traced with), the dims after it kept: chunks shorter than
+    the sequence, or one chunk it was padded to; a sentence saying it is a chunked scan, else ""."""
+    before = [_traced(s) for s in example_value(node.args[0]).shape]
+    after = [_traced(s) for s in example_value(node).shape]
+    inner = _traced(axis.inner)
+    if None in (*before, *after, inner):
+        return ""
+    token = inner * math.prod(before[axis.dim + 1 :])  # elements from one token to the next
+    tokens = before[axis.dim] // inner  # the dim's tokens (times any dim merged in before the sequence)
+    n = tokens if n is None else _traced(n)
     for d in range(len(after) - 1):
-        whole = same(after[d + 1], length) or after[d] == 1
-        if same(after[d] * after[d + 1], length) and (not whole or (padded and after[d] == 1)):
+        chunks, chunk = after[d], after[d + 1]
+        if math.prod(after[d + 2 :]) != token or chunks * chunk != tokens:
+            continue
+        if 1 < chunk < n or (chunks == 1 and chunk > n):  # a cut, or one chunk the sequence was padded to
             return (
-                f" It cuts the sequence into chunks of {after[d + 1]} tokens: a chunked scan (Mamba2's SSD, Gated "
+                f" It cuts the sequence into chunks of {chunk} tokens: a chunked scan (Mamba2's SSD, Gated "
                 "DeltaNet's delta rule) that carries a state from chunk to chunk. ringpass runs such a scan whole on "
                 "every rank where it is a function call of its own that reads and returns per-token values; this one "
                 'is not (docs/backend.md, "Sequence mixers other than attention").'
             )
     return ""
+
+
+def _traced(size):
+    """The value a size was traced with (a SymInt's hint; None: unbacked)."""
+    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def resize_size_args(node: fx.Node, in_axes, length, n) -> tuple:

@@ -48,8 +48,6 @@ def find_region_heads(ctx: PassContext) -> None:
 def _plan(ctx: PassContext, region: WholeRegion) -> HeadSplit | str:
     if ctx.options.scan_strategy == "whole":
         return "scans='whole'"
-    if ctx.ulysses is not None:
-        return "Ulysses x ring groups split heads inside the attention only"
     if any(is_vmap_bookkeeping(node) for node in region.internal):
         return "it runs under vmap"
     tried, found = [], []

@@ -102,8 +102,6 @@ def _bind(ctx: PassContext, region: WholeRegion, bound: dict) -> ScanBinding:
     known = KNOWN_SCANS.get(region.function)
     if known is None:
         raise _NotBound(f"`{region.function}` is not a scan ringpass knows the state of")
-    if ctx.ulysses is not None:
-        raise _NotBound("Ulysses x ring groups are not chunks of one sequence")
     module = function_module(list(region.internal), region.function)
     if module is None:
         raise _NotBound(f"the module defining `{region.function}` is not imported")

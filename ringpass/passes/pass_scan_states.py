@@ -21,7 +21,7 @@ from ringpass.fx.report import CollectiveRecord, MixerRecord
 from ringpass.fx.sharded_reads import read_tokens_instead
 
 STRATEGY = (
-    "passes the state: each of this rank's chunks scanned from the state the chunks before it leave "
+    "state passing: each of this rank's chunks scanned from the state the chunks before it leave "
     "(every chunk's summary all-gathered)"
 )
 

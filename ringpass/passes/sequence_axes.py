@@ -51,7 +51,7 @@ from ringpass.fx.nodes import (
     user_name,
 )
 from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
-from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS, op_name
+from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS, VIEWS, op_name
 from ringpass.fx.token_ops import classify, custom_forward, split_takes_everything, whole_slices_spelled
 
 
@@ -182,6 +182,17 @@ class _Probe:
                 return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
             if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
+        scan = self._chunk_cut(node)
+        if scan:  # even where its sizes follow the length (symbolic, or a multiple of the chunk): the chunks' loop
+            if self.ctx.dynamic:
+                raise refusal(
+                    f"{describe(node)} cuts the sequence into chunks: a chunked scan, whose loop over its chunks "
+                    "Dynamo unrolled at the traced count. ringpass runs chunked scans with static shapes only so far: "
+                    "compile with dynamic=False.",
+                    node,
+                )
+            self._compute_whole(node, f"a chunked scan (`{op_label(node)}` cuts the sequence into chunks)")
+            raise refusal(f"{describe(node)} cannot run on a sequence shard.{scan}", node)
         try:
             args, kwargs = self._probe_args(node)
             if node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply:
@@ -190,21 +201,27 @@ class _Probe:
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
-            axes = self.ctx.sequence.axes.get(node.args[0], ()) if is_size_op(node) else ()
-            scan = "".join(chunked_scan(node, axis.dim, self.n) for axis in axes)
-            op = f"`{op_label(node)}`"
-            self._compute_whole(node, f"a chunked scan ({op} cuts the sequence into chunks)" if scan else "")
+            self._compute_whole(node, "")
             if isinstance(error, NotSupportedError):
                 raise
-            why = scan or (
-                " It combines a value that follows the sequence length with one whose size stays at the traced "
-                "length: typically a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, "
-                "linear attention), which cannot be sharded along the sequence yet, or a size read from a tensor's "
-                "data. If neither fits, please report this model."
-            )
             raise refusal(
-                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}.{why}", node
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. It combines a "
+                "value that follows the sequence length with one whose size stays at the traced length: typically a "
+                "loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, linear attention), "
+                "which cannot be sharded along the sequence yet, or a size read from a tensor's data. If neither "
+                "fits, please report this model.",
+                node,
             ) from None
+
+    def _chunk_cut(self, node: fx.Node) -> str:
+        """Where ``node`` (a reshape, view or unflatten) cuts the sequence into chunks at the traced sizes, the
+        sentence saying so (`chunked_scan`); else "". A chunked scan's loop over its chunks is unrolled at the traced
+        count, whatever the probe's sizes."""
+        if node.op not in ("call_method", "call_function") or not (
+            node.target in VIEWS or op_name(node) == "unflatten"
+        ):
+            return ""
+        return "".join(chunked_scan(node, axis, self.n) for axis in self.ctx.sequence.axes.get(node.args[0], ()))
 
     def _probe_placeholder(self, node: fx.Node, original):
         if isinstance(original, torch.SymInt) and same(original, self.n):

@@ -31,6 +31,7 @@ TWO_RANKS_HEAVY = {  # suite time: a second 2-rank spawn, -m heavy
     "blocks ddp": ("per_rank_blocks", ("ddp_blocks",)),
     "blocks fsdp2": ("per_rank_blocks", ("fsdp2_blocks",)),
     "blocks hf fsdp2 padded": ("per_rank_blocks", ("hf_fsdp2_padded",)),
+    "fsdp2 blocks scan state": ("wrapped_step", ("fsdp2", 1, "auto", "hf_qwen3_next", {"scans": "state"})),
 }
 FOUR_RANKS = {
     "fsdp2": ("wrapped_step", ("fsdp2", 2)),
@@ -95,6 +96,18 @@ def test_fsdp2_on_the_rings_ranks_takes_the_mean_with_no_other_reduction():
             # one reduce-scatter per FSDP2 unit; the all-gathers re-gather resharded blocks' parameters
             assert set(result["collectives"]) <= {"_reduce_scatter_base_", "_allgather_base_"}, result
             assert result["collectives"]["_reduce_scatter_base_"] == result["fsdp_units"], result
+
+
+@pytest.mark.heavy  # in the second 2-rank spawn
+def test_fsdp2_over_a_hybrid_whose_scan_passes_its_state():
+    """``fully_shard`` on every block of Qwen3-Next (a graph per block) with ``scans="state"``: the delta rule's block
+    runs on this rank's chunks from the state the chunks before them leave, under FSDP2's mean."""
+    for rank in results(2, heavy=True):
+        result = rank["fsdp2 blocks scan state"]
+        check_exact(result)
+        assert set(result["gradients"]) == {"mean"}, result
+        scans = [m for m in result["mixers"] if m.startswith("state passing: each of this rank's chunks")]
+        assert len(scans) == 1 and result["summary_gathers"] >= 1, result
 
 
 @pytest.mark.heavy  # in the second 2-rank spawn

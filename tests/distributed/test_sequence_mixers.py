@@ -3,8 +3,9 @@ each chunk a summary of the chunks before it (`lowering.sequence_mixers`; the gr
 `rewrite_sequence_mixers`). The ops against the unsharded ops over drawn sizes, ring sizes, layouts and dtypes; a model
 of them, with and without attention, through the ring backend against the model run whole (logits and every gradient
 by name), sharded (local lengths) and with the summaries exchanged (events counted); what is not a causal convolution
-refused with the op and the user's source line. Hugging Face's Lfm2 (convolution layers between attention layers):
-tests/models/test_hf.py."""
+refused with the op and the user's source line. Chunked scans: `lowering.state_passing` against fp64 token-by-token
+references, and a model of every mixer kind (the delta rule and SSD in fp64, `fp64_scans`) under each strategy,
+``inputs="per_rank"`` and Ulysses x ring. Hugging Face's hybrids: tests/models/test_hf.py."""
 
 from __future__ import annotations
 
@@ -280,15 +281,16 @@ def test_a_scan_of_exactly_one_chunk_is_computed_whole_or_refused(pools, chunk):
         assert result["mixer_exchanges"] == 0, result  # nothing passes state: every mixer runs whole
 
 
-@pytest.mark.heavy
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="open: a chunked scan with a loop over its chunks under dynamic=True")
-def test_a_chunked_scan_with_dynamic_shapes_trains_exactly(pools):
-    """With ``dynamic=True`` Dynamo specialises the loop over the chunks but keeps the length symbolic: the probe
-    runs through the scan, so no function call is computed whole, and the backend's own check then fails on a size
-    mismatch (a crash, not a refusal). Static shapes compute the call whole (the drawn tests above)."""
+def test_a_chunked_scan_with_dynamic_shapes_is_refused_naming_it(pools):
+    """With ``dynamic=True`` the reshape into chunks follows a symbolic length, but Dynamo unrolled the loop over the
+    chunks at the traced count: the reshape is still read as a cut (at the sizes it was traced with) and refused with
+    its line and what to do (before: the scan ran as per-token ops and the backend's own check failed on a size
+    mismatch: a crash, where other sizes would have been a wrong answer)."""
     case = dict(world_size=2, layout="zigzag", seq_len=20, width=3, scan=8, attention=False, padding=False)
-    _check_model(pools, dict(case, dtype="float64", dynamic=True, seed=3))
+    refused = r"NotSupportedError: `reshape` at .*mixer_workers.py.* cuts the sequence into chunks.*dynamic=False"
+    with pytest.raises(RankFailure, match=refused):
+        pools.run(2, mixer_workers.conv_model_step, (dict(case, dtype="float64", dynamic=True, seed=3),), timeout=600)
 
 
 class CenteredConv(nn.Module):
@@ -419,6 +421,94 @@ def test_a_converted_model_passing_a_scans_state_saves_loads_and_trains_exactly(
         assert len(result["grads"]) == 4 and result["summaries"] == 1, (rank, result)
 
 
+@st.composite
+def every_mixer_kind_cases(draw) -> dict:
+    """`mixer_workers.EveryMixerKind` and how it is compiled: the ring size, layout, length, the scans' chunk (never the
+    whole length, nor 4 chunks or a padded length of 4: as many as the heads, which are then ambiguous), each scan
+    split by heads or passed its state, dtype."""
+    seq_len = draw(st.integers(6, 30))
+    chunk = draw(st.sampled_from([2, 3, 5, 8]).filter(lambda c: c != seq_len and 4 not in (-(-seq_len // c), c)))
+    return dict(
+        world_size=draw(st.sampled_from([2, 3, 4])),
+        layout=draw(st.sampled_from(["auto", "zigzag", "contiguous"])),
+        seq_len=seq_len,
+        chunk=chunk,
+        scans=draw(st.sampled_from(["heads", "state"])),
+        dtype=draw(st.sampled_from(["float64", "float64", "float32"])),
+        ulysses=1,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _check_every_mixer_kind(pools, case: dict) -> None:
+    results = pools.run(case["world_size"], mixer_workers.every_mixer_kind_step, (case,), timeout=600)
+    p = case["world_size"]
+    chunks = p * (1 if case["layout"] == "contiguous" else 2)  # auto: zigzag (the attention is causal)
+    passing = "state passing: each of this rank's chunks scanned from the state the chunks before it leave"
+    split = f"split by heads: every token of {4 // p} of its 4 heads"
+    scans = passing if case["scans"] == "state" else split if 4 % p == 0 else "computed whole on every rank"
+    # conv halo (forward and backward) and cumsum totals, each scan's summaries; split: the delta rule's 5 per-token
+    # inputs and output, the SSD's x, dt and output each way (B and C, one group, all-gathered); whole: every per-token
+    # input all-gathered and each output's gradient
+    events = {
+        passing: {"mixer_exchange": 5, "heads_exchange": 0, "all_gather": 0},
+        split: {"mixer_exchange": 3, "heads_exchange": 18, "all_gather": 2},
+    }.get(scans, {"mixer_exchange": 3, "heads_exchange": 0, "all_gather": 11})
+    for rank, result in enumerate(results):
+        bound = TOLERANCE[case["dtype"]]
+        assert result["logits"] <= bound, (rank, case, result)
+        assert len(result["grads"]) == 18 and max(result["grads"].values()) <= bound, (rank, case, result["grads"])
+        assert result["local_len"] == -(-case["seq_len"] // chunks) * chunks // p, (rank, case, result)
+        strategies = [strategy for _, strategy in result["mixers"]]
+        assert strategies[0].startswith("state passing: the last 2 token(s)") and strategies[1].startswith(
+            "state passing: each chunk's total"
+        ), (rank, case, result["mixers"])
+        assert all(s.startswith(scans) for s in strategies[2:]) and len(strategies) == 4, (rank, case, strategies)
+        got = {kind: result["events"].get(kind, 0) for kind in events}
+        assert got == events and result["events"]["exchange"] > 0, (rank, case, result["events"])
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=1, derandomize=True, **SETTINGS)
+@given(case=every_mixer_kind_cases())
+@example(  # fp64 through both scans passing their state, zigzag, padded
+    case=dict(world_size=2, layout="auto", seq_len=23, chunk=5, scans="state", dtype="float64", ulysses=1, seed=0)
+)  # fmt: skip
+@example(  # and split by heads on 4 ranks
+    case=dict(world_size=4, layout="contiguous", seq_len=19, chunk=3, scans="heads", dtype="float64", ulysses=1, seed=1)
+)  # fmt: skip
+def test_every_kind_of_mixer_trains_exactly_under_each_strategy(pools, case):
+    """A causal convolution, a cumsum, the gated delta rule and Mamba2's SSD (`fp64_scans`: the known names, in the
+    inputs' dtype) and attention in one model: logits and every gradient by name against the model run whole (fp64
+    to 1e-10), sharded (local lengths), each scan split by heads, computed whole or passed its state as asked, the
+    exchanges of each counted."""
+    _check_every_mixer_kind(pools, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(3600)
+@settings(max_examples=30, **SETTINGS)
+@given(case=every_mixer_kind_cases())
+def test_many_drawn_models_of_every_mixer_kind_train_exactly(pools, case):
+    _check_every_mixer_kind(pools, case)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scans", ["state", pytest.param("heads", marks=pytest.mark.heavy)])
+def test_every_kind_of_mixer_runs_over_every_rank_under_ulysses_x_ring(pools, scans):
+    """Ulysses x ring (4 ranks, groups of 2): the attention all-to-alls its heads inside a group, the mixers still
+    see one sequence over the 4 ranks: convolution and cumsum pass their state, the scans pass theirs (or split by
+    heads over the 4 ranks), exact."""
+    case = dict(world_size=4, layout="auto", seq_len=21, chunk=3, scans=scans, dtype="float64", ulysses=2, seed=2)
+    strategy = "state passing: each of this rank's chunks" if scans == "state" else "split by heads: every token of 1"
+    for rank, result in enumerate(pools.run(4, mixer_workers.every_mixer_kind_step, (case,), timeout=900)):
+        assert result["logits"] <= 1e-10 and max(result["grads"].values()) <= 1e-10, (rank, result)
+        assert result["local_len"] == 6 and len(result["grads"]) == 18, (rank, result)  # 21 padded to 24, zigzag
+        assert [s.startswith(strategy) for _, s in result["mixers"]] == [False, False, True, True], result["mixers"]
+        # the convolution's halo both ways and the cumsum's totals, each scan's summaries where they pass their state
+        assert result["events"]["mixer_exchange"] == (5 if scans == "state" else 3), (rank, result["events"])
+
+
 def test_a_chunked_scan_with_sharded_inputs_is_refused_naming_it():
     """inputs='sharded': the graph is traced at a rank's length, so the call's sizes are not the whole sequence's."""
     import transformers
@@ -511,7 +601,12 @@ def test_a_cumsum_accumulated_in_another_dtype_is_not_passed_state():
 
 
 def test_each_rank_passing_its_own_batch_trains_exactly(pools):
-    """``inputs="per_rank"``: the ranks' batches form the global batch, whose sequence the mixers run sharded."""
-    for rank, result in enumerate(pools.run(2, mixer_workers.per_rank_step, (), timeout=300)):
+    """``inputs="per_rank"``: the ranks' batches form the global batch, whose sequence the mixers run sharded, the
+    scans passing their state."""
+    for rank, result in enumerate(pools.run(2, mixer_workers.per_rank_step, (), timeout=600)):
         assert result["output"] <= 1e-10 and max(result["grads"].values()) <= 1e-10, (rank, result)
-        assert result["mixer_exchanges"] > 0
+        assert len(result["grads"]) == 18, (rank, result)
+        assert all(m.startswith("state passing") for m in result["mixers"]) and len(result["mixers"]) == 4, result
+        # the graph runs once per rank's batch: the convolution's halo both ways, the cumsum's totals, each scan's
+        # summaries
+        assert (result["mixer_exchanges"], result["heads_exchanges"]) == (2 * 5, 0), (rank, result)

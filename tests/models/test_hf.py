@@ -214,7 +214,7 @@ def test_chunked_scans_pass_their_state_with_scans_state(family, world_size):
     args = (family, ["labels", "left-padded"], SEQ, None, "", "", True, {"scans": "state"})
     known = family != "jamba"
     for case, r, report in _exact_steps(world_size, args):
-        strategy = "passes the state: each of this rank's chunks" if known else "computed whole on every rank"
+        strategy = "state passing: each of this rank's chunks" if known else "computed whole on every rank"
         scans = [m for m in report["mixers"] if m["strategy"].startswith(strategy)]
         assert len(scans) == SCANS[family] and all(m["bytes_per_call"] > 0 for m in scans), report["mixers"]
         assert known or all("(state not passed: `mamba_selective_scan` is not a scan" in m["strategy"] for m in scans)
@@ -231,16 +231,24 @@ def test_chunked_scans_pass_their_state_with_scans_state(family, world_size):
 
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
-def test_scans_split_by_heads_train_exactly_under_gradient_checkpointing(kind):
-    """Mamba2 with Hugging Face's gradient checkpointing: each checkpointed layer's scan recomputed, split by heads."""
-    for results in spawn_ranks(hf_workers.training_step, 2, ("mamba2", ["labels"], SEQ, None, kind), timeout=600):
+@pytest.mark.parametrize(
+    "kind,scans",
+    [("non-reentrant", "heads"), ("reentrant", "heads"), ("non-reentrant", "state"), ("reentrant", "state")],
+)
+def test_chunked_scans_train_exactly_under_gradient_checkpointing(kind, scans):
+    """Mamba2 with Hugging Face's gradient checkpointing: each checkpointed layer's scan recomputed, split by heads or
+    passing its state (its summaries all-gathered again in the recomputation)."""
+    args = ("mamba2", ["labels"], SEQ, None, kind, "", True, {"scans": scans})
+    for results in spawn_ranks(hf_workers.training_step, 2, args, timeout=600):
         r = results["labels"]
         assert r["untrained"] == r["unexpected"] == [], r
         assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, r
         (report,) = r["reports"]
-        scans = [m for m in report["mixers"] if m["strategy"].startswith("split by heads: every token of 2 of its 4")]
-        assert len(scans) == 2 and r["heads_exchanges"] >= 12, (report["mixers"], r["heads_exchanges"])
+        strategy = "split by heads: every token of 2 of its 4" if scans == "heads" else "state passing: each of this"
+        assert [m["strategy"].startswith(strategy) for m in report["mixers"]].count(True) == 2, report["mixers"]
+        exchanges = r["heads_exchanges"] if scans == "heads" else r["mixer_exchanges"] - 2 * CONVOLUTIONS["mamba2"]
+        assert exchanges >= (12 if scans == "heads" else 2), (report["mixers"], r)
+        assert (r["heads_exchanges"] == 0) == (scans == "state"), r
 
 
 CAUSAL = {"mask": "causal"}  # read as the causal flag

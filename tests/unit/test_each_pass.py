@@ -477,6 +477,37 @@ def test_find_scan_states_says_why_a_scan_keeps_its_strategy():
     assert ctx.sequence.states == {}  # scans="heads": nothing bound
 
 
+def torch_chunk_gated_delta_rule(
+    query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+):  # fmt: skip
+    """Hugging Face's delta rule's name, signature and state ``[B, H, dk, dv]``, computing a plainer linear attention
+    chunk by chunk (cut by ``unflatten``): ``S_t = S_(t-1) + exp(g_t) beta_t k_t v_t^T``, each chunk from the state
+    the chunk before it left, the first from zero whatever ``initial_state`` says. It computes the call, but a state
+    given to it is lost: ringpass must not pass one."""
+    n, size = query.shape[1], (chunk_size - query.shape[1] % chunk_size) % chunk_size
+    writes = key[..., None] * (value * (beta * g.exp())[..., None])[..., None, :]  # [B, N, H, dk, dv]
+    q, writes = (F.pad(x.flatten(3), (0, 0, 0, 0, 0, size)).unflatten(1, (-1, chunk_size)) for x in (query, writes))
+    state, out = writes.new_zeros(*writes.shape[:1], *writes.shape[3:]).unflatten(-1, key.shape[-1:] + (-1,)), []
+    for c in range(q.shape[1]):
+        states = writes[:, c].unflatten(-1, state.shape[-2:]).cumsum(1) + state[:, None]
+        out.append((q[:, c, ..., None] * states).sum(-2))
+        state = states[:, -1]
+    return torch.cat(out, 1)[:, :n], (state if output_final_state else None)
+
+
+def test_find_scan_states_does_not_bind_a_known_name_that_loses_the_state():
+    ctx, _ = run_through("find_scan_states", DeltaRuleScan(torch_chunk_gated_delta_rule), _x(), scans="state")
+    (region,) = ctx.sequence.regions
+    why = ctx.sequence.states[region]
+    assert isinstance(why, str) and why.startswith("`torch_chunk_gated_delta_rule` "), why
+    assert why.endswith("passed its state as delta rule's adapter passes it does not compute the call"), why
+    ctx, _ = run_through("split_region_heads", DeltaRuleScan(torch_chunk_gated_delta_rule), _x(), scans="state")
+    (record,) = ctx.report.mixers
+    assert record.strategy.startswith("split by heads: every token of 2 of its 4 heads"), record.strategy
+    assert record.strategy.endswith(f"(state not passed: {why})"), record.strategy
+
+
 @pytest.mark.parametrize(
     "link_latency_s,op_overhead_s,passed",
     [
@@ -518,7 +549,8 @@ def test_pass_scan_states_replaces_the_call_by_the_scan_of_this_ranks_chunks():
     assert scan.args[6:9] == ("zigzag", 2, SEQ) and ctx.placement[scan] == LOCAL
     assert [u.target for u in scan.users] == ["flatten"]  # the output's reader reads this rank's tokens
     (record,) = ctx.report.mixers
-    assert record.strategy.startswith("passes the state") and record.bytes_per_call == 2 * binding.summary_bytes
+    assert record.strategy.startswith("state passing: each of this rank"), record.strategy
+    assert record.bytes_per_call == 2 * binding.summary_bytes
     assert [c.kind for c in ctx.report.collectives] == ["all-gather"], ctx.report.collectives
 
 

@@ -35,9 +35,11 @@ def wrapped_step(
     dp: int,
     grads: str = "auto",
     family: str = "llama",
+    options: dict | None = None,
 ) -> dict:
     """One step of ``family`` (tests.models' Llama with its loss, or ``hf_llama``) wrapped as ``wrapper`` says,
-    the ring on the mesh's ``cp`` dimension, each data-parallel replica its rows of the global batch:
+    the ring on the mesh's ``cp`` dimension (with the backend's ``options`` besides), each data-parallel replica its
+    rows of the global batch:
 
     - ``fsdp2``: ``fully_shard`` on every block and the root over the data x ring ranks flattened
       (one rank pair: the ring's own ranks); ``fsdp2_root``: the root only; ``hsdp``: every block and the root
@@ -75,7 +77,9 @@ def wrapped_step(
         wrapped = DistributedDataParallel(model, process_group=group)
     else:
         raise ValueError(wrapper)
-    backend = ringpass.backend(compiler="aot_eager", report="off", group=mesh["cp"], grads=grads, unsharded="warn")
+    backend = ringpass.backend(
+        compiler="aot_eager", report="off", group=mesh["cp"], grads=grads, unsharded="warn", **(options or {})
+    )
     compiled = torch.compile(wrapped, backend=backend)
     with record_ring_events() as forward:
         loss = _loss(compiled, mine)
@@ -98,6 +102,8 @@ def wrapped_step(
         "gradients": [r.gradients for r in backend.reports if r.gradients],
         "why": [r.gradients_why for r in backend.reports if r.gradients_why],
         "summaries": [r.summary() for r in backend.reports],
+        "mixers": [m.strategy for r in backend.reports for m in r.mixers],
+        "summary_gathers": sum(e.kind == "mixer_exchange" for e in forward),
     }
 
 

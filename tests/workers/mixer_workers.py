@@ -336,14 +336,14 @@ def converted_scan_step(rank: int, world_size: int, folder: str) -> dict:
 
 
 class DeltaRuleScan(nn.Module):
-    """Hugging Face's ``torch_chunk_gated_delta_rule`` (chunks of 5, q and k l2-normed) over 4 heads of 3 features,
-    then causal attention."""
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` (or ``scan``, a function of its signature; chunks of 5, q and k
+    l2-normed) over 4 heads of 3 features, then causal attention."""
 
-    def __init__(self):
+    def __init__(self, scan=None):
         super().__init__()
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-        self.qkv, self.gates, self.scan = nn.Linear(8, 36), nn.Linear(8, 8), torch_chunk_gated_delta_rule
+        self.qkv, self.gates, self.scan = nn.Linear(8, 36), nn.Linear(8, 8), scan or torch_chunk_gated_delta_rule
 
     def forward(self, x):
         q, k, v = self.qkv(x).unflatten(-1, (3, 4, 3)).unbind(2)
@@ -373,6 +373,76 @@ def converted_state_step(rank: int, world_size: int, folder: str) -> dict:
         "output": rel_err(got, want),
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in loaded.model.named_parameters()},
         "summaries": sum(e.kind == "mixer_exchange" for e in events),
+    }
+
+
+class EveryMixerKind(nn.Module):
+    """Each kind of sequence mixer in one block: a causal depthwise convolution (width 3), a cumulative sum, the gated
+    delta rule (4 heads of 3 features, l2-normed q and k) and Mamba2's SSD (4 heads of 2 features, one group of B and
+    C of 3 states, ``dt`` biased, softplus'd and clamped to (0, 4)), both over chunks of ``chunk`` tokens, then causal
+    attention. The scans are `fp64_scans`' (the known names, computed in the inputs' dtype)."""
+
+    def __init__(self, chunk: int, vocab: int = 29, dim: int = 8, heads: int = 4):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.conv = nn.Conv1d(dim, dim, 3, groups=dim, padding=2)
+        self.qkv, self.gates = nn.Linear(dim, 3 * heads * 3), nn.Linear(dim, 2 * heads)
+        self.delta_out = nn.Linear(heads * 3, dim)
+        self.ssd_in, self.ssd_out = nn.Linear(dim, heads * 2 + heads + 6), nn.Linear(heads * 2, dim)
+        self.A_log, self.D, self.dt_bias = (nn.Parameter(torch.randn(heads) * 0.5) for _ in range(3))
+        self.heads, self.chunk = heads, chunk
+
+    def forward(self, ids):
+        from fp64_scans import mamba2_chunk_scan, torch_chunk_gated_delta_rule
+
+        n, heads = ids.shape[1], self.heads
+        x = self.embed(ids)
+        h = self.conv(x.transpose(1, 2))[..., :n].transpose(1, 2)
+        h = h + torch.cumsum(h, dim=1) / n
+        q, k, v = self.qkv(h).unflatten(-1, (3, heads, 3)).unbind(2)
+        g, beta = self.gates(h).unflatten(-1, (2, heads)).unbind(2)
+        out, _ = torch_chunk_gated_delta_rule(
+            q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=self.chunk, use_qk_l2norm_in_kernel=True
+        )
+        h = h + self.delta_out(out.flatten(2))
+        states, dt, b, c = self.ssd_in(h).split([heads * 2, heads, 3, 3], dim=-1)
+        y = mamba2_chunk_scan(
+            states.unflatten(-1, (heads, 2)), dt, -self.A_log.exp(), b[:, :, None], c[:, :, None], self.chunk,
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=(0.0, 4.0),
+        )  # fmt: skip
+        h = h + self.ssd_out(y.flatten(2))
+        a = h.unflatten(-1, (2, 4)).transpose(1, 2)
+        return self.head(h + F.scaled_dot_product_attention(a, a, a, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def every_mixer_kind_step(rank: int, world_size: int, case: dict) -> dict:
+    """One training step of `EveryMixerKind` (``case``: dtype, seq_len, chunk, layout, scans, ulysses, seed) through
+    the ring backend, outputs sharded, against the model run whole: relative errors of the logits and of every
+    gradient by name; the exchanges of each kind counted; the logits' local length; each mixer's strategy."""
+    torch._dynamo.reset()
+    torch.manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    model = EveryMixerKind(case["chunk"]).to(dtype)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(case["seed"])
+    ids = torch.randint(0, 29, (2, case["seq_len"]), generator=gen)
+    weights = torch.randn(2, case["seq_len"], 29, generator=gen, dtype=dtype)
+    want = reference(ids)
+    (want * weights).sum().backward()
+    backend = ringpass.backend(
+        compiler="aot_eager", layout=case["layout"], outputs="sharded", scans=case["scans"], ulysses=case["ulysses"]
+    )
+    with record_ring_events() as events:
+        local = torch.compile(model, backend=backend, fullgraph=True)(ids)
+        layout = Layout(backend.reports[0].layout, world_size, case["seq_len"])
+        (local * layout.shard(weights, 1, rank)).sum().backward()
+    expected = dict(reference.named_parameters())
+    return {
+        "logits": rel_err(_gather(local, layout, 1), want),
+        "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+        "local_len": local.shape[1],
+        "events": {kind: sum(e.kind == kind for e in events) for kind in {e.kind for e in events}},
+        "mixers": [(m.kind, m.strategy) for m in backend.reports[0].mixers],
     }
 
 
@@ -425,10 +495,10 @@ def inductor_step(rank: int, world_size: int) -> dict:
 
 
 def per_rank_step(rank: int, world_size: int) -> dict:
-    """`ConvNet` (fp64, with attention) under ``inputs="per_rank"``: each rank passes its own batch; the reference is
-    a data-parallel job (each rank's output on its batch, the mean of the ranks' gradients)."""
+    """`EveryMixerKind` (fp64, its scans passing their state) under ``inputs="per_rank"``: each rank passes its own
+    batch; the reference is a data-parallel job (each rank's output on its batch, the mean of the ranks' gradients)."""
     torch.manual_seed(0)
-    model = ConvNet(29, 8, 4, attention=True).double()
+    model = EveryMixerKind(chunk=3).double()
     reference = copy.deepcopy(model)
     batches = [
         torch.randint(0, 29, (2, 13), generator=torch.Generator().manual_seed(10 + r)) for r in range(world_size)
@@ -436,7 +506,7 @@ def per_rank_step(rank: int, world_size: int) -> dict:
     for batch in batches:
         (reference(batch).pow(2).mean() / world_size).backward()
     want = reference(batches[rank]).detach()
-    backend = ringpass.backend(compiler="aot_eager", inputs="per_rank")
+    backend = ringpass.backend(compiler="aot_eager", inputs="per_rank", scans="state")
     with record_ring_events() as events:
         got = torch.compile(model, backend=backend, fullgraph=True)(batches[rank])
         got.pow(2).mean().backward()
@@ -445,4 +515,6 @@ def per_rank_step(rank: int, world_size: int) -> dict:
         "output": rel_err(got, want),
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "mixer_exchanges": sum(e.kind == "mixer_exchange" for e in events),
+        "heads_exchanges": sum(e.kind == "heads_exchange" for e in events),
+        "mixers": [m.strategy for m in backend.reports[0].mixers],
     }
