@@ -2,7 +2,7 @@
 
 A row packed from documents of lengths ``L_1 .. L_m`` (attention causal inside each document, none across them) costs a
 query token its offset in its document plus one key pairs. Zigzag balances one triangle over the whole row; with a few
-long documents and many short ones its ranks' pairs differ (1 x 2400 + 900 + 500 + 296 tokens at P = 2: 1.28 max/mean).
+long documents and many short ones its ranks' pairs differ (2400 + 900 + 500 + 296 tokens at P = 2: 1.49x the mean).
 `DocumentLayout` gives every rank ``ceil(N / P)`` slots (no padding of each document, none to 2P) and balances the
 pairs: `balance_documents` keeps a short document whole on one rank where the pairs allow it (its key blocks are then
 on one rank only: a rank whose queries share no document with a block can skip it), splits each long one by zigzag

@@ -83,7 +83,7 @@ def test_each_ranks_unmasked_pairs_are_within_five_percent_of_the_mean(packing):
 
 
 def test_zigzag_over_the_row_is_what_the_documents_layout_balances():
-    """The issue's row on 2 ranks: zigzag's causal split leaves the documents' pairs 1.2x apart."""
+    """The issue's row on 2 ranks: zigzag's causal split leaves the documents' pairs 1.49x the mean."""
     lengths = (2400, 900, 500, 296)
     document = DocumentLayout(lengths, 2).document_ids()
     zigzag = Layout("zigzag", 2, sum(lengths))
@@ -91,7 +91,7 @@ def test_zigzag_over_the_row_is_what_the_documents_layout_balances():
     pairs = [
         int((q - starts[document[q]] + 1).sum()) for q in (zigzag.positions(r)[: zigzag.valid_len(r)] for r in range(2))
     ]
-    assert max(pairs) * 2 / sum(pairs) > 1.15 and DocumentLayout(lengths, 2).balance() <= 1.05
+    assert max(pairs) * 2 / sum(pairs) > 1.45 and DocumentLayout(lengths, 2).balance() <= 1.05
     assert visible_pairs(zigzag, 0, True) == visible_pairs(zigzag, 1, True)  # one triangle: balanced as a row
 
 
