@@ -273,6 +273,18 @@ def _two_outputs_step(model: nn.Module, x: torch.Tensor, loss, compiler: str) ->
     return result, events
 
 
+def _sharded_step(
+    model: nn.Module, kwargs: dict, weights: torch.Tensor, backend, rank: int, world_size: int, dynamic=None
+):
+    """``model`` compiled with ``backend`` (outputs sharded) called on ``kwargs``, the sum of its local output times
+    this rank's shard of ``weights`` backward: (the local output, the whole output gathered, the ring's events)."""
+    with record_ring_events() as events:
+        local = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(**kwargs)
+        layout = Layout(backend.reports[0].layout, world_size, weights.shape[1])
+        (local * layout.shard(weights, 1, rank)).sum().backward()
+    return local, _gather(local, layout, 1), events
+
+
 def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     """One training step of `ConvNet` through the ring backend against the model run whole (fp64 or fp32): relative
     errors of the logits and of every gradient by name; the ring's KV and summary exchanges; the local
@@ -293,14 +305,10 @@ def conv_model_step(rank: int, world_size: int, case: dict) -> dict:
     want = reference(**kwargs)
     (want * weights).sum().backward()
     backend = ringpass.backend(compiler="aot_eager", layout=case["layout"], outputs="sharded")
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=case.get("dynamic"))
-    with record_ring_events() as events:
-        local = compiled(**kwargs)
-        layout = Layout(backend.reports[0].layout, world_size, case["seq_len"])
-        (local * layout.shard(weights, 1, rank)).sum().backward()
+    local, got, events = _sharded_step(model, kwargs, weights, backend, rank, world_size, case.get("dynamic"))
     expected = dict(reference.named_parameters())
     return {
-        "logits": rel_err(_gather(local, layout, 1), want),
+        "logits": rel_err(got, want),
         # the backend sums each parameter's gradient over the ranks (grads="auto" with no wrapper: reduced)
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "kv_exchanges": sum(e.kind == "exchange" for e in events),
@@ -432,13 +440,10 @@ def every_mixer_kind_step(rank: int, world_size: int, case: dict) -> dict:
     backend = ringpass.backend(
         compiler="aot_eager", layout=case["layout"], outputs="sharded", scans=case["scans"], ulysses=case["ulysses"]
     )
-    with record_ring_events() as events:
-        local = torch.compile(model, backend=backend, fullgraph=True)(ids)
-        layout = Layout(backend.reports[0].layout, world_size, case["seq_len"])
-        (local * layout.shard(weights, 1, rank)).sum().backward()
+    local, got, events = _sharded_step(model, {"ids": ids}, weights, backend, rank, world_size)
     expected = dict(reference.named_parameters())
     return {
-        "logits": rel_err(_gather(local, layout, 1), want),
+        "logits": rel_err(got, want),
         "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
         "local_len": local.shape[1],
         "events": {kind: sum(e.kind == kind for e in events) for kind in {e.kind for e in events}},
