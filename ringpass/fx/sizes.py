@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ringpass.fx.findings import SeqDim
-from ringpass.fx.nodes import describe, example_value, refusal
+from ringpass.fx.nodes import describe, example_value, plain, refusal
 from ringpass.fx.spellings import EXPANDS, VIEWS
 
 
@@ -58,14 +57,14 @@ def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
     """Where the reshape ``node`` cuts its input's sequence ``axis`` (of ``n`` tokens) into (chunks, chunk length) at
     the traced sizes (symbolic sizes at the values they were traced with), the dims after it kept: chunks shorter than
     the sequence, or one chunk it was padded to; a sentence saying it is a chunked scan, else ""."""
-    before = [_traced(s) for s in example_value(node.args[0]).shape]
-    after = [_traced(s) for s in example_value(node).shape]
-    inner = _traced(axis.inner)
+    before = [plain(s) for s in example_value(node.args[0]).shape]
+    after = [plain(s) for s in example_value(node).shape]
+    inner = plain(axis.inner)
     if None in (*before, *after, inner):
         return ""
     token = inner * math.prod(before[axis.dim + 1 :])  # elements from one token to the next
     tokens = before[axis.dim] // inner  # the dim's tokens (times any dim merged in before the sequence)
-    n = tokens if n is None else _traced(n)
+    n = tokens if n is None else plain(n)
     for d in range(len(after) - 1):
         chunks, chunk = after[d], after[d + 1]
         if math.prod(after[d + 2 :]) != token or chunks * chunk != tokens:
@@ -78,11 +77,6 @@ def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
                 'is not (docs/backend.md, "Sequence mixers other than attention").'
             )
     return ""
-
-
-def _traced(size):
-    """The value a size was traced with (a SymInt's hint; None: unbacked)."""
-    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def resize_size_args(node: fx.Node, in_axes, length, n) -> tuple:
