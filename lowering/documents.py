@@ -51,6 +51,7 @@ class DocumentLayout:
     kind = "documents"
 
     def __post_init__(self):
+        object.__setattr__(self, "lengths", tuple(self.lengths))  # a list too: the plan is cached by the lengths
         if not self.lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.lengths):
             raise InvalidInputError(f"Document lengths must be positive ints, got {self.lengths!r}.")
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
@@ -114,6 +115,10 @@ class DocumentLayout:
         """Inverse of sharding every rank: the full tensor in position order, padding dropped."""
         if len(shards) != self.world_size:
             raise InvalidInputError(f"unshard needs one shard per rank ({self.world_size}), got {len(shards)}.")
+        if any(s.size(dim) != self.local_len for s in shards):
+            raise InvalidInputError(
+                f"unshard needs {self.local_len} slots per rank along dim {dim}, got {[s.size(dim) for s in shards]}."
+            )
         real = torch.cat([s.narrow(dim, 0, self.valid_len(r)) for r, s in enumerate(shards)], dim)
         order = torch.tensor([p for r in range(self.world_size) for p in self._owned[r]], dtype=torch.int64)
         return real.index_select(dim, torch.argsort(order).to(real.device))

@@ -53,10 +53,11 @@ def view_target_dim(node: fx.Node, in_axis: SeqDim, n) -> tuple[int, int]:
     )
 
 
-def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
+def chunked_scan(node: fx.Node, axis: SeqDim, n=None, *, static_chunk: bool = False) -> str:
     """Where the reshape ``node`` cuts its input's sequence ``axis`` (of ``n`` tokens) into (chunks, chunk length) at
-    the traced sizes (symbolic sizes at the values they were traced with), the dims after it kept: chunks shorter than
-    the sequence, or one chunk it was padded to; a sentence saying it is a chunked scan, else ""."""
+    the traced sizes (symbolic sizes at the values they were traced with; ``static_chunk``: only a chunk length the op
+    spells as a number, as a model's chunk size is), the dims before and after it kept: chunks shorter than the
+    sequence, or one chunk it was padded to; a sentence saying it is a chunked scan, else ""."""
     before = [plain(s) for s in example_value(node.args[0]).shape]
     after = [plain(s) for s in example_value(node).shape]
     inner = plain(axis.inner)
@@ -67,9 +68,10 @@ def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
     n = tokens if n is None else plain(n)
     for d in range(len(after) - 1):
         chunks, chunk = after[d], after[d + 1]
-        if math.prod(after[d + 2 :]) != token or chunks * chunk != tokens:
+        kept = after[:d] == before[: axis.dim] and math.prod(after[d + 2 :]) == token
+        if not kept or chunks * chunk != tokens or (static_chunk and chunk not in _literals(node)):
             continue
-        if 1 < chunk < n or (chunks == 1 and chunk > n):  # a cut, or one chunk the sequence was padded to
+        if chunk > 1 and ((chunks > 1 and chunk < n) or (chunks == 1 and chunk > n)):  # or one chunk, padded to
             return (
                 f" It cuts the sequence into chunks of {chunk} tokens: a chunked scan (Mamba2's SSD, Gated "
                 "DeltaNet's delta rule) that carries a state from chunk to chunk. ringpass runs such a scan whole on "
@@ -77,6 +79,12 @@ def chunked_scan(node: fx.Node, axis: SeqDim, n=None) -> str:
                 'is not (docs/backend.md, "Sequence mixers other than attention").'
             )
     return ""
+
+
+def _literals(node: fx.Node) -> set[int]:
+    """The sizes a reshape, view or unflatten spells as numbers (in a tuple too)."""
+    args = [a for arg in node.args[1:] for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+    return {a for a in args if isinstance(a, int)}
 
 
 def resize_size_args(node: fx.Node, in_axes, length, n) -> tuple:

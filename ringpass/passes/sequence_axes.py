@@ -182,17 +182,13 @@ class _Probe:
                 return self._resized(original, [d for d, s in enumerate(original.shape) if same(s, self.n)])
             if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
-        scan = self._chunk_cut(node)
-        if scan:  # even where its sizes follow the length (symbolic, or a multiple of the chunk): the chunks' loop
-            if self.ctx.dynamic:
-                raise refusal(
-                    f"{describe(node)} cuts the sequence into chunks: a chunked scan, whose loop over its chunks "
-                    "Dynamo unrolled at the traced count. ringpass runs chunked scans with static shapes only so far: "
-                    "compile with dynamic=False.",
-                    node,
-                )
-            self._compute_whole(node, f"a chunked scan (`{op_label(node)}` cuts the sequence into chunks)")
-            raise refusal(f"{describe(node)} cannot run on a sequence shard.{scan}", node)
+        if self.ctx.dynamic and self._chunk_cut(node, static_chunk=True):  # its sizes follow a symbolic length,
+            raise refusal(  # but Dynamo unrolled the loop over its chunks at the traced count
+                f"{describe(node)} cuts the sequence into chunks: a chunked scan, whose loop over its chunks Dynamo "
+                "unrolled at the traced count. ringpass runs chunked scans with static shapes only so far: compile "
+                "with dynamic=False.",
+                node,
+            )
         try:
             args, kwargs = self._probe_args(node)
             if node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply:
@@ -201,27 +197,32 @@ class _Probe:
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
-            self._compute_whole(node, "")
+            scan = self._chunk_cut(node)
+            self._compute_whole(
+                node, f"a chunked scan (`{op_label(node)}` cuts the sequence into chunks)" if scan else ""
+            )
             if isinstance(error, NotSupportedError):
                 raise
+            why = scan or (
+                " It combines a value that follows the sequence length with one whose size stays at the traced "
+                "length: typically a loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, "
+                "linear attention), which cannot be sharded along the sequence yet, or a size read from a tensor's "
+                "data. If neither fits, please report this model."
+            )
             raise refusal(
-                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}. It combines a "
-                "value that follows the sequence length with one whose size stays at the traced length: typically a "
-                "loop over the sequence that Dynamo unrolled (a recurrence: a state-space scan, linear attention), "
-                "which cannot be sharded along the sequence yet, or a size read from a tensor's data. If neither "
-                "fits, please report this model.",
-                node,
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}.{why}", node
             ) from None
 
-    def _chunk_cut(self, node: fx.Node) -> str:
+    def _chunk_cut(self, node: fx.Node, static_chunk: bool = False) -> str:
         """Where ``node`` (a reshape, view or unflatten) cuts the sequence into chunks at the traced sizes, the
         sentence saying so (`chunked_scan`); else "". A chunked scan's loop over its chunks is unrolled at the traced
-        count, whatever the probe's sizes."""
+        count: with static shapes the probe's length fails the reshape, with dynamic ones it does not."""
         if node.op not in ("call_method", "call_function") or not (
             node.target in VIEWS or op_name(node) == "unflatten"
         ):
             return ""
-        return "".join(chunked_scan(node, axis, self.n) for axis in self.ctx.sequence.axes.get(node.args[0], ()))
+        axes = self.ctx.sequence.axes.get(node.args[0], ())
+        return "".join(chunked_scan(node, axis, self.n, static_chunk=static_chunk) for axis in axes)
 
     def _probe_placeholder(self, node: fx.Node, original):
         if isinstance(original, torch.SymInt) and same(original, self.n):

@@ -105,7 +105,8 @@ def test_a_reshape_into_chunks_is_read_as_a_chunked_scan_and_nothing_else_is(
     """`chunked_scan`: a sequence of ``tokens`` padded to whole chunks and cut into (chunks, chunk) with the dims after
     it kept (Mamba2's ``[B, N, H, D]``, the delta rule's ``[B, H, N, D]``) is a scan where the chunk is shorter than the
     sequence and longer than one token, or one chunk the sequence was padded to; reshapes that keep the sequence whole
-    (heads out of the features, ``[B * N, F]`` back to ``[B, N, F]``, ``[B, N, 1, F]``) never are."""
+    (heads out of the features, also of a shifted or extended sequence with a batch of one, ``[B * N, F]`` back to
+    ``[B, N, F]``, ``[B, N, 1, F]``) never are."""
     padded = -(-tokens // chunk) * chunk
     lead = (batch, 2) if heads_first else (batch,)
     node = _reshape_node((*lead, padded, features), (*lead, padded // chunk, chunk, features))
@@ -115,6 +116,9 @@ def test_a_reshape_into_chunks_is_read_as_a_chunked_scan_and_nothing_else_is(
     whole = (batch, tokens, features)
     if features % 2 == 0:
         assert not chunked_scan(_reshape_node(whole, (batch, tokens, 2, features // 2)), SeqDim(1), tokens)
+        for shifted in (tokens - 1, tokens + 1):  # x[:, 1:] or a token concatenated before, then heads: no cut
+            heads = _reshape_node((1, shifted, features), (1, shifted, 2, features // 2))
+            assert not chunked_scan(heads, SeqDim(1, aligned=False), tokens)
     assert not chunked_scan(_reshape_node((batch * tokens, features), whole), SeqDim(0), tokens)
     assert not chunked_scan(_reshape_node(whole, (batch, tokens, 1, features)), SeqDim(1), tokens)
     assert not chunked_scan(_reshape_node((batch, tokens * features), whole), SeqDim(1, inner=features), tokens)

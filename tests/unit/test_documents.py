@@ -58,6 +58,7 @@ def test_every_token_on_one_rank_in_order_with_ceil_n_over_p_slots(packing):
         assert [p_ for s in layout.segments(r) for p_ in range(s.global_start, s.global_stop)] == real[r].tolist()
     x = torch.randn(2, n, 3, dtype=torch.float64)
     assert torch.equal(layout.unshard([layout.shard(x, 1, r) for r in range(p)], 1), x)
+    assert DocumentLayout(list(lengths), p).positions(0).tolist() == positions[0].tolist()  # a list of lengths too
 
 
 @settings(max_examples=200, **SETTINGS)
