@@ -146,8 +146,11 @@ SYMBOLS: dict[str, Private] = {
     "dynamo_config": Private("torch._dynamo.config", "convert pins Python floats (specialize_float)"),
     "DynamoUnsupported": Private("torch._dynamo.exc.Unsupported", "convert's capture says what Dynamo refused"),
     "ShortenTraceback": Private("torch._dynamo.exc.ShortenTraceback", "a refusal shows the user's line, not ours"),
+    "RestartAnalysis": Private(
+        "torch._dynamo.exc.RestartAnalysis", "the inner compiler asks Dynamo to trace the frame again (floats)"
+    ),
     "TensorifyScalarRestartAnalysis": Private(
-        "torch._dynamo.exc.TensorifyScalarRestartAnalysis", "asks Dynamo to trace a frame again (inputs='sharded')"
+        "torch._dynamo.exc.TensorifyScalarRestartAnalysis", "asks Dynamo to trace a frame again (`frontend.retrace`)"
     ),
     "dynamo_sources": Private("torch._dynamo.source", "where a graph input came from (an attribute, a global)"),
     "Source": Private("torch._guards.Source", "the type of a graph input's origin"),
@@ -208,6 +211,11 @@ SYMBOLS: dict[str, Private] = {
         "WrapBackendDebug._torchdynamo_orig_backend",
         "the backend under Dynamo's wrappers",
         read_by="torch._dynamo.eval_frame",
+    ),
+    "GraphModule.compile_subgraph_reason": Private(
+        "torch.fx.GraphModule.compile_subgraph_reason",
+        "whether Dynamo's graph ends at a graph break (its outputs flow into the next graph)",
+        read_by="torch._dynamo.output_graph",
     ),
     "OpOverloadPacket._qualified_op_name": Private(
         "torch._ops.OpOverloadPacket._qualified_op_name", "an op's namespace::name", sample=_an_op_packet
@@ -374,6 +382,11 @@ def view_base(tensor):
     return tensor._base
 
 
+def ends_at_graph_break(gm) -> bool:
+    """Whether Dynamo cut ``gm`` at a graph break (what it returns goes on into the code after the break)."""
+    return bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
+
+
 def compiled_module_inner(model):
     """The module ``torch.compile(module)`` wraps, or ``model`` itself."""
     return getattr(model, "_orig_mod", model)
@@ -399,12 +412,13 @@ def copy_parameter_sources(copy, gm) -> None:
         copy._param_name_to_source = gm._param_name_to_source
 
 
-DYNAMIC_MARKS = (  # mark_dynamic's, maybe_mark_dynamic's, and what Dynamo propagated from another tensor
-    "_dynamo_dynamic_indices",
+DYNAMIC, WEAKLY_DYNAMIC, PROPAGATED = (  # mark_dynamic's, maybe_mark_dynamic's, what Dynamo propagated from another
+    "_dynamo_dynamic_indices",  # tensor
     "_dynamo_weak_dynamic_indices",
     "_dynamo_propagated_dynamic_indices",
 )
-OTHER_MARKS = ("_dynamo_static_indices", "_dynamo_unbacked_indices")
+STATIC, UNBACKED = "_dynamo_static_indices", "_dynamo_unbacked_indices"
+DYNAMIC_MARKS, OTHER_MARKS = (DYNAMIC, WEAKLY_DYNAMIC, PROPAGATED), (STATIC, UNBACKED)
 
 
 def dynamic_dims(tensor) -> set[int]:
@@ -412,9 +426,15 @@ def dynamic_dims(tensor) -> set[int]:
     return set().union(*(getattr(tensor, mark, ()) for mark in DYNAMIC_MARKS))
 
 
-def weakly_dynamic_dims(tensor) -> set[int]:
-    """The dims ``maybe_mark_dynamic`` marked."""
-    return set(getattr(tensor, "_dynamo_weak_dynamic_indices", ()))
+def mark_static(tensor, dims) -> None:
+    """``torch._dynamo.mark_static(tensor, dims)`` from inside a backend (where Dynamo's own call would specialise a
+    traced size instead): the marks its next trace of ``tensor`` reads."""
+    indices = getattr(tensor, STATIC, None)
+    if indices is None:
+        indices = set()
+        setattr(tensor, STATIC, indices)
+    indices.update(dims)
+    tensor._has_dynamo_dim_marking = True
 
 
 def has_dim_marking(tensor) -> bool:
@@ -422,16 +442,23 @@ def has_dim_marking(tensor) -> bool:
     return hasattr(tensor, "_has_dynamo_dim_marking")
 
 
-def unmark_weakly_dynamic(tensor, dims: set[int], had_marking: bool) -> None:
-    """Takes back ``maybe_mark_dynamic(tensor, dims)``; the tensor's marking flag goes when no mark is left and it
-    had none before."""
-    indices = getattr(tensor, "_dynamo_weak_dynamic_indices", None)
+def unmark(tensor, mark: str, dims: set[int], had_marking: bool) -> None:
+    """Takes the ``dims`` of ``mark`` (one of `DYNAMIC_MARKS` or `OTHER_MARKS`) off ``tensor``; the tensor's marking
+    flag goes when no mark is left and it had none before."""
+    indices = getattr(tensor, mark, None)
     if indices is not None:
         indices -= dims
         if not indices:
-            del tensor._dynamo_weak_dynamic_indices
+            delattr(tensor, mark)
     if not had_marking and not any(hasattr(tensor, m) for m in DYNAMIC_MARKS + OTHER_MARKS) and has_dim_marking(tensor):
         del tensor._has_dynamo_dim_marking
+
+
+def remark(tensor, mark: str, dims: set[int]) -> None:
+    """Puts the ``dims`` of ``mark`` back on ``tensor`` (what `unmark` took off)."""
+    if dims:
+        setattr(tensor, mark, set(getattr(tensor, mark, ())) | dims)
+        tensor._has_dynamo_dim_marking = True
 
 
 def fsdp_param_group(state):

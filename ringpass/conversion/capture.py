@@ -59,8 +59,8 @@ def capture(model, call: list, options: RingOptions, world_size: int, dynamic: b
             if node.op == "placeholder":
                 node.meta["ringpass_source"] = graph_arg.source.name
                 node.meta["ringpass_as_tensor"] = bool(graph_arg.pass_arg_as_tensor)
-        try:  # the backend's protocol (no boundaries: a converted model is one graph called with whole tensors)
-            rewrite_graph(ctx, boundaries=False)
+        try:  # the backend's protocol (no boundaries: a converted model is one graph called with whole tensors;
+            rewrite_graph(ctx, boundaries=False, static_retrace=False)  # dynamic=True converts for every length)
             gm.graph.lint()
             gm.recompile()
         except Retrace as retrace:

@@ -71,10 +71,10 @@ class RingBackend:
         try:
             self._rewrite(ctx, options, group)
             return self._compile(ctx, captured, options)
-        except Retrace as retrace:  # Dynamo traces the frame again: this graph never existed
-            self.reports.remove(report)
+        except (Retrace, compat.RestartAnalysis) as restart:  # Dynamo traces the frame again: this graph never
+            self.reports.remove(report)  # existed (ours, or the inner compiler's: AOT's specialised a float)
             _reports.remove(report)
-            raise retrace.restart from None
+            raise (restart.restart if isinstance(restart, Retrace) else restart) from None
         except Exception as error:  # the peers stop with this rank's error instead of waiting for it
             # the call this compile was for counts, as it does on the peers that compiled and called it
             failures.post_failure(group.group_name, error, call=failures.begin_call())

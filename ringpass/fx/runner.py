@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn.functional as F
 
 from lowering import compat
 from lowering.errors import NotSupportedError
@@ -167,6 +168,17 @@ def _graph_folder(index: int) -> Path | None:
     return folder
 
 
+def _pad(x, pad, mode="constant", value=None):
+    """``F.pad`` through its Python reference, which keeps symbolic sizes symbolic (the C++ op on fake
+    tensors makes them concrete, or fails on a symbolic pad)."""
+    if mode != "constant":
+        return F.pad(x, pad, mode, value)
+    return compat.constant_pad_nd_ref(x, pad, 0 if value is None else value)
+
+
+FAKE_EQUIVALENTS = {compat.pad_binding: _pad, F.pad: _pad}  # on fake values: same shapes, sizes kept symbolic
+
+
 def run_on_fake_values(gm: fx.GraphModule) -> tuple[fx.Node | None, Exception | None]:
     """Runs every node of ``gm`` on fake tensors: copies of the inputs' example values, in the graph's own fake
     mode, without guards and without touching the graph or the example values (a read of a tensor's numbers,
@@ -215,7 +227,7 @@ def _call(gm: fx.GraphModule, node: fx.Node, env: dict):
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     if node.op == "call_module":
         return gm.get_submodule(node.target)(*args, **kwargs)
-    return node.target(*args, **kwargs)
+    return FAKE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
 
 
 def _attribute(gm: fx.GraphModule, target: str):

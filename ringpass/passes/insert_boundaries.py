@@ -40,6 +40,7 @@ from ringpass.fx.gradient_reach import writes_in_place, written
 from ringpass.fx.nodes import copy_origin, describe, example_value, nbytes, plain, refusal, short_source, user_name
 from ringpass.fx.report import CollectiveRecord, ValueRecord
 from ringpass.fx.sizes import same
+from ringpass.fx.static_shapes import needs_static_shapes
 from ringpass.fx.token_ops import pick_index, positions_index
 
 
@@ -263,10 +264,12 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     elif ctx.dynamic:
         positions = _last_positions(index)
         if positions is None:
-            raise refusal(
+            raise needs_static_shapes(
+                ctx,
                 f"{describe(node)} picks a slice of tokens whose length depends on the sequence length; "
                 "with dynamic shapes only single positions (x[:, 0], x[:, -1]) and the last tokens "
                 "(x[:, -4:]) are supported. Compile with dynamic=False.",
+                f"{describe(node)} picks a slice of tokens whose length depends on the sequence length",
                 node,
             )
     else:

@@ -61,6 +61,7 @@ from ringpass.fx.nodes import (
 )
 from ringpass.fx.sizes import same
 from ringpass.fx.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
+from ringpass.fx.static_shapes import needs_static_shapes
 
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
 # A finite hiding value at or below this makes every score it is added to the same number in float32 (its
@@ -90,9 +91,11 @@ def _plan_flex(ctx: PassContext, match):
     q = example_value(match.query)
     batch, heads = q.shape[0], q.shape[1]
     if isinstance(batch, torch.SymInt) or isinstance(heads, torch.SymInt):
-        raise refusal(
+        raise needs_static_shapes(
+            ctx,
             f"flex_attention {describe(match.output)} with a dynamic batch or head count: its mask_mod is "
             "evaluated per (batch, head); compile with dynamic=False.",
+            f"flex_attention {describe(match.output)} evaluates its mask_mod per (batch, head) at a known count",
             match.output,
         )
     mods = match.flex
@@ -227,17 +230,21 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
             return MaskPlan(*flags)
         big = region.oversized[0]
         if ctx.options.masks != "materialize":
+            if dynamic:  # at static shapes the mask is checked at this length
+                raise needs_static_shapes(
+                    ctx,
+                    f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence "
+                    "tensor that computes with the length, and ring attention evaluates masks per block from "
+                    "per-token vectors: compile with dynamic=False (the mask is then checked at each length), or "
+                    "allow holding it whole on every rank with options={'masks': 'materialize'}.",
+                    f"the attention mask of {describe(match.output)} computes with the length (checked at each one)",
+                    big,
+                )
             raise refusal(
                 f"The attention mask of {describe(match.output)} needs {describe(big)}, a sequence x sequence tensor; "
                 "ring attention evaluates masks per block from per-token vectors (positions, segment ids, padding "
                 "masks) compared pairwise, so no rank holds S x S. Build the mask from such vectors (e.g. "
                 "`pos[:, None] >= pos[None, :]`)"
-                + (
-                    ", or compile with dynamic=False (a mask that computes with "
-                    "the length is then checked at each length)"
-                    if dynamic
-                    else ""
-                )
                 + ", or allow holding it whole on every rank with options={'masks': 'materialize'}."
                 + _unreadable_state(ctx, mask)
                 + _mask_given_whole(ctx, big),

@@ -21,9 +21,12 @@ pick of a few tokens). An op that cannot run at the probe's length because it cu
 because it reads a value a loop over the tokens left at the traced length, inside a function call that reads and
 returns per-token values, makes that call a `WholeRegion` (``ctx.sequence.regions``, `ringpass.fx.call_regions`):
 computed whole on every rank, its nodes unprobed, its outputs probed at the probe's length; the probe starts again
-from the call. Refuses attentions over different lengths, a reshape that splits the sequence, a function call computed
-whole with dynamic shapes or sharded inputs, and any other op that fails at the probe's length (its sizes do not
-follow the sequence).
+from the call. Under dynamic shapes with whole inputs, a chunked scan (read up front: a reshape cutting the sequence
+into chunks of a length the op spells), a call computed whole or an op that fails at the probe's length raises
+`NeedsStaticShapes`: the front end has Dynamo trace the frame again at static sizes (where such an op is refused or
+runs). Refuses those with sharded inputs, attentions over different lengths, a
+reshape that splits the sequence, and any other op that fails at the probe's length (its sizes do not follow the
+sequence).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from lowering import compat
@@ -50,20 +52,11 @@ from ringpass.fx.nodes import (
     refusal,
     user_name,
 )
+from ringpass.fx.runner import FAKE_EQUIVALENTS
 from ringpass.fx.sizes import chunked_scan, is_size_op, resize_size_args, same, value_of, view_target_dim
 from ringpass.fx.spellings import CREATORS, EXPANDS, FLATTENS, PROMPT_SLOTS, VIEWS, op_name
+from ringpass.fx.static_shapes import needs_static_shapes
 from ringpass.fx.token_ops import classify, custom_forward, split_takes_everything, whole_slices_spelled
-
-
-def _pad(x, pad, mode="constant", value=None):
-    """``F.pad`` through its Python reference, which keeps symbolic sizes symbolic (the C++ op on fake
-    tensors makes them concrete)."""
-    if mode != "constant":
-        return F.pad(x, pad, mode, value)
-    return compat.constant_pad_nd_ref(x, pad, 0 if value is None else value)
-
-
-PROBE_EQUIVALENTS = {compat.pad_binding: _pad, F.pad: _pad}  # same shapes, no specialisation of sizes
 
 
 def find_sequence_axes(ctx: PassContext) -> None:
@@ -85,10 +78,12 @@ def find_sequence_axes(ctx: PassContext) -> None:
     _Probe(ctx).run()
     if ctx.sequence.regions and (ctx.dynamic or ctx.options.inputs == "sharded"):
         region = ctx.sequence.regions[0]
-        raise refusal(
+        raise needs_static_shapes(
+            ctx,
             f"`{region.function}` ({region.call_site}) runs whole on every rank ({region.why}), which ringpass does "
-            "with static shapes and whole inputs only so far (its sizes are the traced ones): compile with "
+            "with static shapes and whole inputs only (its sizes are the traced ones): compile with "
             "dynamic=False and inputs='full'.",
+            f"`{region.function}` ({region.call_site}) runs whole at its traced sizes ({region.why})",
             region.internal[0],
         )
 
@@ -183,10 +178,12 @@ class _Probe:
             if not any(self._changed(a) for a in node.all_input_nodes):
                 return original
         if self.ctx.dynamic and self._chunk_cut(node, static_chunk=True):  # its sizes follow a symbolic length,
-            raise refusal(  # but Dynamo unrolled the loop over its chunks at the traced count
+            raise needs_static_shapes(  # but Dynamo unrolled the loop over its chunks at the traced count
+                self.ctx,
                 f"{describe(node)} cuts the sequence into chunks: a chunked scan, whose loop over its chunks Dynamo "
-                "unrolled at the traced count. ringpass runs chunked scans with static shapes only so far: compile "
-                "with dynamic=False.",
+                "unrolled at the traced count, which ringpass runs with static shapes and whole inputs only: compile "
+                "with dynamic=False and inputs='full'.",
+                f"a chunked scan ({describe(node)} cuts the sequence into chunks) runs at its traced sizes only",
                 node,
             )
         try:
@@ -195,7 +192,7 @@ class _Probe:
                 return custom_forward(node)(*args[2:])[0]  # the Function's forward body: (outputs, saved)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return PROBE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
+            return FAKE_EQUIVALENTS.get(node.target, node.target)(*args, **kwargs)
         except Exception as error:  # an op whose sizes do not follow its input's sequence length
             scan = self._chunk_cut(node)
             self._compute_whole(
@@ -209,8 +206,11 @@ class _Probe:
                 "linear attention), which cannot be sharded along the sequence yet, or a size read from a tensor's "
                 "data. If neither fits, please report this model."
             )
-            raise refusal(
-                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}.{why}", node
+            raise needs_static_shapes(  # under dynamic shapes: its sizes may follow the length at static ones
+                self.ctx,
+                f"{describe(node)} cannot run on a sequence shard: {type(error).__name__}: {error}.{why}",
+                f"{describe(node)} fails at another length while sizes are symbolic ({type(error).__name__})",
+                node,
             ) from None
 
     def _chunk_cut(self, node: fx.Node, static_chunk: bool = False) -> str:

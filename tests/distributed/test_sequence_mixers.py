@@ -281,16 +281,72 @@ def test_a_scan_of_exactly_one_chunk_is_computed_whole_or_refused(pools, chunk):
         assert result["mixer_exchanges"] == 0, result  # nothing passes state: every mixer runs whole
 
 
+STATIC_SCAN = "traced again with static shapes: a chunked scan"
+VARIABLE_LENGTHS = [
+    pytest.param("conv", None, [13, 17], id="split-automatic"),
+    pytest.param("conv", True, [13, 17], id="split-dynamic", marks=pytest.mark.heavy),
+    pytest.param("every", None, [13, 17, 22], id="state-automatic", marks=pytest.mark.heavy),
+    pytest.param("every", True, [13, 17], id="state-dynamic", marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model, dynamic, lengths", VARIABLE_LENGTHS)
+def test_a_chunked_scan_under_dynamic_shapes_is_traced_again_static_at_each_length(pools, model, dynamic, lengths):
+    """A model compiled once and trained at several lengths: the second length makes Dynamo trace it with a symbolic
+    length (``dynamic=None``), or every trace is symbolic (``dynamic=True``). A chunked scan's loop over its chunks is
+    unrolled at the traced count, so the backend has Dynamo trace the frame again with static shapes (the report says
+    so) and each length gets a graph of its own: every step exact (logits and every gradient by name), sharded (local
+    length), the scans split by heads or passing their state as at static shapes (exchanges counted)."""
+    case = dict(model=model, dynamic=dynamic, lengths=lengths)
+    steps = pools.run(2, mixer_workers.variable_length_steps, (case,), timeout=900)[0]
+    for i, (n, step) in enumerate(zip(lengths, steps)):
+        assert step["logits"] <= 1e-10 and max(step["grads"].values()) <= 1e-10, (n, step)
+        assert step["local_len"][0] == step["local_len"][1] < n
+        graphs = step["graphs"]
+        assert [length for length, _, _ in graphs] == lengths[: i + 1]  # one graph per length, each static
+        retraced = [any(STATIC_SCAN in n for n in notes) for _, notes, _ in graphs]
+        assert retraced == [dynamic is True or j > 0 for j in range(i + 1)], graphs  # automatic: from the second on
+        assert step["events"] == steps[0]["events"]  # the same exchanges at each length
+    strategies = [strategy for kind, strategy in steps[-1]["mixers"] if "torch_chunk_gated_delta_rule" in kind]
+    if model == "every":  # as at static shapes, but for SSD under dynamic=True (a float traced as a symbol)
+        assert strategies[0].startswith("state passing"), steps[-1]["mixers"]
+        assert steps[0]["events"]["mixer_exchange"] == (4 if dynamic else 5)
+    else:
+        assert steps[0]["events"]["heads_exchange"] == 12 and steps[0]["events"]["mixer_exchange"] == 6
+
+
 @pytest.mark.timeout(600)
-def test_a_chunked_scan_with_dynamic_shapes_is_refused_naming_it(pools):
-    """With ``dynamic=True`` the reshape into chunks follows a symbolic length, but Dynamo unrolled the loop over the
-    chunks at the traced count: the reshape is still read as a cut (at the sizes it was traced with) and refused with
-    its line and what to do (before: the scan ran as per-token ops and the backend's own check failed on a size
-    mismatch: a crash, where other sizes would have been a wrong answer)."""
-    case = dict(world_size=2, layout="zigzag", seq_len=20, width=3, scan=8, attention=False, padding=False)
-    refused = r"NotSupportedError: `reshape` at .*mixer_workers.py.* cuts the sequence into chunks.*dynamic=False"
+def test_a_chunked_scan_after_a_graph_break_is_traced_again_static_at_each_length(pools):
+    """Attention, a graph break, then a chunked scan, under ``dynamic=True`` and ``outputs="sharded"``: the attention's
+    graph serves both lengths (one compile, symbolic) and, as it ends at a graph break, carries its output sharded into
+    the scan's graph (before: plain shards, which the scan's graph took as whole: a wrong answer with a warning) marked
+    dynamic (a hint), which the static retrace takes off: the scan's graph is traced again static at each length.
+    Every step exact and sharded."""
+    case = dict(model="break", dynamic=True, lengths=[13, 17])
+    steps = pools.run(2, mixer_workers.variable_length_steps, (case,), timeout=600)[0]
+    for n, step in zip(case["lengths"], steps):
+        assert step["logits"] <= 1e-10 and max(step["grads"].values()) <= 1e-10, (n, step)
+        assert step["local_len"][0] == step["local_len"][1] < n
+        assert step["events"]["heads_exchange"] == 6 and step["events"]["exchange"] == 4, step["events"]
+    graphs = steps[-1]["graphs"]
+    assert all(status == "rewritten" for _, _, status in graphs), graphs
+    assert any("ends at a graph break: its outputs are carried" in n for n in graphs[0][1]), graphs
+    assert [length for length, notes, _ in graphs if any(STATIC_SCAN in n for n in notes)] == case["lengths"]
+    assert len(graphs) == 3  # the attention's graph once
+
+
+def test_a_chunked_scan_under_a_length_marked_dynamic_is_refused_naming_it(pools):
+    """The user's ``mark_dynamic`` wins over a static mark, so the frame cannot be traced again with static shapes:
+    refused with the reshape's line, the input and what to do (before any of this: the scan ran as per-token ops and
+    the backend's own check failed on a size mismatch)."""
+    refused = (
+        r"(?s)NotSupportedError: `reshape` at .*fp64_scans.py.* cuts the sequence into chunks.*"
+        r"keeps dims \[1\] of `ids` symbolic \(marked dynamic.*take the mark off"
+    )
+    case = dict(model="every", dynamic=None, lengths=[13], mark_dynamic=True)
     with pytest.raises(RankFailure, match=refused):
-        pools.run(2, mixer_workers.conv_model_step, (dict(case, dtype="float64", dynamic=True, seed=3),), timeout=600)
+        pools.run(2, mixer_workers.variable_length_steps, (case,), timeout=600)
 
 
 class CenteredConv(nn.Module):
@@ -419,6 +475,17 @@ def test_a_converted_model_passing_a_scans_state_saves_loads_and_trains_exactly(
     for rank, result in enumerate(pools.run(2, mixer_workers.converted_state_step, (str(tmp_path),), timeout=600)):
         assert result["output"] <= 1e-4 and max(result["grads"].values()) <= 1e-4, (rank, result)
         assert len(result["grads"]) == 4 and result["summaries"] == 1, (rank, result)
+
+
+def test_converting_a_chunked_scan_for_every_length_is_refused_naming_it():
+    """``ringpass.convert(..., dynamic=True)`` promises one artifact for every length, which a chunked scan (its loop
+    over its chunks unrolled at the traced count) cannot keep: refused with the reshape's line, not converted at the
+    example's length only (the backend's answer, tracing again with static shapes, is no answer here)."""
+    model = mixer_workers.ConvNet(29, 8, 3, attention=True, scan_chunk=3).double()
+    ids = torch.randint(0, 29, (2, 13))
+    with pytest.raises(ringpass.NotSupportedError, match=r"`reshape` at .*mixer_workers.py.* cuts the sequence into"):
+        ringpass.convert(model, (ids,), world_size=2, dynamic=True)
+    assert ringpass.convert(model, (ids,), world_size=2).report.reports[0].mixers  # static: converts
 
 
 @st.composite

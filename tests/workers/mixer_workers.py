@@ -451,6 +451,73 @@ def every_mixer_kind_step(rank: int, world_size: int, case: dict) -> dict:
     }
 
 
+class BreakBeforeScan(nn.Module):
+    """Causal attention, a graph break, then a `chunked_decay_scan` over 4 heads in chunks of 3: the scan's graph
+    takes the attention's output carried sharded from the first graph (under dynamic shapes marked dynamic)."""
+
+    def __init__(self, vocab: int = 29, dim: int = 8, heads: int = 4):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.qkv, self.decay = nn.Linear(dim, 3 * dim), nn.Linear(dim, heads)
+        self.heads = heads
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        h = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        torch._dynamo.graph_break()
+        log_decay = -F.softplus(self.decay(h))
+        return self.head(h + chunked_decay_scan(h.unflatten(-1, (self.heads, -1)), log_decay, 3).flatten(2))
+
+
+def variable_length_steps(rank: int, world_size: int, case: dict) -> list[dict]:
+    """``case["model"]`` (fp64): `EveryMixerKind` (chunks of 3, its scans passing their state), `ConvNet` (its scan's
+    chunks of 3 split by heads, then attention) or `BreakBeforeScan` (two graphs), compiled once with
+    ``dynamic=case["dynamic"]`` and trained at each of ``case["lengths"]`` (``mark_dynamic``: the length marked dynamic
+    by the user first), against the model run whole: for each step the relative errors of the logits and of every
+    gradient by name, the logits' local length (and the layout's), the exchanges of each kind, the graphs compiled so
+    far (length, report notes) and the last one's mixers (kind, strategy)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    every = case["model"] == "every"
+    model = {
+        "every": lambda: EveryMixerKind(chunk=3),
+        "conv": lambda: ConvNet(29, 8, 3, attention=True, scan_chunk=3),
+        "break": BreakBeforeScan,
+    }[case["model"]]().double()
+    reference = copy.deepcopy(model)
+    breaks = case["model"] == "break"  # the first graph's outputs are carried into the second (it ends at a break)
+    backend = ringpass.backend(compiler="aot_eager", outputs="sharded", scans="state" if every else "heads")
+    compiled = torch.compile(model, backend=backend, fullgraph=not breaks, dynamic=case["dynamic"])
+    steps = []
+    for n in case["lengths"]:
+        gen = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, 29, (2, n), generator=gen)
+        weights = torch.randn(2, n, 29, generator=gen, dtype=torch.float64)
+        if case.get("mark_dynamic"):
+            torch._dynamo.mark_dynamic(ids, 1)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        want = reference(ids)
+        (want * weights).sum().backward()
+        with record_ring_events() as events:
+            local = compiled(ids)
+            layout = Layout(next(r.layout for r in backend.reports if r.layout), world_size, n)
+            (local * layout.shard(weights, 1, rank)).sum().backward()
+        expected = dict(reference.named_parameters())
+        steps.append(
+            {
+                "logits": rel_err(_gather(local, layout, 1), want),
+                "grads": {name: rel_err(p.grad, expected[name].grad) for name, p in model.named_parameters()},
+                "local_len": (local.shape[1], layout.local_len),
+                "events": {kind: sum(e.kind == kind for e in events) for kind in {e.kind for e in events}},
+                "graphs": [(r.seq_len, r.notes, r.status) for r in backend.reports],
+                "mixers": [(m.kind, m.strategy) for m in backend.reports[-1].mixers],
+            }
+        )
+    return steps
+
+
 class WholeInputMixers(nn.Module):
     """A cumsum and a causal convolution of a value another op needs whole (a flip along the sequence, before the
     attention): both run whole on every rank, and what the attention and the sum read is sharded after them."""
