@@ -308,10 +308,14 @@ def test_a_chunked_scan_under_dynamic_shapes_is_traced_again_static_at_each_leng
         retraced = [any(STATIC_SCAN in n for n in notes) for _, notes, _ in graphs]
         assert retraced == [dynamic is True or j > 0 for j in range(i + 1)], graphs  # automatic: from the second on
         assert step["events"] == steps[0]["events"]  # the same exchanges at each length
-    strategies = [strategy for kind, strategy in steps[-1]["mixers"] if "torch_chunk_gated_delta_rule" in kind]
-    if model == "every":  # as at static shapes, but for SSD under dynamic=True (a float traced as a symbol)
-        assert strategies[0].startswith("state passing"), steps[-1]["mixers"]
-        assert steps[0]["events"]["mixer_exchange"] == (4 if dynamic else 5)
+    strategies = {kind.split("`")[1]: strategy for kind, strategy in steps[-1]["mixers"] if kind.startswith("`")}
+    if model == "every":  # as at static shapes (torch 2.13 under dynamic=True: SSD split, see below)
+        assert strategies["torch_chunk_gated_delta_rule"].startswith("state passing"), strategies
+        if strategies["mamba2_chunk_scan"].startswith("state passing"):
+            assert steps[0]["events"]["mixer_exchange"] == 5
+        else:  # torch 2.13 passes dt_limit's floats as symbols under dynamic=True: the binding cannot read them
+            assert dynamic and "no assignment of its values" in strategies["mamba2_chunk_scan"], strategies
+            assert steps[0]["events"]["mixer_exchange"] == 4 and steps[0]["events"]["heads_exchange"] > 0
     else:
         assert steps[0]["events"]["heads_exchange"] == 12 and steps[0]["events"]["mixer_exchange"] == 6
 
