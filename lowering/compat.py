@@ -212,6 +212,11 @@ SYMBOLS: dict[str, Private] = {
         "the backend under Dynamo's wrappers",
         read_by="torch._dynamo.eval_frame",
     ),
+    "GraphModule.meta[dynamo_compile_id]": Private(
+        "torch.fx.GraphModule.dynamo_compile_id",
+        "how many times Dynamo compiled the graph's frame (the recompile limit's count)",
+        read_by="torch._dynamo.output_graph",
+    ),
     "GraphModule.compile_subgraph_reason": Private(
         "torch.fx.GraphModule.compile_subgraph_reason",
         "whether Dynamo's graph ends at a graph break (its outputs flow into the next graph)",
@@ -385,6 +390,11 @@ def view_base(tensor):
 def ends_at_graph_break(gm) -> bool:
     """Whether Dynamo cut ``gm`` at a graph break (what it returns goes on into the code after the break)."""
     return bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
+
+
+def dynamo_compile_id(gm):
+    """Dynamo's ``CompileId`` of the graph (``frame_compile_id``: how many times its frame compiled before), or None."""
+    return gm.meta.get("dynamo_compile_id")
 
 
 def compiled_module_inner(model):

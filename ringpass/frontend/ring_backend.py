@@ -70,6 +70,7 @@ class RingBackend:
         failures.set_state(f"compiling graph {report.graph_index}")
         try:
             self._rewrite(ctx, options, group)
+            _warn_at_recompile_limit(gm, report)
             return self._compile(ctx, captured, options)
         except (Retrace, compat.RestartAnalysis) as restart:  # Dynamo traces the frame again: this graph never
             self.reports.remove(report)  # existed (ours, or the inner compiler's: AOT's specialised a float)
@@ -233,6 +234,23 @@ def _is_ring_backend(fn: object) -> bool:
 def last_report() -> Report | None:
     """The report of the most recent graph compiled by any ring backend in this process."""
     return _reports[-1] if _reports else None
+
+
+def _warn_at_recompile_limit(gm: fx.GraphModule, report: Report) -> None:
+    """A `RingpassWarning` (and a report warning) when this is the last compile Dynamo allows the frame: a later call
+    that no compiled graph serves (another length, under static shapes or a static retrace) runs it eagerly, which is
+    unsharded on every rank, with no word from ringpass."""
+    compile_id, limit = compat.dynamo_compile_id(gm), compat.dynamo_config.recompile_limit
+    if compile_id is None or compile_id.frame_compile_id is None or compile_id.frame_compile_id + 1 < limit:
+        return
+    message = (
+        f"graph {report.graph_index} is compile {compile_id.frame_compile_id + 1} of its frame, "
+        f"torch._dynamo.config.recompile_limit = {limit}: Dynamo runs a call that no compiled graph serves (another "
+        "length) eagerly, unsharded on every rank. Raise the limit, pad batches to a few lengths, or set "
+        "torch._dynamo.config.fail_on_recompile_limit_hit = True to make it an error."
+    )
+    report.warnings.append(message)
+    warnings.warn(message, RingpassWarning, stacklevel=3)
 
 
 def _unsharded(options: RingOptions, message: str) -> None:

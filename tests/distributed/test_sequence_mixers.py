@@ -340,6 +340,18 @@ def test_a_chunked_scan_after_a_graph_break_is_traced_again_static_at_each_lengt
     assert len(graphs) == 3  # the attention's graph once
 
 
+def test_the_last_compile_dynamo_allows_warns_that_the_next_length_runs_unsharded(pools):
+    """Each length compiles again (a chunked scan); with ``recompile_limit=2`` the second compile is the last, after
+    which Dynamo would run the frame eagerly, unsharded: that compile's report warns, naming the limit and the ways
+    out; the first does not."""
+    case = dict(model="conv", dynamic=None, lengths=[13, 17], recompile_limit=2)
+    first, second = pools.run(2, mixer_workers.variable_length_steps, (case,), timeout=600)[0]
+    assert first["limit_warnings"] == [] and first["logits"] <= 1e-10
+    assert len(second["limit_warnings"]) == 1 and second["logits"] <= 1e-10
+    assert "compile 2 of its frame, torch._dynamo.config.recompile_limit = 2" in second["limit_warnings"][0]
+    assert "fail_on_recompile_limit_hit" in second["limit_warnings"][0]
+
+
 def test_a_chunked_scan_under_a_length_marked_dynamic_is_refused_naming_it(pools):
     """The user's ``mark_dynamic`` wins over a static mark, so the frame cannot be traced again with static shapes:
     refused with the reshape's line, the input and what to do (before any of this: the scan ran as per-token ops and

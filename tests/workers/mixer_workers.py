@@ -476,7 +476,8 @@ def variable_length_steps(rank: int, world_size: int, case: dict) -> list[dict]:
     ``dynamic=case["dynamic"]`` and trained at each of ``case["lengths"]`` (``mark_dynamic``: the length marked dynamic
     by the user first), against the model run whole: for each step the relative errors of the logits and of every
     gradient by name, the logits' local length (and the layout's), the exchanges of each kind, the graphs compiled so
-    far (length, report notes) and the last one's mixers (kind, strategy)."""
+    far (length, report notes, status), the last one's mixers (kind, strategy) and the reports' recompile-limit
+    warnings."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     every = case["model"] == "every"
@@ -490,6 +491,7 @@ def variable_length_steps(rank: int, world_size: int, case: dict) -> list[dict]:
     backend = ringpass.backend(compiler="aot_eager", outputs="sharded", scans="state" if every else "heads")
     compiled = torch.compile(model, backend=backend, fullgraph=not breaks, dynamic=case["dynamic"])
     steps = []
+    limit = torch._dynamo.config.patch(recompile_limit=case.get("recompile_limit", 8))
     for n in case["lengths"]:
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(0, 29, (2, n), generator=gen)
@@ -500,7 +502,7 @@ def variable_length_steps(rank: int, world_size: int, case: dict) -> list[dict]:
             m.zero_grad(set_to_none=True)
         want = reference(ids)
         (want * weights).sum().backward()
-        with record_ring_events() as events:
+        with record_ring_events() as events, limit:
             local = compiled(ids)
             layout = Layout(next(r.layout for r in backend.reports if r.layout), world_size, n)
             (local * layout.shard(weights, 1, rank)).sum().backward()
@@ -513,6 +515,7 @@ def variable_length_steps(rank: int, world_size: int, case: dict) -> list[dict]:
                 "events": {kind: sum(e.kind == kind for e in events) for kind in {e.kind for e in events}},
                 "graphs": [(r.seq_len, r.notes, r.status) for r in backend.reports],
                 "mixers": [(m.kind, m.strategy) for m in backend.reports[-1].mixers],
+                "limit_warnings": [w for r in backend.reports for w in r.warnings if "recompile_limit" in w],
             }
         )
     return steps
