@@ -16,6 +16,10 @@ time, summarised there and read back once per task (no host sync per tile). `mas
 task whole where the mask hides nothing causality does not, else merges each row's fully visible tiles
 into large calls and evaluates the mask only on the partial tiles, which get their tile of it. Memory
 for masking is bounded by one strip, whatever the sequence length.
+
+Packed documents need no program: `BlockMask.documents` (each token's document id, the `DOCUMENTS` mask) decides
+tiles in closed form from the ids' range per tile and row, as causality and the window do, and compares ids only on
+tiles that hold a document boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -39,6 +44,12 @@ MASK_STRIP = 16  # tiles of keys a program is evaluated on at once: MASK_TILE x 
 MASKED_AT_OR_BELOW = -1e4
 
 _programs: dict[str, Callable] = {}
+
+# The mask id of "same document": its one input holds each token's document id, ``[N]`` or ``[B, N]`` (any
+# integers; equal ids, one document). The ring decides its tiles from the ids' ranges per tile (`BlockMask.documents`)
+# and compares ids only on tiles that hold more than one document: packed rows (`lowering.ring_attention`'s
+# ``documents``, the documents lift_masks reads in a model's mask) cost no program evaluation.
+DOCUMENTS = "ringpass-documents"
 
 
 def register_mask(program: Callable, source: str | None = None, *, mask_id: str | None = None) -> str:
@@ -64,15 +75,45 @@ def mask_program(mask_id: str) -> Callable:
         ) from None
 
 
+def same_document(q_pos: torch.Tensor, kv_pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The `DOCUMENTS` mask as a program: bool ``[B or 1, 1, n, m]``, a key visible from the queries of its document."""
+    ids = ids.reshape(-1, ids.size(-1))
+    return (ids[:, q_pos, None] == ids[:, None, kv_pos])[:, None]
+
+
+register_mask(same_document, mask_id=DOCUMENTS)
+
+
+def document_ids(inputs: tuple, seq_len: int, batch: int) -> torch.Tensor:
+    """The `DOCUMENTS` mask's input as ``[B or 1, N]``, checked: one integer tensor of ``[N]`` or ``[B or 1, N]``."""
+    ids = inputs[0] if len(inputs) == 1 else None
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.is_floating_point()
+        or ids.dtype == torch.bool
+        or ids.dim() not in (1, 2)
+        or ids.size(-1) != seq_len
+        or (ids.dim() == 2 and ids.size(0) not in (1, batch))
+    ):
+        described = [f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]
+        raise InvalidInputError(
+            f"documents must be one integer tensor of each token's document id, [{seq_len}] or [{batch}, {seq_len}] "
+            f"(the whole sequence, on every rank); got {', '.join(described) or 'nothing'}."
+        )
+    return ids.reshape(-1, seq_len)
+
+
 @dataclass(frozen=True)
 class BlockMask:
     """What decides visibility besides the layout: causal, a sliding window of ``window`` keys (a key is
-    visible from query positions ``kv_pos <= q_pos < kv_pos + window``; needs causal), and a program."""
+    visible from query positions ``kv_pos <= q_pos < kv_pos + window``; needs causal), a program, and
+    ``documents``: each token's document id ``[B or 1, N]`` (a key is visible only from queries of its document)."""
 
     is_causal: bool = False
     window: int | None = None
     program: Callable | None = None
     inputs: tuple[torch.Tensor, ...] = ()
+    documents: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.window is not None and (not self.is_causal or self.window < 1):
@@ -81,12 +122,19 @@ class BlockMask:
     @property
     def positional_only(self) -> bool:
         """Only causal (or nothing): the planned tasks are already exact, no tile needs evaluating."""
-        return self.window is None and self.program is None
+        return self.window is None and self.program is None and self.documents is None
+
+    @cached_property
+    def documents_on_host(self) -> torch.Tensor:
+        """The document ids on the host, read once per call: tiles are classified from their ranges there."""
+        return self.documents.cpu()
 
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the
         additive bias an additive program carries on them, or None)."""
         visible, bias = _positional(q_pos, kv_pos, self)[None, None], None
+        if self.documents is not None:
+            visible = visible & same_document(q_pos, kv_pos, self.documents)
         if self.program is not None:
             program_visible, bias = self.evaluate_program(q_pos, kv_pos, batch, heads)
             visible = visible & program_visible
@@ -156,6 +204,8 @@ def tile_states(
         outside = q_min[:, None] - kv_max[None, :] >= block_mask.window
         inside = q_max[:, None] - kv_min[None, :] < block_mask.window
         states = torch.where(outside, EMPTY, torch.where(inside | (states == EMPTY), states, PARTIAL))
+    if block_mask.documents is not None:
+        states = _document_states(task, states, block_mask.documents_on_host, q_host, kv_host)
     states = states.to(torch.int8)
     has_bias = torch.zeros(rows, cols, dtype=torch.bool)
     if block_mask.program is not None:
@@ -163,12 +213,27 @@ def tile_states(
     return states, has_bias
 
 
-def _tile_ranges(positions: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tile of ``tile`` consecutive slots: the lowest and highest position."""
-    pad = -len(positions) % tile
-    padded = torch.cat((positions, positions[-1:].expand(pad))) if pad else positions
-    grouped = padded.view(-1, tile)
-    return grouped.min(1).values, grouped.max(1).values
+def _tile_ranges(values: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile of ``tile`` consecutive slots (the last dim): the lowest and highest value."""
+    pad = -values.size(-1) % tile
+    padded = torch.cat((values, values[..., -1:].expand(*values.shape[:-1], pad)), -1) if pad else values
+    grouped = padded.unflatten(-1, (-1, tile))
+    return grouped.amin(-1), grouped.amax(-1)
+
+
+def _document_states(task: BlockTask, states, ids: torch.Tensor, q_host, kv_host) -> torch.Tensor:
+    """The states with the documents ``ids [B or 1, N]`` (host) applied from each tile's range of ids per row:
+    ``EMPTY`` where no row's query and key ranges meet, unchanged where every row's tile lies in one document on both
+    sides, ``PARTIAL`` otherwise (its ids are compared there). Exact for any ids, sorted or not."""
+    q_min, q_max = _tile_ranges(ids[:, q_host[task.q_start : task.q_stop]], MASK_TILE)  # [B, R]
+    kv_min, kv_max = _tile_ranges(ids[:, kv_host[task.kv_start : task.kv_stop]], MASK_TILE)  # [B, C]
+    apart = ((q_max[:, :, None] < kv_min[:, None, :]) | (kv_max[:, None, :] < q_min[:, :, None])).all(0)
+    one = (q_min == q_max)[:, :, None] & (kv_min == kv_max)[:, None, :] & (q_min[:, :, None] == kv_min[:, None, :])
+    if events.recording():
+        events.emit(
+            "document_tiles", tiles=int((states != EMPTY).sum()), skipped=int(((states != EMPTY) & apart).sum())
+        )
+    return torch.where(apart, EMPTY, torch.where(one.all(0) | (states == EMPTY), states, PARTIAL))
 
 
 def _program_states(task, states, block_mask: BlockMask, q_pos, kv_pos, batch, heads):
@@ -275,7 +340,7 @@ def mask_tiles(
     kv_pos = kv_host if kv_pos is None else kv_pos
     work = work or (task.q_stop - task.q_start, task.kv_stop - task.kv_start)
     if window_in_kernel and block_mask.window is not None:
-        block_mask = BlockMask(block_mask.is_causal, None, block_mask.program, block_mask.inputs)
+        block_mask = replace(block_mask, window=None)
     if block_mask.positional_only and not split:
         return work_tiles(task, work)
     states, has_bias = tile_states(task, q_host, kv_host, block_mask, q_pos, kv_pos, batch, heads)

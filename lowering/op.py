@@ -30,7 +30,7 @@ from lowering.fully_masked import check_fully_masked
 from lowering.groups import checked_group, group_by_name
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout, cached_layout
-from lowering.masks import BlockMask, mask_program, register_mask
+from lowering.masks import DOCUMENTS, BlockMask, document_ids, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
 from lowering.ring_args import PROGRAM_INPUTS, RingArgs, ring_schema
 from lowering.scores import ScoreMod, check_score_options
@@ -57,6 +57,7 @@ def ring_attention(
     bias_inputs: Sequence[torch.Tensor] = (),
     fully_masked: str = "zero",
     strategy: str = "ring",
+    documents: torch.Tensor | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -86,6 +87,12 @@ def ring_attention(
     attention adding a finite mask such as ``finfo.min`` computes), ``"uniform_values"`` (that mean with
     gradients into the values only, as eager ``masked_fill`` with a finite value). Their lse stays -inf.
 
+    ``documents``: each token's document id, int ``[N]`` or ``[B, N]`` over the whole sequence (the same tensor on every
+    rank): a key is visible only from queries of its document (with ``is_causal``: causal inside each), as in a
+    row packed from several documents. The ring reads the ids' range per tile: tiles of two different documents are
+    skipped, tiles inside one document run as plain (or causal) attention, and ids are compared only where a tile
+    holds a document boundary. Use it in place of an equivalent ``mask`` program (not with one).
+
     ``strategy``: ``"ring"`` (K/V blocks travel around the ring, each transfer overlapped with a block's compute)
     or ``"all-gather"`` (every rank gathers all K/V at once and reduce-scatters dK/dV: `lowering.all_gather`).
     """
@@ -111,6 +118,7 @@ def ring_attention(
             bias_inputs=bias_inputs,
             fully_masked=fully_masked,
             strategy=strategy,
+            documents=documents,
         )
         return (out[0][..., :-narrower], out[1]) if return_lse else out[..., :-narrower]
     check_inputs(q, k, v, layout)
@@ -118,7 +126,15 @@ def ring_attention(
     if scale is not None and not isinstance(scale, (int, float)):
         raise InvalidInputError(f"scale must be a Python number or None, got {type(scale).__name__}.")
     scale = default_scale(q) if scale is None else float(scale)
-    mask_id = register_mask(mask) if mask is not None else ""
+    if documents is not None:
+        if mask is not None:
+            raise NotSupportedError(
+                "ring_attention takes documents or a mask program, not both: add the documents to your program "
+                "(`ids[q_pos][:, None] == ids[kv_pos][None, :]`), or pass documents alone."
+            )
+        document_ids((documents,), layout.seq_len, q.size(0))
+        mask_inputs = (documents,)
+    mask_id = DOCUMENTS if documents is not None else register_mask(mask) if mask is not None else ""
     check_score_options(softcap, alibi_slopes)
     check_fully_masked(fully_masked)
     check_strategy(strategy)
@@ -257,13 +273,16 @@ def check_strategy(strategy: str) -> None:
         raise InvalidInputError(f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}.")
 
 
-def _spec(args: RingArgs) -> RingSpec:
+def _spec(args: RingArgs, batch: int) -> RingSpec:
     if args.window is not None and not args.is_causal:
         raise InvalidInputError(
             f"window={args.window} needs is_causal=True (a sliding window looks back from each query)."
         )
     mask = None
-    if args.window is not None or args.mask_id:
+    if args.mask_id == DOCUMENTS:
+        documents = document_ids(tuple(args.mask_inputs), args.seq_len, batch)
+        mask = BlockMask(args.is_causal, args.window, documents=documents)
+    elif args.window is not None or args.mask_id:
         mask = BlockMask(
             args.is_causal,
             args.window,
@@ -289,7 +308,7 @@ _TENSORS = {"q": torch.Tensor, "k": torch.Tensor, "v": torch.Tensor}
 def _ring_attention_op(q, k, v, *config):
     args = RingArgs(*config)
     with ring_work(args.group_name):
-        spec = _spec(args)
+        spec = _spec(args, q.size(0))
         check_inputs(q, k, v, spec.layout)
         exchange = RingExchange(group_by_name(args.group_name))
         if exchange.world_size != spec.layout.world_size:
@@ -333,7 +352,7 @@ def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_train
     *config, trained = config_and_trained
     args = RingArgs(*config)
     with ring_work(args.group_name):
-        spec = _spec(args)
+        spec = _spec(args, q.size(0))
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # autograd hands zeros for an unused LSE; the fused kernels need no LSE gradient
         first = len(args.mask_inputs)

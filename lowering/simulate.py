@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lowering.layout import Layout
-from lowering.masks import BlockMask
+from lowering.masks import BlockMask, document_ids
 from lowering.op import check_inputs, default_scale
 from lowering.ring import RankBackward, RankForward, RingSpec
 from lowering.schedule import kv_source
@@ -51,16 +51,21 @@ def simulate_ring(
     bias: Callable | None = None,
     bias_inputs: Sequence[torch.Tensor] = (),
     fully_masked: str = "zero",
+    documents: torch.Tensor | None = None,
 ) -> SimulatedRing:
     """Run the ring's forward (and, given ``dout``, backward) lap for every rank of ``layout``.
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` with N = ``layout.seq_len``; ``window``, ``mask``,
-    ``mask_inputs``, the score modifiers (``softcap``, ``alibi_slopes``, ``bias``, ``bias_inputs``) and
-    ``fully_masked`` as in `lowering.ring_attention`.
+    ``mask_inputs``, the score modifiers (``softcap``, ``alibi_slopes``, ``bias``, ``bias_inputs``),
+    ``fully_masked`` and ``documents`` as in `lowering.ring_attention`.
     """
     p = layout.world_size
+    if documents is not None:
+        documents = document_ids((documents,), layout.seq_len, q.size(0))
     block_mask = (
-        BlockMask(is_causal, window, mask, tuple(mask_inputs)) if window is not None or mask is not None else None
+        BlockMask(is_causal, window, mask, tuple(mask_inputs), documents)
+        if window is not None or mask is not None or documents is not None
+        else None
     )
     scores = ScoreMod(
         softcap, None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes), bias, tuple(bias_inputs)

@@ -109,6 +109,14 @@ def test_fully_masked_queries_on_ranks_give_what_their_model_gives(world_size):
         assert set(errors) == {"zero", "uniform", "uniform_values"} and max(errors.values()) < 1e-12, errors
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_packed_documents_on_ranks_are_exact_and_skip_the_tiles_of_other_documents(world_size):
+    """``ring_attention(documents=ids)``: two rows packed differently, out and every gradient of each rank's rows
+    against fp64 attention under the dense documents mask; every rank skips tiles no query of its documents sees."""
+    for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, timeout=TIMEOUT):
+        assert result["error"] < 1e-10 and result["skipped"] > 0, result
+
+
 def test_two_rings_on_subgroups_of_four_ranks():
     errors = spawn_ranks(ring_workers.rings_on_subgroups, 4, timeout=TIMEOUT)
     assert max(errors) < 1e-12

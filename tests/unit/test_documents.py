@@ -3,6 +3,8 @@ tailed, uniform, single tokens) and ring sizes: every token on one rank, ``ceil(
 invariants, shard / unshard, each rank's unmasked pairs counted from the dense mask and balanced within 5 %; the ring
 on it (simulated) exact against dense fp64 attention under the documents' mask, forward and every gradient."""
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from reference import masked_attention_fp64, rel_err
 from ring_checks import qkv_fp64
 
+import lowering
 import lowering.masks
 from lowering import Layout, simulate_ring
 from lowering.documents import DocumentLayout, document_pairs
@@ -118,3 +121,84 @@ def test_the_ring_on_a_documents_layout_is_exact(monkeypatch, lengths, world_siz
     assert rel_err(sim.out, expected) < 1e-12
     for got, leaf in zip((sim.dq, sim.dk, sim.dv), leaves):
         assert rel_err(got, leaf.grad) < 1e-12
+
+
+@st.composite
+def packed_rows(draw):
+    """(ids [B, N], layout, is_causal, window): each row packed by its own drawn lengths; ids numbered in order, or
+    labels that repeat apart (padding id 0 at both ends, a label reused later) as no sorted-range shortcut may assume;
+    a zigzag, contiguous or (one row) documents layout of 2, 3 or 4 ranks."""
+    p = draw(st.sampled_from([2, 3, 4]))
+    n = draw(st.integers(p, 64))
+    rows = []
+    for _ in range(draw(st.sampled_from([1, 2]))):
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=8)))
+        lengths = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
+        labels = draw(st.sampled_from(["in order", "repeated"]))
+        ids = (
+            range(len(lengths))
+            if labels == "in order"
+            else draw(st.lists(st.integers(0, 2), min_size=len(lengths), max_size=len(lengths)))
+        )
+        rows.append(torch.repeat_interleave(torch.tensor(list(ids)), torch.tensor(lengths)))
+    ids = torch.stack(rows)
+    kind = draw(st.sampled_from(["zigzag", "contiguous"] + (["documents"] if len(rows) == 1 else [])))
+    if kind == "documents":
+        layout = DocumentLayout(tuple(torch.unique_consecutive(ids[0], return_counts=True)[1].tolist()), p)
+    else:
+        layout = Layout(kind, p, n)
+    is_causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.integers(1, n))) if is_causal else None
+    return ids, layout, is_causal, window
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(case=packed_rows())
+def test_documents_give_the_dense_document_mask_exactly(case):
+    """`simulate_ring(documents=ids)` (tiles of 4, so tiles hold one document, several, or none that meet): out, dq,
+    dk, dv against dense fp64 attention under ``ids[q] == ids[kv]`` (and causal, and the window), per row."""
+    ids, layout, is_causal, window = case
+    n = layout.seq_len
+    pos = torch.arange(n)
+    visible = (ids[:, :, None] == ids[:, None, :])[:, None]
+    if is_causal:
+        visible = visible & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        visible = visible & (pos[:, None] - pos[None, :] < window)
+    q, k, v = qkv_fp64(n, batch=ids.size(0))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = masked_attention_fp64(*leaves, visible)
+    dout = torch.randn_like(expected)
+    expected.backward(dout)
+    with patch.object(lowering.masks, "MASK_TILE", 4):
+        sim = simulate_ring(q, k, v, layout=layout, is_causal=is_causal, window=window, dout=dout, documents=ids)
+    for got, want in zip((sim.out, sim.dq, sim.dk, sim.dv), (expected, *(leaf.grad for leaf in leaves))):
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1)  # (a window of 1: dq, dk are 0)
+
+
+def test_a_document_tile_is_skipped_or_run_whole_and_ids_are_compared_only_at_boundaries():
+    """The issue's row (2400, 900, 500, 296 tokens), zigzag over 2 ranks, causal inside each document, real tile size:
+    the kernels score only pairs of tiles that share a document (the visible pairs and the rest of the tiles at a
+    boundary), the rest is counted as skipped, and only tiles holding a boundary get a mask: every other tile runs as
+    plain or causal attention."""
+    lengths = (2400, 900, 500, 296)
+    layout = Layout("zigzag", 2, sum(lengths))
+    ids = DocumentLayout(lengths, 2).document_ids()
+    q, k, v = qkv_fp64(layout.seq_len, batch=1)
+    with lowering.record_ring_events() as events:
+        simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids)
+    kernels = [e.fields for e in events if e.kind.startswith("block_")]
+    assert kernels, sorted({e.kind for e in events})
+    scored = sum(
+        len(f["q_pos"]) * (len(f["q_pos"]) + 1) // 2 if f["causal"] else len(f["q_pos"]) * len(f["kv_pos"])
+        for f in kernels
+    )
+    visible = sum(document_pairs(n) for n in lengths)
+    triangle = layout.seq_len * (layout.seq_len + 1) // 2  # what causal attention over the row scores: 2.43x visible
+    assert visible <= scored <= 1.25 * visible < 0.55 * triangle  # 1.22x: tiles of 256 across the three boundaries
+    tiles = [e.fields for e in events if e.kind == "document_tiles"]
+    assert sum(t["skipped"] for t in tiles) > 0
+    masked = [f for f in kernels if f["masked"]]
+    for f in masked:  # a mask only where the tile's queries or keys cross a document boundary
+        assert ids[f["q_pos"]].unique().numel() > 1 or ids[f["kv_pos"]].unique().numel() > 1
+    assert 0 < len(masked) < len(kernels) / 2

@@ -9,12 +9,14 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from reference import lse_fp64, rel_err
 
+import lowering.masks
 from lowering import InvalidInputError, Layout, RingpassError, record_ring_events, ring_attention
 from lowering.masks import register_mask
 from lowering.ring_args import RingArgs
@@ -309,6 +311,41 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
             for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref)))
         )
     return errors
+
+
+def documents_on_ranks(rank: int, world_size: int) -> dict:
+    """Two rows packed differently (documents of 1, 7, 155 and 178 tokens; of 3, 160 and 178), zigzag, causal inside
+    each document, through ``ring_attention(documents=ids)`` on real ranks: out, dq, dk, dv of this rank's rows against
+    fp64 attention under the dense documents mask, and the tiles the documents let the ring skip (tiles of 16: a tile
+    is skipped where neither row's documents meet)."""
+    from reference import masked_attention_fp64
+
+    seq_len = 341
+    layout = Layout("zigzag", world_size, seq_len)
+    generator = torch.Generator().manual_seed(5)  # every rank draws the same full tensors
+    q, k, v = (torch.randn(2, h, seq_len, 8, dtype=torch.float64, generator=generator) for h in (4, 2, 2))
+    dout = torch.randn(2, 4, seq_len, 8, dtype=torch.float64, generator=generator)
+    ids = torch.stack(
+        [
+            torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
+            for n, lengths in ((4, (1, 7, 155, 178)), (3, (3, 160, 178)))
+        ]
+    )
+    pos, real = torch.arange(seq_len), layout.positions(rank) < seq_len
+    visible = (ids[:, :, None] == ids[:, None, :])[:, None] & (pos[None, :] <= pos[:, None])
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = masked_attention_fp64(*ref, visible)
+    (expected * dout).sum().backward()
+    local = [layout.shard(t, 2, rank).requires_grad_() for t in (q, k, v)]
+    with patch.object(lowering.masks, "MASK_TILE", 16), record_ring_events() as events:
+        out = ring_attention(*local, layout=layout, is_causal=True, documents=ids)
+        (out * layout.shard(dout, 2, rank)).sum().backward()
+    error = max(
+        rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
+        for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref)))
+    )
+    skipped = sum(e.fields["skipped"] for e in events if e.kind == "document_tiles")
+    return {"error": error, "skipped": skipped}
 
 
 def profiled_ring(rank: int, world_size: int) -> list:
