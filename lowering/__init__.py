@@ -5,11 +5,13 @@ cache that stays sharded (`decode_attention`; the cache's slots: `lowering.shard
 (`ulysses_attention`: all-to-all over heads inside groups, the ring across them), causal convolutions and cumulative
 sums along a sharded sequence (`sharded_conv1d`, `sharded_cumsum`: each chunk gets the state before it), chunked scans
 passed the state before each chunk (`sharded_scan`, with `lowering.state_passing`'s `gated_delta_rule` or `ssd`), the
-layouts that say which tokens each rank holds (`Layout`), a one-process simulation of the ring (`simulate_ring`), and
-opt-in event recording (`record_ring_events`). Usable on its own by anyone who shards by hand.
+layouts that say which tokens each rank holds (`Layout`; `DocumentLayout` balances a row packed from documents), a
+one-process simulation of the ring (`simulate_ring`), and opt-in event recording (`record_ring_events`). Usable on its
+own by anyone who shards by hand.
 """
 
 from lowering.decode import decode_attention
+from lowering.documents import DocumentLayout
 from lowering.errors import InvalidInputError, NotSupportedError, RingpassError
 from lowering.events import RingEvent, record_ring_events
 from lowering.layout import Layout
@@ -23,6 +25,7 @@ from lowering.ulysses import ulysses_attention
 
 __all__ = [
     "BlockTask",
+    "DocumentLayout",
     "InvalidInputError",
     "Layout",
     "NotSupportedError",

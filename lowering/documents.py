@@ -26,7 +26,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from lowering.errors import InvalidInputError
+from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.layout import Segment
 
 BALANCE = 1.05  # the most a rank's pairs may exceed the mean: else fewer documents are kept whole
@@ -74,14 +74,32 @@ class DocumentLayout:
 
     def segments(self, rank: int) -> tuple[Segment, ...]:
         """The rank's real slots as runs of consecutive positions, in local order."""
-        segments, owned = [], self._owned[rank]
-        for slot, position in enumerate(owned):
-            if segments and segments[-1].global_stop == position:
-                last = segments[-1]
-                segments[-1] = Segment(last.local_start, last.global_start, last.length + 1)
-            else:
-                segments.append(Segment(slot, position, 1))
-        return tuple(segments)
+        return self._segments[rank]
+
+    @cached_property
+    def _segments(self) -> tuple[tuple[Segment, ...], ...]:  # the ring plans each block from them: built once
+        result = []
+        for owned in self._owned:
+            segments = []
+            for slot, position in enumerate(owned):
+                if segments and segments[-1].global_stop == position:
+                    last = segments[-1]
+                    segments[-1] = Segment(last.local_start, last.global_start, last.length + 1)
+                else:
+                    segments.append(Segment(slot, position, 1))
+            result.append(tuple(segments))
+        return tuple(result)
+
+    @classmethod
+    def of_ids(cls, ids: torch.Tensor, world_size: int) -> DocumentLayout:
+        """The layout of rows whose document ids are ``ids [B, N]`` (host): one document per run of equal ids, every
+        row packed alike (one layout serves every row)."""
+        if not bool((ids == ids[:1]).all()):
+            raise NotSupportedError(
+                "A documents layout balances one packing: every row must hold documents of the same lengths (its "
+                "ids' runs); pack each row alike, or use the zigzag layout with documents=ids (any rows)."
+            )
+        return _document_layout(_run_lengths(ids[0]), world_size)
 
     def valid_len(self, rank: int) -> int:
         return len(self._owned[rank])
@@ -126,6 +144,16 @@ class DocumentLayout:
     @cached_property
     def _owned(self) -> tuple[tuple[int, ...], ...]:
         return balance_documents(self.lengths, self.world_size)
+
+
+@lru_cache(maxsize=64)
+def _document_layout(lengths: tuple[int, ...], world_size: int) -> DocumentLayout:
+    """One layout per packing, its plan and segments built once however many calls use it."""
+    return DocumentLayout(lengths, world_size)
+
+
+def _run_lengths(row: torch.Tensor) -> tuple[int, ...]:
+    return tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist())
 
 
 @lru_cache(maxsize=256)

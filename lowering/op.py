@@ -24,6 +24,7 @@ import torch
 from lowering import compat
 from lowering.all_gather import gathered_backward, gathered_forward
 from lowering.comm import RingExchange
+from lowering.documents import DocumentLayout
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.failures import agree_once, by_rank, ring_work
 from lowering.fully_masked import check_fully_masked
@@ -96,8 +97,8 @@ def ring_attention(
     ``strategy``: ``"ring"`` (K/V blocks travel around the ring, each transfer overlapped with a block's compute)
     or ``"all-gather"`` (every rank gathers all K/V at once and reduce-scatters dK/dV: `lowering.all_gather`).
     """
-    if not isinstance(layout, Layout):
-        raise InvalidInputError(f"layout must be a lowering.Layout, got {type(layout).__name__}.")
+    if not isinstance(layout, (Layout, DocumentLayout)):
+        raise InvalidInputError(f"layout must be a lowering.Layout or DocumentLayout, got {type(layout).__name__}.")
     narrower = k.size(-1) - v.size(-1) if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else 0
     if narrower > 0:  # MLA: values narrower than keys travel padded with zero columns, cut off again
         out = ring_attention(
@@ -132,8 +133,17 @@ def ring_attention(
                 "ring_attention takes documents or a mask program, not both: add the documents to your program "
                 "(`ids[q_pos][:, None] == ids[kv_pos][None, :]`), or pass documents alone."
             )
-        document_ids((documents,), layout.seq_len, q.size(0))
+        ids = document_ids((documents,), layout.seq_len, q.size(0))
+        if isinstance(layout, DocumentLayout) and DocumentLayout.of_ids(ids.cpu(), layout.world_size) != layout:
+            raise InvalidInputError(
+                f"documents= holds documents of other lengths than the layout's {layout.lengths}: pass the ids of "
+                "the documents the layout was built from (DocumentLayout(lengths, P).document_ids())."
+            )
         mask_inputs = (documents,)
+    elif isinstance(layout, DocumentLayout):
+        raise InvalidInputError(
+            "A DocumentLayout needs documents=ids (its document_ids()): the ring plans its blocks from the documents."
+        )
     mask_id = DOCUMENTS if documents is not None else register_mask(mask) if mask is not None else ""
     check_score_options(softcap, alibi_slopes)
     check_fully_masked(fully_masked)
@@ -278,10 +288,12 @@ def _spec(args: RingArgs, batch: int) -> RingSpec:
         raise InvalidInputError(
             f"window={args.window} needs is_causal=True (a sliding window looks back from each query)."
         )
-    mask = None
+    mask, layout = None, None
     if args.mask_id == DOCUMENTS:
         documents = document_ids(tuple(args.mask_inputs), args.seq_len, batch)
         mask = BlockMask(args.is_causal, args.window, documents=documents)
+        if args.layout_kind == DocumentLayout.kind:
+            layout = DocumentLayout.of_ids(mask.documents_on_host, args.world_size)
     elif args.window is not None or args.mask_id:
         mask = BlockMask(
             args.is_causal,
@@ -295,7 +307,7 @@ def _spec(args: RingArgs, batch: int) -> RingSpec:
         mask_program(args.bias_id) if args.bias_id else None,
         tuple(args.bias_inputs or ()),
     )
-    layout = cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses)
+    layout = layout or cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses)
     return RingSpec(layout, args.is_causal, args.scale, mask, scores, args.fully_masked)
 
 
@@ -331,7 +343,7 @@ def _gathers(args: RingArgs, exchange: RingExchange) -> bool:
 @_ring_attention_op.register_fake
 def _(q, k, v, *config):
     args = RingArgs(*config)
-    if isinstance(args.seq_len, int):  # with a symbolic length the real call checks the shapes
+    if isinstance(args.seq_len, int) and args.layout_kind != DocumentLayout.kind:  # else the real call checks
         check_inputs(q, k, v, cached_layout(args.layout_kind, args.world_size, args.seq_len, args.ulysses))
     lse = q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse

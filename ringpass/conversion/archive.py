@@ -29,7 +29,7 @@ from torch.export import Dim, ExportedProgram
 from lowering import compat
 from lowering.compat import pytree
 from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.masks import mask_program
+from lowering.masks import DOCUMENTS, mask_program
 from lowering.ring_args import RingArgs
 from ringpass.conversion.saved import Argument, Conversion, Outputs, TensorSpec
 from ringpass.fx.nodes import example_value, plain
@@ -108,12 +108,14 @@ def _export_mask(gm: fx.GraphModule, mask_id: str, dynamic: bool) -> str:
 
 
 def program_inputs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Each mask and bias program the graph's ring ops call (`RingArgs.programs`) -> the nodes a call passes it."""
+    """Each mask and bias program the graph's ring ops call (`RingArgs.programs`) -> the nodes a call passes it; the
+    documents mask is the runtime's own (`lowering.masks.DOCUMENTS`), not saved."""
     return {
         program_id: inputs
         for node in gm.graph.nodes
         if node.target is torch.ops.ringpass.ring_attention.default
         for program_id, inputs in RingArgs.of_call(node.args, node.kwargs).programs().items()
+        if program_id != DOCUMENTS
     }
 
 

@@ -95,8 +95,12 @@ class MaskPlan:
     bias_id: str = ""
     bias_inputs: list = field(default_factory=list)
     fully_masked: str = "zero"  # what a query whose keys are all hidden gives (lowering.fully_masked)
+    documents: str = ""  # with the documents mask (`lowering.masks.DOCUMENTS`): how the model packs them, in words
 
     def describe(self) -> str:
+        if self.documents:
+            causal = " + causal inside each" if self.is_causal else ""
+            return f"packed documents ({self.documents}){causal}{self._window()}, tiles decided from the ids' ranges"
         if self.program_id:
             return f"lifted mask program{' + causal' if self.is_causal else ''}{self._window()}, evaluated per tile"
         return ("causal" if self.is_causal else "no mask") + self._window()

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from lowering.errors import NotSupportedError
+from lowering.masks import DOCUMENTS as DOCUMENTS_MASK
 from lowering.masks import MASKED_AT_OR_BELOW, register_mask, split_additive
 from ringpass.fx.context import PassContext
 from ringpass.fx.findings import MaskPlan
@@ -68,6 +69,7 @@ MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host o
 # spacing there is 64: any score under 32 in size is lost), so a fully hidden query's softmax is uniform.
 SWAMPS_EVERY_SCORE = -1e9
 AND = {"bitwise_and", "logical_and"}
+OR = {"bitwise_or", "logical_or"}
 Q, KV = "q", "kv"
 
 
@@ -254,9 +256,14 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
             f"mask materialised (masks='materialize'): {describe(big)} is held whole on every rank"
         )
     implied, exact = _read(ctx, region, kind, n)
-    is_causal, window = _flags(implied)
-    if exact and implied <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()):
-        return MaskPlan(is_causal, window)
+    documents = [term[1] for term in implied if term[0] == DOCUMENTS]
+    positional = implied - {(DOCUMENTS, ids, None) for ids in documents}
+    is_causal, window = _flags(positional)
+    if exact and positional <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()) and len(documents) <= 1:
+        if not documents:
+            return MaskPlan(is_causal, window)
+        ctx.masks.whole_values.add(documents[0])
+        return MaskPlan(is_causal, window, DOCUMENTS_MASK, [documents[0]], documents=_convention(documents[0]))
     program = _program(ctx, region, kind, factor=match.outer_scale if kind == "additive" else 1.0)
     ctx.masks.whole_values |= set(region.input_nodes)
     return MaskPlan(
@@ -266,6 +273,14 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
         region.input_nodes,
         fully_masked=_fully_masked(ctx, match, kind, region),
     )
+
+
+def _convention(ids: fx.Node) -> str:
+    """How the model packed its documents, in words for the report: the position ids that restart, or the ids."""
+    positions = _restarts_of(ids)
+    if positions is not None:
+        return f"{user_name(_plain(positions))} restarting at each"
+    return f"document ids from {f'input `{user_name(ids)}`' if ids.op == 'placeholder' else user_name(ids)}"
 
 
 def _fully_masked(ctx: PassContext, match, kind: str, region: MaskRegion) -> str:
@@ -418,27 +433,30 @@ def _getitem_roles(node: fx.Node, roles):
         rest = {d - k + len(index): r for d, r in roles.items() if d >= k}
         return result + [(source, rest)]
     if _new_axes_only(index):
-        kept, d_out, d_in = {}, 0, 0
-        expanded = []
-        for i in index:
-            if i is Ellipsis:
-                expanded += [slice(None)] * (
-                    source_value.dim() - sum(1 for j in index if j is not None and j is not Ellipsis)
-                )
-            else:
-                expanded.append(i)
-        for i in expanded:
-            if i is None:
-                d_out += 1
-            else:
-                kept[d_out] = d_in
-                d_out += 1
-                d_in += 1
-        for extra in range(d_in, source_value.dim()):  # trailing dims not named by the index
-            kept[d_out] = extra
-            d_out += 1
+        kept = _kept_dims(index, source_value.dim())
         return [(source, {kept[d]: r for d, r in roles.items() if d in kept})]
     return None
+
+
+def _kept_dims(index, rank: int) -> dict[int, int]:
+    """For an index that only adds axes (`_new_axes_only`) on a tensor of ``rank`` dims: output dim -> input dim."""
+    index = index if isinstance(index, tuple) else (index,)
+    expanded = []
+    for i in index:
+        if i is Ellipsis:
+            expanded += [slice(None)] * (rank - sum(1 for j in index if j is not None and j is not Ellipsis))
+        else:
+            expanded.append(i)
+    kept, d_out, d_in = {}, 0, 0
+    for i in expanded:
+        if i is not None:
+            kept[d_out] = d_in
+            d_in += 1
+        d_out += 1
+    for extra in range(d_in, rank):  # trailing dims not named by the index
+        kept[d_out] = extra
+        d_out += 1
+    return kept
 
 
 class _Shape:
@@ -466,6 +484,38 @@ class _Linear:
 
 TRUE = frozenset()  # a conjunction of constraints (a, b, c) meaning q * a + k * b + c <= 0
 CAUSAL = (-1, 1, 0)  # k - q <= 0
+# Terms over per-token data, in the same conjunctions: (DOCUMENTS, ids node, None) means ids[q] == ids[k];
+# (RELATIVE, positions node, (a, b, c)) means (a, b, c) over those positions, which holds of q and k themselves
+# inside a document where they count up by one (restarting position ids: `_restarts_of`).
+DOCUMENTS, APART, RELATIVE = "documents", "apart", "relative"  # (APART: ids[q] != ids[k])
+
+
+@dataclass(frozen=True)
+class _TokenRead:
+    """A per-token table (data, not a shape formula) read at each pair's query (``role`` Q) or key (KV) position:
+    ``ids[b, q_idx]``, ``ids[:, None]``. Two reads of one table compared are a documents term."""
+
+    table: fx.Node
+    role: str
+    batch: int | None  # where the table's rows (the batch) sit in this value; None: a table of one row
+
+    def moved(self, node: fx.Node) -> _TokenRead:
+        """The read after ``node``, a cast, ``unsqueeze``, ``expand`` or indexing that only adds axes: its rows'
+        dim where that puts it."""
+        if self.batch is None:
+            return self
+        source, out = example_value(node.args[0]).dim(), example_value(node).dim()
+        name = op_name(node)
+        if name == "getitem":
+            return replace(
+                self, batch={d_in: d_out for d_out, d_in in _kept_dims(node.args[1], source).items()}[self.batch]
+            )
+        if name == "unsqueeze":
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None) % out
+            return replace(self, batch=self.batch + (dim <= self.batch))
+        return replace(self, batch=self.batch + out - source)  # expand adds leading dims; casts keep them
+
+
 COMPARE = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # x OP y as sign*(x - y) + strict <= 0
 
 
@@ -477,24 +527,27 @@ class _Symbolic:
         self.values: dict[fx.Node, object] = {}
 
     def read(self, kind: str) -> tuple[frozenset, bool]:
-        """(the constraints the mask implies, whether they are all of it). A mask ANDs terms; the terms
-        read symbolically are implied even when others (a padding mask, segment ids) are not."""
-        if kind != "kept":
+        """(the constraints the mask implies, whether they are all of it). A mask ANDs terms (a mask of hidden
+        pairs ORs them: each read term is then negated); the terms read symbolically are implied even when others
+        (a padding mask) are not."""
+        if kind not in ("kept", "masked_out"):
             return TRUE, False
+        joined = AND if kind == "kept" else OR
         implied, exact, stack = set(), True, [self.region.mask]
         while stack:
             use = stack.pop()
             try:
-                implied |= _as_constraints(self._value(use))
+                terms = _as_constraints(self._value(use))
+                implied |= terms if kind == "kept" else _negated(terms)
             except LookupError:
                 node, args = use[0], self.region.ops.get(use, {})
-                if args and op_name(node) in AND:
+                if args and op_name(node) in joined:
                     stack += list(args.values())
                 elif args and _keeps_values(node):
                     stack.append(args[node.args[0]])
                 else:
                     exact = False
-        return frozenset(implied), exact
+        return _resolve_relative(implied, exact)
 
     def _value(self, use: Use):
         if use not in self.values:
@@ -502,7 +555,20 @@ class _Symbolic:
         return self.values[use]
 
     def _input(self, use: Use):
-        """A region input, evaluated on the host when it depends on shapes only."""
+        """A region input, evaluated on the host when it depends on shapes only; per-token data of one row read at
+        the pair's query or key position is a `_TokenRead`."""
+        try:
+            return self._evaluated_input(use)
+        except LookupError:
+            node, roles = use[0], dict(use[1])
+            value = example_value(node)
+            if len(roles) == 1 and _token_table(value):
+                ((dim, role),) = roles.items()
+                if dim % value.dim() == value.dim() - 1:
+                    return _TokenRead(node, role, 0 if value.numel() > value.size(-1) else None)
+            raise
+
+    def _evaluated_input(self, use: Use):
         node, roles = use[0], dict(use[1])
         if self.resize is not None and not _shape_formula(node):
             raise LookupError  # dynamic shapes: only values computed from the length alone hold at every length
@@ -522,9 +588,25 @@ class _Symbolic:
         return _Linear(1, 0, offset) if role == Q else _Linear(0, 1, offset)
 
     def _op(self, use: Use):
+        try:
+            return self._symbolic_op(use)
+        except LookupError:
+            node = use[0]
+            read = self._token_getitem(node, self.region.ops[use]) if op_name(node) == "getitem" else None
+            if read is None:
+                raise
+            return read
+
+    def _symbolic_op(self, use: Use):
         node, uses = use[0], self.region.ops[use]
         name = op_name(node)
         args = list(fx.node.map_arg(node.args, lambda arg: self._value(uses[arg]) if arg in uses else _not_read(arg)))
+        if isinstance(args[0], _TokenRead) and (
+            name in KEEP_VALUES | {"expand", "unsqueeze"} or (name == "getitem" and _new_axes_only(args[1]))
+        ):
+            if _casts_to_bool(node):
+                raise LookupError
+            return args[0].moved(node)
         if name in KEEP_VALUES or name in ("expand", "unsqueeze"):
             if isinstance(args[0], _Linear) and _casts_to_bool(node):
                 raise LookupError  # a position cast to bool is "nonzero", not the position
@@ -546,10 +628,47 @@ class _Symbolic:
             return _constant_truth(c <= 0) if (a, b) == (0, 0) else frozenset({(a, b, c)})
         if name == "eq" and all(isinstance(a, _Linear) for a in args) and args[0] == args[1]:
             return TRUE
+        reads = [a for a in args if isinstance(a, _TokenRead)]
+        if (
+            len(reads) == len(args) == 2
+            and reads[0].table is reads[1].table
+            and {a.role for a in reads} == {Q, KV}
+            and _rows_on_the_batch(reads, node, self.region.mask[0])
+        ):
+            if name in ("eq", "ne"):
+                return frozenset({(DOCUMENTS if name == "eq" else APART, reads[0].table, None)})
+            if name in COMPARE:  # as if the table held q and k themselves: true inside a document of restarts
+                sign, strict = COMPARE[name]
+                x, y = ((1, 0) if a.role == Q else (0, 1) for a in reads)
+                constraint = (sign * (x[0] - y[0]), sign * (x[1] - y[1]), strict)
+                return frozenset({(RELATIVE, reads[0].table, constraint)})
         if name in AND and len(args) == 2:
             left, right = (_as_constraints(a) for a in args)
             return left | right
         raise LookupError
+
+    def _token_getitem(self, node: fx.Node, uses) -> _TokenRead | None:
+        """``table[b, q_idx]`` / ``table[q_idx]`` (HF's index-based masks): a per-token table, read whole, indexed by
+        the query (or key) position along its last dim and, for a ``[B, S]`` table, by the batch's arange along
+        the mask's batch dim."""
+        if node.kwargs:
+            return None
+        source, index = node.args
+        index = index if isinstance(index, tuple) else (index,)
+        value = example_value(source)
+        if uses.get(source) != (source, ()) or not _token_table(value) or len(index) != value.dim():
+            return None
+        if not all(isinstance(i, fx.Node) and i in uses for i in index):
+            return None
+        try:
+            *batch, position = (self._value(uses[i]) for i in index)
+        except LookupError:
+            return None
+        if not isinstance(position, _Linear) or (position.a, position.b, position.c) not in ((1, 0, 0), (0, 1, 0)):
+            return None
+        if batch and not _batch_arange(batch[0], value.size(0), example_value(node).dim()):
+            return None
+        return _TokenRead(source, Q if position.a else KV, 0 if batch and value.size(0) > 1 else None)
 
     def _getitem(self, source, index):
         """``table[..., linear]``: a table that is ``arange + c`` along that dim reads as linear + c."""
@@ -620,6 +739,19 @@ def _as_constraints(value):
     raise LookupError
 
 
+def _negated(terms: frozenset) -> frozenset:
+    """The one term of ``terms`` negated (a hidden pair's condition, as a visible pair's): ``a*q + b*k + c <= 0``
+    becomes ``-a*q - b*k + 1 - c <= 0`` (integers), documents and apart swap; several terms (or none) are not read."""
+    if len(terms) != 1:
+        raise LookupError
+    ((kind, x, y),) = terms
+    if kind in (DOCUMENTS, APART):
+        return frozenset({(APART if kind == DOCUMENTS else DOCUMENTS, x, None)})
+    if kind == RELATIVE:
+        return frozenset({(RELATIVE, x, (-y[0], -y[1], 1 - y[2]))})
+    return frozenset({(-kind, -x, 1 - y)})
+
+
 def _constant_truth(holds: bool):
     if holds:
         return TRUE
@@ -641,6 +773,122 @@ def _offset_from_arange(value: torch.Tensor, dim: int) -> int | None:
     line = value.reshape(-1) if value.dim() == 1 else value.movedim(dim, -1).reshape(-1, value.size(dim))[0]
     offsets = line - torch.arange(line.numel(), dtype=line.dtype, device=line.device)
     return int(offsets[0]) if bool((offsets == offsets[0]).all()) else None
+
+
+def _token_table(value) -> bool:
+    """Integers of one token each along the last dim, at most ``[B, S]``: ids a mask may compare per pair."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() in (1, 2)
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    )
+
+
+def _rows_on_the_batch(reads: list[_TokenRead], node: fx.Node, mask: fx.Node) -> bool:
+    """The table has one row, or both reads' rows sit at one dim of ``node`` that lands on the batch dim of the
+    4-D ``mask`` (``[B, H, n, m]``)."""
+    if all(r.batch is None for r in reads):
+        return True
+    return (
+        reads[0].batch == reads[1].batch
+        and example_value(mask).dim() == 4
+        and _lands_at(node, reads[0].batch, mask) == 0
+    )
+
+
+BROADCASTING = KEEP_VALUES | AND | OR | {"expand", "bitwise_not", "logical_not", "eq", "ne", *COMPARE}
+
+
+def _lands_at(node: fx.Node, dim: int, target: fx.Node) -> int | None:
+    """Where dim ``dim`` of ``node``'s value lands in ``target``'s, along the one path of users from ``node`` to
+    ``target`` through casts, broadcasting ops (dims align right), ``unsqueeze`` and indexing that adds axes; None
+    where the path branches or passes another op."""
+    while node is not target:
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        if user.op not in ("call_function", "call_method"):
+            return None
+        name, rank, out = op_name(user), example_value(node).dim(), example_value(user).dim()
+        if name == "getitem" and user.args[0] is node and _new_axes_only(user.args[1]):
+            dim = {d_in: d_out for d_out, d_in in _kept_dims(user.args[1], rank).items()}[dim]
+        elif name == "unsqueeze" and user.args[0] is node:
+            at = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else None) % out
+            dim += at <= dim
+        elif name in BROADCASTING:
+            dim += out - rank
+        else:
+            return None
+        node = user
+    return dim
+
+
+def _batch_arange(index, rows, out_rank: int) -> bool:
+    """``index`` is ``arange(rows)`` along the first of ``out_rank`` dims (``b[:, None, None, None]``): a table's row b
+    lands on the mask's batch b."""
+    return (
+        isinstance(index, torch.Tensor)
+        and index.dim() == out_rank == 4
+        and index.numel() == index.size(0) == rows
+        and torch.equal(index.flatten().cpu(), torch.arange(rows))
+    )
+
+
+def _resolve_relative(implied: set, exact: bool) -> tuple[frozenset, bool]:
+    """The reading with each `RELATIVE` term replaced by its constraint on q and k where the same conjunction holds a
+    documents term of the positions' restarts (`_restarts_of`); without one it is not read (the mask is then not
+    exactly its reading)."""
+    restarted = {_plain(_restarts_of(t[1])) for t in implied if t[0] == DOCUMENTS} - {None}
+    resolved = set()
+    for term in implied:
+        if term[0] != RELATIVE:
+            resolved.add(term)
+        elif _plain(term[1]) in restarted:
+            resolved.add(term[2])
+        else:
+            exact = False
+    return frozenset(resolved), exact
+
+
+def _restarts_of(ids: fx.Node) -> fx.Node | None:
+    """The positions ``p`` when ``ids`` is ``cumsum(diff(p) != 1)`` along the tokens (HF's
+    ``find_packed_sequence_indices``: a document starts wherever position ids do not count up by one), else None.
+    Inside a run of equal ids, ``p`` then counts up by one, so ``p[k] - p[q] == k - q`` there."""
+    node = _plain(ids)
+    if not (_calls(node, "cumsum") and _last_dim(node, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"))):
+        return None
+    changed = _plain(node.args[0])
+    if not _calls(changed, "ne") or len(changed.args) != 2 or changed.args[1] != 1:
+        return None
+    diff = _plain(changed.args[0])
+    if not _calls(diff, "diff") or not _last_dim(
+        diff, diff.kwargs.get("dim", diff.args[2] if len(diff.args) > 2 else -1)
+    ):
+        return None
+    if len(diff.args) > 1 and diff.args[1] != 1 or diff.kwargs.get("n", 1) != 1 or "append" in diff.kwargs:
+        return None
+    return diff.args[0]
+
+
+def _calls(node, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and op_name(node) == name
+
+
+def _last_dim(node: fx.Node, dim) -> bool:
+    rank = example_value(node).dim()
+    return isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _plain(node):
+    """The value under casts and broadcasts (``position_ids.expand(B, -1)`` is ``position_ids``)."""
+    while (
+        isinstance(node, fx.Node)
+        and node.op in ("call_function", "call_method")
+        and (op_name(node) in KEEP_VALUES | {"expand"})
+    ):
+        node = node.args[0]
+    return node
 
 
 # ---- 2. the mask program ------------------------------------------------------------------------------

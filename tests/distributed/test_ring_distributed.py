@@ -109,11 +109,12 @@ def test_fully_masked_queries_on_ranks_give_what_their_model_gives(world_size):
         assert set(errors) == {"zero", "uniform", "uniform_values"} and max(errors.values()) < 1e-12, errors
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_packed_documents_on_ranks_are_exact_and_skip_the_tiles_of_other_documents(world_size):
-    """``ring_attention(documents=ids)``: two rows packed differently, out and every gradient of each rank's rows
-    against fp64 attention under the dense documents mask; every rank skips tiles no query of its documents sees."""
-    for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, timeout=TIMEOUT):
+@pytest.mark.parametrize("world_size,balanced", [(2, False), (3, False), (2, True), (3, True)])
+def test_packed_documents_on_ranks_are_exact_and_skip_the_tiles_of_other_documents(world_size, balanced):
+    """``ring_attention(documents=ids)``: two rows packed differently on the zigzag layout, or alike on a
+    `DocumentLayout`; out and every gradient of each rank's rows against fp64 attention under the dense documents
+    mask; every rank skips tiles no query of its documents sees."""
+    for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, (balanced,), timeout=TIMEOUT):
         assert result["error"] < 1e-10 and result["skipped"] > 0, result
 
 

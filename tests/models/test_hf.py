@@ -4,7 +4,7 @@ parameter gradient.
 
 (a) use_cache=False with labels (HF's mask from position ids: read as plain causal);
 (b) a left-padded batch with attention_mask (a lifted mask program, evaluated per tile);
-(c) packed documents through restarting position_ids (a lifted program: segment ids from cumsum/diff);
+(c) packed documents through restarting position_ids (read as the documents mask: ids from cumsum/diff, no program);
 (d) the default use_cache=True in eval (is_causal=True; the KV cache is gathered);
 (e) Mistral's sliding window (read as causal + window 5; with padding, a program + window).
 """
@@ -63,7 +63,7 @@ def test_training_matches_the_unsharded_model(name, world_size):
     expected = {
         "labels": CAUSAL,
         "left-padded": PROGRAM_AND_CAUSAL,
-        "packed": PROGRAM,
+        "packed": DOCUMENTS,
         "rank-all-padding": PROGRAM_AND_CAUSAL,
     }
     for results in spawn_ranks(hf_workers.training_step, world_size, (name, cases, SEQ), timeout=600):
@@ -253,6 +253,7 @@ def test_chunked_scans_train_exactly_under_gradient_checkpointing(kind, scans):
 
 CAUSAL = {"mask": "causal"}  # read as the causal flag
 PROGRAM, PROGRAM_AND_CAUSAL = {"mask": "lifted mask program, evaluated"}, {"mask": "lifted mask program + causal"}
+DOCUMENTS = {"mask": "packed documents (position_ids restarting at each) + causal inside each"}  # no program
 AVERAGES = {"fully_masked": "uniform"}  # a query with every key hidden averages all keys, as eager (grads to q, k, v)
 HAND_WRITTEN = {"spelling": "hand-written"}
 

@@ -3,10 +3,12 @@ tailed, uniform, single tokens) and ring sizes: every token on one rank, ``ceil(
 invariants, shard / unshard, each rank's unmasked pairs counted from the dense mask and balanced within 5 %; the ring
 on it (simulated) exact against dense fp64 attention under the documents' mask, forward and every gradient."""
 
+from functools import partial
 from unittest.mock import patch
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reference import masked_attention_fp64, rel_err
@@ -14,6 +16,7 @@ from ring_checks import qkv_fp64
 
 import lowering
 import lowering.masks
+import ringpass
 from lowering import Layout, simulate_ring
 from lowering.documents import DocumentLayout, document_pairs
 from lowering.schedule import visible_pairs
@@ -202,3 +205,93 @@ def test_a_document_tile_is_skipped_or_run_whole_and_ids_are_compared_only_at_bo
     for f in masked:  # a mask only where the tile's queries or keys cross a document boundary
         assert ids[f["q_pos"]].unique().numel() > 1 or ids[f["kv_pos"]].unique().numel() > 1
     assert 0 < len(masked) < len(kernels) / 2
+
+
+class PackedAttention(torch.nn.Module):
+    """Causal attention inside documents, the documents given as ``cu_seqlens`` (flash-style varlen: ids by
+    ``searchsorted``), as ``doc [B, N]`` ids with their rows on the batch, or (``rows_on_heads``) with their rows on
+    the heads, as no model means but broadcasting allows."""
+
+    def __init__(self, given: str):
+        super().__init__()
+        self.given, self.qkv = given, torch.nn.Linear(16, 48)
+
+    def forward(self, x, packing):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n, device=x.device)
+        if self.given == "cu_seqlens":
+            doc = torch.searchsorted(packing, pos, right=True)
+            same = (doc[:, None] == doc[None, :])[None, None]
+        elif self.given == "ids":
+            same = (packing[:, :, None] == packing[:, None, :])[:, None]
+        else:
+            same = packing[None, :, :, None] == packing[None, :, None, :]
+        mask = same & (pos[None, :] <= pos[:, None])
+        return (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, 16)
+        )
+
+
+@pytest.mark.parametrize(
+    "given,mask,inputs",
+    [
+        ("cu_seqlens", "packed documents (document ids from `searchsorted`", ["packing"]),
+        ("ids", "packed documents (document ids from input `packing`) + causal inside each", ["packing"]),
+        ("rows_on_heads", "lifted mask program + causal", ["packing", "positions"]),  # rows not on the batch: a program
+    ],
+)
+def test_each_packing_convention_is_read_as_documents(given, mask, inputs):
+    """What the report (and `ringpass inspect`) says of a packed mask: the documents and where their ids come from,
+    no mask program; a mask whose ids are not the batch's rows stays a program."""
+    x = torch.randn(2, 12, 16)
+    packing = (
+        torch.tensor([0, 5, 9, 12]) if given == "cu_seqlens" else torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9])
+    )
+    (report,) = ringpass.inspect(PackedAttention(given), (x, packing), world_size=2).reports
+    (attention,) = report.attention
+    assert attention.mask.startswith(mask) and attention.mask_inputs == inputs, attention
+
+
+def test_hugging_face_position_ids_that_restart_are_read_as_documents():
+    """HF's packed path (no attention mask, position ids restarting: `find_packed_sequence_indices`): its mask
+    ``ids[b, q] == ids[b, k]`` and ``position_ids[b, k] <= position_ids[b, q]`` is causal inside each document."""
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    position_ids = torch.cat([torch.arange(n) for n in (5, 15, 4)]).expand(2, -1)
+    ids = torch.randint(0, 64, (2, 24))
+    (report,) = ringpass.inspect(
+        model, dict(input_ids=ids, position_ids=position_ids, use_cache=False), world_size=2
+    ).reports
+    (attention,) = report.attention
+    assert attention.mask.startswith("packed documents (position_ids restarting at each) + causal inside each")
+    assert attention.is_causal and attention.mask_inputs == ["position_ids"]
+
+
+def test_documents_given_wrong_are_refused_saying_what_to_pass():
+    """A `DocumentLayout` without its documents, or with ids of other lengths, rows packed differently on it, a mask
+    program besides documents, float ids: each refused with what to pass instead; on one rank it is exact."""
+    layout = DocumentLayout((3, 5), 1)
+    q, k, v = qkv_fp64(8)
+    ids = layout.document_ids()
+    call = partial(lowering.ring_attention, q, k, v, layout=layout, is_causal=True)
+    with pytest.raises(lowering.InvalidInputError, match="needs documents=ids"):
+        call()
+    with pytest.raises(lowering.InvalidInputError, match=r"other lengths than the layout's \(3, 5\)"):
+        call(documents=DocumentLayout((4, 4), 1).document_ids())
+    with pytest.raises(lowering.NotSupportedError, match="every row must hold documents of the same lengths"):
+        call(documents=torch.stack([ids, DocumentLayout((4, 4), 1).document_ids()]))
+    with pytest.raises(lowering.NotSupportedError, match="documents or a mask program, not both"):
+        call(documents=ids, mask=same_document, mask_inputs=[ids])
+    with pytest.raises(lowering.InvalidInputError, match=r"one integer tensor of each token's document id, \[8\]"):
+        call(documents=ids.double())
+    pos = torch.arange(8)
+    expected = masked_attention_fp64(q, k, v, same_document(pos, pos, ids))
+    assert rel_err(call(documents=ids), expected) < 1e-12

@@ -530,10 +530,11 @@ def test_a_sharded_padding_mask_is_gathered_and_a_sharded_activation_needed_whol
 )
 def test_what_a_query_with_every_key_hidden_gives_follows_the_fill(fill, plan, warned, capsys):
     """A -inf fill gives 0 there (eager: NaN); finfo.min makes eager's softmax uniform, and the ring averages
-    too; -1e4 does not swamp the scores (eager still weighs them): averaged, and rank 0 prints a WARNING."""
+    too; -1e4 does not swamp the scores (eager still weighs them): averaged, and rank 0 prints a WARNING. (Float
+    document ids: integer ones are read as the documents mask, which never hides every key of a query.)"""
     model = models.HandWritten(fill=fill)
     ids = torch.randint(0, 61, (2, 12))
-    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    doc = torch.tensor([[0.0] * 5 + [1.0] * 7, [0.0] * 12])
     inspection = ringpass.inspect(model, (ids, doc), world_size=2)
     (report,) = inspection.reports
     assert report.attention[0].mask.startswith("lifted mask program")

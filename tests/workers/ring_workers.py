@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from reference import lse_fp64, rel_err
 
 import lowering.masks
-from lowering import InvalidInputError, Layout, RingpassError, record_ring_events, ring_attention
+from lowering import DocumentLayout, InvalidInputError, Layout, RingpassError, record_ring_events, ring_attention
 from lowering.masks import register_mask
 from lowering.ring_args import RingArgs
 
@@ -313,24 +313,20 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
     return errors
 
 
-def documents_on_ranks(rank: int, world_size: int) -> dict:
-    """Two rows packed differently (documents of 1, 7, 155 and 178 tokens; of 3, 160 and 178), zigzag, causal inside
-    each document, through ``ring_attention(documents=ids)`` on real ranks: out, dq, dk, dv of this rank's rows against
-    fp64 attention under the dense documents mask, and the tiles the documents let the ring skip (tiles of 16: a tile
-    is skipped where neither row's documents meet)."""
+def documents_on_ranks(rank: int, world_size: int, balanced: bool) -> dict:
+    """Two rows packed from documents (of 1, 7, 155 and 178 tokens; the other row of 3, 160 and 178, or with
+    ``balanced`` packed alike on a `DocumentLayout`), else zigzag, causal inside each document, through
+    ``ring_attention(documents=ids)`` on real ranks: out, dq, dk, dv of this rank's rows against fp64 attention under
+    the dense documents mask, and the tiles the documents let the ring skip (tiles of 16: a tile is skipped where
+    neither row's documents meet)."""
     from reference import masked_attention_fp64
 
-    seq_len = 341
-    layout = Layout("zigzag", world_size, seq_len)
+    seq_len, packings = 341, ((1, 7, 155, 178), (1, 7, 155, 178) if balanced else (3, 160, 178))
+    layout = DocumentLayout(packings[0], world_size) if balanced else Layout("zigzag", world_size, seq_len)
     generator = torch.Generator().manual_seed(5)  # every rank draws the same full tensors
     q, k, v = (torch.randn(2, h, seq_len, 8, dtype=torch.float64, generator=generator) for h in (4, 2, 2))
     dout = torch.randn(2, 4, seq_len, 8, dtype=torch.float64, generator=generator)
-    ids = torch.stack(
-        [
-            torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
-            for n, lengths in ((4, (1, 7, 155, 178)), (3, (3, 160, 178)))
-        ]
-    )
+    ids = torch.stack([DocumentLayout(lengths, 1).document_ids() for lengths in packings])
     pos, real = torch.arange(seq_len), layout.positions(rank) < seq_len
     visible = (ids[:, :, None] == ids[:, None, :])[:, None] & (pos[None, :] <= pos[:, None])
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
