@@ -41,6 +41,10 @@ class Segment:
     def global_stop(self) -> int:
         return self.global_start + self.length
 
+    @property
+    def local_stop(self) -> int:
+        return self.local_start + self.length
+
 
 @dataclass(frozen=True)
 class Layout:

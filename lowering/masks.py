@@ -129,6 +129,17 @@ class BlockMask:
         """The document ids on the host, read once per call: tiles are classified from their ranges there."""
         return self.documents.cpu()
 
+    @cached_property
+    def document_starts(self) -> tuple[int, ...] | None:
+        """Where each document begins, when every row is packed alike and each id is one run of tokens (a document
+        is then a range of positions: the ring plans its pairs exactly, `lowering.schedule.plan_documents`), else
+        None (tiles are decided from the ids' ranges)."""
+        ids = self.documents_on_host
+        runs, counts = torch.unique_consecutive(ids[0], return_counts=True)
+        if not bool((ids == ids[:1]).all()) or len(runs) != len(torch.unique(runs)):
+            return None
+        return (0, *torch.cumsum(counts, 0)[:-1].tolist())
+
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the
         additive bias an additive program carries on them, or None)."""
@@ -225,14 +236,15 @@ def _document_states(task: BlockTask, states, ids: torch.Tensor, q_host, kv_host
     """The states with the documents ``ids [B or 1, N]`` (host) applied from each tile's range of ids per row:
     ``EMPTY`` where no row's query and key ranges meet, unchanged where every row's tile lies in one document on both
     sides, ``PARTIAL`` otherwise (its ids are compared there). Exact for any ids, sorted or not."""
+    n, m = task.q_stop - task.q_start, task.kv_stop - task.kv_start
     q_min, q_max = _tile_ranges(ids[:, q_host[task.q_start : task.q_stop]], MASK_TILE)  # [B, R]
     kv_min, kv_max = _tile_ranges(ids[:, kv_host[task.kv_start : task.kv_stop]], MASK_TILE)  # [B, C]
     apart = ((q_max[:, :, None] < kv_min[:, None, :]) | (kv_max[:, None, :] < q_min[:, :, None])).all(0)
     one = (q_min == q_max)[:, :, None] & (kv_min == kv_max)[:, None, :] & (q_min[:, :, None] == kv_min[:, None, :])
-    if events.recording():
-        events.emit(
-            "document_tiles", tiles=int((states != EMPTY).sum()), skipped=int(((states != EMPTY) & apart).sum())
-        )
+    if events.recording():  # the pairs of the tiles the documents leave out (`lowering.ring.RingSpec.tiles`'s event)
+        rows, cols = (torch.tensor([min(MASK_TILE, size - i) for i in range(0, size, MASK_TILE)]) for size in (n, m))
+        area = rows[:, None] * cols[None, :]
+        events.emit("document_skip", pairs=int(area[(states != EMPTY) & apart].sum()))
     return torch.where(apart, EMPTY, torch.where(one.all(0) | (states == EMPTY), states, PARTIAL))
 
 

@@ -25,9 +25,9 @@ from lowering.comm import DKV_TAG, KV_TAG, RingExchange
 from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_, kernel_applies_window
 from lowering.layout import Layout
-from lowering.masks import BlockMask, Tile, mask_tiles
+from lowering.masks import BlockMask, Tile, mask_tiles, work_tiles
 from lowering.program_grads import ProgramGrads
-from lowering.schedule import kv_source, plan_block
+from lowering.schedule import kv_source, plan_block, plan_documents
 from lowering.scores import ScoreMod
 
 WORK_TILE_MIN = 512  # below this a kernel call's fixed costs start to show on the CPU
@@ -63,6 +63,14 @@ class RingSpec:
         call, as with a bias program (a backward that trains a program's inputs takes each tile's ``ds``)."""
         block_mask = self.mask or BlockMask(self.is_causal)
         (q_host, q_pos), (kv_host, kv_pos) = positions[q_rank], positions[kv_rank]
+        split = split or self.scores.per_tile
+        starts = self._document_starts(block_mask, split)
+        if starts is not None:
+            tasks = plan_documents(self.layout, q_rank, kv_rank, self.is_causal, starts)
+            if events.recording():
+                planned = sum(t.area for t in plan_block(self.layout, q_rank, kv_rank, self.is_causal))
+                events.emit("document_skip", pairs=planned - sum(t.area for t in tasks))
+            return [tile for task in tasks for tile in work_tiles(task, self.work_tile)]
         return [
             tile
             for task in plan_block(self.layout, q_rank, kv_rank, self.is_causal)
@@ -75,11 +83,19 @@ class RingSpec:
                 q.size(1),
                 q_pos=q_pos,
                 kv_pos=kv_pos,
-                split=split or self.scores.per_tile,
+                split=split,
                 window_in_kernel=self._window_in_kernel(q),
                 work=self.work_tile,
             )
         ]
+
+    @staticmethod
+    def _document_starts(block_mask: BlockMask, split: bool) -> tuple[int, ...] | None:
+        """The documents' starts where they alone (with causality) decide the pairs and calls may be merged: the
+        pairs are then planned per document (`lowering.schedule.plan_documents`), no tile evaluated."""
+        if block_mask.documents is None or block_mask.window is not None or block_mask.program is not None or split:
+            return None
+        return block_mask.document_starts
 
     def programs(self) -> list[tuple]:
         """(program, inputs) of the mask program and the bias program, in the ring op's argument order

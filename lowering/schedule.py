@@ -15,9 +15,10 @@ the `Layout`) into `BlockTask`s:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-from lowering.layout import Layout
+from lowering.layout import Layout, Segment
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,39 @@ def plan_block(layout: Layout, q_rank: int, kv_rank: int, is_causal: bool) -> tu
         else:
             tasks.append(BlockTask(q_seg.local_start, q_stop, 0, kv_stop, causal=False))
     return tuple(tasks)
+
+
+def plan_documents(
+    layout: Layout, q_rank: int, kv_rank: int, is_causal: bool, starts: tuple[int, ...]
+) -> tuple[BlockTask, ...]:
+    """`plan_block` for a row packed from documents that begin at ``starts`` (sorted global positions, the first 0):
+    only pairs inside one document. The layout's segments are cut at the documents' starts; a query piece and a key
+    piece of one document are fully visible, or (causal) fully hidden unless the keys come first, or on a rank's own
+    block the same slots (an aligned causal square). Every planned pair is visible: nothing is masked or wasted."""
+    kv_pieces: dict[int, list[Segment]] = {}
+    for document, piece in _document_pieces(layout.segments(kv_rank), starts):
+        kv_pieces.setdefault(document, []).append(piece)
+    tasks = []
+    for document, q in _document_pieces(layout.segments(q_rank), starts):
+        for kv in kv_pieces.get(document, ()):
+            if is_causal and q_rank == kv_rank and kv == q:
+                tasks.append(BlockTask(q.local_start, q.local_stop, kv.local_start, kv.local_stop, causal=True))
+            elif not is_causal or kv.global_stop <= q.global_start:
+                tasks.append(BlockTask(q.local_start, q.local_stop, kv.local_start, kv.local_stop, causal=False))
+    return tuple(tasks)
+
+
+def _document_pieces(segments, starts: tuple[int, ...]):
+    """(document index, the part of a segment inside it) for every segment, cut at the documents' starts."""
+    for segment in segments:
+        first = bisect.bisect_right(starts, segment.global_start) - 1
+        position = segment.global_start
+        for document in range(first, len(starts)):
+            stop = min(segment.global_stop, starts[document + 1] if document + 1 < len(starts) else segment.global_stop)
+            if stop <= position:
+                break
+            yield document, Segment(segment.local_start + position - segment.global_start, position, stop - position)
+            position = stop
 
 
 def describe_block(layout: Layout, q_rank: int, kv_rank: int, is_causal: bool) -> str:

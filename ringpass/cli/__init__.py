@@ -373,7 +373,14 @@ def _bench_arguments(b) -> None:
     size = model.ModelSize()
     b.add_argument("--what", choices=["attention", "model", "decode", "generate"], default="attention")
     b.add_argument("--world-size", type=int, nargs="+", default=[2], help="ranks (one job per value)")
-    b.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="sequence lengths")
+    b.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths (default 4096)")
+    b.add_argument(
+        "--packed",
+        nargs="+",
+        metavar="LENGTHS",
+        help="attention: one row packed from documents of these lengths (512x16: sixteen of 512), attention inside "
+        "each; methods sdpa (one call per document) all-gather ring-contiguous ring-zigzag ring-documents",
+    )
     b.add_argument(
         "--methods",
         nargs="+",
@@ -418,6 +425,17 @@ def _bench_arguments(b) -> None:
     b.add_argument("--timeout", type=float, default=3600.0, help="seconds before a job's ranks are stopped")
 
 
+def _document_lengths(words: list[str]) -> tuple[int, ...]:
+    """``--packed 24576 512x16``: the lengths, ``LxK`` standing for K documents of L tokens."""
+    lengths = []
+    for word in words:
+        length, _, count = word.partition("x")
+        if not (length.isdigit() and (count.isdigit() or not count)) or int(length) < 1:
+            raise InvalidInputError(f"bench: --packed {word!r}: give lengths as 512 or 512x16 (sixteen of 512).")
+        lengths += [int(length)] * (int(count) if count else 1)
+    return tuple(lengths)
+
+
 def _bench(args) -> int:
     from ringpass.cli import bench
     from ringpass.cli.bench import calibrate, model, results
@@ -437,17 +455,20 @@ def _bench(args) -> int:
         args.intermediate,
         args.vocab,
     )
+    packed = _document_lengths(args.packed) if args.packed else ()
+    if packed and args.seq_len:
+        raise InvalidInputError("bench: --packed gives the row's length (the documents' sum); drop --seq-len.")
     config = bench.BenchConfig(
         what=args.what,
         world_sizes=tuple(args.world_size),
-        seq_lens=tuple(args.seq_len),
+        seq_lens=(sum(packed),) if packed else tuple(args.seq_len or [4096]),
         batch=args.batch,
         heads=args.heads or 8,
         kv_heads=args.kv_heads or 2,
         head_dim=args.head_dim,
         dtype=args.dtype,
         causal=not args.bidirectional,
-        methods=tuple(args.methods or bench.METHODS[args.what]),
+        methods=tuple(args.methods or (bench.attention.PACKED_METHODS if packed else bench.METHODS[args.what])),
         repeats=args.repeats,
         warmup=args.warmup,
         threads_per_rank=args.threads_per_rank,
@@ -459,6 +480,7 @@ def _bench(args) -> int:
         compiler=args.compiler,
         new_tokens=args.new_tokens,
         interleave=args.interleave,
+        packed=packed,
     )
     summary = bench.run_bench(config, load_hardware(args.hardware) if args.hardware else None)
     if summary:  # not a torchrun rank other than 0

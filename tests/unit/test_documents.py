@@ -179,32 +179,47 @@ def test_documents_give_the_dense_document_mask_exactly(case):
         assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1)  # (a window of 1: dq, dk are 0)
 
 
-def test_a_document_tile_is_skipped_or_run_whole_and_ids_are_compared_only_at_boundaries():
-    """The issue's row (2400, 900, 500, 296 tokens), zigzag over 2 ranks, causal inside each document, real tile size:
-    the kernels score only pairs of tiles that share a document (the visible pairs and the rest of the tiles at a
-    boundary), the rest is counted as skipped, and only tiles holding a boundary get a mask: every other tile runs as
-    plain or causal attention."""
-    lengths = (2400, 900, 500, 296)
-    layout = Layout("zigzag", 2, sum(lengths))
-    ids = DocumentLayout(lengths, 2).document_ids()
-    q, k, v = qkv_fp64(layout.seq_len, batch=1)
-    with lowering.record_ring_events() as events:
-        simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids)
-    kernels = [e.fields for e in events if e.kind.startswith("block_")]
-    assert kernels, sorted({e.kind for e in events})
+def _scored_pairs(events) -> tuple[int, list]:
+    """(the pairs the forward kernel calls scored, the calls given a mask) of recorded ring events."""
+    calls = [e.fields for e in events if e.kind == "block_forward"]
     scored = sum(
         len(f["q_pos"]) * (len(f["q_pos"]) + 1) // 2 if f["causal"] else len(f["q_pos"]) * len(f["kv_pos"])
-        for f in kernels
+        for f in calls
     )
-    visible = sum(document_pairs(n) for n in lengths)
-    triangle = layout.seq_len * (layout.seq_len + 1) // 2  # what causal attention over the row scores: 2.43x visible
-    assert visible <= scored <= 1.25 * visible < 0.55 * triangle  # 1.22x: tiles of 256 across the three boundaries
-    tiles = [e.fields for e in events if e.kind == "document_tiles"]
-    assert sum(t["skipped"] for t in tiles) > 0
-    masked = [f for f in kernels if f["masked"]]
-    for f in masked:  # a mask only where the tile's queries or keys cross a document boundary
-        assert ids[f["q_pos"]].unique().numel() > 1 or ids[f["kv_pos"]].unique().numel() > 1
-    assert 0 < len(masked) < len(kernels) / 2
+    return scored, [f for f in calls if f["masked"]]
+
+
+def test_one_packing_is_planned_per_document_scoring_exactly_the_visible_pairs():
+    """The issue's row (2400, 900, 500, 296 tokens), zigzag over 2 ranks, causal inside each document: the ring plans
+    each document's pieces (`plan_documents`): its kernels score exactly the visible pairs, none with a mask, and the
+    rest of the row's causal triangle is counted as skipped."""
+    lengths = (2400, 900, 500, 296)
+    layout = Layout("zigzag", 2, sum(lengths))
+    q, k, v = qkv_fp64(layout.seq_len, batch=1)
+    with lowering.record_ring_events() as events:
+        simulate_ring(q, k, v, layout=layout, is_causal=True, documents=DocumentLayout(lengths, 2).document_ids())
+    scored, masked = _scored_pairs(events)
+    visible, triangle = sum(document_pairs(n) for n in lengths), document_pairs(layout.seq_len)
+    assert scored == visible and not masked
+    assert sum(e.fields["pairs"] for e in events if e.kind == "document_skip") == triangle - visible
+
+
+def test_rows_packed_differently_skip_tiles_and_compare_ids_only_at_boundaries():
+    """Two rows packed differently (the issue's documents, and in reverse order), real tile size: tiles where neither
+    row's documents meet are skipped (counted), tiles inside one document on both sides in both rows run as plain or
+    causal attention, and only the others get a mask."""
+    packings = ((2400, 900, 500, 296), (296, 500, 900, 2400))
+    layout = Layout("zigzag", 2, 4096)
+    ids = torch.stack([DocumentLayout(lengths, 1).document_ids() for lengths in packings])
+    q, k, v = qkv_fp64(layout.seq_len, batch=2)
+    with lowering.record_ring_events() as events:
+        simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids)
+    scored, masked = _scored_pairs(events)
+    assert scored < 0.8 * document_pairs(layout.seq_len)
+    assert sum(e.fields["pairs"] for e in events if e.kind == "document_skip") > 0
+    for f in masked:  # never a tile that lies inside one document on both sides in every row
+        assert any(torch.cat((row[f["q_pos"]], row[f["kv_pos"]])).unique().numel() > 1 for row in ids)
+    assert masked
 
 
 class PackedAttention(torch.nn.Module):

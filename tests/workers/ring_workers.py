@@ -340,7 +340,7 @@ def documents_on_ranks(rank: int, world_size: int, balanced: bool) -> dict:
         rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
         for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref)))
     )
-    skipped = sum(e.fields["skipped"] for e in events if e.kind == "document_tiles")
+    skipped = sum(e.fields["pairs"] for e in events if e.kind == "document_skip")
     return {"error": error, "skipped": skipped}
 
 

@@ -21,6 +21,7 @@ sends (`message_seconds`, measured without compute) is what the waits are compar
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -32,12 +33,16 @@ import torch.nn.functional as F
 import lowering
 from lowering.comm import RingExchange
 from lowering.costmodel import AttentionShape, Strategy, choose_strategies
+from lowering.documents import DocumentLayout
 from lowering.errors import NotSupportedError
 from lowering.kernels import accumulation_dtype
 from lowering.ulysses import check_heads, ulysses_mesh
 from ringpass.cli.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
 
 METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ulysses", "auto", "context-parallel")
+# ``--packed``: one row packed from documents, attention inside each (``sdpa``: one call per document, as varlen
+# kernels run it; the rings and the all-gather with ``documents=ids``, ``ring-documents`` on a `DocumentLayout`)
+PACKED_METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ring-documents")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +55,7 @@ class Inputs:
     v: torch.Tensor
     dout: torch.Tensor
     reference: torch.Tensor
+    documents: torch.Tensor | None = None  # with --packed: each token's document id, [N]
 
 
 def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
@@ -61,10 +67,25 @@ def make_inputs(config, seq_len: int, device: torch.device) -> Inputs:
 
     q, k, v, dout = rand(config.heads), rand(config.kv_heads), rand(config.kv_heads), rand(config.heads)
     with torch.no_grad():
-        reference = F.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), is_causal=config.causal, enable_gqa=True
-        )
-    return Inputs(q, k, v, dout, reference)
+        reference = per_document_sdpa(q.float(), k.float(), v.float(), config)
+    documents = DocumentLayout(config.packed, 1).document_ids().to(device) if config.packed else None
+    return Inputs(q, k, v, dout, reference, documents)
+
+
+def per_document_sdpa(q, k, v, config) -> torch.Tensor:
+    """SDPA over the whole sequence, or with ``--packed`` one call per document (attention inside each)."""
+    spans = [(start, start + n) for start, n in zip(itertools.accumulate((0, *config.packed)), config.packed)]
+    if not spans:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=config.causal, enable_gqa=True)
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=config.causal, enable_gqa=True
+            )
+            for a, b in spans
+        ],
+        2,
+    )
 
 
 def attention_shape(config) -> AttentionShape:
@@ -75,7 +96,8 @@ def attention_shape(config) -> AttentionShape:
 
 def layout_kind(method: str, causal: bool) -> str:
     """The layout a distributed method shards in: its own for the rings, else zigzag under a causal mask."""
-    return {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag"}.get(method, "zigzag" if causal else "contiguous")
+    own = {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag", "ring-documents": DocumentLayout.kind}
+    return own.get(method, "zigzag" if causal else "contiguous")
 
 
 def _error(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -91,14 +113,17 @@ class _Step:
     ``backward(out)`` runs the backward."""
 
     def __init__(self, method: str, inputs: Inputs, config, rank: int, world_size: int):
-        self.causal = config.causal
+        self.causal, self.config, self.documents = config.causal, config, inputs.documents
         self.strategy = (
             Strategy("none") if method == "sdpa" else _strategy(method, config, world_size, inputs.q.size(2))
         )
         rows = (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
         self.layout = None
-        if self.strategy.kind != "none":  # each rank its shard; else every rank the whole sequence
+        if self.strategy.layout == DocumentLayout.kind:
+            self.layout = DocumentLayout(config.packed, world_size)
+        elif self.strategy.kind != "none":  # each rank its shard; else every rank the whole sequence
             self.layout = lowering.Layout(self.strategy.layout, world_size, inputs.q.size(2))
+        if self.layout is not None:
             rows = tuple(self.layout.shard(t, 2, rank) for t in rows)
         if self.strategy.kind == "ulysses":
             mesh = ulysses_mesh(world_size // self.strategy.ulysses, self.strategy.ulysses)
@@ -114,11 +139,13 @@ class _Step:
     def forward(self):
         kind, q, k, v = self.strategy.kind, self.q, self.k, self.v
         if kind == "none":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+            out = per_document_sdpa(q, k, v, self.config)
         elif kind == "ulysses":
             out = lowering.ulysses_attention(q, k, v, layout=self.layout, is_causal=self.causal, **self.groups)
         else:
-            out = lowering.ring_attention(q, k, v, layout=self.layout, is_causal=self.causal, strategy=kind)
+            out = lowering.ring_attention(
+                q, k, v, layout=self.layout, is_causal=self.causal, strategy=kind, documents=self.documents
+            )
         return out, self.reference
 
     def backward(self, out) -> None:
@@ -128,6 +155,10 @@ class _Step:
 def _strategy(method: str, config, world_size: int, seq_len: int) -> Strategy:
     """The strategy a distributed method runs (``auto``: the cost model's pick on ``config.hardware``)."""
     layout = layout_kind(method, config.causal)
+    if config.packed and method not in PACKED_METHODS:
+        raise _Unavailable(f"not with --packed (its methods: {', '.join(PACKED_METHODS)})")
+    if layout == DocumentLayout.kind and not config.packed:
+        raise _Unavailable("needs --packed LENGTHS: the documents it balances")
     if method == "auto":
         layouts = ("zigzag", "contiguous") if config.causal else ("contiguous", "zigzag")
         return choose_strategies(
@@ -195,6 +226,7 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         total_bytes = memory.peak()
     spans = [e.fields for e in events if e.kind == "span"]
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
+    blocks = [e.fields for e in events if e.kind == "block_forward"]
     return {
         "started_s": start,  # perf_counter: the order of calls within this process
         "forward_s": forward_s,
@@ -202,10 +234,16 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         "forward_bytes": forward_bytes,
         "total_bytes": total_bytes,
         "compute_s": compute,
+        "pairs": sum(_scored(b["q_pos"], b["kv_pos"], b["causal"]) for b in blocks),
         "error": _error(out.detach(), reference),
         "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
         "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"],
     }
+
+
+def _scored(q_pos, kv_pos, causal: bool) -> int:
+    """The (query, key) pairs one forward kernel call scores: a causal call its triangle."""
+    return len(q_pos) * (len(q_pos) + 1) // 2 if causal else len(q_pos) * len(kv_pos)
 
 
 class _Prepared:
@@ -251,7 +289,7 @@ def prepare_method(method: str, inputs: Inputs, config, rank: int, world_size: i
     try:
         step = (
             _ContextParallelStep(inputs, config, world_size)
-            if method == "context-parallel"
+            if method == "context-parallel" and not config.packed
             else _Step(method, inputs, config, rank, world_size)
         )
         return _Prepared(method, step, PeakMemory(device), device, config.warmup, world_size)

@@ -22,7 +22,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   blocked in the ring's waits (span events) less, for each wait, the part before the sending neighbour
   had posted that message (waiting for a slower rank is imbalance, not transfer: ``balance`` shows it).
   The all-gather's collectives are never hidden (0). Not given on CUDA, where the spans time launches.
-- ``balance``: max / mean over ranks of the seconds spent computing blocks (1 = perfectly balanced).
+- ``balance``: max / mean over ranks of the seconds spent computing blocks (1 = perfectly balanced);
+  ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed).
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
 - ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
@@ -75,8 +76,14 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
     row["error"] = max(s["error"] for r in record["ranks"] for s in r["samples"])
     if p == 1:
         return
-    cost = ring_cost(Layout(layout_kind(method, config.causal), p, n), attention_shape(config))
-    if method.startswith("ring"):
+    pairs = [statistics.median(s["pairs"] for s in r["samples"]) for r in record["ranks"]]
+    row["pairs_balance"] = max(pairs) / statistics.mean(pairs) if statistics.mean(pairs) > 0 else None
+    cost = (
+        None if config.packed else ring_cost(Layout(layout_kind(method, config.causal), p, n), attention_shape(config))
+    )
+    if cost is None:
+        pass  # the cost model prices one causal triangle, not documents: no prediction for a packed row
+    elif method.startswith("ring"):
         prediction = predict(cost, hardware)
         row["predicted"] = {
             "forward_s": prediction.forward_s,
@@ -234,6 +241,7 @@ def format_table(summary: dict) -> str:
         title = (
             f"ringpass bench: {'causal' if c['causal'] else 'bidirectional'} attention, B={c['batch']} "
             f"Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} {c['dtype']}, forward+backward"
+            + (f", one row packed from {_documents_text(c['packed'])}" if c.get("packed") else "")
         )
     lines = [
         title,
@@ -245,7 +253,7 @@ def format_table(summary: dict) -> str:
         f"{'method':<17}{'P':>3}{'thr':>4}{'N':>7}{'fwd s':>9}{'fwd+bwd s (min..max)':>26}{'pred s':>8}"
         f"{'MiB fwd/all':>13}{'need':>7}{'eff':>6}{'vs same':>8}"
     )
-    head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'error':>9}"
+    head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'pairs':>6}{'error':>9}"
     lines.append(head)
     for r in summary["rows"]:
         start = f"{r['method']:<17}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>7}"
@@ -269,7 +277,7 @@ def format_table(summary: dict) -> str:
             hidden = r.get("hidden")
             line += (
                 f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}"
-                f"{_fmt(r.get('balance'), '.2f'):>6}{r['error']:>9.1e}"
+                f"{_fmt(r.get('balance'), '.2f'):>6}{_fmt(r.get('pairs_balance'), '.2f'):>6}{r['error']:>9.1e}"
             )
             line += f"  picked: {r['chosen']}" if r.get("chosen") else ""
         lines.append(line)
@@ -278,8 +286,15 @@ def format_table(summary: dict) -> str:
     lines.append(
         "  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
         "working memory per rank (fwd+bwd)"
+        + ("" if model else "; bal / pairs: max/mean over ranks of compute seconds / of pairs scored")
     )
     return "\n".join(lines)
+
+
+def _documents_text(lengths) -> str:
+    """``1 x 24576 + 16 x 512`` for the title: each length with its count, longest first."""
+    counts = {n: lengths.count(n) for n in sorted(set(lengths), reverse=True)}
+    return f"{len(lengths)} documents (" + " + ".join(f"{k} x {n}" for n, k in counts.items()) + ")"
 
 
 def _decode_table(summary: dict) -> str:
