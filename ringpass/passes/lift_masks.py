@@ -64,6 +64,7 @@ from ringpass.fx.sizes import same
 from ringpass.fx.spellings import CREATORS, KEEP_VALUES, LIKE, is_pointwise, op_name
 from ringpass.fx.static_shapes import needs_static_shapes
 
+NEW_LIKE = ("new_ones", "new_zeros", "new_full", "new_tensor")  # methods whose result reads no value of their source
 MASK_LIMIT = 16384  # a mask built from an S x S tensor is checked on the host once: S x S booleans
 # A finite hiding value at or below this makes every score it is added to the same number in float32 (its
 # spacing there is 64: any score under 32 in size is lost), so a fully hidden query's softmax is uniform.
@@ -498,6 +499,7 @@ class _TokenRead:
     table: fx.Node
     role: str
     batch: int | None  # where the table's rows (the batch) sit in this value; None: a table of one row
+    offset: int = 0  # added to what the table holds (``pos[b, q] - window``)
 
     def moved(self, node: fx.Node) -> _TokenRead:
         """The read after ``node``, a cast, ``unsqueeze``, ``expand`` or indexing that only adds axes: its rows'
@@ -621,6 +623,8 @@ class _Symbolic:
                 return x.shifted(y if name == "add" else -y)
             if isinstance(y, _Linear) and isinstance(x, int) and name == "add":
                 return y.shifted(x)
+            if isinstance(x, _TokenRead) and isinstance(y, int) and not isinstance(y, bool):
+                return replace(x, offset=x.offset + (y if name == "add" else -y))
         if name in COMPARE and all(isinstance(a, _Linear) for a in args):
             sign, strict = COMPARE[name]
             x, y = args
@@ -635,12 +639,12 @@ class _Symbolic:
             and {a.role for a in reads} == {Q, KV}
             and _rows_on_the_batch(reads, node, self.region.mask[0])
         ):
-            if name in ("eq", "ne"):
+            if name in ("eq", "ne") and reads[0].offset == reads[1].offset == 0:
                 return frozenset({(DOCUMENTS if name == "eq" else APART, reads[0].table, None)})
             if name in COMPARE:  # as if the table held q and k themselves: true inside a document of restarts
                 sign, strict = COMPARE[name]
-                x, y = ((1, 0) if a.role == Q else (0, 1) for a in reads)
-                constraint = (sign * (x[0] - y[0]), sign * (x[1] - y[1]), strict)
+                x, y = ((1, 0, a.offset) if a.role == Q else (0, 1, a.offset) for a in args)
+                constraint = (sign * (x[0] - y[0]), sign * (x[1] - y[1]), sign * (x[2] - y[2]) + strict)
                 return frozenset({(RELATIVE, reads[0].table, constraint)})
         if name in AND and len(args) == 2:
             left, right = (_as_constraints(a) for a in args)
@@ -1101,6 +1105,12 @@ def _evaluate(ctx: PassContext, node: fx.Node, resize: tuple | None = None):
             return env[n]
         if n.op == "get_attr":
             env[n] = getattr(ctx.gm, n.target)
+            return env[n]
+        if n.op == "call_method" and n.target in NEW_LIKE:  # the source's dtype only, not its values (HF's and_masks)
+            source = torch.empty((), dtype=example_value(n.args[0]).dtype)
+            args = fx.node.map_aggregate(fx.node.map_arg(n.args[1:], value), on_host)
+            kwargs = fx.node.map_aggregate(fx.node.map_arg(n.kwargs, value), on_host)
+            env[n] = getattr(source, n.target)(*args, **kwargs)
             return env[n]
         args = fx.node.map_aggregate(fx.node.map_arg(n.args, value), on_host)
         kwargs = fx.node.map_aggregate(fx.node.map_arg(n.kwargs, value), on_host)

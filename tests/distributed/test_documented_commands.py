@@ -37,6 +37,7 @@ SHRINK = {
     "ringpass plan": "",  # arithmetic only
     "ringpass plan --hf-config": "--seq-len 256",  # fake training steps of the 1-layer config.json
     "ringpass bench": "--seq-len 64 --repeats 1",
+    "ringpass bench --packed": "--packed 300 20x6 7 --world-size 2 --repeats 1 --warmup 0",
     "ringpass bench --what model": "--seq-len 64 --repeats 1 --hidden 32 --layers 1 --intermediate 64 --vocab 64",
     "python examples/model_coverage.py": "llama --no-write",  # one family; the page is not rewritten
     "python examples/gpu_check.py": "TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=",  # its tiny CPU run

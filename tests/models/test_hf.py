@@ -550,10 +550,11 @@ def test_a_symbolic_logits_to_keep_is_read_as_its_number_and_guarded():
 @pytest.mark.heavy  # suite time (README, "Heavier cases")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sliding_window_matches_the_unsharded_model(world_size):
-    cases = ["labels", "left-padded"]
+    cases = ["labels", "left-padded", "packed"]
     expected = {
         "labels": {"mask": "causal, sliding window 5", "window": 5},
         "left-padded": {"mask": "lifted mask program + causal, sliding window 5", "window": 5},
+        "packed": {"mask": f"{DOCUMENTS['mask']}, sliding window 5", "window": 5},
     }
     for results in spawn_ranks(hf_workers.training_step, world_size, ("mistral", cases, SEQ), timeout=600):
         _check(results, expected)

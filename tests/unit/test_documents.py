@@ -1,14 +1,17 @@
-"""`lowering.documents.DocumentLayout`: a packed row's documents balanced over the ranks. Drawn document lengths (long-
-tailed, uniform, single tokens) and ring sizes: every token on one rank, ``ceil(N / P)`` slots each, the layout's
-invariants, shard / unshard, each rank's unmasked pairs counted from the dense mask and balanced within 5 %; the ring
-on it (simulated) exact against dense fp64 attention under the documents' mask, forward and every gradient."""
+"""Packed documents. `lowering.documents.DocumentLayout`: a packed row's documents balanced over the ranks. Drawn
+document lengths (long-tailed, uniform, single tokens) and ring sizes: every token on one rank, ``ceil(N / P)`` slots
+each, the layout's invariants, shard / unshard, each rank's unmasked pairs counted from the dense mask and balanced
+within 5 %; the ring on it (simulated) exact against dense fp64 attention under the documents' mask, forward and every
+gradient. The documents mask (``documents=ids``): drawn rows, layouts, ring sizes, causal or not, windows, ids in order
+or reused, exact in fp64; one packing planned per document (exactly the visible pairs scored), rows packed differently
+decided per tile; wrong ids refused. What `lift_masks` reads as documents from each packing convention."""
 
 from functools import partial
 from unittest.mock import patch
 
+import hf_workers
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reference import masked_attention_fp64, rel_err
@@ -268,26 +271,22 @@ def test_each_packing_convention_is_read_as_documents(given, mask, inputs):
     assert attention.mask.startswith(mask) and attention.mask_inputs == inputs, attention
 
 
-def test_hugging_face_position_ids_that_restart_are_read_as_documents():
+@pytest.mark.parametrize("name,window", [("qwen2", ""), ("mistral", ", sliding window 5")])
+def test_hugging_face_position_ids_that_restart_are_read_as_documents(name, window):
     """HF's packed path (no attention mask, position ids restarting: `find_packed_sequence_indices`): its mask
-    ``ids[b, q] == ids[b, k]`` and ``position_ids[b, k] <= position_ids[b, q]`` is causal inside each document."""
-    config = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ``ids[b, q] == ids[b, k]`` and ``position_ids[b, k] <= position_ids[b, q]`` is causal inside each document
+    (Mistral's window ``position_ids[b, k] > position_ids[b, q] - 5`` too)."""
+    model = hf_workers.build(name)
     position_ids = torch.cat([torch.arange(n) for n in (5, 15, 4)]).expand(2, -1)
-    ids = torch.randint(0, 64, (2, 24))
+    ids = torch.randint(0, hf_workers.VOCAB, (2, 24))
     (report,) = ringpass.inspect(
         model, dict(input_ids=ids, position_ids=position_ids, use_cache=False), world_size=2
     ).reports
-    (attention,) = report.attention
-    assert attention.mask.startswith("packed documents (position_ids restarting at each) + causal inside each")
-    assert attention.is_causal and attention.mask_inputs == ["position_ids"]
+    for attention in report.attention:  # both layers
+        assert attention.mask.startswith(
+            f"packed documents (position_ids restarting at each) + causal inside each{window}"
+        )
+        assert attention.is_causal and attention.mask_inputs == ["position_ids"]
 
 
 def test_documents_given_wrong_are_refused_saying_what_to_pass():
