@@ -1,0 +1,56 @@
+"""examples/perf_record.py: the command appends one record a user can read back, in the history's format; the
+repository's history (docs/bench/history.jsonl) keeps that format. Times are never asserted, only that each
+number is there, positive, and of its kind."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import perf_record
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_record_command_appends_one_checked_line_and_draws_the_history(tmp_path):
+    history, png = tmp_path / "history.jsonl", tmp_path / "history.png"
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "perf_record.py"),
+        *("--seq-len", "128", "--mask-seq-len", "128", "--repeats", "1", "--history", str(history)),
+    ]
+    for count in (1, 2):
+        result = subprocess.run([*command, "--plot", str(png)], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = perf_record.read_history(history)
+        assert len(records) == count and json.loads(result.stdout.strip().splitlines()[-1]) == records[-1]
+    assert records[0]["seq_len"] == records[0]["mask_seq_len"] == 128 and records[0]["repeats"] == 1
+    assert records[0]["commit"] and records[0]["torch"] == torch.__version__
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = subprocess.run([*command, "--no-write"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and len(perf_record.read_history(history)) == 2  # printed, not appended
+
+
+def test_the_repository_history_is_in_the_record_format():
+    records = perf_record.read_history(perf_record.HISTORY)
+    assert records, "docs/bench/history.jsonl has no record"
+    assert [r["date"] for r in records] == sorted(r["date"] for r in records)  # appended in time order
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (lambda r: r.pop("documents"), "has the keys"),
+        (lambda r: r.update(extra=1), "has the keys"),
+        (lambda r: r.update(efficiency=-0.5), "'efficiency': expected a positive float"),
+        (lambda r: r.update(seq_len=8192.0), "'seq_len': expected a positive int"),
+        (lambda r: r.update(date="07.12.2026"), "Invalid isoformat"),
+    ],
+)
+def test_a_malformed_record_is_refused_naming_the_field(change, words):
+    record = perf_record.read_history(perf_record.HISTORY)[-1]
+    change(record)
+    with pytest.raises(ValueError, match=words):
+        perf_record.check_record(record)
