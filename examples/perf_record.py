@@ -47,7 +47,7 @@ RECORD_KEYS = {
     "mask_seq_len": int,
     "repeats": int,
     "sdpa_one_thread_s": float,
-    **{name: float for name in RATIOS},
+    **dict.fromkeys(RATIOS, float),
 }
 MASK_CASES = ("plain", "program", "padding", "documents")
 

@@ -47,6 +47,8 @@ SHRINK = {
     "python examples/scan_strategies.py": "--seq-lens 64 --world-sizes 2",
     "python examples/plan_check.py": "--model llama --seq-len 512 --world-sizes 1,2",
     "python examples/plan_check.py --spread": "--rows 0,13 --seq-len 512",  # the row and an optimizer peak
+    "python examples/perf_record.py": "--seq-len 128 --mask-seq-len 128 --repeats 1 --no-write",
+    "python examples/compare_commits.py": "--seq-len 64 --turns 1 --calls 1",
     "python examples/strategy_grid.py": "--seq-lens 256 --world-sizes 2 --masks causal --repeats 1 --long-repeats 1",
 }
 HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
@@ -60,6 +62,8 @@ HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)
     "python examples/plan_check.py": "four spawns of fresh processes training a Hugging Face model: a minute",
     "python examples/plan_check.py --spread": "a plan and a measured step per row, each spawning its ranks",
     "python examples/strategy_grid.py": "a spawn measuring five methods: about 20 s made small",
+    "python examples/compare_commits.py": "a checkout and a torchrun launch per commit: 10 s a commit made small",
+    "python examples/perf_record.py": "a bench spawn and a spawn of the mask cases: 20 s made small",
     "ringpass plan --hf-config": "fake steps at four ring sizes, three compiled (~20 s): test_plan checks by hand",
 }
 SKIP = {

@@ -54,3 +54,20 @@ def test_a_malformed_record_is_refused_naming_the_field(change, words):
     change(record)
     with pytest.raises(ValueError, match=words):
         perf_record.check_record(record)
+
+
+@pytest.mark.heavy  # two checkouts, two torchrun launches each: ~30 s
+def test_comparing_commits_times_each_checkout_and_removes_them():
+    """examples/compare_commits.py on HEAD and its parent at a tiny size: a time per turn for each, the checkouts
+    gone afterwards."""
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    command = [sys.executable, str(ROOT / "examples" / "compare_commits.py"), "HEAD", "HEAD~1"]
+    result = subprocess.run(
+        [*command, "--seq-len", "64", "--turns", "2", "--calls", "1"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for rev in ("HEAD", "HEAD~1"):
+        (line,) = [line for line in lines if line.split()[:1] == [rev]]
+        assert len(line.split("turns: ")[1].split(", ")) == 2 and float(line.split()[1]) > 0, line
+    assert subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout == worktrees
