@@ -1,4 +1,4 @@
-"""The runtime's few speed ratios in one run, appended to the history (issue 52): run it before resolving any issue
+"""The runtime's few speed ratios in one run, appended to the history: run it before resolving any issue
 that touches the runtime, and compare with the last lines.
 
     python examples/perf_record.py                      # measure, print the line, append it to docs/bench/history.jsonl

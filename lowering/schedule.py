@@ -11,6 +11,8 @@ the `Layout`) into `BlockTask`s:
   tile is either fully visible (keys before the queries) or fully masked. Because local order increases
   with position, the visible keys of a query segment are a prefix of the block; query segments with the
   same prefix are merged into one rectangle. Fully masked tiles are never planned, padding never is.
+
+`plan_documents` plans a row packed from documents the same way, per document (pairs of two documents never).
 """
 
 from __future__ import annotations

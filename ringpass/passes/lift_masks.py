@@ -11,7 +11,9 @@ region (segment ids, position ids indexed as ``pos[b, q_idx]``, an embedding tab
 
 Then, per attention, in this order:
 1. the region is read symbolically (positions as ``a*q + b*k + c``); a mask that is exactly causal,
-   causal with a sliding window, or all-visible becomes the ring's position-based flags (no mask at all);
+   causal with a sliding window, or all-visible becomes the ring's position-based flags (no mask at all); one that
+   also compares a per-token table at the query and the key (``ids[b, q] == ids[b, k]``: packed documents, HF's
+   restarting position ids among them) becomes the documents mask (`lowering.masks.DOCUMENTS`, the ids its input);
 2. otherwise the region becomes a mask program (`lowering.masks`), registered by content, evaluated by
    the ring per tile of (local query positions x arriving key positions);
 3. a mask that needs an ``S x S`` tensor (``tril(ones(S, S))``, a registered causal buffer, a mask input)
