@@ -262,7 +262,13 @@ def _plan(ctx: PassContext, match) -> MaskPlan:
     documents = [term[1] for term in implied if term[0] == DOCUMENTS]
     positional = implied - {(DOCUMENTS, ids, None) for ids in documents}
     is_causal, window = _flags(positional)
-    if exact and positional <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set()) and len(documents) <= 1:
+    whole_row = all(same(example_value(ids).shape[-1], n) for ids in documents)  # (not a longer table)
+    if (
+        exact
+        and positional <= {CAUSAL} | ({(1, -1, 1 - window)} if window else set())
+        and len(documents) <= 1
+        and whole_row
+    ):
         if not documents:
             return MaskPlan(is_causal, window)
         ctx.masks.whole_values.add(documents[0])

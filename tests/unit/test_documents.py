@@ -243,6 +243,8 @@ class PackedAttention(torch.nn.Module):
             same = (doc[:, None] == doc[None, :])[None, None]
         elif self.given == "ids":
             same = (packing[:, :, None] == packing[:, None, :])[:, None]
+        elif self.given == "longer_table":  # ids of more tokens than the row, read at its positions
+            same = (packing[pos][:, None] == packing[pos][None, :])[None, None]
         else:
             same = packing[None, :, :, None] == packing[None, :, None, :]
         mask = same & (pos[None, :] <= pos[:, None])
@@ -257,15 +259,17 @@ class PackedAttention(torch.nn.Module):
         ("cu_seqlens", "packed documents (document ids from `searchsorted`", ["packing"]),
         ("ids", "packed documents (document ids from input `packing`) + causal inside each", ["packing"]),
         ("rows_on_heads", "lifted mask program + causal", ["packing", "positions"]),  # rows not on the batch: a program
+        ("longer_table", "lifted mask program + causal", ["packing", "positions"]),  # not one id per token of the row
     ],
 )
 def test_each_packing_convention_is_read_as_documents(given, mask, inputs):
     """What the report (and `ringpass inspect`) says of a packed mask: the documents and where their ids come from,
-    no mask program; a mask whose ids are not the batch's rows stays a program."""
+    no mask program; a mask whose ids are not the batch's rows, or not one per token of the row, stays a program."""
     x = torch.randn(2, 12, 16)
-    packing = (
-        torch.tensor([0, 5, 9, 12]) if given == "cu_seqlens" else torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9])
-    )
+    packing = {
+        "cu_seqlens": torch.tensor([0, 5, 9, 12]),
+        "longer_table": torch.arange(17) // 5,
+    }.get(given, torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9]))
     (report,) = ringpass.inspect(PackedAttention(given), (x, packing), world_size=2).reports
     (attention,) = report.attention
     assert attention.mask.startswith(mask) and attention.mask_inputs == inputs, attention
