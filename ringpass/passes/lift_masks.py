@@ -557,7 +557,36 @@ class _Symbolic:
                     stack.append(args[node.args[0]])
                 else:
                     exact = False
-        return _resolve_relative(implied, exact)
+        return self._resolve_relative(implied, exact)
+
+    def _resolve_relative(self, implied: set, exact: bool) -> tuple[frozenset, bool]:
+        """The reading with each `RELATIVE` term replaced by its constraint on q and k where the same conjunction
+        holds a documents term of the positions' restarts (`_restarts_of`); without one it is not read (the mask is
+        then not exactly its reading). Restarts of positions that count up by one everywhere (``arange + c``, read
+        at the lengths this reading is for: HF's positions of an unpacked row under dynamic shapes) are one document:
+        that documents term is dropped."""
+        restarted = {_plain(_restarts_of(t[1])) for t in implied if t[0] == DOCUMENTS} - {None}
+        one_document = {positions for positions in restarted if self._counts_up(positions)}
+        resolved = set()
+        for term in implied:
+            if term[0] == DOCUMENTS and _plain(_restarts_of(term[1])) in one_document:
+                continue
+            if term[0] != RELATIVE:
+                resolved.add(term)
+            elif _plain(term[1]) in restarted:
+                resolved.add(term[2])
+            else:
+                exact = False
+        return frozenset(resolved), exact
+
+    def _counts_up(self, positions: fx.Node) -> bool:
+        """``positions`` is ``arange + c`` along its last dim (every row alike)."""
+        rank = example_value(positions).dim()
+        try:
+            value = self._evaluated_input((positions, ((rank - 1, Q),)))
+        except LookupError:
+            return False
+        return isinstance(value, _Linear) and (value.a, value.b) == (1, 0)
 
     def _value(self, use: Use):
         if use not in self.values:
@@ -703,14 +732,24 @@ class _Symbolic:
         return position.shifted(offset)
 
 
-SHAPE_FORMULA = KEEP_VALUES | {"arange", "add", "sub", "unsqueeze", "expand", "getitem", "size"}
+SHAPE_FORMULA = KEEP_VALUES | {"arange", "add", "sub", "unsqueeze", "expand", "getitem", "size", *NEW_LIKE}
 
 
 def _shape_formula(node: fx.Node) -> bool:
     """The value is the sequence length run through aranges, offsets and broadcasting only (no module
     state, no data, no op whose result could change its form with the length, like ``%`` or ``cumsum``):
-    a reading of it at one length is its reading at every length."""
-    return all(_shape_op(current) for current in ancestors(node))
+    a reading of it at one length is its reading at every length. (``x.new_ones(())`` reads no value of ``x``.)"""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if not _shape_op(current):
+            return False
+        skipped = current.args[0] if current.op == "call_method" and current.target in NEW_LIKE else None
+        stack += [arg for arg in current.all_input_nodes if arg is not skipped]
+    return True
 
 
 def _shape_op(node: fx.Node) -> bool:
@@ -845,22 +884,6 @@ def _batch_arange(index, rows, out_rank: int) -> bool:
         and index.numel() == index.size(0) == rows
         and torch.equal(index.flatten().cpu(), torch.arange(rows))
     )
-
-
-def _resolve_relative(implied: set, exact: bool) -> tuple[frozenset, bool]:
-    """The reading with each `RELATIVE` term replaced by its constraint on q and k where the same conjunction holds a
-    documents term of the positions' restarts (`_restarts_of`); without one it is not read (the mask is then not
-    exactly its reading)."""
-    restarted = {_plain(_restarts_of(t[1])) for t in implied if t[0] == DOCUMENTS} - {None}
-    resolved = set()
-    for term in implied:
-        if term[0] != RELATIVE:
-            resolved.add(term)
-        elif _plain(term[1]) in restarted:
-            resolved.add(term[2])
-        else:
-            exact = False
-    return frozenset(resolved), exact
 
 
 def _restarts_of(ids: fx.Node) -> fx.Node | None:
