@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,23 +28,13 @@ def time_ring_call(seq_len: int, calls: int) -> None:
     """Under torchrun: one rank's calls; rank 0 prints ``RESULT <seconds>``, the worst rank's median."""
     import torch
     import torch.distributed as dist
-
-    from lowering import Layout, ring_attention
+    from ring_call import ring_inputs, timed_call
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = Layout("zigzag", world_size, seq_len)
-    generator = torch.Generator().manual_seed(rank)
-    q = torch.randn(1, 8, layout.local_len, 64, generator=generator).requires_grad_()
-    k, v = (torch.randn(1, 2, layout.local_len, 64, generator=generator).requires_grad_() for _ in range(2))
-    seconds = []
-    for _ in range(calls + 1):
-        q.grad = k.grad = v.grad = None
-        dist.barrier()
-        start = time.perf_counter()
-        ring_attention(q, k, v, layout=layout, is_causal=True).sum().backward()
-        seconds.append(time.perf_counter() - start)
+    rank = dist.get_rank()
+    layout, q, k, v = ring_inputs(rank, dist.get_world_size(), seq_len)
+    seconds = [timed_call(layout, q, k, v) for _ in range(calls + 1)]
     worst = torch.tensor([statistics.median(seconds[1:])], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -10,12 +10,10 @@ Rank 0 prints the median seconds over ``calls`` after a warm-up. docs/performanc
 
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-
-from lowering import Layout, ring_attention
+from ring_call import ring_inputs, timed_call
 
 
 def packed_documents(q_pos, kv_pos, document):
@@ -26,10 +24,7 @@ def main(seq_len: int, calls: int) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = Layout("zigzag", world_size, seq_len)
-    generator = torch.Generator().manual_seed(rank)
-    q = torch.randn(1, 8, layout.local_len, 64, generator=generator).requires_grad_()
-    k, v = (torch.randn(1, 2, layout.local_len, 64, generator=generator).requires_grad_() for _ in range(2))
+    layout, q, k, v = ring_inputs(rank, world_size, seq_len)
     one_document = torch.zeros(seq_len, dtype=torch.long)
     four_documents = torch.arange(seq_len) * 4 // seq_len
     cases = {
@@ -41,13 +36,7 @@ def main(seq_len: int, calls: int) -> None:
     }
     results = {}
     for name, options in cases.items():
-        times = []
-        for _ in range(calls + 1):
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            ring_attention(q, k, v, layout=layout, is_causal=True, **options).sum().backward()
-            times.append(time.perf_counter() - start)
+        times = [timed_call(layout, q, k, v, **options) for _ in range(calls + 1)]
         results[name] = statistics.median(times[1:])
     if rank == 0:
         plain = results["plain causal"]

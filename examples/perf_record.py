@@ -29,11 +29,10 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from ring_call import ring_inputs, timed_call
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORY = ROOT / "docs" / "bench" / "history.jsonl"
@@ -79,13 +78,8 @@ def _left_padding(q_pos, kv_pos, keep):
 
 def mask_ratios(rank: int, world_size: int, seq_len: int, repeats: int) -> dict:
     """This rank's seconds per case (`MASK_CASES`), measured in turns after a warm-up round."""
-    import lowering
-
     torch.set_num_threads(1)
-    layout = lowering.Layout("zigzag", world_size, seq_len)
-    generator = torch.Generator().manual_seed(rank)
-    q = torch.randn(1, 8, layout.local_len, 64, generator=generator).requires_grad_()
-    k, v = (torch.randn(1, 2, layout.local_len, 64, generator=generator).requires_grad_() for _ in range(2))
+    layout, q, k, v = ring_inputs(rank, world_size, seq_len)
     one = torch.zeros(seq_len, dtype=torch.long)
     keep = torch.arange(seq_len) >= seq_len // 8
     options = {
@@ -97,12 +91,9 @@ def mask_ratios(rank: int, world_size: int, seq_len: int, repeats: int) -> dict:
     seconds = {case: [] for case in MASK_CASES}
     for turn in range(repeats + 1):
         for case in MASK_CASES[turn % len(MASK_CASES) :] + MASK_CASES[: turn % len(MASK_CASES)]:
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            lowering.ring_attention(q, k, v, layout=layout, is_causal=True, **options[case]).sum().backward()
+            took = timed_call(layout, q, k, v, **options[case])
             if turn:  # the first round warms up
-                seconds[case].append(time.perf_counter() - start)
+                seconds[case].append(took)
     return seconds
 
 
