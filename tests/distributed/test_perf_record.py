@@ -15,22 +15,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_record_command_appends_one_checked_line_and_draws_the_history(tmp_path):
+    """One run at a tiny size after a record already there: the file keeps it and gains the printed line; the plot
+    draws both. (``--no-write`` runs in the documented-commands test.)"""
     history, png = tmp_path / "history.jsonl", tmp_path / "history.png"
+    earlier = perf_record.HISTORY.read_text().splitlines()[0]
+    history.write_text(earlier + "\n")
     command = [
         sys.executable,
         str(ROOT / "examples" / "perf_record.py"),
         *("--seq-len", "128", "--mask-seq-len", "128", "--repeats", "1", "--history", str(history)),
     ]
-    for count in (1, 2):
-        result = subprocess.run([*command, "--plot", str(png)], capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        records = perf_record.read_history(history)
-        assert len(records) == count and json.loads(result.stdout.strip().splitlines()[-1]) == records[-1]
-    assert records[0]["seq_len"] == records[0]["mask_seq_len"] == 128 and records[0]["repeats"] == 1
-    assert records[0]["commit"] and records[0]["torch"] == torch.__version__
+    result = subprocess.run([*command, "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = perf_record.read_history(history)
+    assert len(records) == 2 and records[0] == json.loads(earlier)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == records[1]
+    assert records[1]["seq_len"] == records[1]["mask_seq_len"] == 128 and records[1]["repeats"] == 1
+    assert records[1]["commit"] and records[1]["torch"] == torch.__version__
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    result = subprocess.run([*command, "--no-write"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and len(perf_record.read_history(history)) == 2  # printed, not appended
 
 
 def test_the_repository_history_is_in_the_record_format():
