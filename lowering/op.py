@@ -90,9 +90,12 @@ def ring_attention(
 
     ``documents``: each token's document id, int ``[N]`` or ``[B, N]`` over the whole sequence (the same tensor on every
     rank): a key is visible only from queries of its document (with ``is_causal``: causal inside each), as in a
-    row packed from several documents. The ring reads the ids' range per tile: tiles of two different documents are
-    skipped, tiles inside one document run as plain (or causal) attention, and ids are compared only where a tile
-    holds a document boundary. Use it in place of an equivalent ``mask`` program (not with one).
+    row packed from several documents. With one packing (every row alike, each id one run of tokens) the ring plans
+    each document's pairs (`lowering.schedule.plan_documents`: no pair of two documents computed, no mask); otherwise
+    it reads the ids' range per tile: tiles of two different documents are skipped, tiles inside one document run as
+    plain (or causal) attention, and ids are compared only on the rest. Use it in place of an equivalent ``mask``
+    program (not with one). ``layout`` may then be a `lowering.DocumentLayout` of the same documents, which balances
+    their pairs over the ranks.
 
     ``strategy``: ``"ring"`` (K/V blocks travel around the ring, each transfer overlapped with a block's compute)
     or ``"all-gather"`` (every rank gathers all K/V at once and reduce-scatters dK/dV: `lowering.all_gather`).
