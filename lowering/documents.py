@@ -94,12 +94,12 @@ class DocumentLayout:
     def of_ids(cls, ids: torch.Tensor, world_size: int) -> DocumentLayout:
         """The layout of rows whose document ids are ``ids [B, N]`` (host): one document per run of equal ids, every
         row packed alike (one layout serves every row)."""
-        if not bool((ids == ids[:1]).all()):
+        if not rows_alike(ids):
             raise NotSupportedError(
                 "A documents layout balances one packing: every row must hold documents of the same lengths (its "
                 "ids' runs); pack each row alike, or use the zigzag layout with documents=ids (any rows)."
             )
-        return _document_layout(_run_lengths(ids[0]), world_size)
+        return _document_layout(run_lengths(ids[0]), world_size)
 
     def valid_len(self, rank: int) -> int:
         return len(self._owned[rank])
@@ -152,7 +152,13 @@ def _document_layout(lengths: tuple[int, ...], world_size: int) -> DocumentLayou
     return DocumentLayout(lengths, world_size)
 
 
-def _run_lengths(row: torch.Tensor) -> tuple[int, ...]:
+def rows_alike(ids: torch.Tensor) -> bool:
+    """Every row of ``ids [B, N]`` is packed alike (one layout, one plan serves them all)."""
+    return bool((ids == ids[:1]).all())
+
+
+def run_lengths(row: torch.Tensor) -> tuple[int, ...]:
+    """The lengths of a row's runs of equal ids, in order: its documents' lengths."""
     return tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist())
 
 

@@ -25,6 +25,7 @@ tiles that hold a document boundary.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from functools import cached_property
 import torch
 
 from lowering import events
+from lowering.documents import rows_alike, run_lengths
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.schedule import BlockTask
 
@@ -135,10 +137,10 @@ class BlockMask:
         is then a range of positions: the ring plans its pairs exactly, `lowering.schedule.plan_documents`), else
         None (tiles are decided from the ids' ranges)."""
         ids = self.documents_on_host
-        runs, counts = torch.unique_consecutive(ids[0], return_counts=True)
-        if not bool((ids == ids[:1]).all()) or len(runs) != len(torch.unique(runs)):
+        lengths = run_lengths(ids[0])
+        if not rows_alike(ids) or len(lengths) != len(torch.unique(ids[0])):  # an id in two runs
             return None
-        return (0, *torch.cumsum(counts, 0)[:-1].tolist())
+        return tuple(itertools.accumulate(lengths[:-1], initial=0))
 
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the

@@ -30,6 +30,7 @@ MODELS = {
     "encoder_padded": lambda: models.Encoder(),
     "encoder_mask_input": lambda: models.Encoder(),
     "hand_written_packed": lambda: models.HandWritten(),
+    "hand_written_one_packing": lambda: models.HandWritten(),
     "learned_bias": lambda: models.LearnedBias(),
     "learned_bias_padded": lambda: models.LearnedBias(causal=False),
     "square_bias": lambda: models.SquareBias(),
@@ -53,6 +54,8 @@ def _inputs(name: str, seq_len: int, batch: int, seed: int):
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
     if name == "hand_written_packed":  # documents of random lengths packed into each row
         return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)
+    if name == "hand_written_one_packing":  # every row packed alike: the ring plans each document's pairs
+        return ids, (torch.rand(1, seq_len, generator=generator) < 0.3).cumsum(dim=1).expand(batch, -1).contiguous()
     if name in ("torch_layers", "learned_bias_padded"):  # a key padding mask; every query keeps its first key
         keep = torch.rand(batch, seq_len, generator=generator) > 0.3
         keep[:, 0] = True

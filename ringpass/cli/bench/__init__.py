@@ -71,9 +71,8 @@ class BenchConfig:
     compiler: str = "aot_eager"
     new_tokens: int = 1  # decode: queries per step
     interleave: bool = False  # attention: measured calls in turns over the methods (`attention.measure_methods`)
-    packed: tuple[
-        int, ...
-    ] = ()  # attention: one row packed from documents of these lengths (`attention.PACKED_METHODS`)
+    # attention: one row packed from documents of these lengths (`attention.PACKED_METHODS`)
+    packed: tuple[int, ...] = ()
     hardware: Hardware | None = None  # what predictions and the ``auto`` method use (`run_bench` sets it)
 
     def __post_init__(self):

@@ -155,10 +155,6 @@ class _Step:
 def _strategy(method: str, config, world_size: int, seq_len: int) -> Strategy:
     """The strategy a distributed method runs (``auto``: the cost model's pick on ``config.hardware``)."""
     layout = layout_kind(method, config.causal)
-    if config.packed and method not in PACKED_METHODS:
-        raise _Unavailable(f"not with --packed (its methods: {', '.join(PACKED_METHODS)})")
-    if layout == DocumentLayout.kind and not config.packed:
-        raise _Unavailable("needs --packed LENGTHS: the documents it balances")
     if method == "auto":
         layouts = ("zigzag", "contiguous") if config.causal else ("contiguous", "zigzag")
         return choose_strategies(
@@ -289,7 +285,7 @@ def prepare_method(method: str, inputs: Inputs, config, rank: int, world_size: i
     try:
         step = (
             _ContextParallelStep(inputs, config, world_size)
-            if method == "context-parallel" and not config.packed
+            if method == "context-parallel"
             else _Step(method, inputs, config, rank, world_size)
         )
         return _Prepared(method, step, PeakMemory(device), device, config.warmup, world_size)

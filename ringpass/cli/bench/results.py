@@ -78,25 +78,8 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
         return
     pairs = [statistics.median(s["pairs"] for s in r["samples"]) for r in record["ranks"]]
     row["pairs_balance"] = max(pairs) / statistics.mean(pairs) if statistics.mean(pairs) > 0 else None
-    cost = (
-        None if config.packed else ring_cost(Layout(layout_kind(method, config.causal), p, n), attention_shape(config))
-    )
-    if cost is None:
-        pass  # the cost model prices one causal triangle, not documents: no prediction for a packed row
-    elif method.startswith("ring"):
-        prediction = predict(cost, hardware)
-        row["predicted"] = {
-            "forward_s": prediction.forward_s,
-            "total_s": prediction.forward_s + prediction.backward_s,
-            "hides": prediction.hides,
-        }
-        row["need_mib"] = {k: v / MIB for k, v in cost.working_memory().items()}
-    elif method == "all-gather":
-        row["predicted"] = {
-            "forward_s": all_gather_seconds(cost, hardware),
-            "total_s": all_gather_seconds(cost, hardware) + all_gather_seconds(cost, hardware, backward=True),
-            "hides": False,
-        }
+    if not config.packed:  # the cost model prices one causal triangle, not documents: no prediction for a packed row
+        _predictions(row, method, Layout(layout_kind(method, config.causal), p, n), config, hardware)
     compute = [statistics.median(s["compute_s"] for s in r["samples"]) for r in record["ranks"]]
     row["balance"] = max(compute) / statistics.mean(compute) if statistics.mean(compute) > 0 else None
     if record["device"] == "cuda":
@@ -110,6 +93,25 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
             _exposed_seconds(record, rank, i) for rank in range(p) for i in range(len(record["ranks"][0]["samples"]))
         )
         row["hidden"] = min(1.0, max(0.0, 1.0 - exposed / communication)) if communication > 0 else None
+
+
+def _predictions(row: dict, method: str, layout: Layout, config, hardware: Hardware) -> None:
+    """The cost model's time (and the ring's working memory) for a ring or all-gather row."""
+    cost = ring_cost(layout, attention_shape(config))
+    if method.startswith("ring"):
+        prediction = predict(cost, hardware)
+        row["predicted"] = {
+            "forward_s": prediction.forward_s,
+            "total_s": prediction.forward_s + prediction.backward_s,
+            "hides": prediction.hides,
+        }
+        row["need_mib"] = {k: v / MIB for k, v in cost.working_memory().items()}
+    elif method == "all-gather":
+        row["predicted"] = {
+            "forward_s": all_gather_seconds(cost, hardware),
+            "total_s": all_gather_seconds(cost, hardware) + all_gather_seconds(cost, hardware, backward=True),
+            "hides": False,
+        }
 
 
 def _exposed_seconds(record: dict, rank: int, repeat: int) -> float:

@@ -1,0 +1,61 @@
+"""Packed documents through ``backend="ring"``, configurations drawn: a hand-written attention masking every pair of
+two documents (`models.HandWritten` with ``doc [B, N]`` ids of random lengths, every row packed differently or all
+alike), its length, the ring size and the layout drawn. Outputs and every parameter gradient by name against the
+unsharded model in fp64 (<= 1e-10), and the ring ran: the graph was rewritten with one ring op whose mask is the
+documents mask read from the ``doc`` input (no program)."""
+
+import os
+
+import backend_workers
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rank_pools import RankPools
+
+FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def packed_cases(draw) -> dict:
+    return {
+        "world_size": draw(st.sampled_from([2, 3])),
+        "name": draw(st.sampled_from(["hand_written_packed", "hand_written_one_packing"])),
+        "seq_len": draw(st.integers(4, 48)),
+        "layout": draw(st.sampled_from(["zigzag", "contiguous"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@pytest.fixture(scope="module")
+def pools():
+    found = RankPools()
+    yield found
+    found.close()
+
+
+def _check(pools, case: dict) -> None:
+    options = {"compiler": "aot_eager", "layout": case["layout"]}
+    args = (case["name"], case["seq_len"], options, None, None, case["seed"])
+    for rank, result in enumerate(pools.run(case["world_size"], backend_workers.compare, args, timeout=300)):
+        assert max(result["outputs"]) <= 1e-10 and result["grads"] <= 1e-10, (rank, case, result["grads"])
+        report = result["report"]
+        assert report["status"] == "rewritten" and report["layout"] == case["layout"], (case, report)
+        (attention,) = report["attentions"]
+        assert attention["mask"].startswith("packed documents (document ids from input `doc`) + causal"), attention
+        assert result["ops"].get("ring_attention.default") == 1, (case, result["ops"])
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=4, derandomize=True, **FUZZ)
+@given(case=packed_cases())
+def test_drawn_packed_rows_train_exactly_through_the_ring(pools, case):
+    """A fixed draw of four cases (the default suite)."""
+    _check(pools, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(3600)
+@settings(max_examples=int(os.environ.get("RINGPASS_FUZZ_EXAMPLES", "30")), **FUZZ)
+@given(case=packed_cases())
+def test_many_drawn_packed_rows_train_exactly_through_the_ring(pools, case):
+    _check(pools, case)
