@@ -26,8 +26,8 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.layout import Segment
+from lowering.errors import InvalidInputError
+from lowering.layout import DOCUMENTS_KIND, Segment, cached_layout
 
 BALANCE = 1.05  # the most a rank's pairs may exceed the mean: else fewer documents are kept whole
 # tried in turn, the first within BALANCE kept: (documents kept whole: at most this share of a rank's mean pairs, the
@@ -48,7 +48,7 @@ class DocumentLayout:
     lengths: tuple[int, ...]
     world_size: int
 
-    kind = "documents"
+    kind = DOCUMENTS_KIND
 
     def __post_init__(self):
         object.__setattr__(self, "lengths", tuple(self.lengths))  # a list too: the plan is cached by the lengths
@@ -92,14 +92,11 @@ class DocumentLayout:
 
     @classmethod
     def of_ids(cls, ids: torch.Tensor, world_size: int) -> DocumentLayout:
-        """The layout of rows whose document ids are ``ids [B, N]`` (host): one document per run of equal ids, every
-        row packed alike (one layout serves every row)."""
-        if not rows_alike(ids):
-            raise NotSupportedError(
-                "A documents layout balances one packing: every row must hold documents of the same lengths (its "
-                "ids' runs); pack each row alike, or use the zigzag layout with documents=ids (any rows)."
-            )
-        return _document_layout(run_lengths(ids[0]), world_size)
+        """The layout of rows whose document ids are ``ids [B, N]`` (host): one document per run of equal ids. Rows
+        packed differently share one layout, balanced over the runs no row's id changes in (`shared_runs`): each
+        row's documents are unions of them, so the layout is exact for every row (the ring decides the tiles from
+        the ids) and balanced for their common pieces."""
+        return _document_layout(shared_runs(ids), world_size)
 
     def valid_len(self, rank: int) -> int:
         return len(self._owned[rank])
@@ -157,9 +154,26 @@ def rows_alike(ids: torch.Tensor) -> bool:
     return bool((ids == ids[:1]).all())
 
 
-def run_lengths(row: torch.Tensor) -> tuple[int, ...]:
-    """The lengths of a row's runs of equal ids, in order: its documents' lengths."""
-    return tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist())
+def shared_runs(ids: torch.Tensor) -> tuple[int, ...]:
+    """The lengths, in order, of the runs of positions in which no row of ``ids [B, N]`` (or one row ``[N]``) changes
+    its id: with every row packed alike, its documents' lengths."""
+    changes = (ids[..., 1:] != ids[..., :-1]).reshape(-1, ids.size(-1) - 1).any(0)
+    bounds = [0, *(changes.nonzero().flatten() + 1).tolist(), ids.size(-1)]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def sequence_layout(kind: str, world_size: int, seq_len: int, documents: torch.Tensor | None = None):
+    """The layout a sequence op (`lowering.sequence_ops`) works in: ``kind`` over ``world_size`` ranks, or with the
+    documents kind, the `DocumentLayout` of ``documents`` (each token's id ``[B, N]`` on the host: the one
+    ``ringpass::documents_on_host`` makes per call), built once per packing."""
+    if kind != DOCUMENTS_KIND:
+        return cached_layout(kind, world_size, seq_len)
+    if documents is None or documents.size(-1) != seq_len:
+        raise InvalidInputError(
+            f"The documents layout is planned from each token's document id: pass the ids of all {seq_len} tokens "
+            f"(documents=), got {None if documents is None else tuple(documents.shape)}."
+        )
+    return DocumentLayout.of_ids(documents, world_size)
 
 
 @lru_cache(maxsize=256)

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from lowering import events
+from lowering.documents import sequence_layout
 from lowering.errors import InvalidInputError
 from lowering.failures import wait_collective
 from lowering.groups import group_by_name, rank_in
-from lowering.layout import cached_layout, local_length
+from lowering.layout import local_length
 
 
 def _share(heads: int, world_size: int) -> int:
@@ -44,16 +45,23 @@ def _exchange(parts: torch.Tensor, group_name: str, direction: str) -> torch.Ten
 
 @torch.library.custom_op("ringpass::sequence_to_heads", mutates_args=())
 def sequence_to_heads(
-    x: torch.Tensor, seq_dim: int, head_dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+    x: torch.Tensor,
+    seq_dim: int,
+    head_dim: int,
+    kind: str,
+    world_size: int,
+    seq_len: int,
+    group_name: str,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     share = _share(x.size(head_dim), world_size)
     parts = x.unflatten(head_dim, (world_size, share)).movedim(head_dim, 0)  # [P (owner of the heads), ...]
     received = _exchange(parts, group_name, "tokens to heads")  # [P (sender: its slots), ...]
-    return cached_layout(kind, world_size, seq_len).unshard(list(received.unbind(0)), seq_dim).contiguous()
+    return sequence_layout(kind, world_size, seq_len, documents).unshard(list(received.unbind(0)), seq_dim).contiguous()
 
 
 @sequence_to_heads.register_fake
-def _(x, seq_dim, head_dim, kind, world_size, seq_len, group_name):
+def _(x, seq_dim, head_dim, kind, world_size, seq_len, group_name, documents=None):
     shape = list(x.shape)
     shape[seq_dim], shape[head_dim] = seq_len, _share(shape[head_dim], world_size)
     return x.new_empty(shape)
@@ -61,16 +69,23 @@ def _(x, seq_dim, head_dim, kind, world_size, seq_len, group_name):
 
 @torch.library.custom_op("ringpass::heads_to_sequence", mutates_args=())
 def heads_to_sequence(
-    x: torch.Tensor, seq_dim: int, head_dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+    x: torch.Tensor,
+    seq_dim: int,
+    head_dim: int,
+    kind: str,
+    world_size: int,
+    seq_len: int,
+    group_name: str,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    layout = cached_layout(kind, world_size, seq_len)
+    layout = sequence_layout(kind, world_size, seq_len, documents)
     parts = torch.stack([layout.shard(x, seq_dim, rank) for rank in range(world_size)])  # [P (owner of the slots)]
     received = _exchange(parts, group_name, "heads to tokens")  # [P (sender: its heads), ...]
     return received.movedim(0, head_dim).flatten(head_dim, head_dim + 1).contiguous()
 
 
 @heads_to_sequence.register_fake
-def _(x, seq_dim, head_dim, kind, world_size, seq_len, group_name):
+def _(x, seq_dim, head_dim, kind, world_size, seq_len, group_name, documents=None):
     shape = list(x.shape)
     shape[seq_dim], shape[head_dim] = local_length(kind, world_size, seq_len), shape[head_dim] * world_size
     return x.new_empty(shape)

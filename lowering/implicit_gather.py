@@ -95,5 +95,5 @@ def whole_of(local: torch.Tensor, s) -> torch.Tensor:
     """The whole value of which ``local`` holds this rank's tokens as `SequenceSpec` ``s`` says: an all-gather."""
     if s.rows > 1:
         local = local.unflatten(s.dim, (s.rows, -1))
-    whole = gather_sequence(local, s.dim + (s.rows > 1), *s.layout_args())
+    whole = gather_sequence(local, s.dim + (s.rows > 1), *s.layout_args(), **s.layout_kwargs())
     return whole.flatten(s.dim, s.dim + 1) if s.rows > 1 else whole

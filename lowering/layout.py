@@ -27,6 +27,7 @@ import torch
 from lowering.errors import InvalidInputError
 
 LAYOUT_KINDS = ("contiguous", "zigzag")
+DOCUMENTS_KIND = "documents"  # `lowering.documents.DocumentLayout`: planned per call from the documents' lengths
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,10 @@ def cached_layout(kind: str, world_size: int, seq_len: int, ulysses: int = 1) ->
 
 
 def local_length(kind: str, world_size: int, seq_len):
-    """`Layout.local_len` as plain arithmetic, so that it also works on a symbolic ``seq_len``."""
+    """`Layout.local_len` (and `DocumentLayout.local_len`) as plain arithmetic, so that it also works on a symbolic
+    ``seq_len``."""
+    if kind == DOCUMENTS_KIND:
+        return (seq_len + world_size - 1) // world_size
     chunks = world_size * (2 if kind == "zigzag" else 1)
     return (seq_len + chunks - 1) // chunks * (chunks // world_size)
 

@@ -34,7 +34,7 @@ from functools import cached_property
 import torch
 
 from lowering import events
-from lowering.documents import rows_alike, run_lengths
+from lowering.documents import rows_alike, shared_runs
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.schedule import BlockTask
 
@@ -137,7 +137,7 @@ class BlockMask:
         is then a range of positions: the ring plans its pairs exactly, `lowering.schedule.plan_documents`), else
         None (tiles are decided from the ids' ranges)."""
         ids = self.documents_on_host
-        lengths = run_lengths(ids[0])
+        lengths = shared_runs(ids)
         if not rows_alike(ids) or len(lengths) != len(torch.unique(ids[0])):  # an id in two runs
             return None
         return tuple(itertools.accumulate(lengths[:-1], initial=0))

@@ -1,5 +1,11 @@
 """The custom ops a rewritten graph uses at its boundaries, all keyed by (layout, process group name).
 
+Each takes the layout as plain values (kind, world size, sequence length) and, with the documents layout, each
+token's document id on the host (``documents``, [B, N]: `documents_on_host` copies them once per call; the layout is
+planned from their lengths, `lowering.documents.sequence_layout`).
+
+- ``ringpass::documents_on_host``: the document ids as int64 ``[B, N]`` on the host.
+
 - ``ringpass::local_positions``: this rank's global positions (padding clamped to the last real one,
   so position-indexed tables never read past their end). A rewritten ``arange(seq_len)`` becomes this.
 - ``ringpass::local_token_mask``: True at this rank's real slots, False at padding.
@@ -28,45 +34,62 @@ import torch
 import torch.distributed as dist
 
 from lowering import events
+from lowering.documents import sequence_layout
 from lowering.failures import wait_collective
 from lowering.groups import group_by_name, rank_in
-from lowering.layout import cached_layout, local_length
+from lowering.layout import local_length
+
+Documents = torch.Tensor | None  # each token's document id on the host, with the documents layout
+
+
+@torch.library.custom_op("ringpass::documents_on_host", mutates_args=())
+def documents_on_host(ids: torch.Tensor) -> torch.Tensor:
+    return ids.reshape(-1, ids.size(-1)).to("cpu", torch.int64, copy=True)
+
+
+@documents_on_host.register_fake
+def _(ids):
+    return torch.empty((ids.numel() // ids.size(-1), ids.size(-1)), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("ringpass::local_positions", mutates_args=())
-def local_positions(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
-    positions = cached_layout(kind, world_size, seq_len).positions(rank_in(group_name))
+def local_positions(
+    kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device, documents: Documents = None
+) -> torch.Tensor:
+    positions = sequence_layout(kind, world_size, seq_len, documents).positions(rank_in(group_name))
     return positions.clamp_(max=seq_len - 1).to(device)
 
 
 @local_positions.register_fake
-def _(kind, world_size, seq_len, group_name, device):
+def _(kind, world_size, seq_len, group_name, device, documents=None):
     return torch.empty(local_length(kind, world_size, seq_len), dtype=torch.int64, device=device)
 
 
 @torch.library.custom_op("ringpass::local_token_mask", mutates_args=())
-def local_token_mask(kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device) -> torch.Tensor:
-    return (cached_layout(kind, world_size, seq_len).positions(rank_in(group_name)) < seq_len).to(device)
+def local_token_mask(
+    kind: str, world_size: int, seq_len: int, group_name: str, device: torch.device, documents: Documents = None
+) -> torch.Tensor:
+    return (sequence_layout(kind, world_size, seq_len, documents).positions(rank_in(group_name)) < seq_len).to(device)
 
 
 @local_token_mask.register_fake
-def _(kind, world_size, seq_len, group_name, device):
+def _(kind, world_size, seq_len, group_name, device, documents=None):
     return torch.empty(local_length(kind, world_size, seq_len), dtype=torch.bool, device=device)
 
 
 @torch.library.custom_op("ringpass::shard_sequence", mutates_args=())
 def shard_sequence(
-    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str, documents: Documents = None
 ) -> torch.Tensor:
-    layout, rank = cached_layout(kind, world_size, seq_len), rank_in(group_name)
-    local = x.index_select(dim, local_positions(kind, world_size, seq_len, group_name, x.device))
+    layout, rank = sequence_layout(kind, world_size, seq_len, documents), rank_in(group_name)
+    local = x.index_select(dim, local_positions(kind, world_size, seq_len, group_name, x.device, documents))
     valid = layout.valid_len(rank)  # real slots lead; padding slots are zero
     local.narrow(dim, valid, layout.local_len - valid).zero_()
     return local
 
 
 @shard_sequence.register_fake
-def _(x, dim, kind, world_size, seq_len, group_name):
+def _(x, dim, kind, world_size, seq_len, group_name, documents=None):
     shape = list(x.shape)
     shape[dim] = local_length(kind, world_size, seq_len)
     return x.new_empty(shape)
@@ -74,9 +97,9 @@ def _(x, dim, kind, world_size, seq_len, group_name):
 
 @torch.library.custom_op("ringpass::gather_sequence", mutates_args=())
 def gather_sequence(
-    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str
+    x: torch.Tensor, dim: int, kind: str, world_size: int, seq_len: int, group_name: str, documents: Documents = None
 ) -> torch.Tensor:
-    layout = cached_layout(kind, world_size, seq_len)
+    layout = sequence_layout(kind, world_size, seq_len, documents)
     x = x.contiguous()
     if not group_name:
         return layout.unshard([x], dim).contiguous()
@@ -89,7 +112,7 @@ def gather_sequence(
 
 
 @gather_sequence.register_fake
-def _(x, dim, kind, world_size, seq_len, group_name):
+def _(x, dim, kind, world_size, seq_len, group_name, documents=None):
     shape = list(x.shape)
     shape[dim] = seq_len
     return x.new_empty(shape)
@@ -112,10 +135,10 @@ def _(x, group_name):
 
 
 def _owned_slots(
-    positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str
+    positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str, documents: Documents
 ) -> list[tuple[int, int]]:
     """(index into ``positions``, this rank's local slot) for each position this rank holds."""
-    layout = cached_layout(kind, world_size, seq_len)
+    layout = sequence_layout(kind, world_size, seq_len, documents)
     rank = rank_in(group_name)
     slot_of = {int(p): slot for slot, p in enumerate(layout.positions(rank)[: layout.valid_len(rank)])}
     return [(i, slot_of[p % seq_len]) for i, p in enumerate(positions) if p % seq_len in slot_of]
@@ -123,7 +146,14 @@ def _owned_slots(
 
 @torch.library.custom_op("ringpass::take_positions", mutates_args=())
 def take_positions(
-    x: torch.Tensor, dim: int, positions: list[int], kind: str, world_size: int, seq_len: int, group_name: str
+    x: torch.Tensor,
+    dim: int,
+    positions: list[int],
+    kind: str,
+    world_size: int,
+    seq_len: int,
+    group_name: str,
+    documents: Documents = None,
 ) -> torch.Tensor:
     """The rows of ``x`` (this rank's slots along ``dim``) at the given global positions (negative ones
     count from the end), zero where this rank does not hold them: summed over the ranks, every rank has
@@ -131,13 +161,13 @@ def take_positions(
     shape = list(x.shape)
     shape[dim] = len(positions)
     out = x.new_zeros(shape)
-    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name):
+    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name, documents):
         out.select(dim, i).copy_(x.select(dim, slot))
     return out
 
 
 @take_positions.register_fake
-def _(x, dim, positions, kind, world_size, seq_len, group_name):
+def _(x, dim, positions, kind, world_size, seq_len, group_name, documents=None):
     shape = list(x.shape)
     shape[dim] = len(positions)
     return x.new_empty(shape)
@@ -153,19 +183,20 @@ def put_positions(
     world_size: int,
     seq_len: int,
     group_name: str,
+    documents: Documents = None,
 ) -> torch.Tensor:
     """The inverse of `take_positions`: ``length`` local slots along ``dim``, zero except the slots of the
     positions this rank holds, which get their rows (the backward of a pick)."""
     shape = list(rows.shape)
     shape[dim] = length
     out = rows.new_zeros(shape)
-    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name):
+    for i, slot in _owned_slots(positions, kind, world_size, seq_len, group_name, documents):
         out.select(dim, slot).add_(rows.select(dim, i))
     return out
 
 
 @put_positions.register_fake
-def _(rows, length, dim, positions, kind, world_size, seq_len, group_name):
+def _(rows, length, dim, positions, kind, world_size, seq_len, group_name, documents=None):
     shape = list(rows.shape)
     shape[dim] = length
     return rows.new_empty(shape)
@@ -173,11 +204,11 @@ def _(rows, length, dim, positions, kind, world_size, seq_len, group_name):
 
 @torch.library.custom_op("ringpass::position_slots", mutates_args=())
 def position_slots(
-    positions: torch.Tensor, kind: str, world_size: int, seq_len: int, group_name: str
+    positions: torch.Tensor, kind: str, world_size: int, seq_len: int, group_name: str, documents: Documents = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's slot of each global position, 0 where it holds none; whether it holds it), each shaped
     like ``positions`` (negative positions count from the end)."""
-    layout = cached_layout(kind, world_size, seq_len)
+    layout = sequence_layout(kind, world_size, seq_len, documents)
     held = layout.positions(rank_in(group_name))[: layout.valid_len(rank_in(group_name))].to(positions.device)
     slot_of = torch.full((seq_len,), -1, dtype=torch.int64, device=positions.device)
     slot_of[held] = torch.arange(len(held), device=positions.device)
@@ -186,7 +217,7 @@ def position_slots(
 
 
 @position_slots.register_fake
-def _(positions, kind, world_size, seq_len, group_name):
+def _(positions, kind, world_size, seq_len, group_name, documents=None):
     return torch.empty_like(positions, dtype=torch.int64), torch.empty_like(positions, dtype=torch.bool)
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,9 @@ aten = torch.ops.aten
 class SequenceSpec:
     """How a value is sharded: along ``dim``, ``seq_len`` tokens laid out as ``kind`` over ``world_size`` ranks of
     the group named ``group_name``. ``rows``: how many sequences ``dim`` holds one after the other (1; more once a
-    view merged the batch into it: ``[B, N, H] -> [B * N, H]`` has ``rows = B``)."""
+    view merged the batch into it: ``[B, N, H] -> [B * N, H]`` has ``rows = B``). ``documents``: with the documents
+    layout, each token's document id on the host (``[B, N]``, the call's `ringpass::documents_on_host`), which the
+    layout is planned from; values of one call share it."""
 
     kind: str
     world_size: int
@@ -73,6 +75,7 @@ class SequenceSpec:
     dim: int
     group_name: str
     rows: int = 1
+    documents: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def local_len(self):
@@ -87,14 +90,18 @@ class SequenceSpec:
         """(kind, world_size, seq_len, group_name): what the runtime's sequence ops take."""
         return self.kind, self.world_size, self.seq_len, self.group_name
 
+    def layout_kwargs(self) -> dict:
+        """What the sequence ops take besides `layout_args`: the document ids, with the documents layout."""
+        return {} if self.documents is None else {"documents": self.documents}
+
     def positions(self, device) -> torch.Tensor:
         """The global index along ``dim`` of each local slot (padding: the last real token, so it indexes)."""
-        own = local_positions(*self.layout_args(), device)
+        own = local_positions(*self.layout_args(), device, **self.layout_kwargs())
         return (own + torch.arange(self.rows, device=device)[:, None] * self.seq_len).reshape(-1)
 
     def valid(self, like: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """True at this rank's real slots, shaped to broadcast against ``like`` along ``dim`` (default: its own)."""
-        valid = local_token_mask(*self.layout_args(), like.device).repeat(self.rows)
+        valid = local_token_mask(*self.layout_args(), like.device, **self.layout_kwargs()).repeat(self.rows)
         shape = [1] * like.dim()
         shape[self.dim if dim is None else dim] = -1
         return valid.view(shape)
@@ -126,12 +133,12 @@ class SequenceSharded(torch.Tensor):
 
     def __tensor_flatten__(self):
         s = self.spec
-        return ["_local"], (s.kind, s.world_size, s.dim, s.group_name, s.rows)
+        return ["_local"], (s.kind, s.world_size, s.dim, s.group_name, s.rows, s.documents)
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        kind, world_size, dim, group_name, rows = context
-        spec = SequenceSpec(kind, world_size, outer_size[dim] // rows, dim, group_name, rows)
+        kind, world_size, dim, group_name, rows, documents = context
+        spec = SequenceSpec(kind, world_size, outer_size[dim] // rows, dim, group_name, rows, documents)
         return SequenceSharded(inner["_local"], spec)
 
     @classmethod
@@ -332,7 +339,7 @@ def _local_of(value, spec: SequenceSpec, dim: int):
 
 
 def _key(spec: SequenceSpec) -> tuple:
-    return spec.kind, spec.world_size, spec.seq_len, spec.group_name, spec.rows
+    return spec.kind, spec.world_size, spec.seq_len, spec.group_name, spec.rows, id(spec.documents)
 
 
 def _carry(local, spec: SequenceSpec):
@@ -459,7 +466,7 @@ def _pick(func, args, kwargs, carried: SequenceSharded) -> torch.Tensor:
         raise _needs_whole(func, "it picks tokens along a dimension that holds several sequences")
     index = torch.arange(spec.seq_len, device=carried.device)
     picked = func(index, 0, *args[2:], **kwargs)  # the global positions picked
-    slots, held = position_slots(picked.reshape(-1), *spec.layout_args())
+    slots, held = position_slots(picked.reshape(-1), *spec.layout_args(), **spec.layout_kwargs())
     rows = carried._local.index_select(spec.dim, slots)
     held = held.view([-1 if d == spec.dim else 1 for d in range(rows.dim())])
     total = all_reduce(torch.where(held, rows, torch.zeros((), dtype=rows.dtype)), spec)

@@ -8,7 +8,7 @@ from typing import Any
 from lowering.errors import InvalidInputError
 
 CHOICES = {
-    "layout": ("auto", "zigzag", "contiguous"),
+    "layout": ("auto", "zigzag", "contiguous", "documents"),
     "inputs": ("full", "sharded", "per_rank"),
     "outputs": ("auto", "gathered", "sharded"),
     "compiler": ("inductor", "aot_eager", "eager"),

@@ -16,7 +16,7 @@ import torch
 
 from lowering import compat
 from lowering.errors import InvalidInputError, NotSupportedError
-from lowering.layout import local_length
+from lowering.layout import DOCUMENTS_KIND, local_length
 from lowering.sequence_tensor import SequenceSharded, SequenceSpec, carry
 from ringpass.frontend.crossing_masks import wrap_mask_outputs
 from ringpass.fx.context import PassContext
@@ -53,6 +53,12 @@ def take_carried_inputs(ctx: PassContext) -> None:
             raise InvalidInputError(
                 f"Input {name} is a SequenceSharded value, which says it is sharded; inputs='sharded' is for plain "
                 "local shards. Compile with inputs='full' (the default): full inputs are sharded, carried ones kept."
+            )
+        if spec.kind == DOCUMENTS_KIND:
+            raise NotSupportedError(
+                f"Input {name} is sharded in the documents layout (another compiled graph's output: a graph break), "
+                "which a graph cannot take sharded yet; remove the graph break (fullgraph=True shows where), or "
+                "compile with layout='zigzag'."
             )
         kinds.add(spec.kind)
         traced = example_value(node)
@@ -109,13 +115,15 @@ def local_examples(example_inputs: list, ctx: PassContext) -> list:
     return examples
 
 
-def carry_length_output(ctx: PassContext) -> None:
-    """With dynamic shapes and outputs to wrap: the global length as the graph's last output."""
-    if not (ctx.carried_outputs and ctx.dynamic):
+def carry_layout_outputs(ctx: PassContext) -> None:
+    """With outputs to wrap, what their `SequenceSpec` needs besides the graph's constants, as the graph's last
+    outputs: the host copy of the document ids (the documents layout), then the global length (dynamic shapes)."""
+    if not ctx.carried_outputs:
         return
     output = next(n for n in ctx.gm.graph.nodes if n.op == "output")
-    length = ctx.insert_length("global")
-    output.args = ((*output.args[0], length),)
+    extra = [ctx.document_ids] if ctx.document_ids is not None else []
+    extra += [ctx.insert_length("global")] if ctx.dynamic else []
+    output.args = ((*output.args[0], *extra),)
 
 
 def crosses_boundaries(ctx: PassContext) -> bool:
@@ -140,6 +148,7 @@ class CarriedGraph:
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
         self.mask_outputs = dict(ctx.mask_outputs) if masks else {}
         self.length_output = bool(self.outputs) and ctx.dynamic
+        self.documents_output = bool(self.outputs) and ctx.document_ids is not None
         self.static_length = None if ctx.dynamic or not self.outputs else int(ctx.sequence.global_seq_len)
         self.layout = (ctx.layout_kind, ctx.world_size, ctx.group_name)
 
@@ -149,9 +158,11 @@ class CarriedGraph:
             args[i] = args[i].to_local()
         outputs = list(self.compiled(*args))
         seq_len = int(outputs.pop()) if self.length_output else self.static_length
+        documents = outputs.pop() if self.documents_output else None
         kind, world_size, group_name = self.layout
         for index, dim in self.outputs.items():
-            outputs[index] = carry(outputs[index], SequenceSpec(kind, world_size, seq_len, dim, group_name))
+            spec = SequenceSpec(kind, world_size, seq_len, dim, group_name, documents=documents)
+            outputs[index] = carry(outputs[index], spec)
             if self.length_output:  # a graph compiled for any length hands on values of any length
                 compat.maybe_mark_dynamic(outputs[index], dim)
         return wrap_mask_outputs(outputs, self.mask_outputs)

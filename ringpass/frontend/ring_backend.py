@@ -33,7 +33,7 @@ from lowering import compat, failures
 from lowering.errors import InvalidInputError, RingpassError, RingpassWarning
 from lowering.groups import resolve_group
 from lowering.ulysses import ulysses_mesh
-from ringpass.frontend.carried import CarriedGraph, carry_length_output, crosses_boundaries, local_examples
+from ringpass.frontend.carried import CarriedGraph, carry_layout_outputs, crosses_boundaries, local_examples
 from ringpass.frontend.ddp_whole_graph import NOTE as KEPT_WHOLE_NOTE
 from ringpass.frontend.ddp_whole_graph import keep_ring_graphs_whole, kept_whole_under_ddp, unwrap_backend
 from ringpass.frontend.guard import guard_graph
@@ -140,7 +140,7 @@ class RingBackend:
         retraced = False
         try:
             rewrite_graph(ctx)
-            carry_length_output(ctx)
+            carry_layout_outputs(ctx)
             if ctx.per_rank and not ctx.report.unchanged:  # a graph without attention runs on this rank's batch
                 refuse_crossings(ctx)
                 describe_per_rank(ctx)

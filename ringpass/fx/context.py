@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from lowering.layout import Layout, local_length
+from lowering.layout import DOCUMENTS_KIND, local_length
 from ringpass.fx.findings import AttentionMatch, MaskFindings, MixerMatch, SequenceFindings
 from ringpass.fx.gradient_reach import CapturedGradients
 from ringpass.fx.nodes import example_value
@@ -109,6 +109,8 @@ class PassContext:
     ulysses_used: list[int] = field(default_factory=list)
     # choose_layout
     layout_kind: str = ""
+    # choose_layout, layout="documents": the ids value the documents masks read; read_document_ids: its host copy
+    document_ids: fx.Node | None = None
     tail: Any = None  # split_tail (inputs="per_rank"): the tail that runs on this rank's own batch (a `Tail`)
     # decide_placements
     placement: dict[fx.Node, Placement] = field(default_factory=dict)
@@ -144,6 +146,11 @@ class PassContext:
         node with dynamic shapes: `insert_length`)."""
         return (self.layout_kind, self.world_size, self.insert_length("global"), self.group_name)
 
+    def layout_kwargs(self) -> dict[str, Any]:
+        """With the documents layout, the host copy of the document ids (``documents=``) every sequence op plans the
+        layout from (`read_document_ids`); else nothing."""
+        return {"documents": self.document_ids} if self.layout_kind == DOCUMENTS_KIND else {}
+
     def insert_length(self, which: str):
         """The ``"global"`` sequence length or this rank's ``"local"`` one, as an argument of a node a pass
         inserts. Static shapes: an int (nothing is inserted). Dynamic shapes: a node computing it from the
@@ -158,8 +165,8 @@ class PassContext:
         return self._length_args.get("size")
 
     def _static_length(self, which: str) -> int:
-        layout = Layout(self.layout_kind, self.world_size, self.sequence.global_seq_len)
-        return layout.seq_len if which == "global" else layout.local_len
+        n = self.sequence.global_seq_len
+        return n if which == "global" else local_length(self.layout_kind, self.world_size, n)
 
     def _symbolic_length(self, which: str) -> fx.Node:
         graph = self.gm.graph

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from lowering.costmodel import BACKWARD_FLOPS_RATIO, AttentionShape, RingCost, ring_cost, ulysses_shape
-from lowering.layout import GroupLayout, Layout
+from lowering.layout import DOCUMENTS_KIND, GroupLayout, Layout
 
 logger = logging.getLogger("ringpass")
 summary_logger = logging.getLogger("ringpass.summary")
@@ -143,7 +143,8 @@ class Report:
 
     @property
     def layout_object(self) -> Layout | None:
-        if not self.layout or not isinstance(self.seq_len, int):
+        """The layout (None under dynamic shapes, or with documents: `lowering.DocumentLayout` is planned per call)."""
+        if not self.layout or self.layout == DOCUMENTS_KIND or not isinstance(self.seq_len, int):
             return None
         return Layout(self.layout, self.world_size, self.seq_len)
 

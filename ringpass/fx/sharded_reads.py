@@ -22,7 +22,9 @@ def read_tokens_instead(ctx: PassContext, node: fx.Node, tokens: fx.Node, reader
             seq_dim = ctx.sequence.axes[node][0].dim
             with ctx.gm.graph.inserting_after(tokens):
                 whole = ctx.gm.graph.call_function(
-                    torch.ops.ringpass.gather_sequence.default, (tokens, seq_dim, *ctx.layout_args())
+                    torch.ops.ringpass.gather_sequence.default,
+                    (tokens, seq_dim, *ctx.layout_args()),
+                    ctx.layout_kwargs(),
                 )
             copy_origin(whole, node).meta["example_value"] = example_value(node)
             ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[node]

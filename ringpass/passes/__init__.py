@@ -21,7 +21,7 @@ import torch
 
 from lowering import compat
 from lowering.errors import NotSupportedError
-from lowering.layout import Layout
+from lowering.layout import local_length
 from ringpass.fx.chains import op_chain
 from ringpass.fx.context import FULL, HEADS, LOCAL, PassContext
 from ringpass.fx.nodes import example_value, nbytes, op_label, plain, short_source
@@ -48,6 +48,7 @@ from ringpass.passes.localize_shapes import localize_shapes
 from ringpass.passes.pass_scan_states import pass_scan_states
 from ringpass.passes.pin_model_numbers import pin_model_numbers
 from ringpass.passes.placements import decide_placements
+from ringpass.passes.read_document_ids import read_document_ids
 from ringpass.passes.record_gradient_paths import record_gradient_paths
 from ringpass.passes.reduce_grads import reduce_grads
 from ringpass.passes.remove_unread_values import remove_unread_values
@@ -98,6 +99,7 @@ PREFILL = (
     Stage(
         "shard",
         (
+            read_document_ids,
             rewrite_positions,
             localize_shapes,
             rewrite_attention,
@@ -173,14 +175,14 @@ def _activation_bytes(ctx: PassContext) -> dict:
     length), and of the values computed whole on every rank; each value counted once, views (which own
     no memory) not at all."""
     traced_length, global_length = plain(ctx.sequence.seq_len), plain(ctx.sequence.global_seq_len)
-    local_length = Layout(ctx.layout_kind, ctx.world_size, global_length).local_len
+    local = local_length(ctx.layout_kind, ctx.world_size, global_length)
     per_rank = unsharded = whole = 0
     for node, placement in ctx.placement.items():
         value = example_value(node)
         if node.op == "placeholder" or not isinstance(value, torch.Tensor) or compat.is_view(value):
             continue
         if placement == LOCAL:
-            per_rank += nbytes(value) * local_length // traced_length
+            per_rank += nbytes(value) * local // traced_length
             unsharded += nbytes(value) * global_length // traced_length
         elif placement == HEADS:  # every token of H / P heads
             per_rank += nbytes(value) // ctx.world_size

@@ -41,7 +41,7 @@ def gather_whole_regions(ctx: PassContext) -> None:
             dim = ctx.sequence.axes[entry][0].dim
             with graph.inserting_before(first):
                 whole = graph.call_function(
-                    torch.ops.ringpass.gather_sequence.default, (entry, dim, *ctx.layout_args())
+                    torch.ops.ringpass.gather_sequence.default, (entry, dim, *ctx.layout_args()), ctx.layout_kwargs()
                 )
             copy_origin(whole, first).meta["example_value"] = example_value(entry)
             ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[entry]

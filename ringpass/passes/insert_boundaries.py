@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lowering.compat import pytree
-from lowering.layout import Layout
+from lowering.layout import DOCUMENTS_KIND, Layout
 from ringpass.fx.context import FULL, LOCAL, NOSEQ, PARTIAL, PassContext
 from ringpass.fx.findings import SeqDim
 from ringpass.fx.gradient_reach import writes_in_place, written
@@ -46,8 +46,9 @@ from ringpass.fx.token_ops import pick_index, positions_index
 
 def insert_boundaries(ctx: PassContext) -> None:
     graph = ctx.gm.graph
-    padded = (
+    padded = (  # (a documents layout's ranks hold as many real tokens as the call's packing gives each)
         ctx.dynamic
+        or ctx.layout_kind == DOCUMENTS_KIND
         or Layout(ctx.layout_kind, ctx.world_size, ctx.sequence.global_seq_len).padded_len
         != ctx.sequence.global_seq_len
     )
@@ -111,7 +112,10 @@ def _shard_dim(ctx: PassContext, node: fx.Node) -> int:
 def _shard_node(ctx: PassContext, node: fx.Node) -> fx.Node:
     dim = _shard_dim(ctx, node)
     shard = copy_origin(
-        ctx.gm.graph.call_function(torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args())), node
+        ctx.gm.graph.call_function(
+            torch.ops.ringpass.shard_sequence.default, (node, dim, *ctx.layout_args()), ctx.layout_kwargs()
+        ),
+        node,
     )
     shard.meta["example_value"] = example_value(node)  # the full value's metadata (dtype, rank) for later passes
     ctx.placement[shard] = LOCAL
@@ -126,6 +130,8 @@ def _shard_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
     first_op = next(n for n in ctx.gm.graph.nodes if n.op != "placeholder")  # after every input (sizes too)
     with ctx.gm.graph.inserting_before(first_op):
         shard = _shard_node(ctx, placeholder)
+    if ctx.document_ids is not None:  # which the shard reads
+        ctx.document_ids.append(shard)
     for user in users:
         user.replace_input_with(placeholder, shard)
 
@@ -137,7 +143,10 @@ def _gather_all_uses(ctx: PassContext, placeholder: fx.Node) -> None:
     with ctx.gm.graph.inserting_after(
         max((a for a in args if isinstance(a, fx.Node)), key=order.get)
     ):  # after the length
-        whole = copy_origin(ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, args), placeholder)
+        whole = copy_origin(
+            ctx.gm.graph.call_function(torch.ops.ringpass.gather_sequence.default, args, ctx.layout_kwargs()),
+            placeholder,
+        )
     whole.meta["example_value"] = example_value(placeholder)
     ctx.placement[whole], ctx.sequence.axes[whole] = FULL, ctx.sequence.axes[placeholder]
     if placeholder in ctx.masks.whole_values:  # the ring's programs read the gathered vector, not a shard of it
@@ -161,9 +170,22 @@ def _shard(ctx: PassContext, node: fx.Node, shards: dict) -> fx.Node:
     if node not in shards:
         graph = ctx.gm.graph
         writers = [n for n in graph.nodes if writes_in_place(n) and node in written(n)]
-        with graph.inserting_after(writers[-1] if writers else node):
+        with graph.inserting_after(_after_document_ids(ctx, writers[-1] if writers else node)):
             shards[node] = _shard_node(ctx, node)
     return shards[node]
+
+
+def _after_document_ids(ctx: PassContext, node: fx.Node) -> fx.Node:
+    """``node``, or the host copy of the document ids where that comes later (the documents layout's sequence ops
+    read it: `read_document_ids` put it after the inputs and what the ids are computed from)."""
+    if ctx.document_ids is None:
+        return node
+    for current in ctx.gm.graph.nodes:
+        if current is ctx.document_ids:
+            return node
+        if current is node:
+            return ctx.document_ids
+    return node
 
 
 def _record_shard(ctx: PassContext, node: fx.Node) -> None:
@@ -185,7 +207,9 @@ def _token_mask(ctx: PassContext, like: fx.Node, axis: SeqDim) -> fx.Node:
     """A bool tensor that broadcasts against ``like``: False at this rank's padding slots."""
     graph = ctx.gm.graph
     value = example_value(like)
-    mask = graph.call_function(torch.ops.ringpass.local_token_mask.default, (*ctx.layout_args(), value.device))
+    mask = graph.call_function(
+        torch.ops.ringpass.local_token_mask.default, (*ctx.layout_args(), value.device), ctx.layout_kwargs()
+    )
     if not same(value.shape[axis.dim], ctx.sequence.seq_len):  # a merged (outer x sequence x inner) dimension
         mask = graph.call_method("view", (mask, 1, -1, 1))
         size = graph.call_method("size", (like, axis.dim))
@@ -277,7 +301,9 @@ def _pick(ctx: PassContext, node: fx.Node) -> fx.Node:
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         rows = graph.call_function(
-            torch.ops.ringpass.take_positions.default, (node.args[0], dim, positions, *ctx.layout_args())
+            torch.ops.ringpass.take_positions.default,
+            (node.args[0], dim, positions, *ctx.layout_args()),
+            ctx.layout_kwargs(),
         )
         if isinstance(index, int):
             rows = graph.call_method("squeeze", (rows, dim))
@@ -312,7 +338,9 @@ def _pick_at_data_positions(ctx: PassContext, node: fx.Node, entry: int) -> fx.N
     source, index = node.args[0], list(node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],))
     trailing = example_value(source).dim() - len(index)
     with graph.inserting_before(node):
-        slots = graph.call_function(torch.ops.ringpass.position_slots.default, (index[entry], *ctx.layout_args()))
+        slots = graph.call_function(
+            torch.ops.ringpass.position_slots.default, (index[entry], *ctx.layout_args()), ctx.layout_kwargs()
+        )
         index[entry] = graph.call_function(operator.getitem, (slots, 0))
         held = graph.call_function(operator.getitem, (slots, 1))
         rows = graph.call_function(operator.getitem, (source, tuple(index)))
@@ -374,7 +402,9 @@ def _gather_outputs(ctx: PassContext) -> None:
                 with ctx.gm.graph.inserting_before(output):
                     gathered[arg] = copy_origin(
                         ctx.gm.graph.call_function(
-                            torch.ops.ringpass.gather_sequence.default, (arg, dim, *ctx.layout_args())
+                            torch.ops.ringpass.gather_sequence.default,
+                            (arg, dim, *ctx.layout_args()),
+                            ctx.layout_kwargs(),
                         ),
                         arg,
                     )

@@ -25,7 +25,7 @@ def rewrite_positions(ctx: PassContext) -> None:
         value = example_value(node)
         with graph.inserting_before(node):
             positions = graph.call_function(
-                torch.ops.ringpass.local_positions.default, (*ctx.layout_args(), value.device)
+                torch.ops.ringpass.local_positions.default, (*ctx.layout_args(), value.device), ctx.layout_kwargs()
             )
             if kind == "positions":
                 new = positions if value.dtype == torch.int64 else graph.call_method("to", (positions, value.dtype))

@@ -120,13 +120,18 @@ def compare(
     with torch._dynamo.config.patch(specialize_float=specialize_float):
         outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
     outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
+    documents = inputs[1] if options.get("layout") == "documents" else None  # the `doc` ids (hand_written_*)
     if options.get("outputs") == "sharded":
         weights_used = [
-            layout_shard(options, ring_world, seq_len, w, ring_rank) if w.dim() >= 2 and w.shape[1] == seq_len else w
+            layout_shard(options, ring_world, seq_len, w, ring_rank, documents)
+            if w.dim() >= 2 and w.shape[1] == seq_len
+            else w
             for w in weights
         ]
         expected_cmp = [
-            layout_shard(options, ring_world, seq_len, e, ring_rank) if e.dim() >= 2 and e.shape[1] == seq_len else e
+            layout_shard(options, ring_world, seq_len, e, ring_rank, documents)
+            if e.dim() >= 2 and e.shape[1] == seq_len
+            else e
             for e in expected_tuple
         ]
     else:
@@ -137,7 +142,14 @@ def compare(
     if options.get("outputs") == "sharded":
         gathered = [
             rel_err(
-                ringpass.unshard(o.detach(), 1, seq_len=seq_len, layout=options.get("layout", "zigzag"), group=group),
+                ringpass.unshard(
+                    o.detach(),
+                    1,
+                    seq_len=seq_len,
+                    layout=options.get("layout", "zigzag"),
+                    group=group,
+                    documents=documents,
+                ),
                 e.detach(),
             )
             for o, e in zip(outputs_tuple, expected_tuple)
@@ -162,10 +174,11 @@ def compare(
     return result
 
 
-def layout_shard(options, world, seq_len, tensor, rank):
-    from lowering import Layout
+def layout_shard(options, world, seq_len, tensor, rank, documents=None):
+    """This rank's shard of ``tensor`` in the options' layout (the documents layout: of the ``documents`` ids)."""
+    from lowering.documents import sequence_layout
 
-    return Layout(options.get("layout", "zigzag"), world, seq_len).shard(tensor, 1, rank)
+    return sequence_layout(options.get("layout", "zigzag"), world, seq_len, documents).shard(tensor, 1, rank)
 
 
 def _op_counts(gm) -> dict:
