@@ -54,3 +54,13 @@ def record_ring_events(on_event: Callable[[RingEvent], None] | None = None) -> I
         yield events
     finally:
         _recorders.remove(entry)
+
+
+def scored_pairs(events: list[RingEvent]) -> int:
+    """The (query, key) pairs the forward's kernel calls among ``events`` scored: a causal call its triangle, any
+    other its whole tile (a masked call scores every pair, hidden ones too)."""
+    blocks = [e.fields for e in events if e.kind == "block_forward"]
+    return sum(
+        len(b["q_pos"]) * (len(b["q_pos"]) + 1) // 2 if b["causal"] else len(b["q_pos"]) * len(b["kv_pos"])
+        for b in blocks
+    )

@@ -49,9 +49,8 @@ def _document_ids(ctx: PassContext):
             "(position_ids that restart at each document, cu_seqlens, or document ids compared in the mask); this "
             f"graph's attentions mask {'; '.join(read)}. Use layout='zigzag' (or 'auto')."
         )
-    unsupported = {
-        "inputs='full' (each rank passes the whole batch)": ctx.options.inputs != "full" or ctx.per_rank,
-        "strategy='ring'": ctx.options.strategy != "ring" or ctx.ulysses is not None,
+    unsupported = {  # (the options' other conflicts are refused with the options)
+        "inputs='full' (each rank passes the whole batch)": ctx.per_rank,
         "no other sequence mixer (a convolution or scan needs equal chunks)": bool(ctx.mixers),
         "no ringpass.ShardedCache (its slots follow zigzag or contiguous)": any(
             node.target in PROMPT_SLOTS for node in ctx.gm.graph.nodes

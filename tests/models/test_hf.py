@@ -70,6 +70,17 @@ def test_training_matches_the_unsharded_model(name, world_size):
         _check(results, expected, world_size)
 
 
+@pytest.mark.parametrize("name,world_size", [("qwen2", 2), pytest.param("llama", 4, marks=pytest.mark.heavy)])
+def test_packed_rows_train_on_the_documents_layout(name, world_size):
+    """``layout="documents"``: a row packed from documents of 5, 31 and 4 tokens (position ids restarting) split by
+    its documents (`lowering.DocumentLayout`, planned per call from the ids the mask reads): loss, logits (returned
+    sharded) and every gradient as the unsharded model's, the ring ran."""
+    args = (name, ["packed"], 40, None, "", "", True, {"layout": "documents"})
+    for results in spawn_ranks(hf_workers.training_step, world_size, args, timeout=600):
+        _check(results, {"packed": DOCUMENTS}, world_size)
+        assert {report["layout"] for report in results["packed"]["reports"]} == {"documents"}, results
+
+
 @pytest.mark.parametrize(
     "world_size,dynamic,checkpointed",
     [

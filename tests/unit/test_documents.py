@@ -133,7 +133,7 @@ def test_the_ring_on_a_documents_layout_is_exact(monkeypatch, lengths, world_siz
 def packed_rows(draw):
     """(ids [B, N], layout, is_causal, window): each row packed by its own drawn lengths; ids numbered in order, or
     labels that repeat apart (padding id 0 at both ends, a label reused later) as no sorted-range shortcut may assume;
-    a zigzag, contiguous or (one row) documents layout of 2, 3 or 4 ranks."""
+    a zigzag, contiguous or documents layout of 2, 3 or 4 ranks."""
     p = draw(st.sampled_from([2, 3, 4]))
     n = draw(st.integers(p, 64))
     rows = []
@@ -148,9 +148,9 @@ def packed_rows(draw):
         )
         rows.append(torch.repeat_interleave(torch.tensor(list(ids)), torch.tensor(lengths)))
     ids = torch.stack(rows)
-    kind = draw(st.sampled_from(["zigzag", "contiguous"] + (["documents"] if len(rows) == 1 else [])))
-    if kind == "documents":
-        layout = DocumentLayout(tuple(torch.unique_consecutive(ids[0], return_counts=True)[1].tolist()), p)
+    kind = draw(st.sampled_from(["zigzag", "contiguous", "documents"]))
+    if kind == "documents":  # (rows packed differently: the layout of their shared runs)
+        layout = DocumentLayout.of_ids(ids, p)
     else:
         layout = Layout(kind, p, n)
     is_causal = draw(st.booleans())
@@ -294,8 +294,9 @@ def test_hugging_face_position_ids_that_restart_are_read_as_documents(name, wind
 
 
 def test_documents_given_wrong_are_refused_saying_what_to_pass():
-    """A `DocumentLayout` without its documents, or with ids of other lengths, rows packed differently on it, a mask
-    program besides documents, float ids: each refused with what to pass instead; on one rank it is exact."""
+    """A `DocumentLayout` without its documents, or with ids of other lengths (rows packed differently: their shared
+    runs are the layout's documents), a mask program besides documents, float ids: each refused with what to pass
+    instead; on one rank it is exact."""
     layout = DocumentLayout((3, 5), 1)
     q, k, v = qkv_fp64(8)
     ids = layout.document_ids()
@@ -304,8 +305,10 @@ def test_documents_given_wrong_are_refused_saying_what_to_pass():
         call()
     with pytest.raises(lowering.InvalidInputError, match=r"other lengths than the layout's \(3, 5\)"):
         call(documents=DocumentLayout((4, 4), 1).document_ids())
-    with pytest.raises(lowering.NotSupportedError, match="every row must hold documents of the same lengths"):
-        call(documents=torch.stack([ids, DocumentLayout((4, 4), 1).document_ids()]))
+    rows = torch.stack([ids, DocumentLayout((4, 4), 1).document_ids()])
+    with pytest.raises(lowering.InvalidInputError, match=r"other lengths than the layout's \(3, 5\)"):
+        call(documents=rows)
+    assert DocumentLayout.of_ids(rows, 1) == DocumentLayout((3, 1, 4), 1)  # the runs no row's id changes in
     with pytest.raises(lowering.NotSupportedError, match="documents or a mask program, not both"):
         call(documents=ids, mask=same_document, mask_inputs=[ids])
     with pytest.raises(lowering.InvalidInputError, match=r"one integer tensor of each token's document id, \[8\]"):
@@ -313,3 +316,42 @@ def test_documents_given_wrong_are_refused_saying_what_to_pass():
     pos = torch.arange(8)
     expected = masked_attention_fp64(q, k, v, same_document(pos, pos, ids))
     assert rel_err(call(documents=ids), expected) < 1e-12
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rows_packed_differently_share_one_documents_layout_exactly(world_size):
+    """Rows packed differently on the `DocumentLayout` of their shared runs (`lowering.documents.shared_runs`): every
+    row's documents are unions of those runs, so the ring (simulated over the ranks) is exact for each row."""
+    lengths = [(70, 3, 100, 27), (20, 150, 30)]
+    ids = torch.stack([DocumentLayout(lengths_, 1).document_ids() for lengths_ in lengths])
+    layout = DocumentLayout.of_ids(ids, world_size)
+    assert layout.lengths == (20, 50, 3, 97, 3, 27)
+    q, k, v = qkv_fp64(200, batch=2)
+    pos = torch.arange(200)
+    mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]
+    out = simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids).out
+    assert rel_err(out, masked_attention_fp64(q, k, v, mask)) < 1e-12
+
+
+def test_the_documents_layout_option_reads_one_ids_value_or_refuses_saying_why():
+    """``layout="documents"``: the report names the layout where every attention masks documents of one ids value;
+    a graph whose attention masks no documents is refused, and graphs and options the documents layout is not built
+    for yet (a convolution between the attentions, sharded inputs, another strategy, Ulysses) too, with what to use
+    instead."""
+    x = torch.randn(2, 12, 16)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9])
+    (report,) = ringpass.inspect(PackedAttention("ids"), (x, ids), world_size=2, layout="documents").reports
+    assert report.layout == "documents" and report.attention[0].mask.startswith("packed documents")
+    plain = hf_workers.build("qwen2")
+    tokens = dict(input_ids=torch.randint(0, hf_workers.VOCAB, (2, 12)), use_cache=False)
+    (report,) = ringpass.inspect(plain, tokens, world_size=2, layout="documents").reports
+    assert report.status == "refused" and "this graph's attentions mask causal. Use layout='zigzag'" in str(
+        report.refusal.message
+    )
+    hybrid = hf_workers.build("lfm2")  # short convolutions between its attention layers
+    packed = dict(tokens, position_ids=torch.cat([torch.arange(5), torch.arange(7)]).expand(2, -1))
+    (report,) = ringpass.inspect(hybrid, packed, world_size=2, layout="documents").reports
+    assert "it needs no other sequence mixer (a convolution or scan needs equal chunks)" in report.refusal.message
+    for options in ({"inputs": "sharded"}, {"strategy": "auto"}, {"ulysses": 2}):
+        with pytest.raises(lowering.InvalidInputError, match="it needs inputs='full', strategy='ring', no Ulysses"):
+            ringpass.backend(layout="documents", **options)

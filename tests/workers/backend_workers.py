@@ -17,6 +17,7 @@ from reference import grad_error, rel_err
 
 import ringpass
 from lowering import record_ring_events
+from lowering.events import scored_pairs
 
 MODELS = {
     "gpt": lambda: models.GPT(),
@@ -31,6 +32,7 @@ MODELS = {
     "encoder_mask_input": lambda: models.Encoder(),
     "hand_written_packed": lambda: models.HandWritten(),
     "hand_written_one_packing": lambda: models.HandWritten(),
+    "hand_written_mixed_documents": lambda: models.HandWritten(),
     "learned_bias": lambda: models.LearnedBias(),
     "learned_bias_padded": lambda: models.LearnedBias(causal=False),
     "square_bias": lambda: models.SquareBias(),
@@ -38,6 +40,11 @@ MODELS = {
     "llama_last_tokens": lambda: models.LastTokens(models.Llama()),
     **{f"spelling_{name}": (lambda name=name: models.Spellings(name)) for name in models.SPELLINGS},
 }
+
+
+# hand_written_mixed_documents: every row packed alike from these (one longer than a rank's span at P >= 2, two shorter
+# than a kernel tile, none of lengths that divide by anything)
+MIXED_DOCUMENTS = (900, 1, 7, 333, 200, 59)
 
 
 def _inputs(name: str, seq_len: int, batch: int, seed: int):
@@ -54,6 +61,10 @@ def _inputs(name: str, seq_len: int, batch: int, seed: int):
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
     if name == "hand_written_packed":  # documents of random lengths packed into each row
         return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)
+    if name == "hand_written_mixed_documents":
+        assert seq_len == sum(MIXED_DOCUMENTS), seq_len
+        lengths = torch.tensor(MIXED_DOCUMENTS)
+        return ids, torch.repeat_interleave(torch.arange(len(lengths)), lengths).expand(batch, -1).contiguous()
     if name == "hand_written_one_packing":  # every row packed alike: the ring plans each document's pairs
         return ids, (torch.rand(1, seq_len, generator=generator) < 0.3).cumsum(dim=1).expand(batch, -1).contiguous()
     if name in ("torch_layers", "learned_bias_padded"):  # a key padding mask; every query keeps its first key
@@ -117,7 +128,7 @@ def compare(
         compiled_inputs = tuple(
             ringpass.shard(t, 1, layout=options.get("layout", "zigzag"), group=group) for t in inputs
         )
-    with torch._dynamo.config.patch(specialize_float=specialize_float):
+    with torch._dynamo.config.patch(specialize_float=specialize_float), record_ring_events() as events:
         outputs = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)(*compiled_inputs)
     outputs_tuple = outputs if isinstance(outputs, tuple) else (outputs,)
     documents = inputs[1] if options.get("layout") == "documents" else None  # the `doc` ids (hand_written_*)
@@ -161,6 +172,7 @@ def compare(
         "report_text": str(backend.reports[-1]) if backend.reports else "",
         "ops": _op_counts(graphs[-1]) if graphs else {},
         "inner": inner,
+        "pairs": scored_pairs(events),  # what this rank's forward kernels scored
     }
     if options.get("grads") in ("local", "mean"):  # the sum (local) or the mean (mean) over the ring is the gradient
         combined = {}

@@ -35,6 +35,7 @@ from lowering.comm import RingExchange
 from lowering.costmodel import AttentionShape, Strategy, choose_strategies
 from lowering.documents import DocumentLayout
 from lowering.errors import NotSupportedError
+from lowering.events import scored_pairs
 from lowering.kernels import accumulation_dtype
 from lowering.ulysses import check_heads, ulysses_mesh
 from ringpass.cli.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, synchronize, write_trace
@@ -222,7 +223,6 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         total_bytes = memory.peak()
     spans = [e.fields for e in events if e.kind == "span"]
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
-    blocks = [e.fields for e in events if e.kind == "block_forward"]
     return {
         "started_s": start,  # perf_counter: the order of calls within this process
         "forward_s": forward_s,
@@ -230,16 +230,11 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         "forward_bytes": forward_bytes,
         "total_bytes": total_bytes,
         "compute_s": compute,
-        "pairs": sum(_scored(b["q_pos"], b["kv_pos"], b["causal"]) for b in blocks),
+        "pairs": scored_pairs(events),
         "error": _error(out.detach(), reference),
         "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
         "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"],
     }
-
-
-def _scored(q_pos, kv_pos, causal: bool) -> int:
-    """The (query, key) pairs one forward kernel call scores: a causal call its triangle."""
-    return len(q_pos) * (len(q_pos) + 1) // 2 if causal else len(q_pos) * len(kv_pos)
 
 
 class _Prepared:
