@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from lowering import events, masks
-from lowering.comm import DKV_TAG, KV_TAG, RingExchange
+from lowering.comm import DKV_HOME_TAG, DKV_TAG, KV_TAG, RingExchange
 from lowering.fully_masked import FullyMaskedGrads, check_fully_masked, fill_fully_masked_, value_sum
 from lowering.kernels import accumulation_dtype, block_attention_backward, block_attention_merge_, kernel_applies_window
 from lowering.layout import Layout
@@ -97,6 +98,19 @@ class RingSpec:
             return None
         return block_mask.document_starts
 
+    def hops(self) -> tuple[int, ...]:
+        """Per rank ``b``, how far its KV block travels: the last step at which a rank needs it (one of its tiles is
+        planned there: `_hops`), 0 when only ``b`` does. A block goes no further, and its dk/dv accumulator goes
+        straight home from there. Every block travels the whole lap (P - 1) where tiles are decided per call (a
+        window, a mask program, documents compared per tile) or a fully masked query reads every value."""
+        p, block_mask = self.layout.world_size, self.mask or BlockMask(self.is_causal)
+        if self.fully_masked != "zero" or block_mask.window is not None or block_mask.program is not None:
+            return (p - 1,) * p
+        starts = None if block_mask.documents is None else block_mask.document_starts
+        if block_mask.documents is not None and starts is None:
+            return (p - 1,) * p
+        return _hops(self.layout, self.is_causal, starts)
+
     def programs(self) -> list[tuple]:
         """(program, inputs) of the mask program and the bias program, in the ring op's argument order
         (absent ones as (None, ())): the values whose inputs a backward may train."""
@@ -127,6 +141,20 @@ class RingSpec:
             options["bias"] = tile.bias if options["bias"] is None else options["bias"] + tile.bias
         window = self.mask.window if self._window_in_kernel(q) else None
         return dict(scale=self.scale, is_causal=tile.causal, mask=tile.mask, window=window, **options)
+
+
+@lru_cache(maxsize=64)
+def _hops(layout: Layout, is_causal: bool, starts: tuple[int, ...] | None) -> tuple[int, ...]:
+    """`RingSpec.hops` from the plan alone (`plan_block`, or per document `plan_documents`): host arithmetic, once per
+    layout and packing."""
+    p = layout.world_size
+
+    def needs(q_rank: int, kv_rank: int) -> bool:
+        if starts is None:
+            return bool(plan_block(layout, q_rank, kv_rank, is_causal))
+        return bool(plan_documents(layout, q_rank, kv_rank, is_causal, starts))
+
+    return tuple(max((t for t in range(1, p) if needs((b + t) % p, b)), default=0) for b in range(p))
 
 
 class RankForward:
@@ -267,21 +295,43 @@ def span(phase: str, step: int, part: str, message: str = ""):
 
 
 def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
-    """This rank's (out, lse) of exact full-sequence attention."""
+    """This rank's (out, lse) of exact full-sequence attention. A block goes on only while a later rank needs it
+    (`RingSpec.hops`); a rank computes on the blocks it holds."""
     rank, p = exchange.rank, exchange.world_size
-    state = RankForward(q, spec, rank)
-    kv = torch.stack((k, v))
+    state, hops = RankForward(q, spec, rank), spec.hops()
+    kv, held = torch.stack((k, v)), True
     for step in range(p):
         arriving = None
         if step < p - 1:
             with span("forward", step, "post", f"kv {step}"):
-                arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG)
-        with span("forward", step, "compute"):
-            state.add_block(kv[0], kv[1], kv_source(rank, step, p))
-        if arriving is not None:
-            with span("forward", step, "wait", f"kv {step}"):
-                kv = arriving.wait()
+                arriving = _pass_on(exchange, kv, hops, rank, step, "forward")
+        if held:
+            with span("forward", step, "compute"):
+                state.add_block(kv[0], kv[1], kv_source(rank, step, p))
+        kv, held = _arrived(arriving, kv, "forward", step)
     return state.result()
+
+
+def _arrived(arriving, kv, phase: str, step: int) -> tuple[torch.Tensor, bool]:
+    """(the block for the next step, whether this rank holds one there: a block arrives or it holds none)."""
+    if arriving is None:
+        return kv, False
+    with span(phase, step, "wait", f"kv {step}"):
+        received = arriving.wait()
+    return (received, True) if received is not None else (kv, False)
+
+
+def _pass_on(exchange: RingExchange, kv, hops: tuple[int, ...], rank: int, step: int, phase: str):
+    """Post step ``step``'s KV exchange: this rank's block on to the next rank if a later rank needs it, the previous
+    rank's in if it comes (each side skipped where not: a ``send_skip`` event counts the bytes not sent)."""
+    p = exchange.world_size
+    send = hops[kv_source(rank, step, p)] > step
+    receive = hops[kv_source(rank, step + 1, p)] > step
+    if not send and events.recording():
+        events.emit("send_skip", payload="kv", step=step, phase=phase, bytes=kv.numel() * kv.element_size())
+    if not (send or receive):
+        return None
+    return exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase=phase, send=send, receive=receive)
 
 
 def ring_backward(
@@ -289,27 +339,61 @@ def ring_backward(
 ):
     """This rank's (dq, dk, dv, the trained program inputs' gradients), given the forward's final out and
     lse. ``trained``: per program of `RingSpec.programs`, which of its inputs need a gradient; each gets
-    this rank's queries' share of it."""
+    this rank's queries' share of it. The blocks travel as in the forward; a block's dk/dv accumulator follows it
+    one hop behind, and from the last rank that needs the block (`RingSpec.hops`) goes straight home."""
     rank, p = exchange.rank, exchange.world_size
-    state = RankBackward(dout, q, out, lse, dlse, spec, rank, trained)
-    kv = torch.stack((k, v))
-    dkv_arriving = None
+    state, hops = RankBackward(dout, q, out, lse, dlse, spec, rank, trained), spec.hops()
+    kv, held = torch.stack((k, v)), True
+    like = torch.empty((2, *k.shape), dtype=state.dq.dtype, device=k.device)  # a dk/dv accumulator's shape
+    own = dkv_arriving = home = None  # own: this rank's block's dk/dv
+    sending: list = []
     for step in range(p):
-        kv_arriving = None
-        if step < p - 1:
-            with span("backward", step, "post", f"kv {step}"):
-                kv_arriving = exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase="backward")
-        with span("backward", step, "compute"):
-            dkv = state.block_grads(kv[0], kv[1], kv_source(rank, step, p))
-        if dkv_arriving is not None:
-            with span("backward", step, "wait", f"dkv {step - 1}"):
-                dkv += dkv_arriving.wait()
+        block = kv_source(rank, step, p)
+        kv_arriving = _pass_on(exchange, kv, hops, rank, step, "backward") if step < p - 1 else None
+        dkv = None
+        if held:
+            with span("backward", step, "compute"):
+                dkv = state.block_grads(kv[0], kv[1], block)
+            if dkv_arriving is not None:
+                with span("backward", step, "wait", f"dkv {step - 1}"):
+                    dkv += dkv_arriving.wait()
+            own = dkv if hops[block] == 0 else own  # (step 0: no other rank needs this rank's block)
+        with span("backward", step, "wait", f"dkv sent {step - 1}"):
+            for pending in sending:
+                pending.wait()
         with span("backward", step, "post", f"dkv {step}"):
-            dkv_arriving = exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward")
-        if kv_arriving is not None:
-            with span("backward", step, "wait", f"kv {step}"):
-                kv = kv_arriving.wait()
-    with span("backward", p - 1, "wait", f"dkv {p - 1}"):
-        dkv = dkv_arriving.wait()
+            dkv_arriving, arriving_home, sending = _dkv_post(exchange, dkv, like, hops, rank, step)
+            home = arriving_home or home
+        kv, held = _arrived(kv_arriving, kv, "backward", step)
+    with span("backward", p - 1, "wait", "dkv home"):
+        own = home.wait() if home is not None else own
+        for pending in sending:
+            pending.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)
-    return (state.dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True), state.program_results())
+    return (state.dq.to(q.dtype), own[0].to(k.dtype, copy=True), own[1].to(v.dtype, copy=True), state.program_results())
+
+
+def _dkv_post(exchange: RingExchange, dkv, like, hops: tuple[int, ...], rank: int, step: int):
+    """Post step ``step``'s dk/dv traffic: the accumulator of the block this rank holds (``dkv``; None: it holds
+    none) on to the next rank while the block goes on, or home from the last rank that needs it; the receive of the
+    accumulator of the block that arrives next; and, at the step its last holder sends it, the receive of this rank's
+    own block's. Returns (next step's accumulator, this rank's own, the sends), as `Pending`s (or None)."""
+    p = exchange.world_size
+    block = kv_source(rank, step, p)
+    sends = []
+    if dkv is not None and step < hops[block]:
+        sends.append(exchange.start(dkv, payload="dkv", step=step, tag=DKV_TAG, phase="backward", receive=False))
+    elif dkv is not None and 0 < step == hops[block]:
+        to_home = dict(tag=DKV_HOME_TAG, phase="backward", receive=False, to=block)
+        sends.append(exchange.start(dkv, payload="dkv", step=step, **to_home))
+    if not sends and events.recording():  # (the whole lap sends one accumulator per step)
+        events.emit("send_skip", payload="dkv", step=step, phase="backward", bytes=like.numel() * like.element_size())
+    arriving = home = None
+    if step < p - 1 and hops[kv_source(rank, step + 1, p)] > step:
+        arriving = exchange.start(like, payload="dkv", step=step, tag=DKV_TAG, phase="backward", send=False)
+    if 0 < step == hops[rank]:  # this rank's block's last holder sends its accumulator home now
+        source = (rank + step) % p
+        home = exchange.start(
+            like, payload="dkv", step=step, tag=DKV_HOME_TAG, phase="backward", send=False, source=source
+        )
+    return arriving, home, sends

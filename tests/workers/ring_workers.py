@@ -313,15 +313,15 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
     return errors
 
 
-def documents_on_ranks(rank: int, world_size: int, balanced: bool) -> dict:
-    """Two rows packed from documents (of 1, 7, 155 and 178 tokens; the other row of 3, 160 and 178, or with
-    ``balanced`` packed alike on a `DocumentLayout`), else zigzag, causal inside each document, through
-    ``ring_attention(documents=ids)`` on real ranks: out, dq, dk, dv of this rank's rows against fp64 attention under
-    the dense documents mask, and the tiles the documents let the ring skip (tiles of 16: a tile is skipped where
-    neither row's documents meet)."""
+def documents_on_ranks(rank: int, world_size: int, balanced: bool, lengths: tuple = (1, 7, 155, 178)) -> dict:
+    """Two rows packed from documents (of ``lengths``; the other row of 3, 160 and 178, or with ``balanced`` packed
+    alike on a `DocumentLayout`), else zigzag, causal inside each document, through ``ring_attention(documents=ids)``
+    on real ranks: out, dq, dk, dv of this rank's rows against fp64 attention under the dense documents mask, the
+    tiles the documents let the ring skip (tiles of 16: a tile is skipped where neither row's documents meet), and
+    the exchanges this rank sent and the bytes it did not send (blocks no later rank needs)."""
     from reference import masked_attention_fp64
 
-    seq_len, packings = 341, ((1, 7, 155, 178), (1, 7, 155, 178) if balanced else (3, 160, 178))
+    seq_len, packings = sum(lengths), (lengths, lengths if balanced else (3, 160, 178))
     layout = DocumentLayout(packings[0], world_size) if balanced else Layout("zigzag", world_size, seq_len)
     generator = torch.Generator().manual_seed(5)  # every rank draws the same full tensors
     q, k, v = (torch.randn(2, h, seq_len, 8, dtype=torch.float64, generator=generator) for h in (4, 2, 2))
@@ -341,7 +341,9 @@ def documents_on_ranks(rank: int, world_size: int, balanced: bool) -> dict:
         for got, want in zip((out, *(t.grad for t in local)), (expected, *(t.grad for t in ref)))
     )
     skipped = sum(e.fields["pairs"] for e in events if e.kind == "document_skip")
-    return {"error": error, "skipped": skipped}
+    sends = [e.fields["payload"] for e in events if e.kind == "exchange"]
+    unsent = sum(e.fields["bytes"] for e in events if e.kind == "send_skip")
+    return {"error": error, "skipped": skipped, "sends": sends, "unsent_bytes": unsent}
 
 
 def profiled_ring(rank: int, world_size: int) -> list:
