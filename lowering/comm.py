@@ -25,6 +25,10 @@ class Pending:
         self._works, self._received = works, received
         self._exchange, self._what, self._peers = exchange, what, peers
 
+    @property
+    def receives(self) -> bool:
+        return self._received is not None
+
     def wait(self) -> torch.Tensor | None:
         """The received tensor (None where nothing was received), once the send has left too."""
         if self._exchange is None or self._exchange.on_cuda:

@@ -52,8 +52,8 @@ def record_ring_events(on_event: Callable[[RingEvent], None] | None = None) -> I
     _recorders.append(entry)
     try:
         yield events
-    finally:
-        _recorders.remove(entry)
+    finally:  # by identity: two recorders nested from the start hold equal lists
+        del _recorders[next(i for i, recorder in enumerate(_recorders) if recorder is entry)]
 
 
 def scored_pairs(events: list[RingEvent]) -> int:

@@ -303,8 +303,7 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
     for step in range(p):
         arriving = None
         if step < p - 1:
-            with span("forward", step, "post", f"kv {step}"):
-                arriving = _pass_on(exchange, kv, hops, rank, step, "forward")
+            arriving = _pass_on(exchange, kv, hops, rank, step, "forward")
         if held:
             with span("forward", step, "compute"):
                 state.add_block(kv[0], kv[1], kv_source(rank, step, p))
@@ -316,7 +315,7 @@ def _arrived(arriving, kv, phase: str, step: int) -> tuple[torch.Tensor, bool]:
     """(the block for the next step, whether this rank holds one there: a block arrives or it holds none)."""
     if arriving is None:
         return kv, False
-    with span(phase, step, "wait", f"kv {step}"):
+    with span(phase, step, "wait", f"kv {step}" if arriving.receives else f"kv {step} sent"):
         received = arriving.wait()
     return (received, True) if received is not None else (kv, False)
 
@@ -331,7 +330,8 @@ def _pass_on(exchange: RingExchange, kv, hops: tuple[int, ...], rank: int, step:
         events.emit("send_skip", payload="kv", step=step, phase=phase, bytes=kv.numel() * kv.element_size())
     if not (send or receive):
         return None
-    return exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase=phase, send=send, receive=receive)
+    with span(phase, step, "post", f"kv {step}"):
+        return exchange.start(kv, payload="kv", step=step, tag=KV_TAG, phase=phase, send=send, receive=receive)
 
 
 def ring_backward(
@@ -358,7 +358,7 @@ def ring_backward(
                 with span("backward", step, "wait", f"dkv {step - 1}"):
                     dkv += dkv_arriving.wait()
             own = dkv if hops[block] == 0 else own  # (step 0: no other rank needs this rank's block)
-        with span("backward", step, "wait", f"dkv sent {step - 1}"):
+        with span("backward", step, "wait", f"dkv {step - 1} sent"):
             for pending in sending:
                 pending.wait()
         with span("backward", step, "post", f"dkv {step}"):
@@ -367,6 +367,7 @@ def ring_backward(
         kv, held = _arrived(kv_arriving, kv, "backward", step)
     with span("backward", p - 1, "wait", "dkv home"):
         own = home.wait() if home is not None else own
+    with span("backward", p - 1, "wait", f"dkv {p - 1} sent"):
         for pending in sending:
             pending.wait()
     # copies: dk and dv must not be views of one buffer (custom ops may not return aliases)

@@ -121,8 +121,8 @@ def _exposed_seconds(record: dict, rank: int, repeat: int) -> float:
     mine, sender = record["ranks"][rank]["samples"][repeat], record["ranks"][(rank - 1) % p]["samples"][repeat]
     exposed = 0.0
     for message, start, seconds in mine["waits"]:
-        if message == f"backward dkv {p - 1}":
-            continue  # the last dK/dV accumulator's trip home: nothing is left to hide it behind
+        if message == "backward dkv home" or message.endswith(" sent"):
+            continue  # a dK/dV accumulator's trip home (nothing is left to hide it behind); this rank's sends leaving
         late = max(0.0, sender["posts"][message] - start)
         exposed += max(0.0, seconds - late)
     return exposed
