@@ -378,15 +378,15 @@ def _bench_arguments(b) -> None:
         "--packed",
         nargs="+",
         metavar="LENGTHS",
-        help="attention: one row packed from documents of these lengths (512x16: sixteen of 512), attention inside "
-        "each; methods sdpa (one call per document) all-gather ring-contiguous ring-zigzag ring-documents",
+        help="one row packed from documents of these lengths (512x16: sixteen of 512), attention inside each; "
+        "attention methods sdpa (one call per document) all-gather ring-contiguous ring-zigzag ring-documents; "
+        "model methods (position ids restarting at each document) ring ring-documents unsharded",
     )
     b.add_argument(
         "--methods",
         nargs="+",
-        help="attention: sdpa all-gather ring-contiguous ring-zigzag "
-        "context-parallel (default: all); model: ring unsharded; decode: sdpa sharded gathered; generate: unsharded "
-        "sharded gathered",
+        help="attention: sdpa all-gather ring-contiguous ring-zigzag context-parallel (default: all); model: ring "
+        "unsharded (--packed: ring-documents too); decode: sdpa sharded gathered; generate: unsharded sharded gathered",
     )
     b.add_argument("--new-tokens", type=int, default=1, help="decode: queries per step (--seq-len: the cache length)")
     b.add_argument("--batch", type=int, default=1)
@@ -423,6 +423,12 @@ def _bench_arguments(b) -> None:
     b.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace per method, size and rank")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--timeout", type=float, default=3600.0, help="seconds before a job's ranks are stopped")
+
+
+def _default_methods(bench, what: str, packed: tuple) -> tuple:
+    if packed and what in ("attention", "model"):
+        return bench.attention.PACKED_METHODS if what == "attention" else bench.model.PACKED_METHODS
+    return bench.METHODS[what]
 
 
 def _document_lengths(words: list[str]) -> tuple[int, ...]:
@@ -468,7 +474,7 @@ def _bench(args) -> int:
         head_dim=args.head_dim,
         dtype=args.dtype,
         causal=not args.bidirectional,
-        methods=tuple(args.methods or (bench.attention.PACKED_METHODS if packed else bench.METHODS[args.what])),
+        methods=tuple(args.methods or _default_methods(bench, args.what, packed)),
         repeats=args.repeats,
         warmup=args.warmup,
         threads_per_rank=args.threads_per_rank,

@@ -114,7 +114,9 @@ def test_bench_attention_writes_json_png_and_traces(tmp_path, capsys):
 def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     """``--packed``: the issue's row (2400, 900, 500 and 296 tokens); every method exact against SDPA run per
     document; the documents layout's ranks score pairs within 5 % of each other, zigzag's over the row do not (1.44:
-    counted from the kernel calls, not timed). Unknown spellings and --seq-len with it are refused."""
+    counted from the kernel calls, not timed); a long document split over the ranks makes every block travel, ten
+    documents of 50 tokens send nothing on the documents' layout (each whole on one rank), where zigzag cuts some.
+    Unknown spellings and --seq-len with it are refused."""
     out = tmp_path / "packed.json"
     command = "bench --world-size 2 --packed 2400 900 500 296 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1"
     assert cli.main(shlex.split(f"{command} --warmup 0 --json {out} --no-progress")) == 0
@@ -125,10 +127,34 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
         assert row["error"] < 1e-5, (method, row["error"])
         assert "predicted" not in row  # the cost model prices one triangle, not documents
     assert rows["ring-documents"]["pairs_balance"] <= 1.05 < 1.3 < rows["ring-zigzag"]["pairs_balance"]
+    assert rows["ring-documents"]["sent_mib"] == rows["ring-zigzag"]["sent_mib"] > 0  # a long document: the whole lap
+    short = "bench --world-size 2 --packed 50x10 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1 --warmup 0"
+    assert cli.main(shlex.split(f"{short} --methods ring-documents ring-zigzag --json {out} --no-progress")) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
+    assert rows["ring-documents"]["sent_mib"] == 0 < rows["ring-zigzag"]["sent_mib"]  # zigzag cuts documents
+    assert max(row["error"] for row in rows.values()) < 1e-5
     for word, words in (("20y6", "give lengths as 512 or 512x16"), ("0", "give lengths")):
         assert cli.main(["bench", "--packed", word]) == 1 and words in capsys.readouterr().err
     assert cli.main(["bench", "--packed", "64", "--seq-len", "64"]) == 1
     assert "drop --seq-len" in capsys.readouterr().err
+
+
+@pytest.mark.heavy  # three compiles on two ranks and two in one process: ~60 s
+def test_bench_model_packed_rows_balance_the_documents(tmp_path, capsys):
+    """``--what model --packed``: position ids restarting at each document; the ring on zigzag and on the documents'
+    layout match the unsharded loss, and the documents' layout balances the pairs the ranks' kernels score."""
+    out = tmp_path / "model-packed.json"
+    command = (
+        "bench --what model --world-size 2 --packed 200 60 40 --hidden 32 --layers 1 --heads 4 --kv-heads 2 "
+        f"--intermediate 64 --vocab 61 --compiler aot_eager --repeats 1 --warmup 0 --json {out} --no-progress"
+    )
+    assert cli.main(shlex.split(command)) == 0
+    assert "bal pairs" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
+    assert set(rows) == {"ring", "ring-documents"}
+    for row in rows.values():
+        assert row["exchanges"] > 0 and row["loss_error"] < 1e-5, row
+    assert rows["ring-documents"]["pairs_balance"] <= 1.05 < 1.2 < rows["ring"]["pairs_balance"], rows
 
 
 @pytest.mark.heavy  # two compiles on two ranks and two in one process: ~40 s

@@ -71,14 +71,26 @@ class BenchConfig:
     compiler: str = "aot_eager"
     new_tokens: int = 1  # decode: queries per step
     interleave: bool = False  # attention: measured calls in turns over the methods (`attention.measure_methods`)
-    # attention: one row packed from documents of these lengths (`attention.PACKED_METHODS`)
+    # attention or model: rows packed from documents of these lengths (`attention.PACKED_METHODS`,
+    # `model.PACKED_METHODS`)
     packed: tuple[int, ...] = ()
     hardware: Hardware | None = None  # what predictions and the ``auto`` method use (`run_bench` sets it)
 
     def __post_init__(self):
         if self.what not in WHAT:
             raise InvalidInputError(f"bench: --what {self.what!r} is not one of {', '.join(WHAT)}.")
-        known = attention.PACKED_METHODS if self.packed else METHODS[self.what]
+        if self.packed and (
+            self.what not in ("attention", "model") or self.seq_lens != (sum(self.packed),) or min(self.packed) < 1
+        ):
+            raise InvalidInputError(
+                "bench: --packed gives the document lengths of one row (--what attention or model); the row's "
+                "length is their sum (no --seq-len)."
+            )
+        known = (
+            {"attention": attention.PACKED_METHODS, "model": model.PACKED_METHODS}[self.what]
+            if self.packed
+            else METHODS[self.what]
+        )
         unknown = [m for m in self.methods if m not in known]
         if unknown:
             raise InvalidInputError(
@@ -92,11 +104,6 @@ class BenchConfig:
             )
         if self.what == "decode" and not 1 <= self.new_tokens <= min(self.seq_lens):
             raise InvalidInputError(f"bench: --new-tokens {self.new_tokens} must be between 1 and the cache length.")
-        if self.packed and (self.what != "attention" or self.seq_lens != (sum(self.packed),) or min(self.packed) < 1):
-            raise InvalidInputError(
-                "bench: --packed gives the document lengths of one attention's row (--what attention); the row's "
-                "length is their sum (no --seq-len)."
-            )
         if self.interleave and self.what != "attention":
             raise InvalidInputError(f"bench: --interleave is for --what attention, not --what {self.what}.")
         if self.what in ("attention", "decode") and self.dtype not in attention.DTYPES:

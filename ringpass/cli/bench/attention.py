@@ -231,6 +231,7 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         "total_bytes": total_bytes,
         "compute_s": compute,
         "pairs": scored_pairs(events),
+        "sent_bytes": sum(e.fields["bytes"] for e in events if e.kind == "exchange"),  # the ring's P2P sends
         "error": _error(out.detach(), reference),
         "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
         "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"],

@@ -8,7 +8,9 @@ compiled with ``backend="ring"`` (full token ids on every rank, ``compiler=`` th
 ranks, and ``unsharded``, the same model compiled the same way without the ring (``torch.compile`` with
 that compiler; ``eager``: not compiled) in one process. Each rank also records its loss (the summary
 compares the ring's to the unsharded model's), how many KV blocks it exchanged (the ring ran) and the
-seconds it spent inside the ring's steps (the rest of the step is everything but attention).
+seconds it spent inside the ring's steps (the rest of the step is everything but attention). With ``--packed``
+the batch's rows are packed from documents (`PACKED_METHODS`), and each rank also counts the pairs its attention
+kernels scored and its seconds computing them (the table's balance columns).
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import torch
 
 import lowering
 from lowering import compat
+from lowering.events import scored_pairs
 from ringpass.cli.bench.measure import PeakMemory, gather_record, seconds_since, start_rank, write_trace
 
 METHODS = ("ring", "unsharded")
+# --packed: one row packed from documents (position ids restarting at each, as TRL packs): the ring on zigzag, the ring
+# on the documents' layout (``layout="documents"``), the unsharded model
+PACKED_METHODS = ("ring", "ring-documents", "unsharded")
 
 
 @dataclass(frozen=True)
@@ -66,19 +72,30 @@ def build_model(config, seq_len: int, device):
 
 def _compiled(model, method: str, compiler: str):
     compat.dynamo_reset()  # each method compiles from scratch, with nothing cached from the other
-    if method == "ring":
-        return torch.compile(
-            model, backend="ring", options={"compiler": compiler, "report": "off", "outputs": "sharded"}
-        )
+    if method.startswith("ring"):
+        options = {"compiler": compiler, "report": "off", "outputs": "sharded"}
+        layout = {"layout": "documents"} if method == "ring-documents" else {}
+        return torch.compile(model, backend="ring", options={**options, **layout})
     return model if compiler == "eager" else torch.compile(model, backend=compiler)
 
 
-def _step(compiled, model, ids, memory: PeakMemory, device) -> dict:
+def _batch(config, seq_len: int, vocab: int, device) -> dict:
+    """The step's keyword arguments: random token ids as labels too; with ``--packed``, position ids restarting at
+    each document (HF reads them as the documents' mask)."""
+    ids = torch.randint(vocab, (config.batch, seq_len), generator=torch.Generator().manual_seed(config.seed))
+    batch = {"input_ids": ids.to(device), "labels": ids.to(device), "use_cache": False}
+    if config.packed:
+        positions = torch.cat([torch.arange(n) for n in config.packed]).expand(config.batch, -1)
+        batch["position_ids"] = positions.contiguous().to(device)
+    return batch
+
+
+def _step(compiled, model, batch: dict, memory: PeakMemory, device) -> dict:
     model.zero_grad(set_to_none=True)
     memory.start()
     with lowering.record_ring_events() as events:
         start = time.perf_counter()
-        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = compiled(**batch).loss
         forward_s = seconds_since(start, device)
         forward_bytes = memory.peak()
         loss.backward()
@@ -94,6 +111,8 @@ def _step(compiled, model, ids, memory: PeakMemory, device) -> dict:
         "loss": loss.item(),
         "exchanges": exchanges,
         "ring_s": ring_s,
+        "compute_s": sum(e.fields["seconds"] for e in events if e.kind == "span" and e.fields["part"] == "compute"),
+        "pairs": scored_pairs(events),
     }
 
 
@@ -105,21 +124,20 @@ def model_rank(rank: int, world_size: int, config, methods, progress_done: int, 
     memory, records = PeakMemory(device), []
     for seq_len in config.seq_lens:
         model, vocab = build_model(config, seq_len, device)
-        ids = torch.randint(vocab, (config.batch, seq_len), generator=torch.Generator().manual_seed(config.seed))
-        ids = ids.to(device)
+        batch = _batch(config, seq_len, vocab, device)
         for method in methods:
             threads = torch.get_num_threads()
             progress.advance(f"{method} P={world_size} N={seq_len} ({threads} thread{'s' * (threads > 1)})")
             compiled = _compiled(model, method, config.compiler)
-            warmups = [_step(compiled, model, ids, memory, device) for _ in range(config.warmup)]
+            warmups = [_step(compiled, model, batch, memory, device) for _ in range(config.warmup)]
             samples = []
             for _ in range(config.repeats):
                 if world_size > 1:
                     dist.barrier()
-                samples.append(_step(compiled, model, ids, memory, device))
+                samples.append(_step(compiled, model, batch, memory, device))
             if config.trace:
                 write_trace(
-                    functools.partial(_step, compiled, model, ids, memory, device),
+                    functools.partial(_step, compiled, model, batch, memory, device),
                     device,
                     os.path.join(config.trace, f"model-{method}-P{world_size}-N{seq_len}-T{threads}-rank{rank}.json"),
                 )

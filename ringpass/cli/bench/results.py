@@ -24,6 +24,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   The all-gather's collectives are never hidden (0). Not given on CUDA, where the spans time launches.
 - ``balance``: max / mean over ranks of the seconds spent computing blocks (1 = perfectly balanced);
   ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed).
+  ``sent_mib``: a ring row's MiB one rank sends per call (K/V and dK/dV; the rank that sends most): less than the
+  whole lap's where blocks stop at the last rank that needs them.
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
 - ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
@@ -78,6 +80,8 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
         return
     pairs = [statistics.median(s["pairs"] for s in r["samples"]) for r in record["ranks"]]
     row["pairs_balance"] = max(pairs) / statistics.mean(pairs) if statistics.mean(pairs) > 0 else None
+    if method.startswith("ring"):
+        row["sent_mib"] = max(statistics.median(s["sent_bytes"] for s in r["samples"]) for r in record["ranks"]) / MIB
     if not config.packed:  # the cost model prices one causal triangle, not documents: no prediction for a packed row
         _predictions(row, method, Layout(layout_kind(method, config.causal), p, n), config, hardware)
     compute = [statistics.median(s["compute_s"] for s in r["samples"]) for r in record["ranks"]]
@@ -163,6 +167,10 @@ def _model_extras(row: dict, record: dict, config) -> None:
     row["ring_s"] = statistics.median(
         max(r["samples"][i]["ring_s"] for r in record["ranks"]) for i in range(len(record["ranks"][0]["samples"]))
     )
+    if record["world_size"] > 1 and record["method"].startswith("ring"):  # packed rows: the ranks' share of the work
+        for key, name in (("compute_s", "balance"), ("pairs", "pairs_balance")):
+            per_rank = [statistics.median(s[key] for s in r["samples"]) for r in record["ranks"]]
+            row[name] = max(per_rank) / statistics.mean(per_rank) if statistics.mean(per_rank) > 0 else None
 
 
 def summarise(records: list[dict], config, hardware: Hardware) -> dict:
@@ -255,7 +263,8 @@ def format_table(summary: dict) -> str:
         f"{'method':<17}{'P':>3}{'thr':>4}{'N':>7}{'fwd s':>9}{'fwd+bwd s (min..max)':>26}{'pred s':>8}"
         f"{'MiB fwd/all':>13}{'need':>7}{'eff':>6}{'vs same':>8}"
     )
-    head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'pairs':>6}{'error':>9}"
+    head += f"{'tok/s':>9}{'loss err':>9}" if model else f"{'hidden':>7}{'bal':>6}{'pairs':>6}{'sent':>7}{'error':>9}"
+    head += f"{'bal':>6}{'pairs':>6}" if model and c.get("packed") else ""
     lines.append(head)
     for r in summary["rows"]:
         start = f"{r['method']:<17}{r['world_size']:>3}{r['threads']:>4}{r['seq_len']:>7}"
@@ -273,13 +282,16 @@ def format_table(summary: dict) -> str:
         )
         if model:
             line += f"{r['tokens_per_s']:>9.0f}{_fmt(r.get('loss_error'), '.1e'):>9}"
+            if c.get("packed"):
+                line += f"{_fmt(r.get('balance'), '.2f'):>6}{_fmt(r.get('pairs_balance'), '.2f'):>6}"
             if r["method"] == "ring" and not r["exchanges"]:
                 line += "  (no ring exchange: ran unsharded)"
         else:
             hidden = r.get("hidden")
             line += (
                 f"{_fmt(hidden and 100 * hidden, '.0f') + ('%' if hidden is not None else ''):>7}"
-                f"{_fmt(r.get('balance'), '.2f'):>6}{_fmt(r.get('pairs_balance'), '.2f'):>6}{r['error']:>9.1e}"
+                f"{_fmt(r.get('balance'), '.2f'):>6}{_fmt(r.get('pairs_balance'), '.2f'):>6}"
+                f"{_fmt(r.get('sent_mib'), '.1f'):>7}{r['error']:>9.1e}"
             )
             line += f"  picked: {r['chosen']}" if r.get("chosen") else ""
         lines.append(line)
@@ -288,7 +300,12 @@ def format_table(summary: dict) -> str:
     lines.append(
         "  eff: T(1 thread, 1 process) / (cores x T); vs same: T(1 process, same cores) / T; need: the ring's "
         "working memory per rank (fwd+bwd)"
-        + ("" if model else "; bal / pairs: max/mean over ranks of compute seconds / of pairs scored")
+        + (
+            "; bal / pairs: max/mean over ranks of the ring's compute seconds / of pairs scored"
+            if not model or c.get("packed")
+            else ""
+        )
+        + ("" if model else "; sent: MiB a rank sends per call")
     )
     return "\n".join(lines)
 
