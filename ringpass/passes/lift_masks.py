@@ -539,11 +539,15 @@ class _Symbolic:
     def read(self, kind: str) -> tuple[frozenset, bool]:
         """(the constraints the mask implies, whether they are all of it). A mask ANDs terms (a mask of hidden
         pairs ORs them: each read term is then negated); the terms read symbolically are implied even when others
-        (a padding mask) are not."""
-        if kind not in ("kept", "masked_out"):
+        (a padding mask) are not. An additive mask that is ``where(kept, 0, hiding)`` (HF's eager attention) is read
+        as its boolean ``kept``."""
+        root = self.region.mask
+        if kind == "additive":
+            root, kind = self._kept_of_additive(root), "kept"
+        if kind not in ("kept", "masked_out") or root is None:
             return TRUE, False
         joined = AND if kind == "kept" else OR
-        implied, exact, stack = set(), True, [self.region.mask]
+        implied, exact, stack = set(), True, [root]
         while stack:
             use = stack.pop()
             try:
@@ -558,6 +562,25 @@ class _Symbolic:
                 else:
                     exact = False
         return self._resolve_relative(implied, exact)
+
+    def _kept_of_additive(self, use: Use) -> Use | None:
+        """The use of ``kept`` where the additive mask ``use`` is ``where(kept, 0, x)`` (through casts and new axes)
+        with ``x`` a number that hides a key (<= `MASKED_AT_OR_BELOW`: its weight is exactly 0 next to any visible
+        key), else None."""
+        while _keeps_values(use[0]) and use in self.region.ops:
+            use = self.region.ops[use][use[0].args[0]]
+        node = use[0]
+        if node.target is not torch.where or len(node.args) != 3 or use not in self.region.ops:
+            return None
+        kept, zero, hiding = node.args
+        if not (isinstance(hiding, (int, float)) and hiding <= MASKED_AT_OR_BELOW):
+            return None
+        zero_value = zero if not isinstance(zero, fx.Node) else _evaluate(self.ctx, zero, self.resize)
+        if not (isinstance(zero_value, (int, float, torch.Tensor)) and bool((torch.as_tensor(zero_value) == 0).all())):
+            return None
+        if not isinstance(kept, fx.Node) or example_value(kept).dtype != torch.bool:
+            return None
+        return self.region.ops[use][kept]
 
     def _resolve_relative(self, implied: set, exact: bool) -> tuple[frozenset, bool]:
         """The reading with each `RELATIVE` term replaced by its constraint on q and k where the same conjunction
@@ -848,7 +871,7 @@ def _rows_on_the_batch(reads: list[_TokenRead], node: fx.Node, mask: fx.Node) ->
     )
 
 
-BROADCASTING = KEEP_VALUES | AND | OR | {"expand", "bitwise_not", "logical_not", "eq", "ne", *COMPARE}
+BROADCASTING = KEEP_VALUES | AND | OR | {"expand", "bitwise_not", "logical_not", "eq", "ne", "where", *COMPARE}
 
 
 def _lands_at(node: fx.Node, dim: int, target: fx.Node) -> int | None:
