@@ -83,6 +83,11 @@ def convert(
             "convert: Ulysses x ring is not built for converted models yet; compile with "
             "backend='ring' for it, or convert a plain ring (ulysses=1, a 1-D group)."
         )
+    if ring_options.layout == "documents":
+        raise NotSupportedError(
+            "convert: layout='documents' (planned per call from the document ids) is not built for converted models "
+            "yet; compile with backend='ring' for it, or convert with layout='zigzag' (exact on packed rows too)."
+        )
     model = compat.compiled_module_inner(model)  # a torch.compile'd module: the module it wraps
     signature = pyinspect.signature(model.forward)
     defaults = {p.name: p.default for p in signature.parameters.values() if is_plain_value(p.default)}

@@ -368,6 +368,10 @@ def test_convert_refuses_what_it_cannot_convert():
         ringpass.convert(
             convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, compiler="eager"
         )
+    with pytest.raises(ringpass.NotSupportedError, match="layout='documents' .* is not built for converted models"):
+        ringpass.convert(
+            convert_workers.build("hand"), convert_workers.call("hand", 16)[0], world_size=2, layout="documents"
+        )
     dynamic = converted("hand", 2, 16, dynamic=True)  # checked before any process group is needed
     with pytest.raises(
         ringpass.InvalidInputError, match=r"does not fit these inputs \(ids \[2, 1\]\).*Sizes 0 and 1 are specialized"

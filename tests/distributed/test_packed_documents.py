@@ -1,10 +1,12 @@
-"""Packed documents through ``backend="ring"``, configurations drawn: a hand-written attention masking every pair of
-two documents (`models.HandWritten` with ``doc [B, N]`` ids of random lengths, every row packed differently or all
-alike), its length, the ring size and the layout drawn (``documents``: `lowering.DocumentLayout` planned per call from
-the ids). Outputs and every parameter gradient by name against the unsharded model in fp64 (<= 1e-10), and the ring
-ran: the graph was rewritten with one ring op whose mask is the documents mask read from the ``doc`` input (no
-program). The documents layout balances what each rank's kernels score (counted, not timed) within 5 % on a row of
-documents of 900, 1, 7, 333, 200 and 59 tokens, where zigzag is off by 1.5x to 2x."""
+"""Packed documents through ``backend="ring"``, configurations drawn: the packing convention (a hand-written attention
+masking every pair of two documents, `models.HandWritten` with ``doc [B, N]`` ids of random lengths, every row packed
+differently or all alike; SDPA masked by documents given as ``cu_seqlens`` or as position ids restarting at each,
+`models.PackedAttention`), the length, the ring size (2-4) and the layout drawn (``documents``:
+`lowering.DocumentLayout` planned per call from the ids). Outputs and every parameter gradient by name against the
+unsharded model in fp64 (<= 1e-10), and the ring ran: the graph was rewritten with one ring op whose mask is the
+documents mask, the report naming the convention (no program). The documents layout balances what each rank's kernels
+score (counted, not timed) within 5 % on a row of documents of 900, 1, 7, 333, 200 and 59 tokens, where zigzag is off
+by 1.5x to 2x."""
 
 import os
 
@@ -14,14 +16,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rank_pools import RankPools
 
+# the drawn models (`backend_workers`) and the convention the report must name: `doc [B, N]` ids compared in the mask
+# (rows packed differently or alike), `cu_seqlens` (ids by searchsorted), position ids restarting at each document
+CONVENTIONS = {
+    "hand_written_packed": "document ids from input `doc`",
+    "hand_written_one_packing": "document ids from input `doc`",
+    "packed_cu_seqlens": "document ids from `searchsorted`",
+    "packed_positions": "packing restarting at each",
+}
 FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @st.composite
 def packed_cases(draw) -> dict:
     return {
-        "world_size": draw(st.sampled_from([2, 3])),
-        "name": draw(st.sampled_from(["hand_written_packed", "hand_written_one_packing"])),
+        "world_size": draw(st.sampled_from([2, 3, 4])),
+        "name": draw(st.sampled_from(sorted(CONVENTIONS))),
         "seq_len": draw(st.integers(4, 48)),
         "layout": draw(st.sampled_from(["zigzag", "contiguous", "documents"])),
         "seed": draw(st.integers(0, 2**16)),
@@ -43,7 +53,8 @@ def _check(pools, case: dict) -> None:
         report = result["report"]
         assert report["status"] == "rewritten" and report["layout"] == case["layout"], (case, report)
         (attention,) = report["attentions"]
-        assert attention["mask"].startswith("packed documents (document ids from input `doc`) + causal"), attention
+        assert attention["mask"].startswith(f"packed documents ({CONVENTIONS[case['name']]}"), attention
+        assert " + causal inside each" in attention["mask"], attention
         assert result["ops"].get("ring_attention.default") == 1, (case, result["ops"])
 
 

@@ -10,6 +10,7 @@ from functools import partial
 from unittest.mock import patch
 
 import hf_workers
+import models
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -225,34 +226,6 @@ def test_rows_packed_differently_skip_tiles_and_compare_ids_only_at_boundaries()
     assert masked
 
 
-class PackedAttention(torch.nn.Module):
-    """Causal attention inside documents, the documents given as ``cu_seqlens`` (flash-style varlen: ids by
-    ``searchsorted``), as ``doc [B, N]`` ids with their rows on the batch, or (``rows_on_heads``) with their rows on
-    the heads, as no model means but broadcasting allows."""
-
-    def __init__(self, given: str):
-        super().__init__()
-        self.given, self.qkv = given, torch.nn.Linear(16, 48)
-
-    def forward(self, x, packing):
-        b, n, _ = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        pos = torch.arange(n, device=x.device)
-        if self.given == "cu_seqlens":
-            doc = torch.searchsorted(packing, pos, right=True)
-            same = (doc[:, None] == doc[None, :])[None, None]
-        elif self.given == "ids":
-            same = (packing[:, :, None] == packing[:, None, :])[:, None]
-        elif self.given == "longer_table":  # ids of more tokens than the row, read at its positions
-            same = (packing[pos][:, None] == packing[pos][None, :])[None, None]
-        else:
-            same = packing[None, :, :, None] == packing[None, :, None, :]
-        mask = same & (pos[None, :] <= pos[:, None])
-        return (
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, 16)
-        )
-
-
 @pytest.mark.parametrize(
     "given,mask,inputs",
     [
@@ -270,7 +243,7 @@ def test_each_packing_convention_is_read_as_documents(given, mask, inputs):
         "cu_seqlens": torch.tensor([0, 5, 9, 12]),
         "longer_table": torch.arange(17) // 5,
     }.get(given, torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9]))
-    (report,) = ringpass.inspect(PackedAttention(given), (x, packing), world_size=2).reports
+    (report,) = ringpass.inspect(models.PackedAttention(given), (x, packing), world_size=2).reports
     (attention,) = report.attention
     assert attention.mask.startswith(mask) and attention.mask_inputs == inputs, attention
 
@@ -340,7 +313,7 @@ def test_the_documents_layout_option_reads_one_ids_value_or_refuses_saying_why()
     instead."""
     x = torch.randn(2, 12, 16)
     ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9])
-    (report,) = ringpass.inspect(PackedAttention("ids"), (x, ids), world_size=2, layout="documents").reports
+    (report,) = ringpass.inspect(models.PackedAttention("ids"), (x, ids), world_size=2, layout="documents").reports
     assert report.layout == "documents" and report.attention[0].mask.startswith("packed documents")
     plain = hf_workers.build("qwen2")
     tokens = dict(input_ids=torch.randint(0, hf_workers.VOCAB, (2, 12)), use_cache=False)

@@ -33,6 +33,7 @@ MODELS = {
     "hand_written_packed": lambda: models.HandWritten(),
     "hand_written_one_packing": lambda: models.HandWritten(),
     "hand_written_mixed_documents": lambda: models.HandWritten(),
+    **{f"packed_{given}": (lambda given=given: models.PackedAttention(given)) for given in ("cu_seqlens", "positions")},
     "learned_bias": lambda: models.LearnedBias(),
     "learned_bias_padded": lambda: models.LearnedBias(causal=False),
     "square_bias": lambda: models.SquareBias(),
@@ -58,6 +59,14 @@ def _inputs(name: str, seq_len: int, batch: int, seed: int):
         if name == "encoder_mask_input":  # a sequence x sequence mask made by the caller
             return x, None, keep[:, None, :, None] | keep[:, None, None, :]
         return (x,)
+    if name.startswith("packed_"):  # documents of random lengths, every row packed alike
+        x = torch.randn(batch, seq_len, 16, generator=generator, dtype=torch.float64)
+        starts = (torch.rand(seq_len, generator=generator) < 0.3).nonzero().flatten().tolist()
+        cuts = sorted({0, *starts, seq_len})
+        if name == "packed_cu_seqlens":
+            return x, torch.tensor(cuts)
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])
+        return x, positions.expand(batch, -1).contiguous()
     ids = torch.randint(0, 61, (batch, seq_len), generator=generator)
     if name == "hand_written_packed":  # documents of random lengths packed into each row
         return ids, (torch.rand(batch, seq_len, generator=generator) < 0.3).cumsum(dim=1)

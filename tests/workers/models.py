@@ -368,3 +368,34 @@ class LastTokens(nn.Module):
 
     def forward(self, ids):
         return self.body(ids)[:, -3:]
+
+
+class PackedAttention(nn.Module):
+    """Causal attention (SDPA with a boolean mask) inside packed documents, given as ``cu_seqlens`` (flash-style
+    varlen: ids by ``searchsorted``), as position ids restarting at each document (``positions``: ids by HF's
+    ``cumsum(diff(position_ids) != 1)``), as ``doc [B, N]`` ids (``ids``) with their rows on the batch, or as no model
+    means but broadcasting allows: rows on the heads (``rows_on_heads``), a table longer than the row read at its
+    positions (``longer_table``)."""
+
+    def __init__(self, given: str):
+        super().__init__()
+        self.given, self.qkv = given, nn.Linear(16, 48)
+
+    def forward(self, x, packing):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n, device=x.device)
+        if self.given == "cu_seqlens":
+            doc = torch.searchsorted(packing, pos, right=True)
+            same = (doc[:, None] == doc[None, :])[None, None]
+        elif self.given in ("ids", "positions"):
+            doc = packing
+            if self.given == "positions":
+                doc = (torch.diff(packing, prepend=packing[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            same = (doc[:, :, None] == doc[:, None, :])[:, None]
+        elif self.given == "longer_table":  # ids of more tokens than the row, read at its positions
+            same = (packing[pos][:, None] == packing[pos][None, :])[None, None]
+        else:
+            same = packing[None, :, :, None] == packing[None, :, None, :]
+        mask = same & (pos[None, :] <= pos[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, 16)
