@@ -39,6 +39,8 @@ SHRINK = {
     "ringpass bench": "--seq-len 64 --repeats 1",
     "ringpass bench --packed": "--packed 300 20x6 7 --world-size 2 --repeats 1 --warmup 0",
     "ringpass bench --what model": "--seq-len 64 --repeats 1 --hidden 32 --layers 1 --intermediate 64 --vocab 64",
+    "ringpass bench --what model --packed": "--packed 40 13 11 --repeats 1 --warmup 0 --hidden 32 --layers 1 "
+    "--intermediate 64 --vocab 64 --compiler aot_eager",
     "python examples/model_coverage.py": "llama --no-write",  # one family; the page is not rewritten
     "python examples/gpu_check.py": "TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=",  # its tiny CPU run
     "python examples/boundary_memory.py": "--seq-len 64 --hidden 32 --layers 2",
