@@ -387,7 +387,7 @@ def _dkv_post(exchange: RingExchange, dkv, like, hops: tuple[int, ...], rank: in
     elif dkv is not None and 0 < step == hops[block]:
         to_home = dict(tag=DKV_HOME_TAG, phase="backward", receive=False, to=block)
         sends.append(exchange.start(dkv, payload="dkv", step=step, **to_home))
-    if not sends and events.recording():  # (the whole lap sends one accumulator per step)
+    if not sends and p > 1 and events.recording():  # (the whole lap sends one accumulator per step)
         events.emit("send_skip", payload="dkv", step=step, phase="backward", bytes=like.numel() * like.element_size())
     arriving = home = None
     if step < p - 1 and hops[kv_source(rank, step + 1, p)] > step:

@@ -102,7 +102,8 @@ def test_convolution_layers_between_attention_layers_train_through_the_ring(worl
         for case, r in results.items():
             assert r["untrained"] == r["unexpected"] == [], (case, r)
             assert max(r["loss"], r["logits"], r["grads"]) <= 1e-4, (case, r)
-            assert r["kv_exchanges"] == 2 * (world_size - 1), (case, r)  # one attention layer, forward and backward
+            lap = 2 * (world_size - 1)  # one attention layer, forward and backward (fewer: blocks no rank needs)
+            assert 0 < r["kv_exchanges"] <= lap and (world_size > 2 or r["kv_exchanges"] == lap), (case, r)
             assert r["mixer_exchanges"] == 4, (case, r)  # 2 convolutions' halos, forward and backward
             assert r.get("longer", 0.0) <= 1e-4, (case, r)  # dynamic: the same compile at a second length
             for report in r["reports"]:  # (dynamic: Dynamo may trace the frame twice, the same graph: torch's restart)
