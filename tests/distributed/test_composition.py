@@ -247,13 +247,17 @@ def test_tensor_parallel_x_ring_rotates_only_each_ranks_own_heads():
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ulysses_x_ring_trains_exactly():
-    """U = 2 on 4 ranks, by option (groups of neighbours) and by a 2-D mesh: the ring runs over 2 groups (one
-    KV exchange per layer forward and one backward, not three), four all-to-alls per layer forward and four back."""
-    for rank in results(4):
-        for case in ("ulysses option", "ulysses mesh hf", "ulysses mesh hf inductor"):  # the last by Inductor
+    """U = 2 on 4 ranks, by option (groups of neighbours) and by a 2-D mesh: the ring runs over 2 groups (at most one
+    KV exchange per layer forward and one backward, not three: none where the other group needs no block of this
+    one's), four all-to-alls per layer forward and four back."""
+    ranks = results(4)
+    for case in ("ulysses option", "ulysses mesh hf", "ulysses mesh hf inductor"):  # the last by Inductor
+        assert sum(rank[case]["kv_exchanges"] for rank in ranks) > 0, case  # the ring ran
+    for rank in ranks:
+        for case in ("ulysses option", "ulysses mesh hf", "ulysses mesh hf inductor"):
             result = rank[case]
-            check_exact(result)
-            assert result["kv_exchanges"] == 2 * 2 and result["all_to_alls"] == 2 * 8, result
+            assert result["loss"] <= 1e-5 and result["grads"] <= 1e-4, result
+            assert result["kv_exchanges"] <= 2 * 2 and result["all_to_alls"] == 2 * 8, result
             assert result["ringpass_all_reduces"] == result["parameters"], result  # each gradient once, over all 4
             assert (result["report"]["status"], result["report"]["ulysses"]) == ("rewritten", 2), result["report"]
 
@@ -270,10 +274,15 @@ def test_ulysses_with_padding_packed_documents_and_dynamic_shapes():
 
 @pytest.mark.heavy  # one 4-rank spawn for all of them (~1 min): ./dev test -m heavy
 def test_ulysses_attention_by_hand_is_exact_in_fp64():
-    for rank in results(4):
+    """(KV exchanges: one forward and one backward per rank, none for a group whose block the other needs not: under a
+    contiguous causal mask the later group's.)"""
+    ranks = results(4)
+    for rank in ranks:
         for case in rank["ulysses by hand"]:
             assert case["out"] < 1e-12 and case["grads"] < 1e-12, case
-            assert case["kv_exchanges"] == 2 and case["all_to_alls"] == 8, case
+            assert case["kv_exchanges"] <= 2 and case["all_to_alls"] == 8, case
+    for index in range(len(ranks[0]["ulysses by hand"])):  # the ring ran
+        assert sum(rank["ulysses by hand"][index]["kv_exchanges"] for rank in ranks) > 0, index
 
 
 def test_ulysses_refuses_head_counts_it_cannot_split():
