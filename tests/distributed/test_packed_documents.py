@@ -92,3 +92,11 @@ def test_the_documents_layout_balances_the_pairs_each_rank_scores(pools, world_s
         pairs = [result["pairs"] for result in results]
         balance[layout] = max(pairs) * world_size / sum(pairs)
     assert balance["documents"] <= 1.05 < 1.3 < balance["zigzag"], balance
+
+
+def test_a_value_sharded_in_the_documents_layout_is_refused_by_the_next_graph(pools):
+    """A graph break between two attentions: the first graph's output leaves sharded in the documents layout, and the
+    next graph, which cannot take it sharded yet, refuses it saying what to do (as docs/backend.md says)."""
+    for message in pools.run(2, backend_workers.documents_across_a_break, (), timeout=120):
+        assert message.startswith("NotSupportedError") and "sharded in the documents layout" in message, message
+        assert "remove the graph break" in message and "layout='zigzag'" in message, message

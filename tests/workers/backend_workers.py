@@ -416,6 +416,33 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     return "no error"
 
 
+def documents_across_a_break(rank: int, world_size: int) -> str:
+    """Two attentions masked by packed documents with a graph break between them, ``layout="documents"``: the first
+    graph returns its output sharded in the documents layout, which the second cannot take yet; the refusal."""
+
+    class TwoAttentions(torch.nn.Module):
+        def forward(self, x, doc):
+            pos = torch.arange(x.shape[1])
+            mask = ((doc[:, :, None] == doc[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]
+
+            def attend(h):
+                q = h.view(h.shape[0], h.shape[1], 2, 4).transpose(1, 2)
+                return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(h.shape)
+
+            h = attend(x)
+            torch._dynamo.graph_break()
+            return attend(h)
+
+    doc = torch.tensor([[0] * 5 + [1] * 11])
+    try:
+        torch.compile(TwoAttentions(), backend=ringpass.backend(compiler="eager", layout="documents"))(
+            torch.randn(1, 16, 8), doc
+        )
+    except ringpass.RingpassError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
