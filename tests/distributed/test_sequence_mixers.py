@@ -320,6 +320,7 @@ def test_a_chunked_scan_under_dynamic_shapes_is_traced_again_static_at_each_leng
         assert steps[0]["events"]["heads_exchange"] == 12 and steps[0]["events"]["mixer_exchange"] == 6
 
 
+@pytest.mark.heavy  # suite time: the same retrace under dynamic shapes runs by default (below)
 @pytest.mark.timeout(600)
 def test_a_chunked_scan_after_a_graph_break_is_traced_again_static_at_each_length(pools):
     """Attention, a graph break, then a chunked scan, under ``dynamic=True`` and ``outputs="sharded"``: the attention's
@@ -574,7 +575,8 @@ def test_many_drawn_models_of_every_mixer_kind_train_exactly(pools, case):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scans", ["state", pytest.param("heads", marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # suite time (22 s): Ulysses runs by default through strategy="auto" (test_strategy_ranks)
+@pytest.mark.parametrize("scans", ["state", "heads"])
 def test_every_kind_of_mixer_runs_over_every_rank_under_ulysses_x_ring(pools, scans):
     """Ulysses x ring (4 ranks, groups of 2): the attention all-to-alls its heads inside a group, the mixers still
     see one sequence over the 4 ranks: convolution and cumsum pass their state, the scans pass theirs (or split by
