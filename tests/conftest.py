@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("RINGPASS_CHECK_PASSES", "1")
 WORKERS = str(Path(__file__).resolve().parent / "workers")
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")  # model_coverage's tiny configs, for hf_workers
@@ -25,3 +27,13 @@ def pytest_configure(config):
         "backend_cases(world_size, *case_ids): the cases of tests/distributed/test_backend.py's "
         "matrix a test reads, spawned with the selected ones",
     )
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """Ranks kept alive for a test module's spawns (`rank_pools.RankPools`), closed after its last test."""
+    from rank_pools import RankPools
+
+    found = RankPools()
+    yield found
+    found.close()

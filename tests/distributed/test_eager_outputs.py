@@ -23,7 +23,6 @@ import eager_output_workers as workers
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rank_pools import RankPools
 
 from ringpass.cli.launch import spawn_ranks
 
@@ -136,13 +135,6 @@ def cases(draw, world_sizes=(2, 3)):
         "off": draw(st.sampled_from([0.0, 1e-3])),
         "seed": draw(st.integers(0, 2**16)),
     }
-
-
-@pytest.fixture(scope="module")
-def pools():
-    found = RankPools()
-    yield found
-    found.close()
 
 
 def _check_case(pools, case: dict) -> None:

@@ -14,7 +14,6 @@ import backend_workers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rank_pools import RankPools
 
 # the drawn models (`backend_workers`) and the convention the report must name: `doc [B, N]` ids compared in the mask
 # (rows packed differently or alike), `cu_seqlens` (ids by searchsorted), position ids restarting at each document
@@ -36,13 +35,6 @@ def packed_cases(draw) -> dict:
         "layout": draw(st.sampled_from(["zigzag", "contiguous", "documents"])),
         "seed": draw(st.integers(0, 2**16)),
     }
-
-
-@pytest.fixture(scope="module")
-def pools():
-    found = RankPools()
-    yield found
-    found.close()
 
 
 def _check(pools, case: dict) -> None:

@@ -16,19 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from rank_pools import RankPools
 
 import ringpass
 from ringpass.cli.launch import RankFailure
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    found = RankPools()
-    yield found
-    found.close()
 
 
 @st.composite
