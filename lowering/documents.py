@@ -20,6 +20,7 @@ run on it unchanged, the documents' mask evaluated per tile as any mask program 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -93,10 +94,21 @@ class DocumentLayout:
     @classmethod
     def of_ids(cls, ids: torch.Tensor, world_size: int) -> DocumentLayout:
         """The layout of rows whose document ids are ``ids [B, N]`` (host): one document per run of equal ids. Rows
-        packed differently share one layout, balanced over the runs no row's id changes in (`shared_runs`): each
-        row's documents are unions of them, so the layout is exact for every row (the ring decides the tiles from
-        the ids) and balanced for their common pieces."""
-        return _document_layout(shared_runs(ids), world_size)
+        packed alike: the layout of their documents. Rows packed differently: each row's documents are unions of the
+        runs no row's id changes in (`shared_runs`), so the layout of those runs is exact for every row (the ring
+        decides the tiles from the ids), but it balances their common pieces, not each row's documents (a row of one
+        long document over rows of short ones is then split as contiguous would split it): of it and the layout of
+        one document over the row (zigzag's balance), the one whose busiest rank scores fewer pairs summed over the
+        rows (`_rows_layout`, cached per packing)."""
+        rows = ids.reshape(-1, ids.size(-1))
+        if rows_alike(rows):
+            return _document_layout(shared_runs(rows), world_size)
+        return _rows_layout(tuple(shared_runs(row) for row in rows), world_size)
+
+    def rows_pairs(self, rows: tuple[tuple[int, ...], ...]) -> list[int]:
+        """Each rank's pairs summed over rows packed from documents of ``rows`` (each a tuple of lengths)."""
+        weights = sum(_key_counts(lengths) for lengths in rows)
+        return [int(weights[torch.tensor(owned, dtype=torch.int64)].sum()) for owned in self._owned]
 
     def valid_len(self, rank: int) -> int:
         return len(self._owned[rank])
@@ -149,6 +161,16 @@ def _document_layout(lengths: tuple[int, ...], world_size: int) -> DocumentLayou
     return DocumentLayout(lengths, world_size)
 
 
+@lru_cache(maxsize=64)
+def _rows_layout(rows: tuple[tuple[int, ...], ...], world_size: int) -> DocumentLayout:
+    """`DocumentLayout.of_ids` of rows packed differently (their documents' lengths): of the layout of their shared
+    runs and that of one document, the one whose busiest rank scores fewer pairs (the shared runs on a tie)."""
+    bounds = sorted({end for lengths in rows for end in itertools.accumulate(lengths)})
+    shared = tuple(b - a for a, b in zip([0, *bounds], bounds))
+    candidates = (_document_layout(shared, world_size), _document_layout((bounds[-1],), world_size))
+    return min(candidates, key=lambda layout: max(layout.rows_pairs(rows)))
+
+
 def rows_alike(ids: torch.Tensor) -> bool:
     """Every row of ``ids [B, N]`` is packed alike (one layout, one plan serves them all)."""
     return bool((ids == ids[:1]).all())
@@ -157,7 +179,8 @@ def rows_alike(ids: torch.Tensor) -> bool:
 def shared_runs(ids: torch.Tensor) -> tuple[int, ...]:
     """The lengths, in order, of the runs of positions in which no row of ``ids [B, N]`` (or one row ``[N]``) changes
     its id: with every row packed alike, its documents' lengths."""
-    changes = (ids[..., 1:] != ids[..., :-1]).reshape(-1, ids.size(-1) - 1).any(0)
+    rows = ids.reshape(-1, ids.size(-1))
+    changes = (rows[:, 1:] != rows[:, :-1]).any(0)
     bounds = [0, *(changes.nonzero().flatten() + 1).tolist(), ids.size(-1)]
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
@@ -226,6 +249,13 @@ def _assign(lengths: tuple[int, ...], p: int, whole: float, runs: bool) -> tuple
         owned[r].extend(range(first, first + tokens))
         load[r] -= pairs
     return owned, load
+
+
+def _key_counts(lengths: tuple[int, ...]) -> torch.Tensor:
+    """`_weights` as an int64 tensor, computed in torch (a batch's rows, each packed its own way)."""
+    sizes = torch.tensor(lengths)
+    starts = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.arange(int(sizes.sum())) - starts + 1
 
 
 @lru_cache(maxsize=16)

@@ -133,12 +133,12 @@ class SequenceSharded(torch.Tensor):
 
     def __tensor_flatten__(self):
         s = self.spec
-        return ["_local"], (s.kind, s.world_size, s.dim, s.group_name, s.rows, s.documents)
+        return ["_local"], (s.kind, s.world_size, s.dim, s.group_name, s.rows, _Packing(s.documents))
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
         kind, world_size, dim, group_name, rows, documents = context
-        spec = SequenceSpec(kind, world_size, outer_size[dim] // rows, dim, group_name, rows, documents)
+        spec = SequenceSpec(kind, world_size, outer_size[dim] // rows, dim, group_name, rows, documents.ids)
         return SequenceSharded(inner["_local"], spec)
 
     @classmethod
@@ -336,6 +336,21 @@ def _local_of(value, spec: SequenceSpec, dim: int):
         )
     rows = value.index_select(dim, spec.positions(value.device))
     return rows.masked_fill(~replace(spec, dim=dim).valid(rows), 0)
+
+
+class _Packing:
+    """The document ids in a `SequenceSharded`'s flatten context. Dynamo guards a compiled graph's input on that
+    context being equal; a graph taking values in the documents layout runs any packing (the layout is planned per
+    call from the ids it is given), so any two are equal here, and a value with ids never equals one without."""
+
+    def __init__(self, ids: torch.Tensor | None):
+        self.ids = ids
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Packing) and (self.ids is None) == (other.ids is None)
+
+    def __hash__(self) -> int:
+        return hash(self.ids is None)
 
 
 def _key(spec: SequenceSpec) -> tuple:

@@ -28,10 +28,11 @@ class RingOptions:
     """``group``: a process group, its name, or a one-dimensional `DeviceMesh` (default: the default group); a
     2-D mesh (``mesh["cp", "sp"]``) runs Ulysses x ring: the ring over its first dimension, all-to-all over heads
     inside its second. ``ulysses``: U, for Ulysses x ring over the default group (groups of U consecutive ranks).
-    ``layout``: ``auto`` = zigzag when any attention is causal or masked, or the inputs are sharded, else
-    contiguous (the report's summary line names the layout); ``documents``: packed rows balanced by their documents
-    (`lowering.DocumentLayout`, planned per call from the document ids the attentions' mask reads; inputs='full',
-    strategy='ring').
+    ``layout``: ``auto`` = documents where every attention masks packed documents and outputs leave as
+    SequenceSharded (`ringpass.passes.choose_layout`), else zigzag when any attention is causal or masked, or the
+    inputs are sharded, else contiguous (the report's summary line names the layout); ``documents``: packed rows
+    balanced by their documents (`lowering.DocumentLayout`, planned per call from the document ids the attentions'
+    mask reads; inputs='full', strategy='ring').
     ``inputs``: ``full`` (every rank passes the whole batch), ``per_rank`` (each rank passes its own batch, as a
     data-parallel loader gives it: the ranks' batches are all-gathered, each rank computes its share of every
     sequence and gets its own batch's outputs and a data-parallel job's gradients: `ringpass.frontend.per_rank`)

@@ -7,7 +7,9 @@ one with full inputs, except that a carried input arrives as this rank's tokens 
 After them, the inner compiler is given each carried input's local tokens as its example (`local_examples`), and
 `CarriedGraph` runs the compiled graph: it unwraps carried inputs (differentiably), calls the graph, and wraps the
 outputs ``insert_boundaries`` left sharded (``outputs="auto"``, ``ctx.carried_outputs``) with their layout.
-With dynamic shapes the graph returns the global length as one more output, so a wrapped output knows it.
+With dynamic shapes the graph returns the global length as one more output, so a wrapped output knows it; in the
+documents layout it returns the host copy of the document ids too, and a graph receiving such values takes those ids
+as one more input (`_take_document_ids`), so both plan the same layout.
 """
 
 from __future__ import annotations
@@ -54,12 +56,6 @@ def take_carried_inputs(ctx: PassContext) -> None:
                 f"Input {name} is a SequenceSharded value, which says it is sharded; inputs='sharded' is for plain "
                 "local shards. Compile with inputs='full' (the default): full inputs are sharded, carried ones kept."
             )
-        if spec.kind == DOCUMENTS_KIND:
-            raise NotSupportedError(
-                f"Input {name} is sharded in the documents layout (another compiled graph's output: a graph break), "
-                "which a graph cannot take sharded yet; remove the graph break (fullgraph=True shows where), or "
-                "compile with layout='zigzag'."
-            )
         kinds.add(spec.kind)
         traced = example_value(node)
         if isinstance(traced, SequenceSharded):  # of fake tokens: the passes see a plain tensor of its shape
@@ -73,7 +69,35 @@ def take_carried_inputs(ctx: PassContext) -> None:
             f"layout='{ctx.options.layout}'. Give every ring graph of the model the same layout (or 'auto')."
         )
     ctx.carried_layout = kinds.pop() if kinds else ""
+    if ctx.carried_layout == DOCUMENTS_KIND:
+        _take_document_ids(ctx)
     _same_length_as_carried(ctx)
+
+
+def _take_document_ids(ctx: PassContext) -> None:
+    """Inputs in the documents layout: the graph gets one more input, last, for the host copy of the document ids
+    their layout was planned from (`CarriedGraph` passes the first carried input's), as ``ctx.document_ids``:
+    `read_document_ids` copies it once per call, and every sequence op of this graph plans the same layout."""
+    if ctx.options.strategy != "ring":
+        raise NotSupportedError(
+            f"The graph's inputs are sharded in the documents layout (another graph's outputs), which runs the plain "
+            f"ring; this graph was compiled with strategy={ctx.options.strategy!r}. Compile every graph of the model "
+            "with the same options."
+        )
+    graph = ctx.gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    index = next(i for i, n in enumerate(placeholders) if n in ctx.carried_inputs)
+    carried, value = placeholders[index], ctx.example_inputs[index]
+    traced = example_value(carried)
+    with graph.inserting_after(placeholders[-1]):
+        ids = graph.placeholder(f"{carried.name}_document_ids")
+    shape = (value.spec.documents.shape[0], traced.shape[ctx.carried_inputs[carried]])
+    ids.meta["example_value"] = traced.new_empty(shape, dtype=torch.int64, device="cpu")
+    source = compat.dynamo_source(carried)
+    if source is not None:  # AOTAutograd maps inputs by their source
+        compat.set_dynamo_source(ids, compat.dynamo_sources.AttrSource(source, "document_ids"))
+    ctx.example_inputs = [*ctx.example_inputs, value.spec.documents]
+    ctx.document_ids = ids
 
 
 def _same_length_as_carried(ctx: PassContext) -> None:
@@ -149,11 +173,14 @@ class CarriedGraph:
         self.mask_outputs = dict(ctx.mask_outputs) if masks else {}
         self.length_output = bool(self.outputs) and ctx.dynamic
         self.documents_output = bool(self.outputs) and ctx.document_ids is not None
+        self.documents_input = self.inputs[0] if ctx.carried_layout == DOCUMENTS_KIND else None
         self.static_length = None if ctx.dynamic or not self.outputs else int(ctx.sequence.global_seq_len)
         self.layout = (ctx.layout_kind, ctx.world_size, ctx.group_name)
 
     def __call__(self, *args):
         args = splice_mask_inputs(args, self.mask_inputs)
+        if self.documents_input is not None:  # (`_take_document_ids`)
+            args.append(args[self.documents_input].spec.documents)
         for i in self.inputs:
             args[i] = args[i].to_local()
         outputs = list(self.compiled(*args))

@@ -42,8 +42,10 @@ def decide_placements(ctx: PassContext) -> None:
     mixer_inputs = {m.output: m.input for m in ctx.mixers}
     computed_whole = {node for region in ctx.sequence.regions for node in region.internal}
     for node in ctx.gm.graph.nodes:
-        if node in computed_whole:
-            ctx.placement[node] = FULL  # a function call run on the whole sequence: its entries are all-gathered
+        if node in computed_whole or node is ctx.document_ids:
+            # a function call run on the whole sequence (its entries are all-gathered), or the document ids the
+            # documents layout is planned from
+            ctx.placement[node] = FULL
         elif node in ctx.sequence.reductions and any(ctx.placement.get(a) == LOCAL for a in node.all_input_nodes):
             ctx.placement[node] = PARTIAL
         elif not ctx.has_sequence(node):
@@ -82,7 +84,9 @@ def _record(ctx: PassContext, needs_full: dict) -> None:
                 ""
                 if kind != "whole"
                 else (
-                    "read by the ring's mask program"
+                    "the documents layout is planned from it"
+                    if node is ctx.document_ids
+                    else "read by the ring's mask program"
                     if needed_by in ctx.masks.whole_values
                     else f"read by {describe(needed_by)}"
                 )

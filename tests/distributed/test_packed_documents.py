@@ -6,7 +6,7 @@ differently or all alike; SDPA masked by documents given as ``cu_seqlens`` or as
 unsharded model in fp64 (<= 1e-10), and the ring ran: the graph was rewritten with one ring op whose mask is the
 documents mask, the report naming the convention (no program). The documents layout balances what each rank's kernels
 score (counted, not timed) within 5 % on a row of documents of 900, 1, 7, 333, 200 and 59 tokens, where zigzag is off
-by 1.5x to 2x."""
+by 1.5x to 2x. Values sharded in it cross graph breaks with their ids."""
 
 import os
 
@@ -86,9 +86,15 @@ def test_the_documents_layout_balances_the_pairs_each_rank_scores(pools, world_s
     assert balance["documents"] <= 1.05 < 1.3 < balance["zigzag"], balance
 
 
-def test_a_value_sharded_in_the_documents_layout_is_refused_by_the_next_graph(pools):
-    """A graph break between two attentions: the first graph's output leaves sharded in the documents layout, and the
-    next graph, which cannot take it sharded yet, refuses it saying what to do (as docs/backend.md says)."""
-    for message in pools.run(2, backend_workers.documents_across_a_break, (), timeout=120):
-        assert message.startswith("NotSupportedError") and "sharded in the documents layout" in message, message
-        assert "remove the graph break" in message and "layout='zigzag'" in message, message
+@pytest.mark.parametrize("layout", ["auto", "documents"])
+def test_values_sharded_in_the_documents_layout_cross_a_graph_break(pools, layout):
+    """A graph break between two attentions masking packed documents: the first graph's output leaves sharded in the
+    documents layout with its ids, and the next graph takes it sharded and plans the same layout from them. Two
+    packings, each row packed differently: exact (output and every gradient by name, fp64), the ring ran in both
+    graphs, and the second packing ran the same two graphs (none compiled again). ``layout="auto"`` chose it."""
+    results = pools.run(2, backend_workers.documents_across_a_break, ({"layout": layout},), timeout=180)
+    for rank, result in enumerate(results):
+        assert result["layouts"] == ["documents", "documents"], (rank, result)
+        for call in result["calls"]:
+            assert call["output"] <= 1e-10 and call["grads"] <= 1e-10, (rank, call)
+            assert call["carried"] == "documents" and call["kv_exchanges"] >= 2, (rank, call)

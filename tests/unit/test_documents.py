@@ -298,12 +298,53 @@ def test_rows_packed_differently_share_one_documents_layout_exactly(world_size):
     lengths = [(70, 3, 100, 27), (20, 150, 30)]
     ids = torch.stack([DocumentLayout(lengths_, 1).document_ids() for lengths_ in lengths])
     layout = DocumentLayout.of_ids(ids, world_size)
-    assert layout.lengths == (20, 50, 3, 97, 3, 27)
+    assert layout.lengths == (20, 50, 3, 97, 3, 27)  # (it balances these rows better than one document would)
     q, k, v = qkv_fp64(200, batch=2)
     pos = torch.arange(200)
     mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]
     out = simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids).out
     assert rel_err(out, masked_attention_fp64(q, k, v, mask)) < 1e-12
+
+
+def _busiest_rank_pairs(layout, ids: torch.Tensor) -> int:
+    """The most (query, key) pairs one rank's queries see, summed over the rows of ``ids``, counted from the dense
+    mask (causal inside each document)."""
+    n = ids.size(-1)
+    pos = torch.arange(n)
+    visible = (ids[:, :, None] == ids[:, None, :]) & (pos[None, :] <= pos[:, None])
+    per_query = visible.sum((0, 2))
+    owned = [layout.positions(rank)[: layout.valid_len(rank)] for rank in range(layout.world_size)]
+    return max(int(per_query[positions].sum()) for positions in owned)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(
+    world_size=st.sampled_from([2, 3, 4]),
+    rows=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=6), min_size=2, max_size=4),
+)
+def test_rows_packed_differently_get_the_better_balanced_of_two_layouts(world_size, rows):
+    """Rows packed differently (drawn lengths, each row cut to the shortest row's length): `DocumentLayout.of_ids`
+    takes the layout of their shared runs or that of one document over the row, whichever leaves the busiest rank
+    fewer visible pairs (counted from the dense mask, summed over the rows); rows packed alike get their documents'."""
+    n = min(sum(row) for row in rows)
+    ids = torch.stack([DocumentLayout(row, 1).document_ids()[:n] for row in rows])
+    chosen = DocumentLayout.of_ids(ids, world_size)
+    cuts = sorted({int(c) for row in ids for c in (row[1:] != row[:-1]).nonzero().flatten() + 1} | {n})
+    shared = DocumentLayout(tuple(b - a for a, b in zip([0, *cuts], cuts)), world_size)
+    if bool((ids == ids[:1]).all()):
+        assert chosen == shared
+        return
+    whole = DocumentLayout((n,), world_size)
+    assert chosen in (shared, whole)
+    assert _busiest_rank_pairs(chosen, ids) == min(_busiest_rank_pairs(shared, ids), _busiest_rank_pairs(whole, ids))
+
+
+def test_a_row_of_one_document_beside_short_ones_is_split_as_one_document():
+    """At P = 4 rows of 5 + 7 and 3 + 9 tokens balance better as one document of 12 split by zigzag (rank loads 26,
+    24, 22, 22 pairs) than as their shared runs 3, 2, 7."""
+    ids = torch.stack([DocumentLayout(lengths, 1).document_ids() for lengths in [(5, 7), (3, 9)]])
+    assert DocumentLayout.of_ids(ids, 4) == DocumentLayout((12,), 4)
+    assert DocumentLayout.of_ids(ids, 2) == DocumentLayout((3, 2, 7), 2)
 
 
 def test_the_documents_layout_option_reads_one_ids_value_or_refuses_saying_why():

@@ -416,31 +416,60 @@ def refusal(rank: int, world_size: int, case: str) -> str:
     return "no error"
 
 
-def documents_across_a_break(rank: int, world_size: int) -> str:
-    """Two attentions masked by packed documents with a graph break between them, ``layout="documents"``: the first
-    graph returns its output sharded in the documents layout, which the second cannot take yet; the refusal."""
+class _PackedBreak(torch.nn.Module):
+    """Two attentions masked by packed documents (``doc`` ids compared in the mask) with a projection each and a
+    graph break between them: the second graph receives the first's output sharded."""
 
-    class TwoAttentions(torch.nn.Module):
-        def forward(self, x, doc):
-            pos = torch.arange(x.shape[1])
-            mask = ((doc[:, :, None] == doc[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
-            def attend(h):
-                q = h.view(h.shape[0], h.shape[1], 2, 4).transpose(1, 2)
-                return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(h.shape)
+    def forward(self, x, doc):
+        pos = torch.arange(x.shape[1])
+        mask = ((doc[:, :, None] == doc[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]
 
-            h = attend(x)
-            torch._dynamo.graph_break()
-            return attend(h)
+        def attend(h, project):
+            q = project(h).view(h.shape[0], h.shape[1], 2, 4).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(h.shape)
 
-    doc = torch.tensor([[0] * 5 + [1] * 11])
-    try:
-        torch.compile(TwoAttentions(), backend=ringpass.backend(compiler="eager", layout="documents"))(
-            torch.randn(1, 16, 8), doc
+        h = attend(x, self.first)
+        torch._dynamo.graph_break()
+        return attend(h, self.second) + h
+
+
+def documents_across_a_break(rank: int, world_size: int, options: dict) -> dict:
+    """`_PackedBreak` compiled with ``options``, called with two packings of 16 tokens (a document longer than a
+    rank's span, then several short ones; each row packed differently): per call the largest error of the output and
+    of every parameter gradient against the model run whole (fp64), the layouts of the graphs' reports, the carried
+    output's layout, the KV blocks exchanged, and how many graphs were compiled."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = _PackedBreak().double()
+    backend = ringpass.backend(compiler="aot_eager", **options)
+    compiled = torch.compile(model, backend=backend)
+    packings = ([[0] * 11 + [1] * 5, [0] * 3 + [1] * 13], [[0] * 2 + [1] * 5 + [2] * 6 + [3] * 3, [0] * 16])
+    calls = []
+    for doc in packings:
+        x, doc = torch.randn(2, 16, 8, dtype=torch.float64), torch.tensor(doc)
+        weight = torch.randn(2, 16, 8, dtype=torch.float64)
+        expected = model(x, doc)
+        (expected * weight).sum().backward()
+        expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        with record_ring_events() as events:
+            out = compiled(x, doc)
+            (out * weight).sum().backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        calls.append(
+            {
+                "output": rel_err(out.full_tensor(), expected),
+                "grads": grad_error(grads, expected_grads),
+                "carried": out.spec.kind,
+                "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+            }
         )
-    except ringpass.RingpassError as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+        model.zero_grad()
+    return {"calls": calls, "layouts": [report.layout for report in backend.reports]}
 
 
 class _Records(logging.Handler):
