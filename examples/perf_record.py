@@ -14,6 +14,12 @@ the run weighs on every case alike):
   causal: a one-document mask program (hides nothing), a left-padding program (hides 1/8 of the keys), and
   ``documents=ids`` of one document (hides nothing). 1.0 is free; the goal is at most 1.05.
 - ``sdpa_one_thread_s``: the single-process baseline's seconds, to tell a slow machine (a busy hour) from a slow ring.
+- ``ideal_efficiency``, ``vs_ideal``: what the machine allows (`ideal_split`). In one job, in turns: SDPA with one
+  thread in one process while the other rank waits (``alone``), SDPA on half the heads in both processes at once
+  (``half``: the work split perfectly, nothing exchanged, both processes sharing the machine as the ring's do), and
+  the ring. ``ideal_efficiency`` = alone / (2 x half): the efficiency a perfect split reaches here; ``vs_ideal`` =
+  half / ring: the ring against it (1.0: the ring costs nothing beyond splitting the work). Records before
+  2026-12-07's third lack them.
 
 Each record is one JSON line (`RECORD_KEYS`): the date, the commit (``-dirty`` with uncommitted changes), torch,
 the machine, the sizes and the numbers. `check_record` is the format; tests/distributed/test_perf_record.py runs the
@@ -29,9 +35,12 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from ring_call import ring_inputs, timed_call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,14 +57,20 @@ RECORD_KEYS = {
     "sdpa_one_thread_s": float,
     **dict.fromkeys(RATIOS, float),
 }
+IDEAL_KEYS = {"ideal_efficiency": float, "vs_ideal": float}  # (absent from the first records)
 MASK_CASES = ("plain", "program", "padding", "documents")
 
 
 def check_record(record: dict) -> dict:
     """The record, if it has exactly `RECORD_KEYS` with their types (ratios positive), else ValueError."""
-    if set(record) != set(RECORD_KEYS):
-        raise ValueError(f"a history record has the keys {sorted(RECORD_KEYS)}, not {sorted(record)}")
-    for key, kind in RECORD_KEYS.items():
+    if set(record) - set(IDEAL_KEYS) != set(RECORD_KEYS) or len(set(record) & set(IDEAL_KEYS)) not in (0, 2):
+        raise ValueError(
+            f"a history record has the keys {sorted(RECORD_KEYS)} (and, since the third, {sorted(IDEAL_KEYS)}), not "
+            f"{sorted(record)}"
+        )
+    for key, kind in {**RECORD_KEYS, **IDEAL_KEYS}.items():
+        if key not in record:
+            continue
         value = record[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is not str and not value > 0):
             raise ValueError(f"history record field {key!r}: expected a positive {kind.__name__}, got {value!r}")
@@ -97,6 +112,42 @@ def mask_ratios(rank: int, world_size: int, seq_len: int, repeats: int) -> dict:
     return seconds
 
 
+IDEAL_CASES = ("alone", "half", "ring")
+
+
+def ideal_split(rank: int, world_size: int, seq_len: int, repeats: int) -> dict:
+    """This rank's seconds per case (`IDEAL_CASES`), one thread each, in turns after a warm-up round: SDPA on the
+    whole attention on rank 0 while the others wait (``alone``), SDPA on 1/P of the heads on every rank at once
+    (``half``), the ring; each forward+backward, started together after a barrier."""
+    torch.set_num_threads(1)
+    layout, q, k, v = ring_inputs(rank, world_size, seq_len)
+    generator = torch.Generator().manual_seed(rank)
+    whole = [torch.randn(1, h, seq_len, 64, generator=generator).requires_grad_() for h in (8, 2, 2)]
+    split = [t.detach()[:, : t.size(1) // world_size].clone().requires_grad_() for t in whole]
+
+    def sdpa(tensors, runs: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        if runs:
+            F.scaled_dot_product_attention(*tensors, is_causal=True, enable_gqa=True).sum().backward()
+        took = time.perf_counter() - start
+        dist.barrier()  # the others wait while rank 0 runs alone
+        return took
+
+    calls = {
+        "alone": lambda: sdpa(whole, rank == 0),
+        "half": lambda: sdpa(split, True),
+        "ring": lambda: timed_call(layout, q, k, v),
+    }
+    seconds = {case: [] for case in IDEAL_CASES}
+    for turn in range(repeats + 1):
+        for case in IDEAL_CASES[turn % len(IDEAL_CASES) :] + IDEAL_CASES[: turn % len(IDEAL_CASES)]:
+            took = calls[case]()
+            if turn:  # the first round warms up
+                seconds[case].append(took)
+    return seconds
+
+
 def measure(seq_len: int, mask_seq_len: int, repeats: int) -> dict:
     """The record's numbers: the ring's efficiency by `ringpass bench`, the masks' ratios by `mask_ratios`."""
     from ringpass.cli.bench import BenchConfig, run_bench
@@ -117,11 +168,15 @@ def measure(seq_len: int, mask_seq_len: int, repeats: int) -> dict:
     ranks = spawn_ranks(mask_ratios, 2, (mask_seq_len, repeats), timeout=3600)
     slowest = {case: [max(turn) for turn in zip(*(r[case] for r in ranks))] for case in MASK_CASES}
     plain = statistics.median(slowest["plain"])
+    ranks = spawn_ranks(ideal_split, 2, (seq_len, repeats), timeout=3600)
+    ideal = {case: statistics.median(max(turn) for turn in zip(*(r[case] for r in ranks))) for case in IDEAL_CASES}
     return {
         "sdpa_one_thread_s": one_thread["total_s"]["median"],
         "efficiency": ring["efficiency"],
         "vs_two_threads": ring["vs_same_cores"],
         **{case: statistics.median(slowest[case]) / plain for case in MASK_CASES[1:]},
+        "ideal_efficiency": ideal["alone"] / (2 * ideal["half"]),
+        "vs_ideal": ideal["half"] / ideal["ring"],
     }
 
 
@@ -158,8 +213,8 @@ def plot(history: list[dict], path: str) -> None:
 
     fig, (efficiency, masks) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     x = range(len(history))
-    for name in ("efficiency", "vs_two_threads"):
-        efficiency.plot(x, [r[name] for r in history], marker="o", label=name)
+    for name in ("efficiency", "vs_two_threads", "ideal_efficiency", "vs_ideal"):
+        efficiency.plot(x, [r.get(name, float("nan")) for r in history], marker="o", label=name)
     efficiency.axhline(0.95, linestyle="--", color="gray", label="goal 0.95")
     for name in ("program", "padding", "documents"):
         masks.plot(x, [r[name] for r in history], marker="o", label=f"{name} / plain causal")

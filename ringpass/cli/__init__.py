@@ -379,7 +379,8 @@ def _bench_arguments(b) -> None:
         nargs="+",
         metavar="LENGTHS",
         help="one row packed from documents of these lengths (512x16: sixteen of 512), attention inside each; "
-        "attention methods sdpa (one call per document) all-gather ring-contiguous ring-zigzag ring-documents; "
+        "attention methods sdpa (one call per document) all-gather ring-contiguous ring-zigzag ring-documents "
+        "(and on request ring-padded: each document its own row, padded to the longest); "
         "model methods (position ids restarting at each document) ring ring-documents unsharded",
     )
     b.add_argument(

@@ -127,6 +127,13 @@ def local_examples(example_inputs: list, ctx: PassContext) -> list:
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
     examples = list(example_inputs)
     for i, node in enumerate(placeholders):
+        if node in ctx.whole_carried:  # all-gathered before the call (`CarriedGraph`): the whole value
+            traced = example_value(node)
+            if ctx.dynamic:
+                whole = traced.new_empty(traced.shape)
+            else:
+                whole = torch.empty(traced.shape, dtype=traced.dtype, device=traced.device)
+            examples[i] = whole.requires_grad_(traced.requires_grad)
         if node not in ctx.carried_inputs:
             continue
         traced, dim = example_value(node), ctx.carried_inputs[node]
@@ -152,7 +159,7 @@ def carry_layout_outputs(ctx: PassContext) -> None:
 
 def crosses_boundaries(ctx: PassContext) -> bool:
     """Whether the graph takes or returns values that `CarriedGraph` unwraps or wraps."""
-    return bool(ctx.carried_inputs or ctx.carried_outputs or ctx.mask_inputs or ctx.mask_outputs)
+    return bool(ctx.carried_inputs or ctx.whole_carried or ctx.carried_outputs or ctx.mask_inputs or ctx.mask_outputs)
 
 
 class CarriedGraph:
@@ -168,6 +175,7 @@ class CarriedGraph:
         self.inputs = [
             i for i, n in enumerate(placeholders) if n in ctx.carried_inputs and n not in ctx.exchanged_inputs
         ]
+        self.whole = [i for i, n in enumerate(placeholders) if n in ctx.whole_carried]
         self.mask_inputs = dict(ctx.mask_inputs) if masks else {}  # argument index -> how many tensors describe it
         self.outputs = dict(ctx.carried_outputs)  # output index -> sequence dim
         self.mask_outputs = dict(ctx.mask_outputs) if masks else {}
@@ -183,6 +191,8 @@ class CarriedGraph:
             args.append(args[self.documents_input].spec.documents)
         for i in self.inputs:
             args[i] = args[i].to_local()
+        for i in self.whole:
+            args[i] = args[i].full_tensor()
         outputs = list(self.compiled(*args))
         seq_len = int(outputs.pop()) if self.length_output else self.static_length
         documents = outputs.pop() if self.documents_output else None

@@ -90,6 +90,9 @@ class PassContext:
     # their layout kind ("" without any); `ringpass.frontend.carried`
     carried_inputs: dict[fx.Node, int] = field(default_factory=dict)
     carried_layout: str = ""
+    # choose_layout: inputs that arrived sharded in the documents layout for a graph that cannot run in it: all-gathered
+    # by `CarriedGraph` before the call, then sharded as whole inputs
+    whole_carried: set[fx.Node] = field(default_factory=set)
     # exchange_activations, inputs="per_rank": carried inputs that arrive whole, this rank's own batch's activation
     # (`ringpass.frontend.per_rank.PerRankGraph` sends each rank its tokens of every rank's)
     exchanged_inputs: set[fx.Node] = field(default_factory=set)

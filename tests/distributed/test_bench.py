@@ -115,7 +115,8 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     """``--packed``: the issue's row (2400, 900, 500 and 296 tokens); every method exact against SDPA run per
     document; the documents layout's ranks score pairs within 5 % of each other, zigzag's over the row do not (1.44:
     counted from the kernel calls, not timed); a long document split over the ranks makes every block travel, ten
-    documents of 50 tokens send nothing on the documents' layout (each whole on one rank), where zigzag cuts some.
+    documents of 50 tokens send nothing on the documents' layout (each whole on one rank), where zigzag cuts some; the
+    same documents unpacked (``ring-padded``: a row each, padded to the longest) score the padded rows' triangles.
     Unknown spellings and --seq-len with it are refused."""
     out = tmp_path / "packed.json"
     command = "bench --world-size 2 --packed 2400 900 500 296 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1"
@@ -132,6 +133,12 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     assert cli.main(shlex.split(f"{short} --methods ring-documents ring-zigzag --json {out} --no-progress")) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
     assert rows["ring-documents"]["sent_mib"] == 0 < rows["ring-zigzag"]["sent_mib"]  # zigzag cuts documents
+    assert max(row["error"] for row in rows.values()) < 1e-5
+    padded = "bench --world-size 2 --packed 60 20 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1 --warmup 0"
+    assert cli.main(shlex.split(f"{padded} --methods ring-documents ring-padded --json {out} --no-progress")) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
+    assert rows["ring-documents"]["pairs_scored"] == 60 * 61 // 2 + 20 * 21 // 2  # each document's triangle
+    assert rows["ring-padded"]["pairs_scored"] == 2 * (60 * 61 // 2)  # two rows of 60, the short one padded
     assert max(row["error"] for row in rows.values()) < 1e-5
     for word, words in (("20y6", "give lengths as 512 or 512x16"), ("0", "give lengths")):
         assert cli.main(["bench", "--packed", word]) == 1 and words in capsys.readouterr().err

@@ -98,3 +98,16 @@ def test_values_sharded_in_the_documents_layout_cross_a_graph_break(pools, layou
         for call in result["calls"]:
             assert call["output"] <= 1e-10 and call["grads"] <= 1e-10, (rank, call)
             assert call["carried"] == "documents" and call["kv_exchanges"] >= 2, (rank, call)
+
+
+def test_a_graph_that_cannot_run_in_the_documents_layout_takes_such_inputs_whole(pools):
+    """After the break a cumsum (a sequence mixer, which needs equal chunks): that graph all-gathers the input that
+    arrives in the documents layout and runs on zigzag, saying so; exact on both packings, the ring ran in both."""
+    results = pools.run(2, backend_workers.documents_across_a_break, ({}, True), timeout=180)
+    for rank, result in enumerate(results):
+        assert result["layouts"] == ["documents", "zigzag"], (rank, result)
+        (note,) = [n for n in result["notes"][1] if "arrive sharded in the documents layout" in n]
+        assert "it needs no other sequence mixer" in note and "all-gathered at the graph's entry" in note, note
+        for call in result["calls"]:
+            assert call["output"] <= 1e-10 and call["grads"] <= 1e-10, (rank, call)
+            assert call["carried"] == "zigzag" and call["kv_exchanges"] >= 2, (rank, call)

@@ -32,6 +32,7 @@ def test_the_record_command_appends_one_checked_line_and_draws_the_history(tmp_p
     assert json.loads(result.stdout.strip().splitlines()[-1]) == records[1]
     assert records[1]["seq_len"] == records[1]["mask_seq_len"] == 128 and records[1]["repeats"] == 1
     assert records[1]["commit"] and records[1]["torch"] == torch.__version__
+    assert set(perf_record.IDEAL_KEYS) <= set(records[1])  # what the machine allows, beside the ring's numbers
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -45,6 +46,7 @@ def test_the_repository_history_is_in_the_record_format():
     "change,words",
     [
         (lambda r: r.pop("documents"), "has the keys"),
+        (lambda r: r.pop("vs_ideal"), "has the keys"),  # both or neither (the first records have neither)
         (lambda r: r.update(extra=1), "has the keys"),
         (lambda r: r.update(efficiency=-0.5), "'efficiency': expected a positive float"),
         (lambda r: r.update(seq_len=8192.0), "'seq_len': expected a positive int"),

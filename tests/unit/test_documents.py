@@ -359,7 +359,7 @@ def test_the_documents_layout_option_reads_one_ids_value_or_refuses_saying_why()
     plain = hf_workers.build("qwen2")
     tokens = dict(input_ids=torch.randint(0, hf_workers.VOCAB, (2, 12)), use_cache=False)
     (report,) = ringpass.inspect(plain, tokens, world_size=2, layout="documents").reports
-    assert report.status == "refused" and "this graph's attentions mask causal. Use layout='zigzag'" in str(
+    assert report.status == "refused" and "this graph's attentions mask causal). Use layout='zigzag'" in str(
         report.refusal.message
     )
     hybrid = hf_workers.build("lfm2")  # short convolutions between its attention layers

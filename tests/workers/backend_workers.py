@@ -420,9 +420,10 @@ class _PackedBreak(torch.nn.Module):
     """Two attentions masked by packed documents (``doc`` ids compared in the mask) with a projection each and a
     graph break between them: the second graph receives the first's output sharded."""
 
-    def __init__(self):
+    def __init__(self, cumsum: bool = False):
         super().__init__()
         self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.cumsum = cumsum  # a sequence mixer after the break: that graph cannot run in the documents layout
 
     def forward(self, x, doc):
         pos = torch.arange(x.shape[1])
@@ -434,17 +435,17 @@ class _PackedBreak(torch.nn.Module):
 
         h = attend(x, self.first)
         torch._dynamo.graph_break()
-        return attend(h, self.second) + h
+        return attend(h, self.second) + (h.cumsum(1) / 16 if self.cumsum else h)
 
 
-def documents_across_a_break(rank: int, world_size: int, options: dict) -> dict:
-    """`_PackedBreak` compiled with ``options``, called with two packings of 16 tokens (a document longer than a
-    rank's span, then several short ones; each row packed differently): per call the largest error of the output and
-    of every parameter gradient against the model run whole (fp64), the layouts of the graphs' reports, the carried
-    output's layout, the KV blocks exchanged, and how many graphs were compiled."""
+def documents_across_a_break(rank: int, world_size: int, options: dict, cumsum: bool = False) -> dict:
+    """`_PackedBreak` (``cumsum``: with a cumsum after the break) compiled with ``options``, called with two
+    packings of 16 tokens (a document longer than a rank's span, then several short ones; each row packed
+    differently): per call the largest error of the output and of every parameter gradient against the model run
+    whole (fp64), the carried output's layout, the KV blocks exchanged; the graphs' layouts and notes."""
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = _PackedBreak().double()
+    model = _PackedBreak(cumsum).double()
     backend = ringpass.backend(compiler="aot_eager", **options)
     compiled = torch.compile(model, backend=backend)
     packings = ([[0] * 11 + [1] * 5, [0] * 3 + [1] * 13], [[0] * 2 + [1] * 5 + [2] * 6 + [3] * 3, [0] * 16])
@@ -469,7 +470,11 @@ def documents_across_a_break(rank: int, world_size: int, options: dict) -> dict:
             }
         )
         model.zero_grad()
-    return {"calls": calls, "layouts": [report.layout for report in backend.reports]}
+    return {
+        "calls": calls,
+        "layouts": [report.layout for report in backend.reports],
+        "notes": [report.notes for report in backend.reports],
+    }
 
 
 class _Records(logging.Handler):

@@ -86,11 +86,8 @@ class BenchConfig:
                 "bench: --packed gives the document lengths of one row (--what attention or model); the row's "
                 "length is their sum (no --seq-len)."
             )
-        known = (
-            {"attention": attention.PACKED_METHODS, "model": model.PACKED_METHODS}[self.what]
-            if self.packed
-            else METHODS[self.what]
-        )
+        packed = {"attention": attention.PACKED_METHODS + attention.UNPACKED_METHODS, "model": model.PACKED_METHODS}
+        known = packed[self.what] if self.packed else METHODS[self.what]
         unknown = [m for m in self.methods if m not in known]
         if unknown:
             raise InvalidInputError(

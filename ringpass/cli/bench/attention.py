@@ -44,6 +44,9 @@ METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ulysses", "a
 # ``--packed``: one row packed from documents, attention inside each (``sdpa``: one call per document, as varlen
 # kernels run it; the rings and the all-gather with ``documents=ids``, ``ring-documents`` on a `DocumentLayout`)
 PACKED_METHODS = ("sdpa", "all-gather", "ring-contiguous", "ring-zigzag", "ring-documents")
+# ``--packed`` on request (``--methods``): the same documents unpacked, each its own row right-padded to the longest,
+# causal attention over the batch of rows on zigzag (`unpacked`): what packing saves
+UNPACKED_METHODS = ("ring-padded",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,6 +92,14 @@ def per_document_sdpa(q, k, v, config) -> torch.Tensor:
     )
 
 
+def unpacked(t: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """``t [B, H, N, D]`` of rows packed from documents of ``lengths``: each document its own row, right-padded with
+    zeros to the longest (``[len(lengths) * B, H, max(lengths), D]``). Causal attention over those rows is each
+    document's attention at its real tokens (they never see the padding after them), and scores every padded pair."""
+    longest = max(lengths)
+    return torch.cat([F.pad(piece, (0, 0, 0, longest - piece.size(2))) for piece in t.split(list(lengths), 2)], 0)
+
+
 def attention_shape(config) -> AttentionShape:
     return AttentionShape(
         config.batch, config.heads, config.kv_heads, config.head_dim, DTYPES[config.dtype].itemsize, config.causal
@@ -97,7 +108,12 @@ def attention_shape(config) -> AttentionShape:
 
 def layout_kind(method: str, causal: bool) -> str:
     """The layout a distributed method shards in: its own for the rings, else zigzag under a causal mask."""
-    own = {"ring-contiguous": "contiguous", "ring-zigzag": "zigzag", "ring-documents": DocumentLayout.kind}
+    own = {
+        "ring-contiguous": "contiguous",
+        "ring-zigzag": "zigzag",
+        "ring-padded": "zigzag",
+        "ring-documents": DocumentLayout.kind,
+    }
     return own.get(method, "zigzag" if causal else "contiguous")
 
 
@@ -119,11 +135,13 @@ class _Step:
             Strategy("none") if method == "sdpa" else _strategy(method, config, world_size, inputs.q.size(2))
         )
         rows = (inputs.q, inputs.k, inputs.v, inputs.reference, inputs.dout)
+        if method in UNPACKED_METHODS:
+            rows, self.documents = self._unpacked(inputs, config), None
         self.layout = None
         if self.strategy.layout == DocumentLayout.kind:
             self.layout = DocumentLayout(config.packed, world_size)
         elif self.strategy.kind != "none":  # each rank its shard; else every rank the whole sequence
-            self.layout = lowering.Layout(self.strategy.layout, world_size, inputs.q.size(2))
+            self.layout = lowering.Layout(self.strategy.layout, world_size, rows[0].size(2))
         if self.layout is not None:
             rows = tuple(self.layout.shard(t, 2, rank) for t in rows)
         if self.strategy.kind == "ulysses":
@@ -131,6 +149,18 @@ class _Step:
             self.groups = {"ulysses_group": mesh.get_group(1), "ring_group": mesh.get_group(0)}
         self.q, self.k, self.v = (t.detach().clone().requires_grad_() for t in rows[:3])
         self.reference, self.dout = rows[3], rows[4]
+        self.rows = rows[0].size(0)  # (the batch: the pairs its kernels score count once per row)
+
+    @staticmethod
+    def _unpacked(inputs: Inputs, config) -> tuple:
+        """q, k, v, their reference (fp32 SDPA on the padded rows: its padding rows are what causal attention gives
+        them) and the output gradient (zero at padding) of `UNPACKED_METHODS`."""
+        if not config.causal or not config.packed:
+            raise _Unavailable("the padded rows are for --packed causal attention (padding hides behind the mask)")
+        q, k, v = (unpacked(t, config.packed) for t in (inputs.q, inputs.k, inputs.v))
+        with torch.no_grad():
+            reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        return q, k, v, reference, unpacked(inputs.dout, config.packed)
 
     def reset(self) -> None:
         """Free the previous call's gradients (before memory is measured: freeing them is not the call's)."""
@@ -180,7 +210,7 @@ class _ContextParallelStep:
             from torch.distributed.tensor.experimental import context_parallel
         except ImportError as error:
             raise _Unavailable(f"this torch has no context_parallel ({error})") from None
-        self.inputs, self.causal = inputs, config.causal
+        self.inputs, self.causal, self.rows = inputs, config.causal, inputs.q.size(0)
         self.mesh, self.context_parallel = init_device_mesh(inputs.q.device.type, (world_size,)), context_parallel
 
     def reset(self) -> None:
@@ -230,7 +260,7 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         "forward_bytes": forward_bytes,
         "total_bytes": total_bytes,
         "compute_s": compute,
-        "pairs": scored_pairs(events),
+        "pairs": scored_pairs(events) * step.rows,
         "sent_bytes": sum(e.fields["bytes"] for e in events if e.kind == "exchange"),  # the ring's P2P sends
         "error": _error(out.detach(), reference),
         "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},

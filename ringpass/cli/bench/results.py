@@ -23,7 +23,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   had posted that message (waiting for a slower rank is imbalance, not transfer: ``balance`` shows it).
   The all-gather's collectives are never hidden (0). Not given on CUDA, where the spans time launches.
 - ``balance``: max / mean over ranks of the seconds spent computing blocks (1 = perfectly balanced);
-  ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed).
+  ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed);
+  ``pairs_scored``: those pairs summed over the ranks and the batch's rows (the work the method does).
   ``sent_mib``: a ring row's MiB one rank sends per call (K/V and dK/dV; the rank that sends most): less than the
   whole lap's where blocks stop at the last rank that needs them.
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
@@ -80,6 +81,7 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
         return
     pairs = [statistics.median(s["pairs"] for s in r["samples"]) for r in record["ranks"]]
     row["pairs_balance"] = max(pairs) / statistics.mean(pairs) if statistics.mean(pairs) > 0 else None
+    row["pairs_scored"] = sum(pairs)
     if method.startswith("ring"):
         row["sent_mib"] = max(statistics.median(s["sent_bytes"] for s in r["samples"]) for r in record["ranks"]) / MIB
     if not config.packed:  # the cost model prices one causal triangle, not documents: no prediction for a packed row
