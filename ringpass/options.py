@@ -32,7 +32,7 @@ class RingOptions:
     SequenceSharded (`ringpass.passes.choose_layout`), else zigzag when any attention is causal or masked, or the
     inputs are sharded, else contiguous (the report's summary line names the layout); ``documents``: packed rows
     balanced by their documents (`lowering.DocumentLayout`, planned per call from the document ids the attentions'
-    mask reads; inputs='full', strategy='ring').
+    mask reads; inputs='full' or 'per_rank', strategy='ring').
     ``inputs``: ``full`` (every rank passes the whole batch), ``per_rank`` (each rank passes its own batch, as a
     data-parallel loader gives it: the ranks' batches are all-gathered, each rank computes its share of every
     sequence and gets its own batch's outputs and a data-parallel job's gradients: `ringpass.frontend.per_rank`)
@@ -133,12 +133,12 @@ class RingOptions:
                 "give one of them (strategy='ring' with Ulysses, or strategy='auto' over a 1-D group)."
             )
         if result.layout == "documents" and (
-            result.inputs != "full" or result.strategy != "ring" or result.ulysses != 1 or result.cache == "gathered"
+            result.inputs == "sharded" or result.strategy != "ring" or result.ulysses != 1 or result.cache == "gathered"
         ):
             raise InvalidInputError(
                 "layout='documents' plans each call's layout from the whole batch's document ids, and runs the plain "
-                "ring: it needs inputs='full', strategy='ring', no Ulysses and cache='sharded' (the defaults); "
-                f"got inputs={result.inputs!r}, strategy={result.strategy!r}, ulysses={result.ulysses}, "
+                "ring: it needs inputs='full' or 'per_rank', strategy='ring', no Ulysses and cache='sharded' (the "
+                f"defaults); got inputs={result.inputs!r}, strategy={result.strategy!r}, ulysses={result.ulysses}, "
                 f"cache={result.cache!r}. Use layout='zigzag' for the others."
             )
         if isinstance(result.timeout, bool) or not isinstance(result.timeout, (int, float)) or not result.timeout > 0:

@@ -82,7 +82,8 @@ def _documents_lack(ctx: PassContext, attentions_needed: bool = True) -> list[st
         f"{'; '.join(sorted({plan.describe() for plan in ctx.masks.plans.values()})) or 'nothing'})": (
             _masked_ids(ctx) is None and (attentions_needed or bool(ctx.masks.plans))
         ),
-        "inputs='full' (each rank passes the whole batch)": ctx.per_rank,
+        "no activation from code before it under inputs='per_rank' (sent by tokens as zigzag or contiguous shards "
+        "them)": bool(ctx.exchanged_inputs),
         "no other sequence mixer (a convolution or scan needs equal chunks)": bool(ctx.mixers),
         "no ringpass.ShardedCache (its slots follow zigzag or contiguous)": any(
             node.target in PROMPT_SLOTS for node in ctx.gm.graph.nodes

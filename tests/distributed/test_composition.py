@@ -22,6 +22,7 @@ TWO_RANKS = {
     "fsdp2 blocks hybrid": ("wrapped_step", ("fsdp2", 1, "auto", "hf_lfm2")),
     "refused": ("refused", ("fsdp2", "local")),
     "per_rank ddp": ("per_rank_step", ("ddp", 2)),  # DDP's buckets of 1 kB: Dynamo's optimize_ddp would cut the graph
+    "per_rank ddp packed": ("per_rank_step", ("ddp", 2, True)),
 }
 TWO_RANKS_HEAVY = {  # suite time: a second 2-rank spawn, -m heavy
     "fsdp2 reduced": ("wrapped_step", ("fsdp2", 1, "reduced")),
@@ -141,6 +142,16 @@ def test_per_rank_inputs_give_each_rank_its_own_outputs_and_a_data_parallel_jobs
         assert result["kv_exchanges"] == 2 * 2, result  # 2 attentions x 2 batches, one exchange each at P=2
         assert "inputs='per_rank': each rank's input_ids, labels all-gathered" in result["summaries"][0], result
         assert set(result["gradients"]) == {"mean"}, result
+
+
+def test_per_rank_packed_rows_run_on_the_documents_layout():
+    """TRL's path: inputs='per_rank' under DDP, each rank's two rows packed from documents its own way (position ids
+    restarting at each): ``layout="auto"`` takes the documents layout for every rank's batch; each rank's loss and
+    logits its own batch's, DDP's gradients, the ring ran."""
+    for rank in results(2):
+        result = rank["per_rank ddp packed"]
+        assert result["loss"] <= 1e-5 and result["logits"] <= 1e-5 and result["grads"] <= 1e-4, result
+        assert "layout documents" in result["summaries"][0] and result["kv_exchanges"] > 0, result
 
 
 @pytest.mark.heavy  # in the second 2-rank spawn

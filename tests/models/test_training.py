@@ -170,6 +170,7 @@ def ring_summary(log: dict) -> str:
     (summary,) = [line for line in log["summaries"] if "rewritten" in line]
     assert "2 attention(s) rewritten to ring attention over 2 ranks" in summary, summary
     assert "DDP: kept whole" in summary and "position_ids" in summary and "inputs='per_rank'" in summary, summary
+    assert "layout documents" in summary, summary  # each rank's batch on the layout of its own packing
     return summary
 
 

@@ -367,5 +367,5 @@ def test_the_documents_layout_option_reads_one_ids_value_or_refuses_saying_why()
     (report,) = ringpass.inspect(hybrid, packed, world_size=2, layout="documents").reports
     assert "it needs no other sequence mixer (a convolution or scan needs equal chunks)" in report.refusal.message
     for options in ({"inputs": "sharded"}, {"strategy": "auto"}, {"ulysses": 2}):
-        with pytest.raises(lowering.InvalidInputError, match="it needs inputs='full', strategy='ring', no Ulysses"):
+        with pytest.raises(lowering.InvalidInputError, match="or 'per_rank', strategy='ring', no Ulysses"):
             ringpass.backend(layout="documents", **options)

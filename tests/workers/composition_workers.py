@@ -308,11 +308,12 @@ def ulysses_hf_modes(rank: int, world_size: int, cases: list) -> dict:
     return results
 
 
-def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int) -> dict:
+def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int, packed: bool = False) -> dict:
     """``inputs="per_rank"``: each rank passes its own ``rows`` sequences (the ranks' label counts differ), an HF
-    Llama with its loss; ``wrapper``: ``none``, ``ddp`` (over every rank), ``ddp_dp`` (over the data-parallel
-    ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every wrapper) or
-    ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
+    Llama with its loss (``packed``: each row packed from documents as TRL packs, position ids restarting at each,
+    every rank's rows packed their own way); ``wrapper``: ``none``, ``ddp`` (over every rank), ``ddp_dp`` (over the
+    data-parallel ranks of a (dp 2, cp P/2) mesh, the ring over ``cp``; on 4 ranks the ring is over ``cp`` for every
+    wrapper) or ``fsdp2_root`` (``fully_shard`` of the root over the 4 ranks flattened).
     The reference is a data-parallel job in one process: each rank's loss and logits on its own batch, the
     gradient the mean over all ranks of each rank's (with no wrapper on a mesh: over the ring's ranks).
     (Batches of different lengths: `per_rank_lengths`; activations across graph boundaries: `per_rank_blocks`.)"""
@@ -324,12 +325,20 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int) -> dict:
     batches = [torch.randint(0, 61, (rows, SEQ_LEN), generator=g) for _ in range(world_size)]
     labels = [ids.clone() for ids in batches]
     labels[1][:, :7] = -100
+    positions = [
+        torch.cat([torch.arange(n) for n in ((7, 3, 2), (3, 9), (12,), (1, 11))[(source + row) % 4]])
+        for source in range(world_size)
+        for row in range(rows)
+    ]
+    packing = [
+        {"position_ids": torch.stack(positions[s * rows : (s + 1) * rows])} if packed else {} for s in range(world_size)
+    ]
     mesh = mesh_2d(world_size // 2, 2) if world_size > 2 else None
     # the ranks whose objectives the gradient averages: all (a wrapper averages across the rings), else the ring's
     averaged = mesh["cp"].mesh.tolist() if mesh is not None and wrapper == "none" else list(range(world_size))
     expected = []
     for source, (ids, lab) in enumerate(zip(batches, labels)):
-        out = reference(input_ids=ids, labels=lab, use_cache=False)
+        out = reference(input_ids=ids, labels=lab, use_cache=False, **packing[source])
         if source in averaged:
             (out.loss / len(averaged)).backward()
         expected.append(out)
@@ -348,7 +357,7 @@ def per_rank_step(rank: int, world_size: int, wrapper: str, rows: int) -> dict:
     backend = ringpass.backend(compiler="aot_eager", report="off", inputs="per_rank", group=ring)
     compiled = torch.compile(wrapped, backend=backend)
     with record_ring_events() as events:
-        out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False)
+        out = compiled(input_ids=batches[rank], labels=labels[rank], use_cache=False, **packing[rank])
     out.loss.backward()
     grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
     return {
