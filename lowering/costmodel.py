@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from lowering.layout import GroupLayout, Layout
+from lowering.layout import DOCUMENTS_KIND, GroupLayout, Layout
 from lowering.schedule import kv_source
 
 BACKWARD_FLOPS_RATIO = 2.5
@@ -491,7 +491,7 @@ def strategy_seconds(
         cost = ring_cost(Layout("contiguous", 1, seq_len), shape)
         forward = cost.flops_forward[0][0] / hw.attention_flops_per_s(shape.head_dim, kernel="sdpa")
         return forward * (1 + BACKWARD_FLOPS_RATIO * backward)
-    layout = Layout(strategy.layout, world_size, seq_len)
+    layout = priced_layout(strategy, world_size, seq_len)
     if strategy.kind == "ulysses":
         times = ulysses_seconds(shape, layout, strategy.ulysses, hw, hw)
         return times["forward"] + backward * times["backward"]
@@ -510,7 +510,7 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
     whole attention's state."""
     if strategy.kind == "none":
         return ring_cost(Layout("contiguous", 1, seq_len), shape).memory(unsharded=True)["backward"]
-    layout = Layout(strategy.layout, world_size, seq_len)
+    layout = priced_layout(strategy, world_size, seq_len)
     if strategy.kind == "ulysses":
         ring = ring_cost(GroupLayout(layout, strategy.ulysses), ulysses_shape(shape, strategy.ulysses))
         q, kv, _ = ring.shape.elements(layout.local_len)
@@ -521,6 +521,15 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
     if strategy.kind == "all-gather":
         working += (world_size - 2) * (cost.kv_bytes_per_hop + cost.dkv_bytes_per_hop)
     return working
+
+
+def priced_layout(strategy: Strategy, world_size: int, seq_len: int) -> Layout:
+    """The layout ``strategy`` is priced on. The documents layout is planned per call from the packing, which a
+    compile does not know: it is priced as zigzag, its upper bound (one document over the row is split as zigzag
+    splits it; more documents leave each rank fewer pairs, as balanced, and the ring sends a block only as far as a
+    rank needs it, never more than the lap priced here)."""
+    kind = "zigzag" if strategy.layout == DOCUMENTS_KIND else strategy.layout
+    return Layout(kind, world_size, seq_len)
 
 
 def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
@@ -534,7 +543,7 @@ def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:
 def candidate_strategies(shape: AttentionShape, world_size: int, layouts: tuple[str, ...], ulysses: bool) -> list:
     """Every `Strategy` ``shape`` can run by over ``world_size`` ranks in ``layouts``: the ring and the all-gather
     in each; Ulysses with each group size U > 1 dividing the ranks whose heads it can split (``ulysses``: the
-    groups exist)."""
+    groups exist; not on the documents layout, which Ulysses does not run on)."""
     from lowering.errors import NotSupportedError
     from lowering.ulysses import check_heads
 
@@ -542,7 +551,7 @@ def candidate_strategies(shape: AttentionShape, world_size: int, layouts: tuple[
     for layout in layouts:
         found += [Strategy("ring", layout), Strategy("all-gather", layout)]
         for u in range(2, world_size + 1):
-            if not ulysses or world_size % u:
+            if not ulysses or world_size % u or layout == DOCUMENTS_KIND:
                 continue
             try:
                 check_heads(shape.query_heads, shape.kv_heads, u)

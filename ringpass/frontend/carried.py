@@ -78,12 +78,6 @@ def _take_document_ids(ctx: PassContext) -> None:
     """Inputs in the documents layout: the graph gets one more input, last, for the host copy of the document ids
     their layout was planned from (`CarriedGraph` passes the first carried input's), as ``ctx.document_ids``:
     `read_document_ids` copies it once per call, and every sequence op of this graph plans the same layout."""
-    if ctx.options.strategy != "ring":
-        raise NotSupportedError(
-            f"The graph's inputs are sharded in the documents layout (another graph's outputs), which runs the plain "
-            f"ring; this graph was compiled with strategy={ctx.options.strategy!r}. Compile every graph of the model "
-            "with the same options."
-        )
     graph = ctx.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index = next(i for i, n in enumerate(placeholders) if n in ctx.carried_inputs)

@@ -9,9 +9,10 @@ strategy chosen by `choose_strategy` brings its layout (the one its attentions a
 ``layout="documents"`` (`lowering.DocumentLayout`, planned per call from the documents' lengths) needs every
 attention to mask packed documents read from one ids value, and a graph the runtime can run in it (refused
 otherwise, saying why); ``layout="auto"`` takes it for such a graph whose outputs leave as `SequenceSharded`
-(`_documents_by_default`). A graph whose inputs arrive in it (their ids with them) runs in it where it can,
-else it takes them whole (all-gathered at its entry: `_take_documents_inputs_whole`) and chooses as for whole
-inputs. Writes ``ctx.layout_kind`` (and, for documents, ``ctx.document_ids``: that ids value).
+(`documents_by_default`; under ``strategy="auto"`` it is a candidate of `choose_strategy`'s). A graph whose inputs
+arrive in it (their ids with them) runs in it where it can, else it takes them whole (all-gathered at its entry:
+`_take_documents_inputs_whole`) and chooses as for whole inputs. Writes ``ctx.layout_kind`` (and, for documents,
+``ctx.document_ids``: that ids value).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def choose_layout(ctx: PassContext) -> None:
     if ctx.carried_layout == DOCUMENTS_KIND and _documents_lack(ctx, attentions_needed=False):
         _take_documents_inputs_whole(ctx)  # then chosen as for whole inputs
     if ctx.carried_layout:  # the layout the inputs arrived in (the backend checked it against the option)
-        ctx.layout_kind = ctx.carried_layout
+        ctx.layout_kind = ctx.carried_layout  # (in the documents layout, with their ids: ``ctx.document_ids``)
         return
     if ctx.options.layout == DOCUMENTS_KIND:
         lacks = _documents_lack(ctx)
@@ -37,15 +38,15 @@ def choose_layout(ctx: PassContext) -> None:
                 f"layout='documents' is not built for this graph: it needs {', '.join(lacks)}. Use layout='zigzag' "
                 "(exact on packed rows, balanced as one triangle)."
             )
-        ctx.document_ids = _masked_ids(ctx)
-    elif ctx.options.layout == "auto" and ctx.strategy is None and _documents_by_default(ctx):
-        ctx.document_ids = _masked_ids(ctx)
         ctx.layout_kind = DOCUMENTS_KIND
-        return
-    if ctx.options.layout != "auto":
+    elif ctx.options.layout != "auto":
         ctx.layout_kind = ctx.options.layout
-        return
-    ctx.layout_kind = ctx.strategy.layout if ctx.strategy is not None else default_layout(ctx)
+    elif ctx.strategy is not None:  # (the documents layout among its candidates where it runs)
+        ctx.layout_kind = ctx.strategy.layout
+    else:
+        ctx.layout_kind = DOCUMENTS_KIND if documents_by_default(ctx) else default_layout(ctx)
+    if ctx.layout_kind == DOCUMENTS_KIND:
+        ctx.document_ids = _masked_ids(ctx)
 
 
 def default_layout(ctx: PassContext) -> str:
@@ -55,7 +56,7 @@ def default_layout(ctx: PassContext) -> str:
     return "zigzag" if masked or ctx.options.inputs == "sharded" else "contiguous"
 
 
-def _documents_by_default(ctx: PassContext) -> bool:
+def documents_by_default(ctx: PassContext) -> bool:
     """``layout="auto"`` balances packed documents where the documents layout runs and nobody sees it: every attention
     masks the documents of one ids value, the plain ring over full inputs, outputs that leave as `SequenceSharded`
     (they carry the packing: ``outputs="sharded"`` and ``"gathered"`` keep zigzag, whose shards a user or a converted

@@ -5,8 +5,9 @@ Matches every attention (``ctx.attention``, with its mask plan from `lift_masks`
 Ulysses x ring (each group size U > 1 that divides the ranks and splits the heads; only where the backend can make
 the groups: the default process group, no ``ulysses`` option, no sequence-sharded input, not ``inputs="per_rank"``;
 and for 4-D attention without flex_attention, ALiBi slopes or a score bias) and the all-gather, in
-the layout the graph shards in (zigzag or contiguous: chosen for the sum over the attentions, unless the
-``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies` predicts fastest on
+the layout the graph shards in (zigzag or contiguous, and first the documents layout where ``layout="auto"`` would take
+it, priced as zigzag, its upper bound: `lowering.costmodel.priced_layout`; chosen for the sum over the attentions,
+unless the ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies` predicts fastest on
 ``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence
 parallelism (``none``: the graph runs as captured on every rank) is chosen when running every attention whole is
 predicted faster than the best sharded total, and only where that keeps the graph's contract (with dynamic shapes
@@ -22,9 +23,10 @@ Writes ``ctx.strategy`` (a `StrategyChoice`, its layout for `choose_layout`; Non
 from __future__ import annotations
 
 from lowering.costmodel import AttentionShape, Strategy, StrategyChoice, choose_strategies
+from lowering.layout import DOCUMENTS_KIND
 from ringpass.fx.context import PassContext
 from ringpass.fx.nodes import example_value, plain
-from ringpass.passes.choose_layout import default_layout
+from ringpass.passes.choose_layout import default_layout, documents_by_default
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -98,7 +100,8 @@ def _layouts(ctx: PassContext) -> tuple[str, ...]:
     if ctx.options.layout != "auto":
         return (ctx.options.layout,)
     preferred = default_layout(ctx)
-    return (preferred, *(name for name in LAYOUTS if name != preferred))
+    ordered = (preferred, *(name for name in LAYOUTS if name != preferred))
+    return (DOCUMENTS_KIND, *ordered) if documents_by_default(ctx) else ordered
 
 
 def _heads_only(ctx: PassContext, match) -> bool:

@@ -86,18 +86,21 @@ def test_the_documents_layout_balances_the_pairs_each_rank_scores(pools, world_s
     assert balance["documents"] <= 1.05 < 1.3 < balance["zigzag"], balance
 
 
-@pytest.mark.parametrize("layout", ["auto", "documents"])
-def test_values_sharded_in_the_documents_layout_cross_a_graph_break(pools, layout):
+@pytest.mark.parametrize(
+    "options", [{}, {"layout": "documents"}, {"strategy": "all-gather"}, {"strategy": "auto"}], ids=str
+)
+def test_values_sharded_in_the_documents_layout_cross_a_graph_break(pools, options):
     """A graph break between two attentions masking packed documents: the first graph's output leaves sharded in the
     documents layout with its ids, and the next graph takes it sharded and plans the same layout from them. Two
-    packings, each row packed differently: exact (output and every gradient by name, fp64), the ring ran in both
-    graphs, and the second packing ran the same two graphs (none compiled again). ``layout="auto"`` chose it."""
-    results = pools.run(2, backend_workers.documents_across_a_break, ({"layout": layout},), timeout=180)
+    packings, each row packed differently: exact (output and every gradient by name, fp64), K/V moved in both
+    graphs, and the second packing ran the same two graphs (none compiled again). ``layout="auto"`` chose it, by
+    itself and under ``strategy="all-gather"`` and ``"auto"`` (priced as zigzag, which it ties)."""
+    results = pools.run(2, backend_workers.documents_across_a_break, (options,), timeout=180)
     for rank, result in enumerate(results):
         assert result["layouts"] == ["documents", "documents"], (rank, result)
         for call in result["calls"]:
             assert call["output"] <= 1e-10 and call["grads"] <= 1e-10, (rank, call)
-            assert call["carried"] == "documents" and call["kv_exchanges"] >= 2, (rank, call)
+            assert call["carried"] == "documents" and call["keys_read"] > 8, (rank, call)  # keys of the other rank
 
 
 def test_a_graph_that_cannot_run_in_the_documents_layout_takes_such_inputs_whole(pools):

@@ -442,7 +442,8 @@ def documents_across_a_break(rank: int, world_size: int, options: dict, cumsum: 
     """`_PackedBreak` (``cumsum``: with a cumsum after the break) compiled with ``options``, called with two
     packings of 16 tokens (a document longer than a rank's span, then several short ones; each row packed
     differently): per call the largest error of the output and of every parameter gradient against the model run
-    whole (fp64), the carried output's layout, the KV blocks exchanged; the graphs' layouts and notes."""
+    whole (fp64), the carried output's layout, the KV blocks exchanged and the keys read; the graphs' layouts and
+    notes."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = _PackedBreak(cumsum).double()
@@ -467,6 +468,8 @@ def documents_across_a_break(rank: int, world_size: int, options: dict, cumsum: 
                 "grads": grad_error(grads, expected_grads),
                 "carried": out.spec.kind,
                 "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
+                # the global positions of the keys this rank's forward kernels read: beyond its own 8 where K/V moved
+                "keys_read": len({int(p) for e in events if e.kind == "block_forward" for p in e.fields["kv_pos"]}),
             }
         )
         model.zero_grad()
