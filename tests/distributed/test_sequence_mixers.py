@@ -51,7 +51,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=8, derandomize=True, **SETTINGS)
+@settings(max_examples=3, derandomize=True, **SETTINGS)  # (suite time: the drawn ones below are heavy)
 @given(case=runtime_cases())
 def test_a_sharded_convolution_and_cumsum_equal_the_unsharded_ops(pools, case):
     _check_runtime(pools, case)
@@ -149,7 +149,7 @@ def _check_state_passing(pools, case: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=4, derandomize=True, **SETTINGS)
+@settings(max_examples=1, derandomize=True, **SETTINGS)  # (suite time: the drawn ones below are heavy)
 @given(case=state_passing_cases())
 @example(  # Hugging Face's delta rule, zigzag, padded; its SSD on 3 ranks with B and C in 2 groups
     case=dict(scan="delta rule", function="hugging face", dtype="float32", world_size=2, layout="zigzag", seq_len=23,

@@ -52,7 +52,7 @@ FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=3, derandomize=True, **FUZZ)  # (suite time: 150 more under -m heavy)
+@settings(max_examples=2, derandomize=True, **FUZZ)  # (suite time: 150 more under -m heavy)
 @given(case=fuzz.cases(world_sizes=(2,)))
 def test_fuzzed_score_programs_train_exactly_through_the_ring(pools, case):
     """A fixed draw on 2 ranks (the default suite)."""
