@@ -148,6 +148,14 @@ def ideal_split(rank: int, world_size: int, seq_len: int, repeats: int) -> dict:
     return seconds
 
 
+def rank_turns(rank: int, world_size: int, mask_seq_len: int, seq_len: int, repeats: int) -> dict:
+    """This rank's `mask_ratios` and `ideal_split` seconds, in one spawn."""
+    return {
+        "masks": mask_ratios(rank, world_size, mask_seq_len, repeats),
+        "ideal": ideal_split(rank, world_size, seq_len, repeats),
+    }
+
+
 def measure(seq_len: int, mask_seq_len: int, repeats: int) -> dict:
     """The record's numbers: the ring's efficiency by `ringpass bench`, the masks' ratios by `mask_ratios`."""
     from ringpass.cli.bench import BenchConfig, run_bench
@@ -165,11 +173,13 @@ def measure(seq_len: int, mask_seq_len: int, repeats: int) -> dict:
     rows = run_bench(config)["rows"]
     ring = next(r for r in rows if r["method"] == "ring-zigzag")
     one_thread = next(r for r in rows if r["method"] == "sdpa" and r["threads"] == 1)
-    ranks = spawn_ranks(mask_ratios, 2, (mask_seq_len, repeats), timeout=3600)
+    ranks = spawn_ranks(rank_turns, 2, (mask_seq_len, seq_len, repeats), timeout=3600)
+    ideal_ranks, ranks = [r["ideal"] for r in ranks], [r["masks"] for r in ranks]
     slowest = {case: [max(turn) for turn in zip(*(r[case] for r in ranks))] for case in MASK_CASES}
     plain = statistics.median(slowest["plain"])
-    ranks = spawn_ranks(ideal_split, 2, (seq_len, repeats), timeout=3600)
-    ideal = {case: statistics.median(max(turn) for turn in zip(*(r[case] for r in ranks))) for case in IDEAL_CASES}
+    ideal = {
+        case: statistics.median(max(turn) for turn in zip(*(r[case] for r in ideal_ranks))) for case in IDEAL_CASES
+    }
     return {
         "sdpa_one_thread_s": one_thread["total_s"]["median"],
         "efficiency": ring["efficiency"],

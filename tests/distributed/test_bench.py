@@ -115,8 +115,9 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     """``--packed``: the issue's row (2400, 900, 500 and 296 tokens); every method exact against SDPA run per
     document; the documents layout's ranks score pairs within 5 % of each other, zigzag's over the row do not (1.44:
     counted from the kernel calls, not timed); a long document split over the ranks makes every block travel, ten
-    documents of 50 tokens send nothing on the documents' layout (each whole on one rank), where zigzag cuts some; the
-    same documents unpacked (``ring-padded``: a row each, padded to the longest) score the padded rows' triangles.
+    documents of 50 tokens and two of 20 send nothing on the documents' layout (each whole on one rank), where zigzag
+    cuts some; the same documents unpacked (``ring-padded``: a row each, padded to the longest) score the padded rows'
+    triangles.
     Unknown spellings and --seq-len with it are refused."""
     out = tmp_path / "packed.json"
     command = "bench --world-size 2 --packed 2400 900 500 296 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1"
@@ -129,16 +130,13 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
         assert "predicted" not in row  # the cost model prices one triangle, not documents
     assert rows["ring-documents"]["pairs_balance"] <= 1.05 < 1.3 < rows["ring-zigzag"]["pairs_balance"]
     assert rows["ring-documents"]["sent_mib"] == rows["ring-zigzag"]["sent_mib"] > 0  # a long document: the whole lap
-    short = "bench --world-size 2 --packed 50x10 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1 --warmup 0"
-    assert cli.main(shlex.split(f"{short} --methods ring-documents ring-zigzag --json {out} --no-progress")) == 0
+    short = "bench --world-size 2 --packed 50x10 20x2 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1 --warmup 0"
+    methods = "ring-documents ring-zigzag ring-padded"
+    assert cli.main(shlex.split(f"{short} --methods {methods} --json {out} --no-progress")) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
     assert rows["ring-documents"]["sent_mib"] == 0 < rows["ring-zigzag"]["sent_mib"]  # zigzag cuts documents
-    assert max(row["error"] for row in rows.values()) < 1e-5
-    padded = "bench --world-size 2 --packed 60 20 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1 --warmup 0"
-    assert cli.main(shlex.split(f"{padded} --methods ring-documents ring-padded --json {out} --no-progress")) == 0
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"] if r["world_size"] == 2}
-    assert rows["ring-documents"]["pairs_scored"] == 60 * 61 // 2 + 20 * 21 // 2  # each document's triangle
-    assert rows["ring-padded"]["pairs_scored"] == 2 * (60 * 61 // 2)  # two rows of 60, the short one padded
+    assert rows["ring-documents"]["pairs_scored"] == 10 * (50 * 51 // 2) + 2 * (20 * 21 // 2)  # each document's
+    assert rows["ring-padded"]["pairs_scored"] == 12 * (50 * 51 // 2)  # twelve rows of 50, the short ones padded
     assert max(row["error"] for row in rows.values()) < 1e-5
     for word, words in (("20y6", "give lengths as 512 or 512x16"), ("0", "give lengths")):
         assert cli.main(["bench", "--packed", word]) == 1 and words in capsys.readouterr().err
