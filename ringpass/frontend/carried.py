@@ -82,6 +82,12 @@ def _take_document_ids(ctx: PassContext) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index = next(i for i, n in enumerate(placeholders) if n in ctx.carried_inputs)
     carried, value = placeholders[index], ctx.example_inputs[index]
+    if value.spec.documents is None:
+        raise InvalidInputError(
+            f"Input {user_name(carried)} is a SequenceSharded value in the documents layout without the document ids "
+            "its layout is planned from (SequenceSharded.from_local takes none); pass it whole, or wrap shards of the "
+            "zigzag layout."
+        )
     traced = example_value(carried)
     with graph.inserting_after(placeholders[-1]):
         ids = graph.placeholder(f"{carried.name}_document_ids")

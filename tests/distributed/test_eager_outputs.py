@@ -81,7 +81,7 @@ def test_a_training_scripts_eager_code_on_a_compiled_models_logits():
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("then", ["step", "barrier"])
+@pytest.mark.parametrize("then", ["step", pytest.param("barrier", marks=pytest.mark.heavy)])  # (suite time)
 def test_a_line_one_rank_runs_alone_raises_there_and_the_others_go_on(then):
     """Rank 0 logs ``logits.tolist()`` alone. The others go on to the next training step (rank 0 sees them at a
     later ring call: at once) or wait at a plain barrier (rank 0 gives up after the backend's timeout, 3 s here).

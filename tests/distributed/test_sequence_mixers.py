@@ -345,6 +345,7 @@ def test_the_last_compile_dynamo_allows_warns_that_the_next_length_runs_unsharde
     assert "fail_on_recompile_limit_hit" in second["limit_warnings"][0]
 
 
+@pytest.mark.heavy  # suite time
 def test_a_chunked_scan_under_a_length_marked_dynamic_is_refused_naming_it(pools):
     """The user's ``mark_dynamic`` wins over a static mark, so the frame cannot be traced again with static shapes:
     refused with the reshape's line, the input and what to do (before any of this: the scan ran as per-token ops and
@@ -486,6 +487,7 @@ def test_a_converted_model_passing_a_scans_state_saves_loads_and_trains_exactly(
         assert len(result["grads"]) == 4 and result["summaries"] == 1, (rank, result)
 
 
+@pytest.mark.heavy  # suite time
 def test_converting_a_chunked_scan_for_every_length_is_refused_naming_it():
     """``ringpass.convert(..., dynamic=True)`` promises one artifact for every length, which a chunked scan (its loop
     over its chunks unrolled at the traced count) cannot keep: refused with the reshape's line, not converted at the

@@ -84,8 +84,8 @@ def test_packed_rows_train_on_the_documents_layout(name, world_size):
 
 @pytest.mark.parametrize(
     "world_size,dynamic,checkpointed",
-    [
-        (2, None, ""),
+    [  # (suite time: LFM2 trains by default under FSDP2 in test_composition.py's hybrid cases)
+        pytest.param(2, None, "", marks=pytest.mark.heavy),
         pytest.param(4, None, "", marks=pytest.mark.heavy),
         pytest.param(2, True, "", marks=pytest.mark.heavy),
         pytest.param(2, None, "non-reentrant", marks=pytest.mark.heavy),
@@ -161,7 +161,7 @@ def _exact_steps(world_size: int, args: tuple):
 @pytest.mark.parametrize(
     "family,world_size",
     [
-        ("mamba2", 2),
+        pytest.param("mamba2", 2, marks=pytest.mark.heavy),  # (suite time: its SSD scan in test_sequence_mixers.py)
         ("qwen3_next", 2),
         # suite time: a call computed whole trains in the drawn models of test_sequence_mixers.py (P = 3)
         pytest.param("jamba", 2, marks=pytest.mark.heavy),
