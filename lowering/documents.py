@@ -252,7 +252,8 @@ def _assign(lengths: tuple[int, ...], p: int, whole: float, runs: bool) -> tuple
 
 
 def _key_counts(lengths: tuple[int, ...]) -> torch.Tensor:
-    """`_weights` as an int64 tensor, computed in torch (a batch's rows, each packed its own way)."""
+    """Each position's key count under causal attention inside its document (its offset in the document plus one),
+    int64 ``[sum(lengths)]``."""
     sizes = torch.tensor(lengths)
     starts = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
     return torch.arange(int(sizes.sum())) - starts + 1
@@ -260,5 +261,5 @@ def _key_counts(lengths: tuple[int, ...]) -> torch.Tensor:
 
 @lru_cache(maxsize=16)
 def _weights(lengths: tuple[int, ...]) -> tuple[int, ...]:
-    """Each position's key count under causal attention inside its document: its offset in the document plus one."""
-    return tuple(offset + 1 for length in lengths for offset in range(length))
+    """`_key_counts` as Python ints (the balancer's arithmetic), cached per packing."""
+    return tuple(_key_counts(lengths).tolist())

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from lowering import compat
 from lowering.compat import pytree
+from lowering.documents import sequence_layout
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import resolve_group
 from lowering.implicit_gather import NeedsWholeSequence, gather_whole, whole_of
@@ -93,6 +94,10 @@ class SequenceSpec:
     def layout_kwargs(self) -> dict:
         """What the sequence ops take besides `layout_args`: the document ids, with the documents layout."""
         return {} if self.documents is None else {"documents": self.documents}
+
+    def layout(self):
+        """The layout itself (`lowering.documents.sequence_layout`: with the documents layout, this packing's)."""
+        return sequence_layout(self.kind, self.world_size, self.seq_len, self.documents)
 
     def positions(self, device) -> torch.Tensor:
         """The global index along ``dim`` of each local slot (padding: the last real token, so it indexes)."""

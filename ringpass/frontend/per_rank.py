@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from lowering import failures
-from lowering.documents import sequence_layout
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.groups import group_by_name
 from lowering.layout import cached_layout
@@ -331,14 +330,14 @@ class _OwnSharded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *locals_):
         ctx.spec, ctx.shapes = spec, [x.shape for x in locals_]
-        layout = sequence_layout(*spec.layout_args()[:3], **spec.layout_kwargs())  # (this rank's batch's packing)
+        layout = spec.layout()  # (with the documents layout: this rank's batch's packing)
         what = "the ranks' tokens of each rank's outputs"
         return _assemble_by_tokens(list(locals_), layout, spec.dim, spec.group_name, what).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        layout = sequence_layout(*spec.layout_args()[:3], **spec.layout_kwargs())
+        layout = spec.layout()
         what = "each rank's output gradients to the ranks holding its tokens"
         received = _split_by_tokens(grad, layout, spec.dim, ctx.shapes, spec.group_name, what)
         return (None, *(g / spec.world_size for g in received))
