@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from lowering.documents import DocumentLayout
 from lowering.layout import DOCUMENTS_KIND, GroupLayout, Layout
 from lowering.schedule import kv_source
 
@@ -525,11 +526,12 @@ def strategy_memory(strategy: Strategy, shape: AttentionShape, seq_len: int, wor
 
 def priced_layout(strategy: Strategy, world_size: int, seq_len: int) -> Layout:
     """The layout ``strategy`` is priced on. The documents layout is planned per call from the packing, which a
-    compile does not know: it is priced as zigzag, its upper bound (one document over the row is split as zigzag
-    splits it; more documents leave each rank fewer pairs, as balanced, and the ring sends a block only as far as a
-    rank needs it, never more than the lap priced here)."""
-    kind = "zigzag" if strategy.layout == DOCUMENTS_KIND else strategy.layout
-    return Layout(kind, world_size, seq_len)
+    compile does not know: it is priced as the layout of one document over the row, its upper bound (split as zigzag
+    splits it, without zigzag's padding to 2P; more documents leave each rank fewer pairs, as balanced, and the ring
+    sends a block only as far as a rank needs it, never more than the lap priced here)."""
+    if strategy.layout == DOCUMENTS_KIND:
+        return DocumentLayout((seq_len,), world_size)
+    return Layout(strategy.layout, world_size, seq_len)
 
 
 def local_attention_bytes(shape: AttentionShape, tokens: int) -> int:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 
 from lowering import events
-from lowering.documents import rows_alike, shared_runs
+from lowering.documents import shared_runs
 from lowering.errors import InvalidInputError, NotSupportedError
 from lowering.schedule import BlockTask
 
@@ -87,7 +87,8 @@ register_mask(same_document, mask_id=DOCUMENTS)
 
 
 def document_ids(inputs: tuple, seq_len: int, batch: int) -> torch.Tensor:
-    """The `DOCUMENTS` mask's input as ``[B or 1, N]``, checked: one integer tensor of ``[N]`` or ``[B or 1, N]``."""
+    """The `DOCUMENTS` mask's input as ``[B or 1, N]``, checked: one integer tensor of ``[N]`` or ``[B or 1, N]``
+    (a compiled graph may pass its host copy after it: `documents_mask`)."""
     ids = inputs[0] if len(inputs) == 1 else None
     if (
         not isinstance(ids, torch.Tensor)
@@ -105,17 +106,34 @@ def document_ids(inputs: tuple, seq_len: int, batch: int) -> torch.Tensor:
     return ids.reshape(-1, seq_len)
 
 
+def documents_mask(is_causal: bool, window: int | None, inputs: Sequence, seq_len: int, batch: int) -> BlockMask:
+    """The `DOCUMENTS` mask of a ring call's ``inputs``: the ids, and where the graph made one, their copy on the host
+    after them (``ringpass::documents_on_host``, once per call for every attention that reads them), which the ring
+    then plans from without a copy (and a device sync) of its own."""
+    ids, *host = inputs
+    documents = document_ids((ids,), seq_len, batch)
+    if len(host) > 1 or (host and host[0].device.type != "cpu"):
+        raise InvalidInputError(
+            "The documents mask reads the ids and at most their host copy after them; got "
+            f"{[f'{t.dtype}{list(t.shape)} on {t.device}' for t in inputs]}."
+        )
+    host = document_ids(tuple(host), seq_len, batch) if host else None
+    return BlockMask(is_causal, window, documents=documents, documents_host=host)
+
+
 @dataclass(frozen=True)
 class BlockMask:
     """What decides visibility besides the layout: causal, a sliding window of ``window`` keys (a key is
     visible from query positions ``kv_pos <= q_pos < kv_pos + window``; needs causal), a program, and
-    ``documents``: each token's document id ``[B or 1, N]`` (a key is visible only from queries of its document)."""
+    ``documents``: each token's document id ``[B or 1, N]`` (a key is visible only from queries of its document),
+    ``documents_host``: the same on the host where the caller has it (else `documents_on_host` copies them)."""
 
     is_causal: bool = False
     window: int | None = None
     program: Callable | None = None
     inputs: tuple[torch.Tensor, ...] = ()
     documents: torch.Tensor | None = None
+    documents_host: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.window is not None and (not self.is_causal or self.window < 1):
@@ -128,7 +146,12 @@ class BlockMask:
 
     @cached_property
     def documents_on_host(self) -> torch.Tensor:
-        """The document ids on the host, read once per call: tiles are classified from their ranges there."""
+        """The document ids on the host, read once per call: tiles are classified from their ranges there. Copied
+        here (a ``documents_to_host`` event: on a GPU, a sync) only where the caller did not pass them."""
+        if self.documents_host is not None:
+            return self.documents_host
+        if events.recording():
+            events.emit("documents_to_host", bytes=self.documents.numel() * self.documents.element_size())
         return self.documents.cpu()
 
     @cached_property
@@ -136,11 +159,20 @@ class BlockMask:
         """Where each document begins, when every row is packed alike and each id is one run of tokens (a document
         is then a range of positions: the ring plans its pairs exactly, `lowering.schedule.plan_documents`), else
         None (tiles are decided from the ids' ranges)."""
-        ids = self.documents_on_host
-        lengths = shared_runs(ids)
-        if not rows_alike(ids) or len(lengths) != len(torch.unique(ids[0])):  # an id in two runs
-            return None
-        return tuple(itertools.accumulate(lengths[:-1], initial=0))
+        rows = self.rows_document_starts
+        return rows[0] if rows is not None and len(rows) == 1 else None
+
+    @cached_property
+    def rows_document_starts(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per distinct row packing, where each of its documents begins, when each id is one run of tokens in its
+        row (which pairs a row's documents hold is then known exactly from the starts), else None."""
+        rows = []
+        for row in torch.unique(self.documents_on_host, dim=0):
+            lengths = shared_runs(row)
+            if len(lengths) != len(torch.unique(row)):  # an id in two runs
+                return None
+            rows.append(tuple(itertools.accumulate(lengths[:-1], initial=0)))
+        return tuple(rows)
 
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the

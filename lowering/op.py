@@ -31,7 +31,7 @@ from lowering.fully_masked import check_fully_masked
 from lowering.groups import checked_group, group_by_name
 from lowering.kernels import accumulation_dtype
 from lowering.layout import Layout, cached_layout
-from lowering.masks import DOCUMENTS, BlockMask, document_ids, mask_program, register_mask
+from lowering.masks import DOCUMENTS, BlockMask, document_ids, documents_mask, mask_program, register_mask
 from lowering.ring import RingSpec, ring_backward, ring_forward
 from lowering.ring_args import PROGRAM_INPUTS, RingArgs, ring_schema
 from lowering.scores import ScoreMod, check_score_options
@@ -293,8 +293,7 @@ def _spec(args: RingArgs, batch: int) -> RingSpec:
         )
     mask, layout = None, None
     if args.mask_id == DOCUMENTS:
-        documents = document_ids(tuple(args.mask_inputs), args.seq_len, batch)
-        mask = BlockMask(args.is_causal, args.window, documents=documents)
+        mask = documents_mask(args.is_causal, args.window, args.mask_inputs, args.seq_len, batch)
         if args.layout_kind == DocumentLayout.kind:
             layout = DocumentLayout.of_ids(mask.documents_on_host, args.world_size)
     elif args.window is not None or args.mask_id:

@@ -3,7 +3,8 @@
 Matches ``ctx.attention`` (found by `find_attention`, masks planned by `lift_masks`). Writes a call of
 ``ringpass::ring_attention`` on the local q, k, v (GQA/MQA keys and values stay at their own head count:
 only those heads travel; keys and values whose heads repeat in groups send one head of each) with the layout,
-the mask plan (causal flag, window, mask program id and its whole inputs), the scale (1/sqrt(head_dim) when
+the mask plan (causal flag, window, mask program id and its whole inputs; a documents mask's ids also as their host
+copy, made once per call for all attentions), the scale (1/sqrt(head_dim) when
 the model gave none) and the process group by name, and removes the SDPA call or the hand-written attention's
 nodes. Values with a smaller head dim than the keys (MLA) are padded with zero columns to the key head dim and
 the output's extra columns cut off. 3-D single-head attention gains a head axis around the call; 3-D attention
@@ -27,9 +28,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering.costmodel import strategy_memory
 from lowering.errors import NotSupportedError
+from lowering.masks import DOCUMENTS
 from lowering.ring_args import RingArgs
 from lowering.ulysses import check_heads
-from ringpass.fx.context import LOCAL, PassContext, UlyssesGroups
+from ringpass.fx.context import FULL, LOCAL, PassContext, UlyssesGroups
 from ringpass.fx.nodes import (
     copy_origin,
     describe,
@@ -86,7 +88,7 @@ def rewrite_attention(ctx: PassContext) -> None:
                 ring_group,
                 ulysses=ulysses.size if ulysses else 1,
                 strategy="all-gather" if strategy is not None and strategy.kind == "all-gather" else "ring",
-                **plan.op_args(),
+                **_op_args(ctx, plan),
             )
             ring = graph.call_function(torch.ops.ringpass.ring_attention.default, (*operands, *args.op_args()))
             copy_origin(ring, match.output)
@@ -114,6 +116,29 @@ def rewrite_attention(ctx: PassContext) -> None:
         ctx.report.attention.append(record)
         ctx.report.ulysses = ctx.ulysses.size if ctx.ulysses else 1
     remove_dead_code(graph)  # the rest of hand-written attentions
+
+
+def _op_args(ctx: PassContext, plan) -> dict:
+    """The mask plan's ring op arguments; a documents mask's ids with their host copy after them."""
+    args = plan.op_args()
+    if plan.program_id == DOCUMENTS:
+        args["mask_inputs"] = [*args["mask_inputs"], _host_ids(ctx, plan.inputs[0])]
+    return args
+
+
+def _host_ids(ctx: PassContext, ids: fx.Node) -> fx.Node:
+    """``ringpass::documents_on_host`` of a documents mask's ids: one copy per call for every attention that reads
+    them (the layout's own where it is the same value, `read_document_ids`), so no ring call copies them itself (on
+    a GPU, a sync per attention)."""
+    graph = ctx.gm.graph
+    copies = [user for user in ids.users if user.target is torch.ops.ringpass.documents_on_host.default]
+    if not copies:
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1] if ids.op == "placeholder" else ids
+        with graph.inserting_after(anchor):
+            copies = [graph.call_function(torch.ops.ringpass.documents_on_host.default, (ids,))]
+        ctx.placement[copies[0]] = ctx.placement.get(ids, FULL)
+    ctx.masks.whole_values.add(copies[0])  # read whole by the ring, as the ids are
+    return copies[0]
 
 
 def _ulysses_of(ctx: PassContext, strategy) -> UlyssesGroups | None:

@@ -23,6 +23,7 @@ import lowering.masks
 import ringpass
 from lowering import Layout, simulate_ring
 from lowering.documents import DocumentLayout, document_pairs
+from lowering.ring import RingSpec
 from lowering.schedule import visible_pairs
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -181,6 +182,33 @@ def test_documents_give_the_dense_document_mask_exactly(case):
         sim = simulate_ring(q, k, v, layout=layout, is_causal=is_causal, window=window, dout=dout, documents=ids)
     for got, want in zip((sim.out, sim.dq, sim.dk, sim.dv), (expected, *(leaf.grad for leaf in leaves))):
         assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1)  # (a window of 1: dq, dk are 0)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(case=packed_rows())
+def test_a_block_travels_as_far_as_a_rank_sees_one_of_its_keys(case):
+    """`RingSpec.hops` (how far each rank's KV block travels) against the dense mask: never short of the last rank
+    whose queries see one of its keys in some row (the ring would lose pairs), and exactly that where every id is one
+    run of its row and no window decides per tile (rows packed differently planned per packing)."""
+    ids, layout, is_causal, window = case
+    n, p = layout.seq_len, layout.world_size
+    pos = torch.arange(n)
+    visible = ids[:, :, None] == ids[:, None, :]
+    if is_causal:
+        visible = visible & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        visible = visible & (pos[:, None] - pos[None, :] < window)
+    real = [layout.positions(r)[layout.positions(r) < n] for r in range(p)]
+
+    def sees(q_rank: int, kv_rank: int) -> bool:
+        return bool(visible[:, real[q_rank]][:, :, real[kv_rank]].any())
+
+    needed = [max((t for t in range(1, p) if sees((b + t) % p, b)), default=0) for b in range(p)]
+    hops = RingSpec(layout, is_causal, 1.0, lowering.masks.BlockMask(is_causal, window, documents=ids)).hops()
+    assert all(h >= need for h, need in zip(hops, needed)), (hops, needed)
+    one_run_each = all(len(torch.unique_consecutive(row)) == len(torch.unique(row)) for row in ids)
+    if window is None and one_run_each:
+        assert list(hops) == needed, (hops, needed)
 
 
 def _scored_pairs(events) -> tuple[int, list]:

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from reference import attention_fp64, rel_err
+from reference import attention_fp64, masked_attention_fp64, rel_err
 
-from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, ring_attention
-from lowering.masks import register_mask
+from lowering import InvalidInputError, Layout, NotSupportedError, RingpassError, record_ring_events, ring_attention
+from lowering.masks import DOCUMENTS, register_mask
 from lowering.ring_args import RingArgs
 
 
@@ -121,3 +121,32 @@ def test_values_narrower_than_keys_are_padded_and_cut():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
         assert rel_err(got, want) < 1e-11
+
+
+@pytest.mark.parametrize("host_copy", [False, True], ids=["ids", "ids-and-host-copy"])
+def test_the_documents_mask_plans_from_the_host_copy_a_graph_passes(host_copy):
+    """A compiled graph passes the documents mask's ids and their host copy (`rewrite_attention`): the op then copies
+    nothing itself (on a GPU each copy is a sync); given the ids alone it copies them once in the forward and once in
+    the backward. Exact against the dense fp64 reference either way."""
+    n = 11
+    q, k, v = (t.requires_grad_() for t in _qkv(n))
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3])
+    inputs = [ids, ids[None].clone()] if host_copy else [ids]
+    args = RingArgs("contiguous", 1, n, True, 0.3, "", mask_id=DOCUMENTS, mask_inputs=inputs)
+    with record_ring_events() as events:
+        out, _ = torch.ops.ringpass.ring_attention.default(q, k, v, *args.op_args())
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    visible = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    expected = masked_attention_fp64(q, k, v, visible, 0.3)
+    assert rel_err(out, expected) < 1e-12
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+        assert rel_err(got, want) < 1e-11
+    assert sum(e.kind == "documents_to_host" for e in events) == (0 if host_copy else 2)
+
+
+def test_the_documents_mask_takes_the_ids_and_at_most_their_host_copy():
+    q, k, v = _qkv(4)
+    ids = torch.tensor([0, 0, 1, 1])
+    args = RingArgs("zigzag", 1, 4, True, 0.3, "", mask_id=DOCUMENTS, mask_inputs=[ids, ids, ids])
+    with pytest.raises(InvalidInputError, match="reads the ids and at most their host copy after them"):
+        torch.ops.ringpass.ring_attention.default(q, k, v, *args.op_args())

@@ -156,7 +156,8 @@ def compare(
         ]
     else:
         weights_used, expected_cmp = weights, expected_tuple
-    _loss(outputs, weights_used).backward()
+    with record_ring_events() as backward_events:
+        _loss(outputs, weights_used).backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
     gathered = []  # sharded outputs reassembled with ringpass.unshard equal the whole outputs
     if options.get("outputs") == "sharded":
@@ -182,6 +183,8 @@ def compare(
         "ops": _op_counts(graphs[-1]) if graphs else {},
         "inner": inner,
         "pairs": scored_pairs(events),  # what this rank's forward kernels scored
+        # document ids a ring call copied to the host itself (the graph passes its one copy per call)
+        "ids_copied": sum(e.kind == "documents_to_host" for e in (*events, *backward_events)),
     }
     if options.get("grads") in ("local", "mean"):  # the sum (local) or the mean (mean) over the ring is the gradient
         combined = {}
@@ -435,25 +438,23 @@ class _PackedBreak(torch.nn.Module):
 
         h = attend(x, self.first)
         torch._dynamo.graph_break()
-        return attend(h, self.second) + (h.cumsum(1) / 16 if self.cumsum else h)
+        return attend(h, self.second) + (h.cumsum(1) / h.shape[1] if self.cumsum else h)
 
 
-def documents_across_a_break(rank: int, world_size: int, options: dict, cumsum: bool = False) -> dict:
-    """`_PackedBreak` (``cumsum``: with a cumsum after the break) compiled with ``options``, called with two
-    packings of 16 tokens (a document longer than a rank's span, then several short ones; each row packed
-    differently): per call the largest error of the output and of every parameter gradient against the model run
-    whole (fp64), the carried output's layout, the KV blocks exchanged and the keys read; the graphs' layouts and
-    notes."""
+def documents_across_a_break(rank: int, world_size: int, options: dict, packings: list, cumsum: bool = False) -> dict:
+    """`_PackedBreak` (``cumsum``: with a cumsum after the break) compiled with ``options``, called with each of
+    ``packings`` (per call, each row's document ids: ``[B][N]``, one N): per call the largest error of the output and
+    of every parameter gradient against the model run whole (fp64), the carried output's layout, the KV blocks
+    exchanged, the keys read and the ids a ring call copied to the host itself; the graphs' layouts and notes."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = _PackedBreak(cumsum).double()
     backend = ringpass.backend(compiler="aot_eager", **options)
     compiled = torch.compile(model, backend=backend)
-    packings = ([[0] * 11 + [1] * 5, [0] * 3 + [1] * 13], [[0] * 2 + [1] * 5 + [2] * 6 + [3] * 3, [0] * 16])
     calls = []
     for doc in packings:
-        x, doc = torch.randn(2, 16, 8, dtype=torch.float64), torch.tensor(doc)
-        weight = torch.randn(2, 16, 8, dtype=torch.float64)
+        doc = torch.tensor(doc)
+        x, weight = (torch.randn(*doc.shape, 8, dtype=torch.float64) for _ in range(2))
         expected = model(x, doc)
         (expected * weight).sum().backward()
         expected_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -468,8 +469,9 @@ def documents_across_a_break(rank: int, world_size: int, options: dict, cumsum: 
                 "grads": grad_error(grads, expected_grads),
                 "carried": out.spec.kind,
                 "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-                # the global positions of the keys this rank's forward kernels read: beyond its own 8 where K/V moved
+                # the global positions of the keys this rank's forward kernels read: beyond its own slots where K/V moved
                 "keys_read": len({int(p) for e in events if e.kind == "block_forward" for p in e.fields["kv_pos"]}),
+                "ids_copied": sum(e.kind == "documents_to_host" for e in events),
             }
         )
         model.zero_grad()
