@@ -2,7 +2,8 @@
 
 The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
 applies when the block is fully visible, or causal with identical, increasing query and key positions
-(then the positional mask is the ordinary top-left causal mask). Everything else (other devices, any
+(then the positional mask is the ordinary top-left causal mask; a large causal square runs as its halves and the
+rectangle between them, `CAUSAL_LEAF`, which the kernel computes faster). Everything else (other devices, any
 other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
 into the LSE) takes the math path,
 which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64
@@ -18,6 +19,10 @@ from lowering.masks import aligned
 
 _fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# The fused CPU kernel scores a causal square faster as its two halves and the full rectangle between them (10-35 %
+# for squares of 256-4096 rows, forward and backward: docs/performance.md, "Causal squares on the CPU"): squares of
+# at least twice this many rows are split so, recursively.
+CAUSAL_LEAF = 128
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,7 +48,7 @@ def forward(
     acc = accumulation_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     if _fused_applies(q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias):
-        return _fused(q, k, v, 0.0, is_causal, scale=scale)
+        return _fused_forward(q, k, v, is_causal, scale)
     scores, _ = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
     probs, lse = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device))
     return probs @ _repeat_heads(v, q.size(1)), lse
@@ -75,7 +80,7 @@ def backward(
     if _fused_applies(
         q, q_pos, kv_pos, is_causal, window, mask, softcap, alibi_slopes, bias, dlse, score_grads or None
     ):
-        return _fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+        return _fused_backward_split(dout, q, k, v, out, lse, is_causal, scale)
     scores, capped = _scores(q, k, q_pos, kv_pos, scale, softcap, alibi_slopes, bias)
     probs, _ = _probabilities(scores, visible_pairs(q_pos, kv_pos, is_causal, window, mask, q.device), lse=lse)
     k_rep, v_rep = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
@@ -104,6 +109,48 @@ def merge(out_acc, lse_acc, out_block, lse_block) -> None:
     block = out_block.to(out_acc.dtype)
     out_acc.add_(block.mul_(torch.exp(lse_block.to(lse_acc.dtype) - shift).unsqueeze(-1)))
     lse_acc.copy_(lse_new)
+
+
+def _fused_forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) by the fused kernel; a causal square of at least ``2 * CAUSAL_LEAF`` rows as its halves (each
+    split again) and the rectangle of the second half's queries over the first half's keys, merged."""
+    n = q.size(2)
+    if not is_causal or n < 2 * CAUSAL_LEAF:
+        out, lse = _fused(q, k, v, 0.0, is_causal, scale=scale)[:2]
+        return out, lse
+    first, second = _halves(n)
+    out_first, lse_first = _fused_forward(q[:, :, first], k[:, :, first], v[:, :, first], True, scale)
+    out_second, lse_second = _fused_forward(q[:, :, second], k[:, :, second], v[:, :, second], True, scale)
+    merge(out_second, lse_second, *_fused(q[:, :, second], k[:, :, first], v[:, :, first], 0.0, False, scale=scale)[:2])
+    return torch.cat((out_first, out_second), 2), torch.cat((lse_first, lse_second), 2)
+
+
+def _fused_backward_split(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv) by the fused kernel, a causal square split as `_fused_forward` splits it (each part's gradients
+    against the whole square's out and lse: its exact share)."""
+    n = q.size(2)
+    if not is_causal or n < 2 * CAUSAL_LEAF:
+        return tuple(_fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)[:3])
+    first, second = _halves(n)
+
+    def grads(rows: slice, keys: slice, causal: bool) -> tuple:
+        query_side = (t[:, :, rows] for t in (dout, q))
+        return _fused_backward_split(
+            *query_side, k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows], causal, scale
+        )
+
+    dq_first, dk_first, dv_first = grads(first, first, True)
+    dq_second, dk_second, dv_second = grads(second, second, True)
+    dq_below, dk_below, dv_below = grads(second, first, False)
+    return (
+        torch.cat((dq_first, dq_second.add_(dq_below)), 2),
+        torch.cat((dk_first.add_(dk_below), dk_second), 2),
+        torch.cat((dv_first.add_(dv_below), dv_second), 2),
+    )
+
+
+def _halves(n: int) -> tuple[slice, slice]:
+    return slice(0, n // 2), slice(n // 2, n)
 
 
 def _fused_applies(q, q_pos, kv_pos, is_causal: bool, *options) -> bool:

@@ -1,6 +1,8 @@
 """The torch block kernels (fused CPU path and math path) against fp64 math with explicit positions."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from kernel_cases import SCORE_CASES, check_case
 from reference import lse_fp64, rel_err
@@ -120,3 +122,35 @@ def test_fused_cpu_kernel_is_used_where_it_applies(case, fused, monkeypatch):
 def test_score_modifiers_match_fp64(case):
     """Soft-capping, ALiBi slopes and a dense bias in the torch kernels (fp64: forward, LSE, gradients)."""
     check_case(case, torch.float64, backend="torch")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(2, 90),
+    leaf=st.integers(1, 24),
+    heads=st.sampled_from([(4, 4), (4, 2), (2, 1)]),
+    offset=st.booleans(),
+)
+def test_a_causal_square_split_into_halves_on_the_fused_kernel_is_exact(monkeypatch, n, leaf, heads, offset):
+    """The fused CPU kernel runs a causal square of at least ``2 * CAUSAL_LEAF`` rows as its halves (split again)
+    and the rectangle between them: drawn sizes and leaves (down to single rows), MHA / GQA / MQA, positions from 0 or
+    zigzag-like (two runs): out, lse and the gradients against fp64 math, the kernel called once per part."""
+    monkeypatch.setattr(torch_attention, "CAUSAL_LEAF", leaf)
+    calls = []
+    real = torch_attention._fused
+    monkeypatch.setattr(torch_attention, "_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pos = torch.cat([torch.arange(n // 2), torch.arange(n // 2, n) + 3 * n]) if offset else torch.arange(n)
+    torch.manual_seed(n)
+    hq, hkv = heads
+    q = torch.randn(1, hq, n, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, hkv, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ref_out, ref_lse = _math_reference(q, k, v, pos, pos, 0.3, True)
+    out, lse = block_attention(q.detach(), k.detach(), v.detach(), pos, pos, scale=0.3, is_causal=True)
+    assert rel_err(out, ref_out) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+    assert (len(calls) == 1) == (n < 2 * leaf), calls  # split where the square has two leaves' rows
+    dout = torch.randn_like(ref_out)
+    (ref_out * dout).sum().backward()
+    detached = (t.detach() for t in (q, k, v))
+    grads = block_attention_backward(dout, *detached, out, lse, pos, pos, scale=0.3, is_causal=True)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert rel_err(got, want) < 1e-11
