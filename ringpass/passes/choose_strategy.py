@@ -6,9 +6,9 @@ Ulysses x ring (each group size U > 1 that divides the ranks and splits the head
 the groups: the default process group, no ``ulysses`` option, no sequence-sharded input, not ``inputs="per_rank"``;
 and for 4-D attention without flex_attention, ALiBi slopes or a score bias) and the all-gather, in
 the layout the graph shards in (zigzag or contiguous, and first the documents layout where ``layout="auto"`` would take
-it, priced as one document over the row, its upper bound: `lowering.costmodel.priced_layout`; chosen for the sum over the attentions,
-unless the ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies` predicts fastest on
-``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence
+it, priced as one document over the row, its upper bound: `lowering.costmodel.priced_layout`; chosen for the sum over
+the attentions, unless the ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies`
+predicts fastest on ``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence
 parallelism (``none``: the graph runs as captured on every rank) is chosen when running every attention whole is
 predicted faster than the best sharded total, and only where that keeps the graph's contract (with dynamic shapes
 the choice is made at the traced length and serves every length the graph runs at): ``inputs="full"``,

@@ -1,9 +1,9 @@
 """The torch block kernels (fused CPU path and math path) against fp64 math with explicit positions."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch
 from kernel_cases import SCORE_CASES, check_case
 from reference import lse_fp64, rel_err
 

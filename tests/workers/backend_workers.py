@@ -469,7 +469,7 @@ def documents_across_a_break(rank: int, world_size: int, options: dict, packings
                 "grads": grad_error(grads, expected_grads),
                 "carried": out.spec.kind,
                 "kv_exchanges": sum(e.kind == "exchange" and e.fields["payload"] == "kv" for e in events),
-                # the global positions of the keys this rank's forward kernels read: beyond its own slots where K/V moved
+                # the global positions of the keys this rank's forward kernels read: beyond its own where K/V moved
                 "keys_read": len({int(p) for e in events if e.kind == "block_forward" for p in e.fields["kv_pos"]}),
                 "ids_copied": sum(e.kind == "documents_to_host" for e in events),
             }
