@@ -2,18 +2,17 @@
 
 Matches every attention (``ctx.attention``, with its mask plan from `lift_masks`) when ``strategy`` is ``auto`` or
 ``all-gather``. ``all-gather``: every attention gathers K/V at once. ``auto``: for each attention, among the ring,
-Ulysses x ring (each group size U > 1 that divides the ranks and splits the heads; only where the backend can make
-the groups: the default process group, no ``ulysses`` option, no sequence-sharded input, not ``inputs="per_rank"``;
-and for 4-D attention without flex_attention, ALiBi slopes or a score bias) and the all-gather, in
-the layout the graph shards in (zigzag or contiguous, and first the documents layout where ``layout="auto"`` would take
-it, priced as one document over the row, its upper bound: `lowering.costmodel.priced_layout`; chosen for the sum over
-the attentions, unless the ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies`
-predicts fastest on ``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence
-parallelism (``none``: the graph runs as captured on every rank) is chosen when running every attention whole is
-predicted faster than the best sharded total, and only where that keeps the graph's contract (with dynamic shapes
-the choice is made at the traced length and serves every length the graph runs at): ``inputs="full"``,
-outputs not asked sharded, gradients not ``local``, nothing crossing the graph's boundaries sharded (inputs,
-masks).
+Ulysses x ring (each group size U > 1 that divides the ranks and splits the heads; only where the backend can make the
+groups: the default process group, no ``ulysses`` option, no sequence-sharded input, not ``inputs="per_rank"``; and
+for 4-D attention without flex_attention, ALiBi slopes or a score bias) and the all-gather, in the layout the graph
+shards in (zigzag or contiguous, and first the documents layout where ``layout="auto"`` would take it, priced as one
+document over the row, its upper bound: `lowering.costmodel.priced_layout`; chosen for the sum over the attentions,
+unless the ``layout`` option or the inputs fix it), the one `lowering.costmodel.choose_strategies` predicts fastest on
+``ctx.hardware``, forward plus backward when the graph trains (a query needs a gradient). No sequence parallelism
+(``none``: the graph runs as captured on every rank) is chosen when running every attention whole is predicted faster
+than the best sharded total, and only where that keeps the graph's contract (with dynamic shapes the choice is made at
+the traced length and serves every length the graph runs at): ``inputs="full"``, outputs not asked sharded, gradients
+not ``local``, nothing crossing the graph's boundaries sharded (inputs, masks).
 
 Writes ``ctx.strategy`` (a `StrategyChoice`, its layout for `choose_layout`; None with ``strategy="ring"``) and
 ``ctx.ulysses_used`` (the Ulysses group sizes the chosen strategies run in). A ``none`` choice sets
