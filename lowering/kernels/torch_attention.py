@@ -19,10 +19,12 @@ from lowering.masks import aligned
 
 _fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-# The fused CPU kernel scores a causal square faster as its two halves and the full rectangle between them (10-35 %
-# for squares of 256-4096 rows, forward and backward: docs/performance.md, "Causal squares on the CPU"): squares of
-# at least twice this many rows are split so, recursively.
+# The fused CPU kernel scores a causal square of a few hundred rows faster as its two halves and the full rectangle
+# between them (12-30 % for 256-1023 rows, forward and backward; docs/performance.md, "Causal squares on the CPU"):
+# squares of at least twice CAUSAL_LEAF rows and fewer than CAUSAL_SPLIT_BELOW are split so, recursively. (Larger
+# squares gain 5-10 % alone but nothing measurable inside the ring, whose diagonal calls are 2048 rows and up.)
 CAUSAL_LEAF = 128
+CAUSAL_SPLIT_BELOW = 1024
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -112,10 +114,10 @@ def merge(out_acc, lse_acc, out_block, lse_block) -> None:
 
 
 def _fused_forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) by the fused kernel; a causal square of at least ``2 * CAUSAL_LEAF`` rows as its halves (each
-    split again) and the rectangle of the second half's queries over the first half's keys, merged."""
+    """(out, lse) by the fused kernel; a causal square of ``2 * CAUSAL_LEAF`` to ``CAUSAL_SPLIT_BELOW`` rows as its
+    halves (each split again) and the rectangle of the second half's queries over the first half's keys, merged."""
     n = q.size(2)
-    if not is_causal or n < 2 * CAUSAL_LEAF:
+    if not is_causal or not 2 * CAUSAL_LEAF <= n < CAUSAL_SPLIT_BELOW:
         out, lse = _fused(q, k, v, 0.0, is_causal, scale=scale)[:2]
         return out, lse
     first, second = _halves(n)
@@ -129,7 +131,7 @@ def _fused_backward_split(dout, q, k, v, out, lse, is_causal: bool, scale: float
     """(dq, dk, dv) by the fused kernel, a causal square split as `_fused_forward` splits it (each part's gradients
     against the whole square's out and lse: its exact share)."""
     n = q.size(2)
-    if not is_causal or n < 2 * CAUSAL_LEAF:
+    if not is_causal or not 2 * CAUSAL_LEAF <= n < CAUSAL_SPLIT_BELOW:
         return tuple(_fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)[:3])
     first, second = _halves(n)
 

@@ -51,6 +51,7 @@ SHRINK = {
     "python examples/plan_check.py --spread": "--rows 0,13 --seq-len 512",  # the row and an optimizer peak
     "python examples/perf_record.py": "--seq-len 128 --mask-seq-len 128 --repeats 1 --no-write",
     "python examples/compare_commits.py": "--seq-len 64 --turns 1 --calls 1",
+    "python examples/causal_split.py": "--sizes 256 --repeats 1",
     "python examples/strategy_grid.py": "--seq-lens 256 --world-sizes 2 --masks causal --repeats 1 --long-repeats 1",
 }
 HEAVY = {  # why each runs only with -m heavy (times measured on 2 busy cores)

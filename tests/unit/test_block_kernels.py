@@ -128,14 +128,16 @@ def test_score_modifiers_match_fp64(case):
 @given(
     n=st.integers(2, 90),
     leaf=st.integers(1, 24),
+    below=st.integers(2, 100),
     heads=st.sampled_from([(4, 4), (4, 2), (2, 1)]),
     offset=st.booleans(),
 )
-def test_a_causal_square_split_into_halves_on_the_fused_kernel_is_exact(monkeypatch, n, leaf, heads, offset):
-    """The fused CPU kernel runs a causal square of at least ``2 * CAUSAL_LEAF`` rows as its halves (split again)
-    and the rectangle between them: drawn sizes and leaves (down to single rows), MHA / GQA / MQA, positions from 0 or
-    zigzag-like (two runs): out, lse and the gradients against fp64 math, the kernel called once per part."""
+def test_a_causal_square_split_into_halves_on_the_fused_kernel_is_exact(monkeypatch, n, leaf, below, heads, offset):
+    """The fused CPU kernel runs a causal square of ``2 * CAUSAL_LEAF`` to ``CAUSAL_SPLIT_BELOW`` rows as its halves
+    (split again) and the rectangle between them: drawn sizes, leaves (down to single rows) and bounds, MHA / GQA /
+    MQA, positions from 0 or zigzag-like (two runs): out, lse and the gradients against fp64 math, split only there."""
     monkeypatch.setattr(torch_attention, "CAUSAL_LEAF", leaf)
+    monkeypatch.setattr(torch_attention, "CAUSAL_SPLIT_BELOW", below)
     calls = []
     real = torch_attention._fused
     monkeypatch.setattr(torch_attention, "_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -147,7 +149,7 @@ def test_a_causal_square_split_into_halves_on_the_fused_kernel_is_exact(monkeypa
     ref_out, ref_lse = _math_reference(q, k, v, pos, pos, 0.3, True)
     out, lse = block_attention(q.detach(), k.detach(), v.detach(), pos, pos, scale=0.3, is_causal=True)
     assert rel_err(out, ref_out) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
-    assert (len(calls) == 1) == (n < 2 * leaf), calls  # split where the square has two leaves' rows
+    assert (len(calls) > 1) == (2 * leaf <= n < below), calls
     dout = torch.randn_like(ref_out)
     (ref_out * dout).sum().backward()
     detached = (t.detach() for t in (q, k, v))
