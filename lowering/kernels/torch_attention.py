@@ -20,11 +20,11 @@ from lowering.masks import aligned
 _fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # The fused CPU kernel scores a causal square of a few hundred rows faster as its two halves and the full rectangle
-# between them (12-30 % for 256-1023 rows, forward and backward; docs/performance.md, "Causal squares on the CPU"):
-# squares of at least twice CAUSAL_LEAF rows and fewer than CAUSAL_SPLIT_BELOW are split so, recursively. (Larger
-# squares gain 5-10 % alone but nothing measurable inside the ring, whose diagonal calls are 2048 rows and up.)
+# between them (12-26 % for 256-1024 rows, forward and backward; docs/performance.md, "Causal squares on the CPU"):
+# squares of at least twice CAUSAL_LEAF rows and fewer than CAUSAL_SPLIT_BELOW are split so, recursively (from 2048
+# rows, where the ring's diagonal calls start, splitting gains nothing).
 CAUSAL_LEAF = 128
-CAUSAL_SPLIT_BELOW = 1024
+CAUSAL_SPLIT_BELOW = 2048
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
