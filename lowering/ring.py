@@ -313,8 +313,17 @@ def ring_forward(q, k, v, spec: RingSpec, exchange: RingExchange):
         if held:
             with span("forward", step, "compute"):
                 state.add_block(kv[0], kv[1], kv_source(rank, step, p))
+        else:
+            _count_unheld(spec, rank, kv_source(rank, step, p))
         kv, held = _arrived(arriving, kv, "forward", step)
     return state.result()
+
+
+def _count_unheld(spec: RingSpec, rank: int, kv_rank: int) -> None:
+    """A block that never reaches this rank (the documents leave no pair of it visible here): the pairs the causal
+    plan had for it count as skipped, as `RingSpec.tiles` counts a held block's (a ``document_skip`` event)."""
+    if events.recording() and spec.mask is not None and spec.mask.documents is not None:
+        events.emit("document_skip", pairs=sum(t.area for t in plan_block(spec.layout, rank, kv_rank, spec.is_causal)))
 
 
 def _arrived(arriving, kv, phase: str, step: int) -> tuple[torch.Tensor, bool]:
@@ -364,6 +373,8 @@ def ring_backward(
                 with span("backward", step, "wait", f"dkv {step - 1}"):
                     dkv += dkv_arriving.wait()
             own = dkv if hops[block] == 0 else own  # (step 0: no other rank needs this rank's block)
+        else:
+            _count_unheld(spec, rank, block)
         with span("backward", step, "wait", f"dkv {step - 1} sent"):
             for pending in sending:
                 pending.wait()

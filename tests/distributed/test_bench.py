@@ -117,7 +117,7 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     counted from the kernel calls, not timed); a long document split over the ranks makes every block travel, ten
     documents of 50 tokens and two of 20 send nothing on the documents' layout (each whole on one rank), where zigzag
     cuts some; the same documents unpacked (``ring-padded``: a row each, padded to the longest) score the padded rows'
-    triangles.
+    triangles. The pairs the documents skip and the bytes not sent are counted.
     Unknown spellings and --seq-len with it are refused."""
     out = tmp_path / "packed.json"
     command = "bench --world-size 2 --packed 2400 900 500 296 --heads 2 --kv-heads 1 --head-dim 8 --repeats 1"
@@ -137,6 +137,11 @@ def test_bench_packed_documents_counts_each_ranks_pairs(tmp_path, capsys):
     assert rows["ring-documents"]["sent_mib"] == 0 < rows["ring-zigzag"]["sent_mib"]  # zigzag cuts documents
     assert rows["ring-documents"]["pairs_scored"] == 10 * (50 * 51 // 2) + 2 * (20 * 21 // 2)  # each document's
     assert rows["ring-padded"]["pairs_scored"] == 12 * (50 * 51 // 2)  # twelve rows of 50, the short ones padded
+    documents = rows["ring-documents"]["pairs_scored"]
+    for method in ("ring-documents", "ring-zigzag"):  # the row's causal triangle less its documents' pairs, skipped
+        assert rows[method]["pairs_skipped"] == 540 * 541 // 2 - documents, (method, rows[method])
+    assert rows["ring-padded"]["pairs_skipped"] == 0 and rows["ring-padded"]["unsent_mib"] == 0
+    assert rows["ring-documents"]["unsent_mib"] > 0 == rows["ring-documents"]["sent_mib"]  # the whole lap, unsent
     assert max(row["error"] for row in rows.values()) < 1e-5
     for word, words in (("20y6", "give lengths as 512 or 512x16"), ("0", "give lengths")):
         assert cli.main(["bench", "--packed", word]) == 1 and words in capsys.readouterr().err

@@ -248,11 +248,13 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         out, reference = step.forward()
         forward_s = seconds_since(start, device)
         forward_bytes = memory.peak()
+        forward_events = len(events)
         step.backward(out)
         total_s = seconds_since(start, device)
         total_bytes = memory.peak()
     spans = [e.fields for e in events if e.kind == "span"]
     compute = sum(s["seconds"] for s in spans if s["part"] == "compute")
+    skipped = sum(e.fields["pairs"] for e in events[:forward_events] if e.kind == "document_skip")
     return {
         "started_s": start,  # perf_counter: the order of calls within this process
         "forward_s": forward_s,
@@ -262,6 +264,8 @@ def _run_once(step, memory: PeakMemory, device) -> dict:
         "compute_s": compute,
         "pairs": scored_pairs(events) * step.rows,
         "sent_bytes": sum(e.fields["bytes"] for e in events if e.kind == "exchange"),  # the ring's P2P sends
+        "unsent_bytes": sum(e.fields["bytes"] for e in events if e.kind == "send_skip"),  # blocks no rank needed
+        "skipped_pairs": skipped * step.rows,  # the forward's pairs of the causal plan documents leave out
         "error": _error(out.detach(), reference),
         "posts": {f"{s['phase']} {s['message']}": s["start"] for s in spans if s["part"] == "post"},
         "waits": [(f"{s['phase']} {s['message']}", s["start"], s["seconds"]) for s in spans if s["part"] == "wait"],

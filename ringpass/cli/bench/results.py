@@ -26,7 +26,9 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed);
   ``pairs_scored``: those pairs summed over the ranks and the batch's rows (the work the method does).
   ``sent_mib``: a ring row's MiB one rank sends per call (K/V and dK/dV; the rank that sends most): less than the
-  whole lap's where blocks stop at the last rank that needs them.
+  whole lap's where blocks stop at the last rank that needs them; ``unsent_mib``: what that rank did not send of the
+  whole lap (blocks no later rank needed). ``pairs_skipped``: with ``--packed``, the (query, key) pairs of the causal
+  plan that no query of the same document sees, left out of every rank's forward (summed; the backward skips them too).
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
 - ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
@@ -83,7 +85,11 @@ def _attention_extras(row: dict, record: dict, config, hardware: Hardware) -> No
     row["pairs_balance"] = max(pairs) / statistics.mean(pairs) if statistics.mean(pairs) > 0 else None
     row["pairs_scored"] = sum(pairs)
     if method.startswith("ring"):
-        row["sent_mib"] = max(statistics.median(s["sent_bytes"] for s in r["samples"]) for r in record["ranks"]) / MIB
+        for key, name in (("sent_bytes", "sent_mib"), ("unsent_bytes", "unsent_mib")):
+            row[name] = max(statistics.median(s[key] for s in r["samples"]) for r in record["ranks"]) / MIB
+        if config.packed:
+            skipped = [statistics.median(s["skipped_pairs"] for s in r["samples"]) for r in record["ranks"]]
+            row["pairs_skipped"] = sum(skipped)
     if not config.packed:  # the cost model prices one causal triangle, not documents: no prediction for a packed row
         _predictions(row, method, Layout(layout_kind(method, config.causal), p, n), config, hardware)
     compute = [statistics.median(s["compute_s"] for s in r["samples"]) for r in record["ranks"]]
