@@ -130,12 +130,9 @@ def _host_ids(ctx: PassContext, ids: fx.Node) -> fx.Node:
     """``ringpass::documents_on_host`` of a documents mask's ids: one copy per call for every attention that reads
     them (the layout's own where it is the same value, `read_document_ids`), so no ring call copies them itself (on
     a GPU, a sync per attention)."""
-    graph = ctx.gm.graph
     copies = [user for user in ids.users if user.target is torch.ops.ringpass.documents_on_host.default]
-    if not copies:
-        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1] if ids.op == "placeholder" else ids
-        with graph.inserting_after(anchor):
-            copies = [graph.call_function(torch.ops.ringpass.documents_on_host.default, (ids,))]
+    if not copies:  # before the first attention that reads them (after whatever gathers them, `insert_boundaries`)
+        copies = [ctx.gm.graph.call_function(torch.ops.ringpass.documents_on_host.default, (ids,))]
         ctx.placement[copies[0]] = ctx.placement.get(ids, FULL)
     ctx.masks.whole_values.add(copies[0])  # read whole by the ring, as the ids are
     return copies[0]
