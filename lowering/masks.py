@@ -87,8 +87,7 @@ register_mask(same_document, mask_id=DOCUMENTS)
 
 
 def document_ids(inputs: tuple, seq_len: int, batch: int) -> torch.Tensor:
-    """The `DOCUMENTS` mask's input as ``[B or 1, N]``, checked: one integer tensor of ``[N]`` or ``[B or 1, N]``
-    (a compiled graph may pass its host copy after it: `documents_mask`)."""
+    """The `DOCUMENTS` mask's input as ``[B or 1, N]``, checked: one integer tensor of ``[N]`` or ``[B or 1, N]``."""
     ids = inputs[0] if len(inputs) == 1 else None
     if (
         not isinstance(ids, torch.Tensor)

@@ -2,8 +2,8 @@
 
 The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
 applies when the block is fully visible, or causal with identical, increasing query and key positions
-(then the positional mask is the ordinary top-left causal mask; a large causal square runs as its halves and the
-rectangle between them, `CAUSAL_LEAF`, which the kernel computes faster). Everything else (other devices, any
+(then the positional mask is the ordinary top-left causal mask; a causal square of a few hundred rows runs as its
+halves and the rectangle between them, which the kernel computes faster: `CAUSAL_LEAF`). Everything else (other devices, any
 other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
 into the LSE) takes the math path,
 which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64

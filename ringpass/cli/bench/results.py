@@ -26,8 +26,8 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   ``pairs_balance``: the same of the (query, key) pairs the forward's kernels scored (counted, not timed);
   ``pairs_scored``: those pairs summed over the ranks and the batch's rows (the work the method does).
   ``sent_mib``: a ring row's MiB one rank sends per call (K/V and dK/dV; the rank that sends most): less than the
-  whole lap's where blocks stop at the last rank that needs them; ``unsent_mib``: what that rank did not send of the
-  whole lap (blocks no later rank needed). ``pairs_skipped``: with ``--packed``, the (query, key) pairs of the causal
+  whole lap's where blocks stop at the last rank that needs them; ``unsent_mib``: the most a rank did not send of
+  the whole lap (blocks no later rank needed). ``pairs_skipped``: with ``--packed``, the (query, key) pairs of the causal
   plan that no query of the same document sees, left out of every rank's forward (summed; the backward skips them too).
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
