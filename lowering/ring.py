@@ -102,8 +102,8 @@ class RingSpec:
         """Per rank ``b``, how far its KV block travels: the last step at which a rank needs it (a pair of its is
         visible there: `_hops`), 0 when only ``b`` does. A block goes no further, and its dk/dv accumulator goes
         straight home from there. Every block travels the whole lap (P - 1) where tiles are decided per call (a
-        window, a mask program, documents whose ids recur apart in a row) or a fully masked query reads every value. Rows
-        packed differently are planned per packing: a block goes as far as one of them needs it."""
+        window, a mask program, documents whose ids recur apart in a row) or a fully masked query reads every
+        value. Rows packed differently are planned per packing: a block goes as far as one of them needs it."""
         p, block_mask = self.layout.world_size, self.mask or BlockMask(self.is_causal)
         if self.fully_masked != "zero" or block_mask.window is not None or block_mask.program is not None:
             return (p - 1,) * p

@@ -3,8 +3,8 @@
 The fused CPU kernel returns the log-sum-exp the ring needs and handles GQA without repeating K/V; it
 applies when the block is fully visible, or causal with identical, increasing query and key positions
 (then the positional mask is the ordinary top-left causal mask; a causal square of a few hundred rows runs as its
-halves and the rectangle between them, which the kernel computes faster: `CAUSAL_LEAF`). Everything else (other devices, any
-other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
+halves and the rectangle between them, which the kernel computes faster: `CAUSAL_LEAF`). Everything else (other
+devices, any other positional mask, a window, a dense mask, score modifiers (`lowering.scores`), a gradient flowing
 into the LSE) takes the math path,
 which materialises the block's score matrix. Both compute in the accumulation dtype (fp32; fp64 for fp64
 inputs; half-precision inputs are widened first) and return their results in it, so the ring merges unrounded

@@ -27,8 +27,9 @@ A row (`summarise`) is one (method, world size P, sequence length N):
   ``pairs_scored``: those pairs summed over the ranks and the batch's rows (the work the method does).
   ``sent_mib``: a ring row's MiB one rank sends per call (K/V and dK/dV; the rank that sends most): less than the
   whole lap's where blocks stop at the last rank that needs them; ``unsent_mib``: the most a rank did not send of
-  the whole lap (blocks no later rank needed). ``pairs_skipped``: with ``--packed``, the (query, key) pairs of the causal
-  plan that no query of the same document sees, left out of every rank's forward (summed; the backward skips them too).
+  the whole lap (blocks no later rank needed). ``pairs_skipped``: with ``--packed``, the (query, key) pairs of the
+  causal plan that no query of the same document sees, left out of every rank's forward (summed; the backward skips
+  them too).
 - ``predicted``: `lowering.costmodel` on the bench's `Hardware`: forward and forward+backward seconds,
   whether the transfer hides.
 - ``error``: max |out - ref| / max |ref| against fp32 SDPA on the whole sequence (attention); for a model,
