@@ -6,6 +6,8 @@ backward gathers K/V again, computes every block's dK/dV contribution and reduce
 It moves the same bytes as the ring but holds the whole K/V on every rank (P blocks instead of two) and exposes
 all of its communication; where the link is slow against the compute the ring hides it and wins, where the
 sequence is short the one collective beats P - 1 ring steps (``strategy="auto"`` weighs both: `lowering.costmodel`).
+A call in which no rank needs another's block (packed documents each whole on one rank: `lowering.ring.RingSpec.hops`
+all 0) gathers nothing: the op runs the ring's lap instead, which sends nothing (the local pass).
 `gathered_forward` and `gathered_backward` keep `lowering.ring.ring_forward`'s and ``ring_backward``'s contracts,
 so the ring op runs either; the collectives and the compute are profiler ranges and ``span`` events as the
 ring's steps are (``ringpass bench`` reads them).

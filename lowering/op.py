@@ -331,15 +331,17 @@ def _ring_attention_op(q, k, v, *config):
                 f"{args.group_name!r} has {exchange.world_size}."
             )
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if _gathers(args, exchange):
+        if _gathers(args, exchange, spec):
             return gathered_forward(q, k, v, spec, exchange.group)
         return ring_forward(q, k, v, spec, exchange)
 
 
-def _gathers(args: RingArgs, exchange: RingExchange) -> bool:
-    """The call gathers K/V at once (a ring of one rank has nothing to gather: it runs its own lap)."""
+def _gathers(args: RingArgs, exchange: RingExchange, spec: RingSpec) -> bool:
+    """The call gathers K/V at once. Not where nothing needs to move: a ring of one rank, or a call whose every
+    block only its own rank needs (`RingSpec.hops`: packed documents each on one rank), which runs the ring's lap
+    and sends nothing (every rank computes the same hops, so all take the same path)."""
     check_strategy(args.strategy)
-    return args.strategy == "all-gather" and exchange.world_size > 1
+    return args.strategy == "all-gather" and exchange.world_size > 1 and any(spec.hops())
 
 
 @_ring_attention_op.register_fake
@@ -376,7 +378,7 @@ def _ring_attention_backward_op(dout, q, k, v, out, lse, dlse, *config_and_train
         ]
         exchange = RingExchange(group_by_name(args.group_name))
         tensors = [t.contiguous() for t in (dout, q, k, v, out, lse)] + [None if dlse is None else dlse.contiguous()]
-        if _gathers(args, exchange):
+        if _gathers(args, exchange, spec):
             return gathered_backward(*tensors, spec, exchange.group, per_program)
         return ring_backward(*tensors, spec, exchange, per_program)
 

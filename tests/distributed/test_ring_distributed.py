@@ -129,12 +129,19 @@ def test_packed_documents_on_ranks_are_exact_and_skip_the_tiles_of_other_documen
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_documents_each_on_one_rank_send_nothing_and_split_ones_travel(world_size):
     """On a `DocumentLayout` of 18 documents of 20 tokens every document stays whole on one rank: no rank needs
-    another's block, so no block, and no dk/dv, is sent (the bytes not sent are counted) and the result is exact. A
-    document split over the ranks (the 155- and 178-token ones) makes every block travel the whole lap."""
-    for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, (True, (20,) * 18), timeout=TIMEOUT):
-        assert result["error"] < 1e-10 and result["sends"] == [] and result["unsent_bytes"] > 0, result
+    another's block, so no block, and no dk/dv, is sent (the bytes not sent are counted) and the result is exact;
+    ``strategy="all-gather"`` gathers nothing there either (the local pass). A document split over the ranks (the
+    155- and 178-token ones) makes every block travel the whole lap, and the all-gather gather (forward, backward)."""
+    short = (True, (20,) * 18)
+    for strategy in ("ring", "all-gather"):
+        for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, (*short, strategy), timeout=TIMEOUT):
+            assert result["error"] < 1e-10 and result["sends"] == [] and result["unsent_bytes"] > 0, result
+            assert result["gathers"] == 0, (strategy, result)
     for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, (True,), timeout=TIMEOUT):
         assert result["sends"].count("kv") == 2 * (world_size - 1) and result["unsent_bytes"] == 0, result
+    long = (True, (1, 7, 155, 178), "all-gather")
+    for result in spawn_ranks(ring_workers.documents_on_ranks, world_size, long, timeout=TIMEOUT):
+        assert result["error"] < 1e-10 and result["gathers"] == 2, result
 
 
 def test_two_rings_on_subgroups_of_four_ranks():

@@ -313,12 +313,15 @@ def fully_masked_on_ranks(rank: int, world_size: int) -> dict:
     return errors
 
 
-def documents_on_ranks(rank: int, world_size: int, balanced: bool, lengths: tuple = (1, 7, 155, 178)) -> dict:
+def documents_on_ranks(
+    rank: int, world_size: int, balanced: bool, lengths: tuple = (1, 7, 155, 178), strategy: str = "ring"
+) -> dict:
     """Two rows packed from documents (of ``lengths``; the other row of 3, 160 and 178, or with ``balanced`` packed
-    alike on a `DocumentLayout`), else zigzag, causal inside each document, through ``ring_attention(documents=ids)``
-    on real ranks: out, dq, dk, dv of this rank's rows against fp64 attention under the dense documents mask, the
-    tiles the documents let the ring skip (tiles of 16: a tile is skipped where neither row's documents meet), and
-    the exchanges this rank sent and the bytes it did not send (blocks no later rank needs)."""
+    alike on a `DocumentLayout`), else zigzag, causal inside each document, through ``ring_attention(documents=ids,
+    strategy=strategy)`` on real ranks: out, dq, dk, dv of this rank's rows against fp64 attention under the dense
+    documents mask, the tiles the documents let the ring skip (tiles of 16: a tile is skipped where neither row's
+    documents meet), the exchanges this rank sent, the bytes it did not send (blocks no later rank needs) and the
+    all-gathers it waited for."""
     from reference import masked_attention_fp64
 
     seq_len, packings = sum(lengths), (lengths, lengths if balanced else (3, 160, 178))
@@ -334,7 +337,7 @@ def documents_on_ranks(rank: int, world_size: int, balanced: bool, lengths: tupl
     (expected * dout).sum().backward()
     local = [layout.shard(t, 2, rank).requires_grad_() for t in (q, k, v)]
     with patch.object(lowering.masks, "MASK_TILE", 16), record_ring_events() as events:
-        out = ring_attention(*local, layout=layout, is_causal=True, documents=ids)
+        out = ring_attention(*local, layout=layout, is_causal=True, documents=ids, strategy=strategy)
         (out * layout.shard(dout, 2, rank)).sum().backward()
     error = max(
         rel_err(got[:, :, real], layout.shard(want, 2, rank)[:, :, real])
@@ -343,7 +346,8 @@ def documents_on_ranks(rank: int, world_size: int, balanced: bool, lengths: tupl
     skipped = sum(e.fields["pairs"] for e in events if e.kind == "document_skip")
     sends = [e.fields["payload"] for e in events if e.kind == "exchange"]
     unsent = sum(e.fields["bytes"] for e in events if e.kind == "send_skip")
-    return {"error": error, "skipped": skipped, "sends": sends, "unsent_bytes": unsent}
+    gathers = sum(e.kind == "span" and e.fields["message"] == "kv all-gather" for e in events)
+    return {"error": error, "skipped": skipped, "sends": sends, "unsent_bytes": unsent, "gathers": gathers}
 
 
 def profiled_ring(rank: int, world_size: int) -> list:
