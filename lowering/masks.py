@@ -171,7 +171,7 @@ class BlockMask:
             if len(lengths) != len(torch.unique(row)):  # an id in two runs
                 return None
             rows.append(tuple(itertools.accumulate(lengths[:-1], initial=0)))
-        return tuple(rows)
+        return tuple(dict.fromkeys(rows))  # rows packed alike under other ids: one packing
 
     def evaluate(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int):
         """(bool ``[B or 1, Hq or 1, n, m]``: which (query, key) pairs of these positions are visible; the

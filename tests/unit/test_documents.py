@@ -236,6 +236,23 @@ def test_one_packing_is_planned_per_document_scoring_exactly_the_visible_pairs()
     assert sum(e.fields["pairs"] for e in events if e.kind == "document_skip") == triangle - visible
 
 
+def test_rows_packed_alike_under_other_ids_are_planned_per_document():
+    """Two rows cut at the same places but numbering their documents differently (as a data loader may): one packing,
+    planned per document (no kernel call masked, exactly the visible pairs scored), exact against the dense mask."""
+    lengths = (70, 30, 28)
+    first = DocumentLayout(lengths, 1).document_ids()
+    ids = torch.stack([first, first.max() - first + 5])
+    layout = Layout("zigzag", 2, sum(lengths))
+    q, k, v = qkv_fp64(layout.seq_len, batch=2)
+    with lowering.record_ring_events() as events:
+        sim = simulate_ring(q, k, v, layout=layout, is_causal=True, documents=ids)
+    scored, masked = _scored_pairs(events)
+    assert scored == sum(document_pairs(n) for n in lengths) and not masked
+    pos = torch.arange(layout.seq_len)
+    visible = (ids[:, :, None] == ids[:, None, :])[:, None] & (pos[None, :] <= pos[:, None])
+    assert rel_err(sim.out, masked_attention_fp64(q, k, v, visible)) < 1e-12
+
+
 def test_rows_packed_differently_skip_tiles_and_compare_ids_only_at_boundaries():
     """Two rows packed differently (the issue's documents, and in reverse order), real tile size: tiles where neither
     row's documents meet are skipped (counted), tiles inside one document on both sides in both rows run as plain or
