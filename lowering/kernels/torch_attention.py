@@ -117,7 +117,7 @@ def _fused_forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor
     """(out, lse) by the fused kernel; a causal square of ``2 * CAUSAL_LEAF`` to ``CAUSAL_SPLIT_BELOW`` rows as its
     halves (each split again) and the rectangle of the second half's queries over the first half's keys, merged."""
     n = q.size(2)
-    if not is_causal or not 2 * CAUSAL_LEAF <= n < CAUSAL_SPLIT_BELOW:
+    if not _splits(n, is_causal):
         out, lse = _fused(q, k, v, 0.0, is_causal, scale=scale)[:2]
         return out, lse
     first, second = _halves(n)
@@ -131,7 +131,7 @@ def _fused_backward_split(dout, q, k, v, out, lse, is_causal: bool, scale: float
     """(dq, dk, dv) by the fused kernel, a causal square split as `_fused_forward` splits it (each part's gradients
     against the whole square's out and lse: its exact share)."""
     n = q.size(2)
-    if not is_causal or not 2 * CAUSAL_LEAF <= n < CAUSAL_SPLIT_BELOW:
+    if not _splits(n, is_causal):
         return tuple(_fused_backward(dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)[:3])
     first, second = _halves(n)
 
@@ -149,6 +149,11 @@ def _fused_backward_split(dout, q, k, v, out, lse, is_causal: bool, scale: float
         torch.cat((dk_first.add_(dk_below), dk_second), 2),
         torch.cat((dv_first.add_(dv_below), dv_second), 2),
     )
+
+
+def _splits(n: int, is_causal: bool) -> bool:
+    """A causal square of ``n`` rows runs as its halves and the rectangle between them (`CAUSAL_LEAF`)."""
+    return is_causal and 2 * CAUSAL_LEAF <= n < CAUSAL_SPLIT_BELOW
 
 
 def _halves(n: int) -> tuple[slice, slice]:
